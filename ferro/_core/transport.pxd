@@ -1,0 +1,77 @@
+# Declarations of the framed transport, so later compiled modules (ring
+# collectives, shared memory) can drive connections without the GIL.
+
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+
+
+cdef enum Status:
+    ST_OK = 0              # the operation finished
+    ST_AGAIN = 1           # internal: the socket would block
+    ST_INTR = 2            # internal: a system call saw EINTR; check for signals
+    ST_TIMEOUT = 3         # the deadline passed
+    ST_PEER_CLOSED = 4     # orderly close or reset by the peer
+    ST_OS_ERROR = 5        # any other errno (kept in the op's os_errno)
+    ST_BAD_MAGIC = 6       # the header does not start with ferro's magic and version
+    ST_BAD_SEQ = 7         # a frame out of order: the stream is corrupt
+    ST_MISMATCH = 8        # kind or fingerprint differ from the receiver's call
+    ST_TOO_LARGE = 9       # the payload is larger than the posted buffer
+    ST_SIZE_MISMATCH = 10  # an exact-size receive got a different length
+    ST_BROKEN = 11         # the connection was broken by an earlier error
+    ST_ABORTED = 12        # stopped because the other half of a sendrecv failed
+
+
+cdef struct ConnState:
+    int fd                 # the socket's descriptor (owned by the Python socket object)
+    int local_rank         # this process's rank, for messages
+    int peer_rank          # the rank at the other end, for messages
+    uint64_t send_seq      # sequence number of the next frame this side sends
+    uint64_t recv_seq      # sequence number expected on the next frame received
+    unsigned char* stage   # staging buffer for headers (and bytes that arrive with them)
+    size_t stage_cap       # its capacity; fixed at creation, never sized by the wire
+    size_t stage_begin     # first unconsumed staged byte
+    size_t stage_end       # one past the last staged byte
+    int broken             # 0, or the Status that left the stream unusable
+    int64_t spin_ns        # how long to spin on a quiet socket before sleeping in poll
+
+
+cdef struct SendOp:
+    ConnState* conn                 # where the frame goes
+    unsigned char header[32]        # the packed header (FERRO_HEADER_SIZE bytes)
+    const unsigned char* payload    # the caller's bytes, sent in place
+    size_t length                   # payload length
+    size_t done                     # bytes of header + payload already sent
+    int status                      # final Status of this op
+    int os_errno                    # errno behind ST_OS_ERROR
+
+
+cdef struct RecvOp:
+    ConnState* conn            # where the frame comes from
+    unsigned char* buffer      # the caller's buffer, written in place
+    size_t capacity            # its size in bytes
+    bint exact                 # require length == capacity
+    uint32_t kind              # the kind the caller expects
+    uint64_t fingerprint       # the fingerprint the caller expects
+    int phase                  # 0 waiting for the header, 1 payload, 2 done
+    size_t length              # payload length from the accepted header
+    size_t done                # payload bytes written so far
+    int status                 # final Status of this op
+    int os_errno               # errno behind ST_OS_ERROR
+    uint32_t seen_magic        # the offending header's fields, for error messages
+    uint32_t seen_kind
+    uint64_t seen_length
+    uint64_t seen_seq
+    uint64_t seen_fingerprint
+
+
+cdef class Connection:
+    cdef ConnState st          # the C state every nogil routine works on
+    cdef object sock           # the socket object: keeps the descriptor open and owned
+    cdef object broken_reason  # message of the error that broke the stream, or None
+    cdef bint is_closed        # close() was called
+
+    cdef int check_usable(self, str op) except -1
+
+
+cdef int64_t monotonic_ns() noexcept nogil
+cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil
+cdef int raise_failure(SendOp* s, RecvOp* r, str op, double timeout) except -1

@@ -1,0 +1,712 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Framed messages over connected stream sockets, with the GIL released.
+
+Each operation runs in three phases (the mpi4py pattern): take the caller's
+buffers while holding the GIL, run one C progress loop under ``nogil``, then turn
+a status code into an exception in exactly one place (``raise_failure``).
+
+The progress loop drives at most one outgoing and one incoming frame at a time
+on non-blocking system calls: it spins for a bounded time while a socket is
+quiet (a reply on loopback usually arrives within microseconds), then sleeps in
+``poll`` in slices, checking for signals between slices so that Ctrl-C
+interrupts a blocked receive.
+
+A receiver validates each header before it writes a byte of the caller's
+buffer. A header it refuses (wrong kind, fingerprint or size) stays staged and
+unconsumed, so the caller can retry with the right buffer and nothing is lost.
+A failure in the middle of a frame leaves the byte stream unusable; the
+connection is then marked broken and every later call says so.
+"""
+
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from libc.errno cimport EAGAIN, ECONNRESET, EINTR, EPIPE, ETIMEDOUT, errno
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy, memmove, memset
+
+from ferro._core.posix cimport (
+    CLOCK_MONOTONIC,
+    EWOULDBLOCK,
+    FERRO_FRAME_MAGIC,
+    FERRO_HEADER_SIZE,
+    FERRO_PROTOCOL_VERSION,
+    MSG_DONTWAIT,
+    MSG_NOSIGNAL,
+    POLLIN,
+    POLLOUT,
+    clock_gettime,
+    ferro_get_u32,
+    ferro_get_u64,
+    ferro_pack_header,
+    iovec,
+    msghdr,
+    poll,
+    pollfd,
+    recv,
+    sendmsg,
+    ssize_t,
+    timespec,
+)
+
+import os
+
+from ferro.errors import (
+    BackendClosedError,
+    CollectiveMismatchError,
+    ConnectionBrokenError,
+    DistributedTimeoutError,
+    InvalidBufferError,
+    PeerLostError,
+    ProtocolError,
+    SizeMismatchError,
+    TransportError,
+)
+
+cdef extern from "Python.h":
+    # Declared without Cython's ``except -1`` so the loop can decide what to
+    # clean up before it lets the pending KeyboardInterrupt propagate.
+    int PyErr_CheckSignals_noexcept "PyErr_CheckSignals" () nogil
+
+HEADER_SIZE = FERRO_HEADER_SIZE
+PROTOCOL_VERSION = FERRO_PROTOCOL_VERSION
+
+# Frame kinds. A receiver states the kind it expects; a frame of another kind is
+# a mismatch between the two ranks' calls, reported with both names.
+KIND_DATA = 1
+KIND_BARRIER = 2
+KIND_COLLECTIVE = 3
+_KIND_NAMES = {KIND_DATA: "point-to-point data", KIND_BARRIER: "barrier", KIND_COLLECTIVE: "collective"}
+
+# Longest sleep in poll before the loop looks at the deadline and at signals again.
+cdef int POLL_SLICE_MS = 100
+cdef size_t DEFAULT_STAGE_BYTES = 64 * 1024
+
+cdef enum Phase:
+    PHASE_HEADER = 0
+    PHASE_PAYLOAD = 1
+    PHASE_DONE = 2
+
+
+def kind_name(int kind) -> str:
+    """Return the human-readable name of a frame kind."""
+    return _KIND_NAMES.get(kind, f"kind {kind}")
+
+
+cdef int64_t monotonic_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef int64_t _deadline_from(double timeout) noexcept:
+    # A negative or infinite timeout means "no deadline" (-1).
+    if timeout < 0 or timeout != timeout or timeout > 1e9:
+        return -1
+    return monotonic_ns() + <int64_t>(timeout * 1e9)
+
+
+cdef inline int _errno_status(int err) noexcept nogil:
+    if err == EAGAIN:
+        return ST_AGAIN
+    if err == EWOULDBLOCK:  # a separate test: the two are equal on Linux, not everywhere
+        return ST_AGAIN
+    if err == EINTR:
+        return ST_INTR
+    if err == EPIPE or err == ECONNRESET or err == ETIMEDOUT:
+        return ST_PEER_CLOSED
+    return ST_OS_ERROR
+
+
+cdef int _send_step(SendOp* s) noexcept nogil:
+    """Send as much of the frame as the socket takes. ST_OK once all is sent."""
+    cdef iovec iov[2]
+    cdef msghdr msg
+    cdef size_t total = FERRO_HEADER_SIZE + s.length
+    cdef size_t offset
+    cdef ssize_t n
+    while s.done < total:
+        memset(&msg, 0, sizeof(msg))
+        msg.msg_iov = iov
+        if s.done < FERRO_HEADER_SIZE:
+            # Header and payload leave in one system call (one segment for small frames).
+            iov[0].iov_base = <void*>(s.header + s.done)
+            iov[0].iov_len = FERRO_HEADER_SIZE - s.done
+            iov[1].iov_base = <void*>s.payload
+            iov[1].iov_len = s.length
+            msg.msg_iovlen = 2 if s.length > 0 else 1
+        else:
+            offset = s.done - FERRO_HEADER_SIZE
+            iov[0].iov_base = <void*>(s.payload + offset)
+            iov[0].iov_len = s.length - offset
+            msg.msg_iovlen = 1
+        n = sendmsg(s.conn.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT)
+        if n < 0:
+            s.os_errno = errno
+            return _errno_status(s.os_errno)
+        s.done += <size_t>n
+    s.conn.send_seq += 1
+    return ST_OK
+
+
+cdef int _check_header(RecvOp* r, const unsigned char* h) noexcept nogil:
+    r.seen_magic = ferro_get_u32(h)
+    r.seen_kind = ferro_get_u32(h + 4)
+    r.seen_length = ferro_get_u64(h + 8)
+    r.seen_seq = ferro_get_u64(h + 16)
+    r.seen_fingerprint = ferro_get_u64(h + 24)
+    if r.seen_magic != FERRO_FRAME_MAGIC:
+        return ST_BAD_MAGIC
+    if r.seen_seq != r.conn.recv_seq:
+        return ST_BAD_SEQ
+    if r.seen_kind != r.kind or r.seen_fingerprint != r.fingerprint:
+        return ST_MISMATCH
+    if r.seen_length > r.capacity:
+        return ST_TOO_LARGE
+    if r.exact and r.seen_length != r.capacity:
+        return ST_SIZE_MISMATCH
+    return ST_OK
+
+
+cdef int _recv_step(RecvOp* r) noexcept nogil:
+    """Receive as much of the frame as has arrived. ST_OK once it is complete."""
+    cdef ConnState* st = r.conn
+    cdef size_t available, n_copy
+    cdef ssize_t n
+    cdef int rc
+    while True:
+        if r.phase == PHASE_HEADER:
+            available = st.stage_end - st.stage_begin
+            if available >= FERRO_HEADER_SIZE:
+                rc = _check_header(r, st.stage + st.stage_begin)
+                if rc != ST_OK:
+                    return rc
+                st.stage_begin += FERRO_HEADER_SIZE
+                st.recv_seq += 1
+                r.length = <size_t>r.seen_length
+                r.phase = PHASE_PAYLOAD
+                # Bytes that arrived together with the header belong to this payload first.
+                n_copy = available - FERRO_HEADER_SIZE
+                if n_copy > r.length:
+                    n_copy = r.length
+                if n_copy > 0:
+                    memcpy(r.buffer, st.stage + st.stage_begin, n_copy)
+                    st.stage_begin += n_copy
+                    r.done = n_copy
+                if st.stage_begin == st.stage_end:
+                    st.stage_begin = 0
+                    st.stage_end = 0
+                continue
+            if st.stage_begin > 0:
+                # Fewer than a header's bytes remain: move them to the front.
+                memmove(st.stage, st.stage + st.stage_begin, available)
+                st.stage_begin = 0
+                st.stage_end = available
+            n = recv(st.fd, st.stage + st.stage_end, st.stage_cap - st.stage_end, MSG_DONTWAIT)
+            if n > 0:
+                st.stage_end += <size_t>n
+                continue
+        elif r.phase == PHASE_PAYLOAD:
+            if r.done == r.length:
+                r.phase = PHASE_DONE
+                return ST_OK
+            # Straight into the caller's buffer, never past this frame's end.
+            n = recv(st.fd, r.buffer + r.done, r.length - r.done, MSG_DONTWAIT)
+            if n > 0:
+                r.done += <size_t>n
+                continue
+        else:
+            return ST_OK
+        if n == 0:
+            return ST_PEER_CLOSED
+        r.os_errno = errno
+        return _errno_status(r.os_errno)
+
+
+cdef inline bint _send_mid_frame(SendOp* s) noexcept nogil:
+    return s.done > 0 and s.done < FERRO_HEADER_SIZE + s.length
+
+
+cdef inline bint _recv_mid_frame(RecvOp* r) noexcept nogil:
+    return r.phase == PHASE_PAYLOAD
+
+
+cdef inline bint _fatal(int status) noexcept nogil:
+    # Statuses after which the byte stream cannot be trusted, whatever the phase.
+    return (status == ST_PEER_CLOSED or status == ST_OS_ERROR or status == ST_BAD_MAGIC
+            or status == ST_BAD_SEQ or status == ST_BROKEN)
+
+
+cdef void _finish_send(SendOp* s, int status) noexcept nogil:
+    s.status = status
+    if status != ST_OK and (_fatal(status) or _send_mid_frame(s)) and s.conn.broken == 0:
+        s.conn.broken = status
+
+
+cdef void _finish_recv(RecvOp* r, int status) noexcept nogil:
+    r.status = status
+    if status != ST_OK and (_fatal(status) or _recv_mid_frame(r)) and r.conn.broken == 0:
+        r.conn.broken = status
+
+
+cdef int _wait_readiness(SendOp* s, bint s_active, RecvOp* r, bint r_active, int timeout_ms) noexcept nogil:
+    cdef pollfd fds[2]
+    cdef int n = 0
+    if s_active:
+        fds[0].fd = s.conn.fd
+        fds[0].events = POLLOUT
+        fds[0].revents = 0
+        n = 1
+    if r_active:
+        if n == 1 and fds[0].fd == r.conn.fd:
+            fds[0].events |= POLLIN
+        else:
+            fds[n].fd = r.conn.fd
+            fds[n].events = POLLIN
+            fds[n].revents = 0
+            n += 1
+    if poll(fds, n, timeout_ms) < 0:
+        return ST_INTR if errno == EINTR else ST_OS_ERROR
+    return ST_OK
+
+
+cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil:
+    """Drive a send and/or a receive to completion, failure or the deadline.
+
+    Either pointer may be NULL. Each op's ``status`` holds its outcome. A fatal
+    error in one op stops the other at once (breaking its connection if it was
+    mid-frame); a refused header on the receive side lets the send finish, so
+    that the sender's stream stays whole. Returns -1 only when a signal handler
+    raised (KeyboardInterrupt), after marking mid-frame connections broken.
+    """
+    cdef bint s_active = s != NULL
+    cdef bint r_active = r != NULL
+    cdef bint progressed, check_signals
+    cdef size_t before_s, before_r
+    cdef int rc, phase_before
+    cdef int64_t now, spin_ns = 0, spin_until, wait_ns
+    cdef int timeout_ms
+    if s_active:
+        spin_ns = s.conn.spin_ns
+        if s.conn.broken:
+            _finish_send(s, ST_BROKEN)
+            s_active = False
+    if r_active:
+        if r.conn.spin_ns > spin_ns:
+            spin_ns = r.conn.spin_ns
+        if r.conn.broken:
+            _finish_recv(r, ST_BROKEN)
+            r_active = False
+    if (s != NULL and s.status == ST_BROKEN) or (r != NULL and r.status == ST_BROKEN):
+        # Never start half of an exchange whose other half cannot run.
+        if s_active:
+            _finish_send(s, ST_ABORTED)
+        if r_active:
+            _finish_recv(r, ST_ABORTED)
+        return 0
+    spin_until = monotonic_ns() + spin_ns
+    while s_active or r_active:
+        progressed = False
+        check_signals = False
+        if s_active:
+            before_s = s.done
+            rc = _send_step(s)
+            progressed = s.done != before_s
+            if rc == ST_INTR:
+                check_signals = True
+            elif rc != ST_AGAIN:
+                _finish_send(s, rc)
+                s_active = False
+                if rc != ST_OK and r_active:
+                    _finish_recv(r, ST_ABORTED)
+                    r_active = False
+        if r_active:
+            before_r = r.done
+            phase_before = r.phase
+            rc = _recv_step(r)
+            progressed = progressed or r.done != before_r or r.phase != phase_before
+            if rc == ST_INTR:
+                check_signals = True
+            elif rc != ST_AGAIN:
+                _finish_recv(r, rc)
+                r_active = False
+                if _fatal(rc) and s_active:
+                    _finish_send(s, ST_ABORTED)
+                    s_active = False
+        if not (s_active or r_active):
+            break
+        now = monotonic_ns()
+        if progressed:
+            spin_until = now + spin_ns
+            continue
+        if deadline_ns >= 0 and now >= deadline_ns:
+            if s_active:
+                _finish_send(s, ST_TIMEOUT)
+            if r_active:
+                _finish_recv(r, ST_TIMEOUT)
+            break
+        if not check_signals and now < spin_until:
+            continue
+        if not check_signals:
+            wait_ns = POLL_SLICE_MS * 1000000
+            if deadline_ns >= 0 and deadline_ns - now < wait_ns:
+                wait_ns = deadline_ns - now
+            timeout_ms = <int>((wait_ns + 999999) // 1000000)
+            rc = _wait_readiness(s, s_active, r, r_active, timeout_ms)
+            if rc == ST_OS_ERROR:
+                if s_active:
+                    _finish_send(s, ST_OS_ERROR)
+                if r_active:
+                    _finish_recv(r, ST_OS_ERROR)
+                break
+            # Look for signals after EINTR and after every full slice of sleep.
+            check_signals = rc == ST_INTR or monotonic_ns() - now >= (POLL_SLICE_MS - 1) * 1000000
+        if check_signals and PyErr_CheckSignals_noexcept() != 0:
+            if s_active:
+                _finish_send(s, ST_INTR)
+            if r_active:
+                _finish_recv(r, ST_INTR)
+            return -1
+    return 0
+
+
+cdef int _acquire(object obj, Py_buffer* view, bint writable, str op) except -1:
+    cdef int flags = PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
+    try:
+        PyObject_GetBuffer(obj, view, flags)
+    except (BufferError, TypeError, ValueError) as exc:
+        raise InvalidBufferError(f"{op}: {describe_buffer_problem(obj, writable)}") from exc
+    return 0
+
+
+def describe_buffer_problem(obj: object, writable: bool) -> str:
+    """Say why ``obj`` cannot serve as a (writable) C-contiguous buffer."""
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        return (f"expected a C-contiguous buffer (NumPy array, bytes, bytearray, memoryview), "
+                f"got {type(obj).__name__}")
+    if writable and view.readonly:
+        return ("the receive buffer is read-only; pass a writable array "
+                "(for NumPy, one whose flags.writeable is True)")
+    if not view.c_contiguous:
+        return (f"the buffer is not C-contiguous (shape {view.shape}, strides {view.strides}); "
+                f"pass numpy.ascontiguousarray(x)")
+    return "the buffer cannot be exported as contiguous bytes"
+
+
+cdef class Connection:
+    """One end of an established stream socket between two ranks, carrying frames.
+
+    The connection takes ownership of ``sock`` and closes it on :meth:`close`.
+    It is not safe to send from two threads at once, nor to receive from two
+    threads at once; one sender and one receiver may run concurrently.
+
+    Args:
+        sock: A connected ``socket.socket`` (TCP or Unix stream).
+        local_rank: This process's rank, used in error messages.
+        peer_rank: The rank at the other end, used in error messages.
+        spin_us: Microseconds to spin on a quiet socket before sleeping in
+            ``poll``; 0 sleeps at once (best when ranks outnumber cores).
+        stage_bytes: Size of the receive staging buffer for headers.
+    """
+
+    def __cinit__(self, sock, int local_rank, int peer_rank, double spin_us=50.0,
+                  size_t stage_bytes=DEFAULT_STAGE_BYTES):
+        self.st.stage = NULL
+        if stage_bytes < FERRO_HEADER_SIZE:
+            raise ValueError(f"stage_bytes must be at least {FERRO_HEADER_SIZE}")
+        if spin_us < 0:
+            raise ValueError("spin_us must be >= 0")
+        self.sock = sock
+        self.st.fd = sock.fileno()
+        self.st.local_rank = local_rank
+        self.st.peer_rank = peer_rank
+        self.st.send_seq = 0
+        self.st.recv_seq = 0
+        self.st.stage = <unsigned char*>malloc(stage_bytes)
+        if self.st.stage == NULL:
+            raise MemoryError()
+        self.st.stage_cap = stage_bytes
+        self.st.stage_begin = 0
+        self.st.stage_end = 0
+        self.st.broken = 0
+        self.st.spin_ns = <int64_t>(spin_us * 1000.0)
+        self.broken_reason = None
+        self.is_closed = False
+
+    def __dealloc__(self):
+        free(self.st.stage)
+
+    @property
+    def peer(self) -> int:
+        """The rank at the other end."""
+        return self.st.peer_rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank."""
+        return self.st.local_rank
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self.is_closed
+
+    @property
+    def broken(self) -> str | None:
+        """Why the stream is unusable, or None while it is healthy."""
+        if self.st.broken == 0:
+            return None
+        return self.broken_reason or f"status {self.st.broken}"
+
+    @property
+    def send_seq(self) -> int:
+        """Sequence number of the next frame to send."""
+        return self.st.send_seq
+
+    @property
+    def recv_seq(self) -> int:
+        """Sequence number expected on the next frame received."""
+        return self.st.recv_seq
+
+    @property
+    def spin_us(self) -> float:
+        """Microseconds spent spinning before sleeping in poll."""
+        return self.st.spin_ns / 1000.0
+
+    def fileno(self) -> int:
+        """The socket's file descriptor (-1 once closed)."""
+        return self.st.fd
+
+    def close(self) -> None:
+        """Close the socket. Idempotent; later operations raise BackendClosedError."""
+        if not self.is_closed:
+            self.is_closed = True
+            self.st.fd = -1
+            self.sock.close()
+
+    cdef int check_usable(self, str op) except -1:
+        if self.is_closed:
+            raise BackendClosedError(
+                f"rank {self.st.local_rank}: {op}: the connection to rank {self.st.peer_rank} was closed by this process")
+        return 0
+
+    def send(self, buf, *, uint32_t kind=KIND_DATA, uint64_t fingerprint=0, double timeout=-1.0,
+             str op="send") -> None:
+        """Send ``buf`` as one frame.
+
+        Args:
+            buf: Any C-contiguous buffer-protocol object; its bytes are sent in place.
+            kind: Frame kind the receiver must expect.
+            fingerprint: Call fingerprint the receiver must expect.
+            timeout: Seconds; negative waits forever.
+            op: Operation name for error messages.
+
+        Raises:
+            InvalidBufferError, DistributedTimeoutError, PeerLostError,
+            ConnectionBrokenError, TransportError, BackendClosedError.
+        """
+        cdef Py_buffer view
+        cdef SendOp s
+        self.check_usable(op)
+        _acquire(buf, &view, False, op)
+        try:
+            _init_send(&s, &self.st, &view, kind, fingerprint)
+            deadline = _deadline_from(timeout)
+            with nogil:
+                run_ops(&s, NULL, deadline)
+        finally:
+            PyBuffer_Release(&view)
+        if s.status != ST_OK:
+            raise_failure(&s, NULL, op, timeout)
+
+    def recv_into(self, buf, *, uint32_t kind=KIND_DATA, uint64_t fingerprint=0, double timeout=-1.0,
+                  bint exact=True, str op="recv") -> int:
+        """Receive one frame into ``buf`` and return its payload length.
+
+        Args:
+            buf: A writable C-contiguous buffer.
+            kind: Frame kind expected.
+            fingerprint: Call fingerprint expected.
+            timeout: Seconds; negative waits forever.
+            exact: Require the payload to fill ``buf`` exactly (else it may be shorter).
+            op: Operation name for error messages.
+
+        Raises:
+            SizeMismatchError: The frame does not fit; it stays unconsumed.
+            CollectiveMismatchError: The frame's kind or fingerprint differ; it stays unconsumed.
+            DistributedTimeoutError, PeerLostError, ProtocolError,
+            ConnectionBrokenError, TransportError, InvalidBufferError, BackendClosedError.
+        """
+        cdef Py_buffer view
+        cdef RecvOp r
+        self.check_usable(op)
+        _acquire(buf, &view, True, op)
+        try:
+            _init_recv(&r, &self.st, &view, kind, fingerprint, exact)
+            deadline = _deadline_from(timeout)
+            with nogil:
+                run_ops(NULL, &r, deadline)
+        finally:
+            PyBuffer_Release(&view)
+        if r.status != ST_OK:
+            raise_failure(NULL, &r, op, timeout)
+        return r.length
+
+
+cdef void _init_send(SendOp* s, ConnState* st, Py_buffer* view, uint32_t kind, uint64_t fingerprint) noexcept:
+    memset(s, 0, sizeof(SendOp))
+    s.conn = st
+    s.payload = <const unsigned char*>view.buf
+    s.length = <size_t>view.len
+    ferro_pack_header(s.header, kind, s.length, st.send_seq, fingerprint)
+
+
+cdef void _init_recv(RecvOp* r, ConnState* st, Py_buffer* view, uint32_t kind, uint64_t fingerprint,
+                     bint exact) noexcept:
+    memset(r, 0, sizeof(RecvOp))
+    r.conn = st
+    r.buffer = <unsigned char*>view.buf
+    r.capacity = <size_t>view.len
+    r.exact = exact
+    r.kind = kind
+    r.fingerprint = fingerprint
+
+
+def sendrecv(Connection send_conn, send_buf, Connection recv_conn, recv_buf, *,
+             uint32_t kind=KIND_DATA, uint64_t fingerprint=0, double timeout=-1.0,
+             bint exact=True, str op="sendrecv") -> int:
+    """Send one frame on ``send_conn`` while receiving one on ``recv_conn``.
+
+    Both directions progress together, so a ring of ranks each sending to the
+    next and receiving from the previous never deadlocks, whatever the size.
+    The two connections may be the same (an exchange with one peer).
+
+    Returns:
+        The received payload length.
+
+    Raises:
+        The errors of :meth:`Connection.send` and :meth:`Connection.recv_into`.
+    """
+    cdef Py_buffer send_view, recv_view
+    cdef SendOp s
+    cdef RecvOp r
+    send_conn.check_usable(op)
+    recv_conn.check_usable(op)
+    _acquire(send_buf, &send_view, False, op)
+    try:
+        _acquire(recv_buf, &recv_view, True, op)
+    except BaseException:
+        PyBuffer_Release(&send_view)
+        raise
+    try:
+        _init_send(&s, &send_conn.st, &send_view, kind, fingerprint)
+        _init_recv(&r, &recv_conn.st, &recv_view, kind, fingerprint, exact)
+        deadline = _deadline_from(timeout)
+        with nogil:
+            run_ops(&s, &r, deadline)
+    finally:
+        PyBuffer_Release(&send_view)
+        PyBuffer_Release(&recv_view)
+    if s.status != ST_OK or r.status != ST_OK:
+        raise_failure(&s, &r, op, timeout)
+    return r.length
+
+
+# ---------------------------------------------------------------------------
+# The one place where statuses become exceptions.
+
+cdef object _send_error(SendOp* s, str op, double timeout):
+    cdef ConnState* st = s.conn
+    where = f"rank {st.local_rank}: {op} to rank {st.peer_rank}"
+    seq = f"frame seq {st.send_seq}"
+    status = s.status
+    if status == ST_TIMEOUT:
+        tail = ("; it stopped in the middle of a frame, so the connection is now unusable"
+                if _send_mid_frame(s) else "; nothing was sent")
+        return DistributedTimeoutError(f"{where} timed out after {timeout:g} s ({seq}){tail}")
+    if status == ST_PEER_CLOSED:
+        return PeerLostError(
+            f"{where}: rank {st.peer_rank} closed the connection (it exited, crashed or closed its group) ({seq})",
+            st.peer_rank)
+    if status == ST_OS_ERROR:
+        return TransportError(f"{where} failed: {os.strerror(s.os_errno)} (errno {s.os_errno}, {seq})")
+    if status == ST_INTR:
+        return None
+    return _generic_error(status, where, st)
+
+
+cdef object _recv_error(RecvOp* r, str op, double timeout):
+    cdef ConnState* st = r.conn
+    where = f"rank {st.local_rank}: {op} from rank {st.peer_rank}"
+    status = r.status
+    if status == ST_TIMEOUT:
+        tail = ("; it stopped in the middle of a frame, so the connection is now unusable"
+                if _recv_mid_frame(r) else "; no frame was consumed")
+        return DistributedTimeoutError(
+            f"{where} timed out after {timeout:g} s waiting for frame seq {st.recv_seq}{tail}")
+    if status == ST_PEER_CLOSED:
+        return PeerLostError(
+            f"{where}: rank {st.peer_rank} closed the connection (it exited, crashed or closed its group) "
+            f"while frame seq {st.recv_seq} was due", st.peer_rank)
+    if status == ST_OS_ERROR:
+        return TransportError(f"{where} failed: {os.strerror(r.os_errno)} (errno {r.os_errno})")
+    if status == ST_BAD_MAGIC:
+        return ProtocolError(
+            f"{where}: the frame starts with 0x{r.seen_magic:08x}, not ferro protocol {FERRO_PROTOCOL_VERSION}'s "
+            f"0x{FERRO_FRAME_MAGIC:08x}: another program or another ferro version is on the other end; "
+            f"the connection is now unusable")
+    if status == ST_BAD_SEQ:
+        return ProtocolError(
+            f"{where}: frame seq {r.seen_seq} arrived where seq {st.recv_seq} was due: the stream is corrupt; "
+            f"the connection is now unusable")
+    if status == ST_MISMATCH:
+        return CollectiveMismatchError(
+            f"{where}: this rank expected a {kind_name(r.kind)} frame (fingerprint 0x{r.fingerprint:x}) but "
+            f"rank {st.peer_rank} sent a {kind_name(r.seen_kind)} frame (fingerprint 0x{r.seen_fingerprint:x}) "
+            f"at seq {r.seen_seq}: the two ranks made different calls; the frame was not consumed")
+    if status == ST_TOO_LARGE or status == ST_SIZE_MISMATCH:
+        relation = "holds" if status == ST_TOO_LARGE else "expects exactly"
+        return SizeMismatchError(
+            f"{where}: rank {st.peer_rank} sent a {r.seen_length}-byte payload but the receive buffer "
+            f"{relation} {r.capacity} bytes (frame seq {r.seen_seq}); the frame was not consumed",
+            expected=r.capacity, actual=r.seen_length)
+    if status == ST_INTR:
+        return None
+    return _generic_error(status, where, st)
+
+
+cdef object _generic_error(int status, str where, ConnState* st):
+    if status == ST_BROKEN or status == ST_ABORTED:
+        return ConnectionBrokenError(
+            f"{where}: the connection is unusable after an earlier error ({_broken_text(st)})")
+    return TransportError(f"{where}: unexpected transport status {status}")
+
+
+cdef str _broken_text(ConnState* st):
+    names = {
+        ST_TIMEOUT: "a timeout in the middle of a frame",
+        ST_PEER_CLOSED: "the peer closed the connection",
+        ST_OS_ERROR: "an operating-system error",
+        ST_BAD_MAGIC: "a frame with a foreign header",
+        ST_BAD_SEQ: "a frame out of sequence",
+        ST_INTR: "an interrupt (Ctrl-C) in the middle of a frame",
+        ST_ABORTED: "the other half of an exchange failed in the middle of a frame",
+    }
+    return names.get(st.broken, f"status {st.broken}")
+
+
+cdef int raise_failure(SendOp* s, RecvOp* r, str op, double timeout) except -1:
+    """Raise the most telling error of a failed send/receive pair."""
+    send_exc = _send_error(s, op, timeout) if s != NULL and s.status != ST_OK else None
+    recv_exc = _recv_error(r, op, timeout) if r != NULL and r.status != ST_OK else None
+    # A fatal cause beats the abort it caused on the other half.
+    if s != NULL and s.status == ST_ABORTED and recv_exc is not None:
+        raise recv_exc
+    if r != NULL and r.status == ST_ABORTED and send_exc is not None:
+        raise send_exc
+    if recv_exc is not None:
+        raise recv_exc
+    if send_exc is not None:
+        raise send_exc
+    return 0

@@ -1,0 +1,156 @@
+"""The exceptions ferro raises, in one tree rooted at :class:`DistributedError`.
+
+Every subclass also inherits the builtin exception it specialises, so code that
+already catches ``TimeoutError``, ``ConnectionError`` or ``ValueError`` keeps
+working. Messages name the rank that saw the problem, the peer involved, the
+operation and, where there is one, the frame's sequence number.
+
+This module imports nothing from the rest of ferro: every layer imports it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthenticationError",
+    "BackendClosedError",
+    "BackendUnavailableError",
+    "CollectiveMismatchError",
+    "ConfigurationError",
+    "ConnectionBrokenError",
+    "DistributedError",
+    "DistributedTimeoutError",
+    "InvalidBufferError",
+    "InvalidRankError",
+    "InvalidWorldSizeError",
+    "PeerLostError",
+    "ProtocolError",
+    "RankFailedError",
+    "SelfSendError",
+    "SizeMismatchError",
+    "TransportError",
+]
+
+
+class DistributedError(Exception):
+    """Base class of every error ferro raises on purpose."""
+
+
+class DistributedTimeoutError(DistributedError, TimeoutError):
+    """A blocking operation did not finish within its timeout.
+
+    After a timeout in the middle of a frame the connection involved is marked
+    broken (see :class:`ConnectionBrokenError`); a timeout while waiting for a
+    frame to start leaves it usable.
+    """
+
+
+class PeerLostError(DistributedError, ConnectionError):
+    """The peer at the other end of a connection went away (exited, crashed, closed).
+
+    Attributes:
+        peer: The rank of the lost peer, or ``None`` when the peer is not a rank
+            (the rendezvous store, for instance).
+    """
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+    def __reduce__(self):  # keep ``peer`` across pickling (the test harness ships errors between processes)
+        return (type(self), (str(self), self.peer))
+
+
+class ConnectionBrokenError(DistributedError, ConnectionError):
+    """A connection was left unusable by an earlier error in the middle of a frame.
+
+    Byte streams cannot be resynchronised once a frame was half sent or half
+    received, so every later operation on that connection raises this error,
+    naming the original cause, instead of reading garbage.
+    """
+
+
+class TransportError(DistributedError, ConnectionError):
+    """An operating-system error on a connection that is not a lost peer or a timeout."""
+
+
+class ProtocolError(DistributedError, ConnectionError):
+    """A frame header that cannot be valid: wrong magic, version or sequence number."""
+
+
+class AuthenticationError(DistributedError, ConnectionError):
+    """A connection was refused because one side does not hold the job secret."""
+
+
+class CollectiveMismatchError(DistributedError, RuntimeError):
+    """Two ranks made different calls at the same point of their common stream.
+
+    The frame's header carries the sender's operation kind and fingerprint; the
+    receiver compares them with its own call before touching its buffer, and the
+    frame stays unconsumed.
+    """
+
+
+class SizeMismatchError(DistributedError, ValueError):
+    """A frame's payload does not fit the receive buffer; nothing was consumed.
+
+    Attributes:
+        expected: Bytes the receiver posted.
+        actual: Bytes the sender sent.
+    """
+
+    def __init__(self, message: str, expected: int | None = None, actual: int | None = None) -> None:
+        super().__init__(message)
+        self.expected = expected
+        self.actual = actual
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.expected, self.actual))
+
+
+class InvalidRankError(DistributedError, ValueError):
+    """A rank outside ``[0, world_size)`` (or not a member of the group)."""
+
+
+class InvalidWorldSizeError(DistributedError, ValueError):
+    """A world size that is not a positive integer, or that ranks disagree on."""
+
+
+class SelfSendError(DistributedError, ValueError):
+    """A point-to-point send or receive whose peer is the calling rank itself."""
+
+
+class InvalidBufferError(DistributedError, ValueError):
+    """A buffer ferro cannot use: not a buffer, not C-contiguous, or read-only where it must be written."""
+
+
+class BackendUnavailableError(DistributedError, RuntimeError):
+    """A backend or feature that cannot work in this process (missing library, no GPU, not built)."""
+
+
+class BackendClosedError(DistributedError, RuntimeError):
+    """An operation on a process group that this process already closed.
+
+    Compare :class:`PeerLostError`: *you* closed it, rather than the other side broke it.
+    """
+
+
+class ConfigurationError(DistributedError, ValueError):
+    """Missing or contradictory configuration; the message says which setting to fix."""
+
+
+class RankFailedError(DistributedError, RuntimeError):
+    """A rank started by :mod:`ferro.testing` failed; carries its traceback text.
+
+    Attributes:
+        rank: The rank that failed first.
+        remote_traceback: The formatted traceback from that rank (may be empty
+            when the rank died without raising, e.g. from a signal).
+    """
+
+    def __init__(self, message: str, rank: int | None = None, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.rank, self.remote_traceback))
