@@ -27,6 +27,7 @@ __all__ = [
     "RankFailedError",
     "SelfSendError",
     "SizeMismatchError",
+    "StoreError",
     "TransportError",
 ]
 
@@ -136,6 +137,10 @@ class BackendClosedError(DistributedError, RuntimeError):
 
 class ConfigurationError(DistributedError, ValueError):
     """Missing or contradictory configuration; the message says which setting to fix."""
+
+
+class StoreError(DistributedError, ValueError):
+    """A store request the store could not carry out (``add`` on a value that is not an integer)."""
 
 
 class RankFailedError(DistributedError, RuntimeError):

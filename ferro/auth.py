@@ -1,0 +1,141 @@
+"""Mutual authentication of a new connection with the job secret (HMAC challenge-response).
+
+Both sides prove that they hold the secret without sending it: each side sends a
+fresh random nonce and answers the other's with an HMAC-SHA256 over both nonces,
+the role and the context (what the connection is for, and the connecting rank).
+A process without the secret is refused, and learns so from a clear error; the
+accepting side reports the refusal to its caller, who decides whether to keep
+waiting for the real peer.
+
+Messages (all fixed-size, so nothing is sized by the peer):
+    client -> server: MAGIC, client nonce, context length (u16) + context
+    server -> client: server nonce, server MAC
+    client -> server: client MAC
+    server -> client: one status byte (ACCEPTED or REFUSED)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+from ferro.errors import AuthenticationError, DistributedTimeoutError, PeerLostError
+
+__all__ = ["accept_handshake", "connect_handshake", "secret_from_env"]
+
+MAGIC = b"FERROAU1"
+NONCE_BYTES = 32
+MAC_BYTES = 32
+MAX_CONTEXT_BYTES = 1024
+ACCEPTED = b"\x01"
+REFUSED = b"\x00"
+
+SECRET_ENV = "FERRO_SECRET"
+
+
+def secret_from_env(secret: bytes | str | None) -> bytes | None:
+    """Return the job secret as bytes: the argument if given, else ``$FERRO_SECRET``, else None."""
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV)
+    if secret is None or secret == "" or secret == b"":
+        return None
+    return secret.encode() if isinstance(secret, str) else bytes(secret)
+
+
+def _mac(secret: bytes, role: bytes, first: bytes, second: bytes, context: bytes) -> bytes:
+    return hmac.new(secret, role + b"\0" + first + second + context, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < n:
+        try:
+            chunk = sock.recv(n - len(chunks))
+        except socket.timeout as exc:
+            raise DistributedTimeoutError(f"authentication: timed out waiting for {what}") from exc
+        except OSError as exc:
+            raise PeerLostError(f"authentication: connection lost while waiting for {what}: {exc}") from exc
+        if not chunk:
+            raise PeerLostError(f"authentication: the other side closed the connection before sending {what}")
+        chunks += chunk
+    return bytes(chunks)
+
+
+def _send_all(sock: socket.socket, data: bytes, what: str) -> None:
+    try:
+        sock.sendall(data)
+    except socket.timeout as exc:
+        raise DistributedTimeoutError(f"authentication: timed out sending {what}") from exc
+    except OSError as exc:
+        raise PeerLostError(f"authentication: connection lost while sending {what}: {exc}") from exc
+
+
+def connect_handshake(sock: socket.socket, secret: bytes, context: bytes, timeout: float, peer: str) -> None:
+    """Authenticate a connection we opened. Both sides must pass the same ``context``.
+
+    Args:
+        sock: A freshly connected socket; left in blocking mode afterwards.
+        secret: The job secret.
+        context: What the connection is for and who opens it (bound into the MACs).
+        timeout: Seconds for the whole exchange.
+        peer: Description of the other side for messages ("rank 0 at host:port").
+
+    Raises:
+        AuthenticationError: The other side does not hold the secret, or refused ours.
+        DistributedTimeoutError, PeerLostError: The exchange did not complete.
+    """
+    if len(context) > MAX_CONTEXT_BYTES:
+        raise ValueError("authentication context too long")
+    sock.settimeout(timeout)
+    try:
+        client_nonce = os.urandom(NONCE_BYTES)
+        _send_all(sock, MAGIC + client_nonce + struct.pack("<H", len(context)) + context, "the greeting")
+        reply = _recv_exact(sock, NONCE_BYTES + MAC_BYTES, f"the challenge from {peer}")
+        server_nonce, server_mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+        if not hmac.compare_digest(server_mac, _mac(secret, b"server", client_nonce, server_nonce, context)):
+            raise AuthenticationError(
+                f"{peer} does not hold this job's secret (FERRO_SECRET differs, or another job owns that "
+                f"address); refusing to talk to it")
+        _send_all(sock, _mac(secret, b"client", server_nonce, client_nonce, context), "the response")
+        status = _recv_exact(sock, 1, f"the verdict from {peer}")
+        if status != ACCEPTED:
+            raise AuthenticationError(f"{peer} refused this process: the job secret (FERRO_SECRET) differs")
+    finally:
+        sock.settimeout(None)
+
+
+def accept_handshake(sock: socket.socket, secret: bytes, timeout: float, peer: str) -> bytes:
+    """Authenticate a connection we accepted and return the context the client sent.
+
+    Raises:
+        AuthenticationError: The client does not hold the secret (it was told so
+            and the socket should be closed), or it did not speak ferro's protocol.
+        DistributedTimeoutError, PeerLostError: The exchange did not complete.
+    """
+    sock.settimeout(timeout)
+    try:
+        greeting = _recv_exact(sock, len(MAGIC) + NONCE_BYTES + 2, f"the greeting from {peer}")
+        if greeting[: len(MAGIC)] != MAGIC:
+            raise AuthenticationError(f"{peer} does not speak ferro's handshake (it sent {greeting[:8]!r})")
+        client_nonce = greeting[len(MAGIC) : len(MAGIC) + NONCE_BYTES]
+        (context_len,) = struct.unpack("<H", greeting[-2:])
+        if context_len > MAX_CONTEXT_BYTES:
+            raise AuthenticationError(f"{peer} sent an oversized handshake context ({context_len} bytes)")
+        context = _recv_exact(sock, context_len, f"the context from {peer}")
+        server_nonce = os.urandom(NONCE_BYTES)
+        _send_all(sock, server_nonce + _mac(secret, b"server", client_nonce, server_nonce, context), "the challenge")
+        try:
+            client_mac = _recv_exact(sock, MAC_BYTES, f"the response from {peer}")
+        except PeerLostError as exc:
+            # A client without the secret hangs up once it sees our MAC is wrong for it.
+            raise AuthenticationError(f"{peer} hung up during authentication: it does not hold the job secret") from exc
+        if not hmac.compare_digest(client_mac, _mac(secret, b"client", server_nonce, client_nonce, context)):
+            _send_all(sock, REFUSED, "the verdict")
+            raise AuthenticationError(f"refused {peer}: it does not hold the job secret (FERRO_SECRET differs)")
+        _send_all(sock, ACCEPTED, "the verdict")
+        return context
+    finally:
+        sock.settimeout(None)

@@ -1,0 +1,8 @@
+"""Process groups: the Backend interface and its implementations."""
+
+from ferro.backend.base import Backend
+from ferro.backend.simulated import SimulatedBackend
+from ferro.backend.sub import SubBackend, new_group
+from ferro.backend.tcp import TcpBackend
+
+__all__ = ["Backend", "SimulatedBackend", "SubBackend", "TcpBackend", "new_group"]

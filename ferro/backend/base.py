@@ -1,0 +1,194 @@
+"""The process-group interface every backend implements."""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ferro.errors import BackendUnavailableError, InvalidRankError, SelfSendError
+
+__all__ = ["Backend", "dissemination_barrier"]
+
+
+class Backend(abc.ABC):
+    """A process group: ``world_size`` ranks that exchange bytes point to point.
+
+    A backend moves the raw bytes of C-contiguous buffers (NumPy arrays,
+    ``bytes``/``bytearray``/``memoryview``, PyTorch CPU tensors). Between two
+    ranks, messages arrive in the order they were sent. Collectives are built on
+    top of these operations (or provided natively by a backend).
+
+    Contract after a failure:
+
+    * A receive that raises :class:`~ferro.SizeMismatchError` or
+      :class:`~ferro.CollectiveMismatchError` has not consumed the message and
+      has not written the buffer; the same receive with a fitting buffer gets it.
+    * After any other failure the receive buffer's contents are unspecified
+      (partly written); a send buffer is never modified.
+    * A timeout or interrupt in the middle of a message leaves that peer's
+      connection unusable; later operations with that peer raise
+      :class:`~ferro.ConnectionBrokenError`. A timeout before a message started
+      leaves it usable.
+    * After :meth:`close`, every operation raises :class:`~ferro.BackendClosedError`;
+      peers waiting on this rank raise :class:`~ferro.PeerLostError`.
+
+    Backends are context managers: ``with TcpBackend(...) as group: ...`` closes
+    the group on exit.
+    """
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This process's rank in the group, in ``[0, world_size)``."""
+
+    @property
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """The number of ranks in the group."""
+
+    @property
+    @abc.abstractmethod
+    def timeout(self) -> float:
+        """Default seconds any blocking operation may take before it raises."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+
+    @abc.abstractmethod
+    def send(self, buf: Any, dst: int, *, timeout: float | None = None) -> None:
+        """Send the bytes of ``buf`` to rank ``dst``.
+
+        Returns once the bytes are handed to the transport; ``buf`` may be
+        reused at once.
+
+        Args:
+            buf: A C-contiguous buffer.
+            dst: Destination rank (not this rank).
+            timeout: Seconds; ``None`` uses :attr:`timeout`.
+
+        Raises:
+            InvalidRankError, SelfSendError, InvalidBufferError, PeerLostError,
+            DistributedTimeoutError, ConnectionBrokenError, BackendClosedError.
+        """
+
+    @abc.abstractmethod
+    def recv(self, buf: Any, src: int, *, timeout: float | None = None) -> None:
+        """Receive the next message from rank ``src`` into ``buf``, which it must fill exactly.
+
+        Args:
+            buf: A writable C-contiguous buffer of exactly the message's size.
+            src: Source rank (not this rank).
+            timeout: Seconds; ``None`` uses :attr:`timeout`.
+
+        Raises:
+            SizeMismatchError: The message has another size; it stays queued.
+            InvalidRankError, SelfSendError, InvalidBufferError, PeerLostError,
+            DistributedTimeoutError, CollectiveMismatchError, ConnectionBrokenError,
+            BackendClosedError.
+        """
+
+    def recv_timeout(self, buf: Any, src: int, timeout: float) -> None:
+        """Receive like :meth:`recv` with an explicit timeout in seconds."""
+        self.recv(buf, src, timeout=timeout)
+
+    def sendrecv(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, timeout: float | None = None) -> None:
+        """Send ``send_buf`` to ``dst`` while receiving from ``src`` into ``recv_buf``.
+
+        Both directions progress together, so every rank of a ring may call this
+        at once with any message size. This default runs the send on a helper
+        thread; backends override it with a native full-duplex exchange.
+
+        Raises:
+            The errors of :meth:`send` and :meth:`recv`; when both fail, the
+            receive's error is raised.
+        """
+        send_error: list[BaseException] = []
+
+        def run_send() -> None:
+            try:
+                self.send(send_buf, dst, timeout=timeout)
+            except BaseException as exc:  # re-raised in the caller's thread
+                send_error.append(exc)
+
+        sender = threading.Thread(target=run_send, name=f"ferro-sendrecv-{self.rank}", daemon=True)
+        sender.start()
+        try:
+            self.recv(recv_buf, src, timeout=timeout)
+        finally:
+            sender.join()
+        if send_error:
+            raise send_error[0]
+
+    @abc.abstractmethod
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Block until every rank of the group has entered the barrier.
+
+        Raises:
+            PeerLostError, DistributedTimeoutError, CollectiveMismatchError
+            (a peer made another call), BackendClosedError.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the group's connections. Idempotent; never raises for a lost peer."""
+
+    def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> Backend:
+        """Create a new group among ``ranks`` whose traffic is separate from this one's.
+
+        Every member calls it with the same ranks, in the same order relative to
+        its other ``split`` calls. Used by :func:`ferro.new_group`; the returned
+        backend's ranks are positions in ``ranks``.
+
+        Raises:
+            BackendUnavailableError: This backend cannot create sub-groups.
+        """
+        raise BackendUnavailableError(f"{type(self).__name__} cannot create sub-groups (it does not implement split)")
+
+    def check_peer(self, peer: object, op: str) -> int:
+        """Validate a peer rank for a point-to-point operation and return it.
+
+        Raises:
+            InvalidRankError: Not an integer in ``[0, world_size)``.
+            SelfSendError: The calling rank itself.
+        """
+        if isinstance(peer, bool) or not hasattr(peer, "__index__"):
+            raise InvalidRankError(f"rank {self.rank}: {op}: the peer rank must be an integer, got {peer!r}")
+        index = peer.__index__()  # type: ignore[attr-defined]
+        if not 0 <= index < self.world_size:
+            raise InvalidRankError(
+                f"rank {self.rank}: {op}: peer rank {index} is outside the group's ranks [0, {self.world_size})")
+        if index == self.rank:
+            raise SelfSendError(f"rank {self.rank}: {op} with itself: a rank cannot be its own peer")
+        return index
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size} {state}>"
+
+
+def dissemination_barrier(rank: int, world_size: int, exchange: Callable[[int, int], None]) -> None:
+    """Run a dissemination barrier: ceil(log2 n) rounds of one empty message each way.
+
+    In round k every rank signals rank ``+2**k`` and waits for rank ``-2**k``;
+    after the last round every rank has heard, directly or not, from all others.
+
+    Args:
+        rank: This rank.
+        world_size: Number of ranks.
+        exchange: ``exchange(dst, src)`` sends an empty barrier message to
+            ``dst`` and waits for one from ``src``.
+    """
+    distance = 1
+    while distance < world_size:
+        exchange((rank + distance) % world_size, (rank - distance) % world_size)
+        distance *= 2

@@ -1,0 +1,218 @@
+"""In-process ranks on threads: the same semantics and errors as TCP, without sockets.
+
+For fast tests of code built on ferro, ferro's own and users' alike.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ferro._buffers import byte_view
+from ferro._core.transport import KIND_BARRIER, KIND_DATA, kind_name
+from ferro.backend.base import Backend, dissemination_barrier
+from ferro.errors import (
+    BackendClosedError,
+    CollectiveMismatchError,
+    DistributedTimeoutError,
+    PeerLostError,
+    SizeMismatchError,
+)
+from ferro.rendezvous import default_timeout, validate_rank_and_size
+
+__all__ = ["SimulatedBackend"]
+
+
+@dataclass
+class _Message:
+    kind: int
+    payload: bytes
+    seq: int
+
+
+class _World:
+    """The shared state of one simulated group: a FIFO per ordered pair of ranks."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.cond = threading.Condition()
+        self.queues = {(s, d): deque() for s in range(world_size) for d in range(world_size) if s != d}
+        self.next_seq = {pair: 0 for pair in self.queues}
+        self.closed = [False] * world_size
+        self.children: dict[tuple[tuple[int, ...], int], _World] = {}
+
+    def abort(self) -> None:
+        """Close every rank at once, waking all waiters (used when one rank fails)."""
+        with self.cond:
+            self.closed = [True] * self.world_size
+            self.cond.notify_all()
+            children = list(self.children.values())
+        for child in children:
+            child.abort()
+
+
+class SimulatedBackend(Backend):
+    """One rank of a group whose ranks are threads of this process.
+
+    Messages are copied at send time (the sender may reuse its buffer at once)
+    and queued per pair of ranks; a receive checks kind and size before it
+    takes a message, so a refused message stays queued, exactly as on TCP.
+    When a rank closes, its peers still receive what it had sent, then raise
+    :class:`~ferro.PeerLostError`.
+
+    Create the ranks together with :meth:`create_group` and give each to its own thread.
+
+    Example::
+
+        group = SimulatedBackend.create_group(2)
+        def rank_main(g):
+            if g.rank == 0:
+                g.send(numpy.ones(3), dst=1)
+            else:
+                out = numpy.empty(3); g.recv(out, src=0)   # out == [1, 1, 1]
+        threads = [threading.Thread(target=rank_main, args=(g,)) for g in group]
+    """
+
+    def __init__(self, world: _World, rank: int, timeout: float) -> None:
+        self._world = world
+        self._rank = rank
+        self._timeout = timeout
+        self._split_counts: dict[tuple[int, ...], int] = {}
+
+    @classmethod
+    def create_group(cls, world_size: int, *, timeout: float | None = None) -> list[SimulatedBackend]:
+        """Create the ``world_size`` ranks of a new simulated group, in rank order.
+
+        Raises:
+            InvalidWorldSizeError: ``world_size`` is not a positive integer.
+        """
+        validate_rank_and_size(0, world_size)
+        world = _World(world_size)
+        seconds = default_timeout(timeout)
+        return [cls(world, rank, seconds) for rank in range(world_size)]
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks."""
+        return self._world.world_size
+
+    @property
+    def timeout(self) -> float:
+        """Default seconds for blocking operations."""
+        return self._timeout
+
+    @property
+    def closed(self) -> bool:
+        """Whether this rank was closed (by itself, or by an abort of the group)."""
+        return self._world.closed[self._rank]
+
+    def abort(self) -> None:
+        """Close every rank of the group at once (the test harness does this when a rank fails)."""
+        self._world.abort()
+
+    def _usable(self, op: str) -> None:
+        if self._world.closed[self._rank]:
+            raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
+
+    def _post(self, payload: bytes, dst: int, kind: int, op: str) -> None:
+        world = self._world
+        with world.cond:
+            if world.closed[dst]:
+                raise PeerLostError(
+                    f"rank {self._rank}: {op} to rank {dst}: rank {dst} closed the connection "
+                    f"(it exited, crashed or closed its group)", dst)
+            pair = (self._rank, dst)
+            world.queues[pair].append(_Message(kind, payload, world.next_seq[pair]))
+            world.next_seq[pair] += 1
+            world.cond.notify_all()
+
+    def _take(self, out: memoryview, src: int, kind: int, timeout: float, op: str) -> None:
+        world = self._world
+        queue = world.queues[(src, self._rank)]
+        where = f"rank {self._rank}: {op} from rank {src}"
+        deadline = time.monotonic() + timeout
+        with world.cond:
+            while not queue:
+                if world.closed[self._rank]:
+                    raise BackendClosedError(f"{where}: this process group was closed")
+                if world.closed[src]:
+                    raise PeerLostError(
+                        f"{where}: rank {src} closed the connection (it exited, crashed or closed its group)", src)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DistributedTimeoutError(f"{where} timed out after {timeout:g} s; no message was consumed")
+                world.cond.wait(remaining)
+            message = queue[0]
+            if message.kind != kind:
+                raise CollectiveMismatchError(
+                    f"{where}: this rank expected a {kind_name(kind)} message but rank {src} sent a "
+                    f"{kind_name(message.kind)} message at seq {message.seq}: the two ranks made different "
+                    f"calls; the message was not consumed")
+            if len(message.payload) != out.nbytes:
+                raise SizeMismatchError(
+                    f"{where}: rank {src} sent a {len(message.payload)}-byte payload but the receive buffer "
+                    f"expects exactly {out.nbytes} bytes (seq {message.seq}); the message was not consumed",
+                    expected=out.nbytes, actual=len(message.payload))
+            queue.popleft()
+        out[:] = message.payload
+
+    def send(self, buf: Any, dst: int, *, timeout: float | None = None) -> None:
+        """Queue a copy of ``buf``'s bytes for ``dst`` (see :meth:`Backend.send`)."""
+        self._usable("send")
+        dst = self.check_peer(dst, "send")
+        self._post(byte_view(buf, "send", writable=False).tobytes(), dst, KIND_DATA, "send")
+
+    def recv(self, buf: Any, src: int, *, timeout: float | None = None) -> None:
+        """Take the next message from ``src`` into ``buf`` (see :meth:`Backend.recv`)."""
+        self._usable("recv")
+        src = self.check_peer(src, "recv")
+        out = byte_view(buf, "recv", writable=True)
+        self._take(out, src, KIND_DATA, self._timeout if timeout is None else timeout, "recv")
+
+    def sendrecv(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, timeout: float | None = None) -> None:
+        """Send then receive; sends never block here, so no helper thread is needed."""
+        self._usable("sendrecv")
+        dst = self.check_peer(dst, "sendrecv")
+        src = self.check_peer(src, "sendrecv")
+        out = byte_view(recv_buf, "sendrecv", writable=True)
+        self._post(byte_view(send_buf, "sendrecv", writable=False).tobytes(), dst, KIND_DATA, "sendrecv")
+        self._take(out, src, KIND_DATA, self._timeout if timeout is None else timeout, "sendrecv")
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Block until every rank has entered the barrier (dissemination algorithm)."""
+        self._usable("barrier")
+        seconds = self._timeout if timeout is None else timeout
+        sink = memoryview(bytearray(0))
+
+        def exchange(dst: int, src: int) -> None:
+            self._post(b"", dst, KIND_BARRIER, "barrier")
+            self._take(sink, src, KIND_BARRIER, seconds, "barrier")
+
+        dissemination_barrier(self._rank, self.world_size, exchange)
+
+    def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> SimulatedBackend:
+        """Create (or join) the simulated group among ``ranks`` (see :meth:`Backend.split`)."""
+        self._usable("new_group")
+        members = tuple(ranks)
+        count = self._split_counts.get(members, 0) + 1
+        self._split_counts[members] = count
+        world = self._world
+        with world.cond:
+            child = world.children.setdefault((members, count), _World(len(members)))
+        return SimulatedBackend(child, members.index(self._rank), self._timeout if timeout is None else timeout)
+
+    def close(self) -> None:
+        """Close this rank; peers waiting on it raise PeerLostError once its queued messages are read."""
+        world = self._world
+        with world.cond:
+            world.closed[self._rank] = True
+            world.cond.notify_all()

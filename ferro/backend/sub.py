@@ -1,0 +1,152 @@
+"""Sub-groups: a subset of a group's ranks with their own, separate traffic."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ferro.backend.base import Backend
+from ferro.errors import ConfigurationError, InvalidRankError
+
+__all__ = ["SubBackend", "new_group"]
+
+
+class SubBackend(Backend):
+    """A group made of some ranks of a parent group.
+
+    Ranks in a sub-group are local: member ``ranks[i]`` of the parent is rank
+    ``i`` here. Its messages travel on channels of their own (a new mesh of
+    connections on TCP), so they never mix with the parent's or a sibling's,
+    whatever the order in which the groups are used.
+
+    Create one with :func:`new_group`.
+    """
+
+    def __init__(self, parent: Backend, ranks: Sequence[int], channel: Backend) -> None:
+        self._parent = parent
+        self._ranks = tuple(ranks)
+        self._channel = channel
+
+    @property
+    def parent(self) -> Backend:
+        """The group this one was made from."""
+        return self._parent
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The members' ranks in the parent group, in local-rank order."""
+        return self._ranks
+
+    @property
+    def rank(self) -> int:
+        """This process's local rank."""
+        return self._channel.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of members."""
+        return self._channel.world_size
+
+    @property
+    def timeout(self) -> float:
+        """Default seconds for blocking operations."""
+        return self._channel.timeout
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._channel.closed
+
+    def global_rank(self, local_rank: int) -> int:
+        """Return the parent-group rank of member ``local_rank``.
+
+        Raises:
+            InvalidRankError: Not a local rank of this group.
+        """
+        if not 0 <= local_rank < len(self._ranks):
+            raise InvalidRankError(f"local rank {local_rank} is outside the sub-group's [0, {len(self._ranks)})")
+        return self._ranks[local_rank]
+
+    def local_rank(self, global_rank: int) -> int:
+        """Return the local rank of parent-group rank ``global_rank``.
+
+        Raises:
+            InvalidRankError: That rank is not a member.
+        """
+        try:
+            return self._ranks.index(global_rank)
+        except ValueError:
+            raise InvalidRankError(f"rank {global_rank} is not a member of the sub-group {list(self._ranks)}") from None
+
+    def send(self, buf: Any, dst: int, *, timeout: float | None = None) -> None:
+        """Send to local rank ``dst`` (see :meth:`Backend.send`)."""
+        self._channel.send(buf, dst, timeout=timeout)
+
+    def recv(self, buf: Any, src: int, *, timeout: float | None = None) -> None:
+        """Receive from local rank ``src`` (see :meth:`Backend.recv`)."""
+        self._channel.recv(buf, src, timeout=timeout)
+
+    def sendrecv(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, timeout: float | None = None) -> None:
+        """Full-duplex exchange with local ranks (see :meth:`Backend.sendrecv`)."""
+        self._channel.sendrecv(send_buf, dst, recv_buf, src, timeout=timeout)
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Barrier among the members only."""
+        self._channel.barrier(timeout=timeout)
+
+    def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> Backend:
+        """Split further; ``ranks`` are local ranks of this sub-group."""
+        return self._channel.split(ranks, timeout=timeout)
+
+    def close(self) -> None:
+        """Close the sub-group's channels (the parent stays open)."""
+        self._channel.close()
+
+    def __repr__(self) -> str:
+        return f"<SubBackend rank={self.rank} ranks={list(self._ranks)} of {self._parent!r}>"
+
+
+def new_group(ranks: Iterable[int], group: Backend | None = None, *, timeout: float | None = None) -> SubBackend | None:
+    """Create a sub-group of ``group`` made of ``ranks``.
+
+    Every member must call it, with the same ranks, in the same order as its
+    other ``new_group`` calls on that group. Non-members may call it too and get
+    ``None`` without communicating. Local ranks follow the sorted order of ``ranks``.
+
+    Args:
+        ranks: Ranks of ``group`` that form the sub-group.
+        group: The parent group. (``None`` will mean the default group once
+            ``init_process_group`` exists; for now it must be given.)
+        timeout: Seconds for connecting the sub-group (default: the parent's).
+
+    Returns:
+        The sub-group, or ``None`` on a rank that is not a member.
+
+    Raises:
+        InvalidRankError: Empty, duplicate or out-of-range ranks.
+        ConfigurationError: No parent group given.
+
+    Example::
+
+        # world of 4 ranks
+        evens = new_group([0, 2], group=world)
+        # rank 0: evens.rank == 0; rank 2: evens.rank == 1; ranks 1 and 3: evens is None
+    """
+    if group is None:
+        raise ConfigurationError("new_group: pass the parent group as group= (there is no default process group)")
+    members = []
+    for r in ranks:
+        if isinstance(r, bool) or not hasattr(r, "__index__"):
+            raise InvalidRankError(f"new_group: ranks must be integers, got {r!r}")
+        members.append(r.__index__())
+    if not members:
+        raise InvalidRankError("new_group: the ranks list is empty")
+    if len(set(members)) != len(members):
+        raise InvalidRankError(f"new_group: duplicate ranks in {members}")
+    outside = [r for r in members if not 0 <= r < group.world_size]
+    if outside:
+        raise InvalidRankError(f"new_group: ranks {outside} are outside the parent group's [0, {group.world_size})")
+    members.sort()
+    if group.rank not in members:
+        return None
+    return SubBackend(group, members, group.split(members, timeout=timeout))

@@ -1,0 +1,262 @@
+"""The full-mesh TCP process group on the compiled transport."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ferro._buffers import as_buffer
+from ferro._core.transport import KIND_BARRIER, KIND_DATA, Connection, sendrecv
+from ferro.backend.base import Backend, dissemination_barrier
+from ferro.errors import BackendClosedError, ConfigurationError
+from ferro.rendezvous import (
+    BIND_ADDR_ENV,
+    RendezvousConfig,
+    build_mesh,
+    default_timeout,
+    local_address_towards,
+    validate_rank_and_size,
+)
+from ferro.store import Store
+
+__all__ = ["TcpBackend"]
+
+SPIN_ENV = "FERRO_SPIN_US"
+DEFAULT_SPIN_US = 50.0
+SOCKET_BUFFER_ENV = "FERRO_SOCKET_BUFFER_BYTES"
+_EMPTY = b""
+
+
+def _spin_us(spin_us: float | None, world_size: int) -> float:
+    if spin_us is not None:
+        return float(spin_us)
+    raw = os.environ.get(SPIN_ENV)
+    if raw is not None:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigurationError(f"{SPIN_ENV}={raw!r} is not a number of microseconds") from None
+    # Spinning pays only while every rank has a core of its own; with more ranks
+    # than cores a spinning rank steals the core its peer needs to answer.
+    return DEFAULT_SPIN_US if world_size <= (os.cpu_count() or 1) else 0.0
+
+
+def _size_socket_buffers(sock: socket.socket) -> None:
+    raw = os.environ.get(SOCKET_BUFFER_ENV)
+    if not raw:
+        return  # the kernel's autotuning (best on loopback, measured in bench/)
+    size = int(raw)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+
+
+class TcpBackend(Backend):
+    """A process group whose ranks are connected pairwise by TCP (a full mesh).
+
+    Rank 0 serves the rendezvous :class:`~ferro.Store` on ``master_addr:master_port``
+    unless a ``store`` is given. Every connection is authenticated with the job
+    secret. Data moves through ferro's compiled transport with the GIL released.
+
+    Args:
+        rank: This process's rank.
+        world_size: Number of ranks.
+        master_addr: Address of the store (rank 0's host).
+        master_port: Port of the store.
+        timeout: Default seconds for every blocking operation, rendezvous included
+            (default ``$FERRO_TIMEOUT`` or 60).
+        secret: The job secret (default ``$FERRO_SECRET``); required.
+        bind_addr: Address to listen on for peers (default ``$FERRO_BIND_ADDR``, else
+            this host's address on the route to ``master_addr``).
+        store: An existing store client to rendezvous through (a launcher's);
+            it is not closed with the group.
+        spin_us: Microseconds to spin on a quiet socket before sleeping (default
+            ``$FERRO_SPIN_US``, else 50, or 0 when ranks outnumber this host's cores).
+
+    Raises:
+        ConfigurationError: No secret, or an address that cannot be used.
+        InvalidRankError, InvalidWorldSizeError: Bad rank or size.
+        DistributedTimeoutError: Rendezvous did not complete in time.
+        AuthenticationError: A peer does not hold the job secret.
+
+    Example::
+
+        # on every rank, with FERRO_SECRET set alike everywhere
+        group = TcpBackend(rank, 2, "10.0.0.1", 29500)
+        if group.rank == 0:
+            group.send(numpy.arange(4.0), dst=1)
+        else:
+            buf = numpy.empty(4); group.recv(buf, src=0)   # buf == [0, 1, 2, 3]
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+        *,
+        timeout: float | None = None,
+        secret: bytes | str | None = None,
+        bind_addr: str | None = None,
+        store: Store | None = None,
+        spin_us: float | None = None,
+    ) -> None:
+        validate_rank_and_size(rank, world_size)
+        config = RendezvousConfig.resolve(
+            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, secret=secret)
+        seconds = default_timeout(timeout)
+        owns_store = store is None
+        if store is None:
+            store = Store(master_addr, master_port, secret=config.secret, timeout=seconds, serve=(rank == 0))
+        try:
+            # Every rank counts its own joins, so a job that re-creates its group
+            # on a long-lived store never meets the previous group's addresses.
+            generation = store.add(f"ferro/joins/{rank}", 1)
+            bind = bind_addr or os.environ.get(BIND_ADDR_ENV) or local_address_towards(master_addr)
+            self._connect(rank, world_size, store, owns_store, f"ferro/world/{generation}", config.secret, bind,
+                          seconds, _spin_us(spin_us, world_size))
+        except BaseException:
+            if owns_store:
+                store.close()
+            raise
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> TcpBackend:
+        """Build the group from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``FERRO_SECRET``.
+
+        Keyword arguments override the environment and are passed on.
+
+        Raises:
+            ConfigurationError: Naming the variable that is missing or malformed.
+        """
+        config = RendezvousConfig.resolve(
+            rank=kwargs.pop("rank", None), world_size=kwargs.pop("world_size", None),
+            master_addr=kwargs.pop("master_addr", None), master_port=kwargs.pop("master_port", None),
+            secret=kwargs.pop("secret", None))
+        return cls(config.rank, config.world_size, config.master_addr, config.master_port, secret=config.secret,
+                   **kwargs)
+
+    def _connect(self, rank: int, world_size: int, store: Store, owns_store: bool, prefix: str, secret: bytes,
+                 bind_addr: str, timeout: float, spin_us: float) -> None:
+        sockets = build_mesh(store, rank, world_size, prefix=prefix, secret=secret, bind_addr=bind_addr,
+                             timeout=timeout)
+        self._rank = rank
+        self._world_size = world_size
+        self._timeout = timeout
+        self._store = store
+        self._owns_store = owns_store
+        self._prefix = prefix
+        self._secret = secret
+        self._bind_addr = bind_addr
+        self._spin_us = spin_us
+        self._closed = False
+        self._split_counts: dict[tuple[int, ...], int] = {}
+        self._conns: list[Connection | None] = [None] * world_size
+        for peer, sock in sockets.items():
+            _size_socket_buffers(sock)
+            self._conns[peer] = Connection(sock, rank, peer, spin_us=spin_us)
+        # One sender and one receiver per peer at a time: frames must never interleave.
+        self._send_locks = [threading.Lock() for _ in range(world_size)]
+        self._recv_locks = [threading.Lock() for _ in range(world_size)]
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the group."""
+        return self._world_size
+
+    @property
+    def timeout(self) -> float:
+        """Default seconds for blocking operations."""
+        return self._timeout
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    @property
+    def store(self) -> Store:
+        """The rendezvous store this group was built through."""
+        return self._store
+
+    def connection(self, peer: int) -> Connection:
+        """Return the compiled connection to ``peer`` (for ferro's own algorithms)."""
+        conn = self._conns[self.check_peer(peer, "connection")]
+        assert conn is not None  # every peer but this rank has one
+        return conn
+
+    def _usable(self, op: str) -> None:
+        if self._closed:
+            raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
+
+    def send(self, buf: Any, dst: int, *, timeout: float | None = None) -> None:
+        """Send ``buf``'s bytes to ``dst`` (see :meth:`Backend.send`)."""
+        self._usable("send")
+        dst = self.check_peer(dst, "send")
+        data = as_buffer(buf, "send")
+        with self._send_locks[dst]:
+            self._conns[dst].send(data, kind=KIND_DATA, timeout=self._timeout if timeout is None else timeout,  # type: ignore[union-attr]
+                                  op="send")
+
+    def recv(self, buf: Any, src: int, *, timeout: float | None = None) -> None:
+        """Receive the next message from ``src`` into ``buf`` (see :meth:`Backend.recv`)."""
+        self._usable("recv")
+        src = self.check_peer(src, "recv")
+        out = as_buffer(buf, "recv")
+        with self._recv_locks[src]:
+            self._conns[src].recv_into(out, kind=KIND_DATA, timeout=self._timeout if timeout is None else timeout,  # type: ignore[union-attr]
+                                       op="recv")
+
+    def sendrecv(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, timeout: float | None = None) -> None:
+        """Full-duplex exchange in one compiled progress loop (see :meth:`Backend.sendrecv`)."""
+        self._usable("sendrecv")
+        dst = self.check_peer(dst, "sendrecv")
+        src = self.check_peer(src, "sendrecv")
+        self._exchange(as_buffer(send_buf, "sendrecv"), dst, as_buffer(recv_buf, "sendrecv"), src, KIND_DATA,
+                       self._timeout if timeout is None else timeout, "sendrecv")
+
+    def _exchange(self, send_buf: Any, dst: int, recv_buf: Any, src: int, kind: int, timeout: float, op: str) -> None:
+        with self._send_locks[dst], self._recv_locks[src]:
+            sendrecv(self._conns[dst], send_buf, self._conns[src], recv_buf, kind=kind, timeout=timeout, op=op)
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Block until every rank has entered the barrier (dissemination algorithm)."""
+        self._usable("barrier")
+        seconds = self._timeout if timeout is None else timeout
+        sink = bytearray(0)
+        dissemination_barrier(
+            self._rank, self._world_size,
+            lambda dst, src: self._exchange(_EMPTY, dst, sink, src, KIND_BARRIER, seconds, "barrier"))
+
+    def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> TcpBackend:
+        """Connect a new mesh among ``ranks`` through this group's store (see :meth:`Backend.split`)."""
+        self._usable("new_group")
+        members = tuple(ranks)
+        count = self._split_counts.get(members, 0) + 1
+        self._split_counts[members] = count
+        digest = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
+        child = TcpBackend.__new__(TcpBackend)
+        child._connect(members.index(self._rank), len(members), self._store, False,
+                       f"{self._prefix}/sub/{digest}/{count}", self._secret, self._bind_addr,
+                       default_timeout(timeout) if timeout is not None else self._timeout, self._spin_us)
+        return child
+
+    def close(self) -> None:
+        """Close every connection, and the store if this rank serves it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns:
+            if conn is not None:
+                conn.close()
+        if self._owns_store:
+            self._store.close()
