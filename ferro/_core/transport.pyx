@@ -65,7 +65,13 @@ from ferro.errors import (
 cdef extern from "Python.h":
     # Declared without Cython's ``except -1`` so the loop can decide what to
     # clean up before it lets the pending KeyboardInterrupt propagate.
-    int PyErr_CheckSignals_noexcept "PyErr_CheckSignals" () nogil
+    int PyErr_CheckSignals_noexcept "PyErr_CheckSignals" ()
+
+
+cdef int _signal_raised() noexcept with gil:
+    # Runs the Python-level signal handlers; nonzero when one raised (the
+    # exception stays set for run_ops' caller to propagate).
+    return PyErr_CheckSignals_noexcept()
 
 HEADER_SIZE = FERRO_HEADER_SIZE
 PROTOCOL_VERSION = FERRO_PROTOCOL_VERSION
@@ -360,7 +366,7 @@ cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil:
                 break
             # Look for signals after EINTR and after every full slice of sleep.
             check_signals = rc == ST_INTR or monotonic_ns() - now >= (POLL_SLICE_MS - 1) * 1000000
-        if check_signals and PyErr_CheckSignals_noexcept() != 0:
+        if check_signals and _signal_raised() != 0:
             if s_active:
                 _finish_send(s, ST_INTR)
             if r_active:
