@@ -248,6 +248,10 @@ class StoreServer:
 class Store:
     """A client of a :class:`StoreServer`; thread-safe.
 
+    One client carries one request at a time, so a blocking :meth:`get` or
+    :meth:`wait` holds it until it returns: give each thread that waits on the
+    store a client of its own.
+
     Connecting retries with exponential backoff until ``timeout`` passes, so
     ranks may start before the rank that serves the store.
 

@@ -1,0 +1,165 @@
+"""The rendezvous store: torch TCPStore semantics, timeouts, authentication."""
+
+import threading
+import time
+
+import pytest
+
+import ferro
+from ferro.store import MAX_MESSAGE_BYTES, Store
+
+SECRET = b"store-test-secret"
+
+
+@pytest.fixture
+def store():
+    with Store("127.0.0.1", 0, secret=SECRET, serve=True, timeout=10) as s:
+        yield s
+
+
+def client(store, secret=SECRET, timeout=10):
+    return Store("127.0.0.1", store.port, secret=secret, timeout=timeout)
+
+
+def test_set_get_between_clients(store):
+    with client(store) as other:
+        store.set("key", b"value")
+        other.set("text", "héllo")
+        assert other.get("key") == b"value"
+        assert store.get("text") == "héllo".encode()
+
+
+def test_get_waits_for_a_later_set(store):
+    with client(store) as other:
+        threading.Timer(0.2, other.set, args=("late", b"1")).start()
+        assert store.get("late", timeout=10) == b"1"
+
+
+def test_get_times_out_naming_the_key(store):
+    with pytest.raises(ferro.DistributedTimeoutError, match="'missing'"):
+        store.get("missing", timeout=0.1)
+    store.set("after", b"ok")  # the client is still usable
+    assert store.get("after") == b"ok"
+
+
+def test_wait_names_the_keys_still_missing(store):
+    store.set("a", b"")
+    with pytest.raises(ferro.DistributedTimeoutError, match="'b', 'c'"):
+        store.wait(["a", "b", "c"], timeout=0.1)
+    store.set("b", b"")
+    store.set("c", b"")
+    store.wait(["a", "b", "c"], timeout=1)
+
+
+def test_add_counts_atomically_across_clients(store):
+    clients = [client(store) for _ in range(4)]
+
+    def bump(c):
+        for _ in range(50):
+            c.add("counter", 1)
+
+    threads = [threading.Thread(target=bump, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert store.add("counter", 0) == 200
+    assert store.get("counter") == b"200"
+    assert store.add("fresh", -3) == -3
+    for c in clients:
+        c.close()
+
+
+def test_add_on_a_non_integer_is_a_store_error(store):
+    store.set("word", b"hello")
+    with pytest.raises(ferro.StoreError, match="not an integer"):
+        store.add("word", 1)
+
+
+def test_compare_set_follows_torch_semantics(store):
+    assert store.compare_set("k", b"", b"first") == b"first"  # missing key, empty expectation: set
+    assert store.compare_set("k", b"wrong", b"second") == b"first"  # mismatch: current value returned
+    assert store.compare_set("k", b"first", b"second") == b"second"
+    assert store.compare_set("absent", b"x", b"y") == b"x"  # missing key, non-empty expectation
+    assert not store.check(["absent"])
+
+
+def test_delete_check_and_num_keys(store):
+    store.set("x", b"1")
+    store.set("y", b"2")
+    assert store.check(["x", "y"]) and not store.check(["x", "z"])
+    assert store.num_keys() == 2
+    assert store.delete_key("x") is True
+    assert store.delete_key("x") is False
+    assert store.num_keys() == 1
+
+
+def test_client_started_before_the_server_connects_with_backoff():
+    from ferro.testing import free_port
+
+    port = free_port()
+    servers = []
+    threading.Timer(0.5, lambda: servers.append(ferro.StoreServer("127.0.0.1", port, secret=SECRET))).start()
+    with Store("127.0.0.1", port, secret=SECRET, timeout=10) as late:
+        late.set("k", b"v")
+        assert late.get("k") == b"v"
+    servers[0].close()
+
+
+def test_unreachable_store_times_out_with_advice():
+    from ferro.testing import free_port
+
+    with pytest.raises(ferro.DistributedTimeoutError, match="MASTER_ADDR and MASTER_PORT"):
+        Store("127.0.0.1", free_port(), secret=SECRET, timeout=0.3)
+
+
+def test_client_without_the_secret_is_refused_and_the_store_keeps_serving(store):
+    with pytest.raises(ferro.AuthenticationError, match="secret"):
+        client(store, secret=b"guess")
+    with client(store) as good:
+        good.set("still", b"here")
+        assert store.get("still") == b"here"
+
+
+def test_lost_server_is_peer_lost(store):
+    with Store("127.0.0.1", 0, secret=SECRET, serve=True, timeout=10) as owner:
+        other = client(owner)
+        owner.close()
+        with pytest.raises(ferro.PeerLostError, match="store"):
+            other.get("k", timeout=5)
+        other.close()
+
+
+def test_server_shutdown_wakes_a_blocked_get():
+    owner = Store("127.0.0.1", 0, secret=SECRET, serve=True, timeout=30)
+    waiter = client(owner, timeout=30)
+    errors = []
+
+    def blocked_get():
+        try:
+            waiter.get("never", timeout=30)
+        except ferro.DistributedError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=blocked_get)
+    thread.start()
+    time.sleep(0.2)
+    owner.close()
+    thread.join(10)
+    assert not thread.is_alive() and len(errors) == 1
+    waiter.close()
+
+
+def test_oversized_value_is_refused_without_breaking_the_server(store):
+    with client(store) as big:
+        with pytest.raises(ferro.PeerLostError):
+            big.set("huge", b"x" * (MAX_MESSAGE_BYTES + 1))
+    store.set("small", b"ok")
+    assert store.get("small") == b"ok"
+
+
+def test_closed_client_raises_closed(store):
+    c = client(store)
+    c.close()
+    with pytest.raises(ferro.BackendClosedError):
+        c.set("k", b"v")

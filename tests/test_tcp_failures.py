@@ -1,0 +1,168 @@
+"""Failures that only real processes over real sockets can show: death, signals, strangers."""
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ferro
+from ferro.auth import connect_handshake
+from ferro.rendezvous import RendezvousConfig, build_mesh
+from ferro.store import Store
+from ferro.testing import RankExit, run_processes
+
+
+def rank_killed_while_peer_receives(group):
+    if group.rank == 1:
+        group.barrier()
+        time.sleep(0.2)  # let rank 0 block in its receive first
+        os.kill(os.getpid(), signal.SIGKILL)
+    group.barrier()
+    try:
+        group.recv(np.empty(1 << 20), 1, timeout=60)
+        return "no error"
+    except ferro.PeerLostError as exc:
+        return type(exc).__name__, exc.peer, "rank 1" in str(exc)
+
+
+def test_killed_rank_makes_its_peer_raise_peer_lost_not_time_out():
+    results = run_processes(rank_killed_while_peer_receives, 2, allow_exit={1}, timeout=50)
+    assert results[0] == ("PeerLostError", 1, True)
+    assert results[1] == RankExit(None, "SIGKILL")
+
+
+def rank_killed_mid_exchange(group):
+    # A 4-rank ring exchange where rank 2 dies; its neighbours must not hang.
+    n, r = group.world_size, group.rank
+    group.barrier()
+    if r == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        for _ in range(50):
+            group.sendrecv(np.ones(1 << 21), (r + 1) % n, np.empty(1 << 21), (r - 1) % n, timeout=60)
+        return "finished"
+    except (ferro.PeerLostError, ferro.ConnectionBrokenError) as exc:
+        return type(exc).__name__
+
+
+def test_rank_killed_mid_ring_exchange():
+    results = run_processes(rank_killed_mid_exchange, 4, allow_exit={0, 1, 2, 3}, timeout=50)
+    # Rank 1 sends to and rank 3 receives from the dead rank 2: both see it go.
+    assert results[1] == "PeerLostError"
+    assert results[3] == "PeerLostError"
+    assert results[2] == RankExit(None, "SIGKILL")
+
+
+def rank_interrupted_in_recv(group):
+    if group.rank == 1:
+        out = np.empty(1)
+        group.recv(out, 0, timeout=60)  # rank 0 sends once it was interrupted
+        return float(out[0])
+    timer = threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    try:
+        group.recv(np.empty(1), 1, timeout=60)
+        outcome = "no interrupt"
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    elapsed = time.monotonic() - start
+    group.send(np.array([7.0]), 1)  # no frame had started, so the group still works
+    return outcome, elapsed < 30
+
+
+def test_ctrl_c_interrupts_a_blocked_receive():
+    results = run_processes(rank_interrupted_in_recv, 2, timeout=50)
+    assert results == [("KeyboardInterrupt", True), 7.0]
+
+
+def rank_with_wrong_secret(rank, world_size):
+    secret = "right" if rank == 0 else "wrong"
+    try:
+        with ferro.TcpBackend.from_env(secret=secret, timeout=3):
+            return "joined"
+    except ferro.AuthenticationError as exc:
+        return "AuthenticationError: " + str(exc)
+    except ferro.DistributedTimeoutError as exc:
+        return "DistributedTimeoutError: " + str(exc)
+
+
+def test_process_without_the_secret_is_refused_on_both_sides():
+    results = run_processes(rank_with_wrong_secret, 2, backend=None, timeout=50)
+    assert results[1].startswith("AuthenticationError") and "secret" in results[1]
+    assert results[0].startswith("DistributedTimeoutError") and "ranks [1]" in results[0]
+
+
+def test_stray_connection_during_rendezvous_is_refused_and_the_mesh_still_forms(caplog):
+    secret = b"job-secret"
+    with Store("127.0.0.1", 0, secret=secret, serve=True, timeout=10) as store:
+        meshes = {}
+
+        def rank(r, client):
+            meshes[r] = build_mesh(client, r, 2, prefix="test", secret=secret, bind_addr="127.0.0.1", timeout=10)
+
+        with caplog.at_level(logging.WARNING, logger="ferro.rendezvous"), \
+                Store("127.0.0.1", store.port, secret=secret) as client0:
+            rank0 = threading.Thread(target=rank, args=(0, client0))
+            rank0.start()
+            host, port = store.get("test/addr/0", timeout=10).decode().rsplit(":", 1)
+            stray = socket.create_connection((host, int(port)))
+            with pytest.raises(ferro.AuthenticationError, match="does not hold this job's secret"):
+                connect_handshake(stray, b"guess", b"mesh|test|2|1->0", 5, "rank 0")
+            stray.close()
+            rank(1, store)
+            rank0.join(10)
+        assert set(meshes) == {0, 1} and set(meshes[0]) == {1} and set(meshes[1]) == {0}
+        assert any("refused a connection" in rec.message for rec in caplog.records)
+        for mesh in meshes.values():
+            for sock in mesh.values():
+                sock.close()
+
+
+def rank_from_env(rank, world_size):
+    with ferro.TcpBackend.from_env(timeout=20) as group:
+        out = np.empty(1, np.int64)
+        group.sendrecv(np.array([group.rank], np.int64), (rank + 1) % world_size, out, (rank - 1) % world_size)
+        return group.rank, group.world_size, int(out[0])
+
+
+def test_from_env_reads_torchrun_style_variables():
+    assert run_processes(rank_from_env, 3, backend=None) == [(0, 3, 2), (1, 3, 0), (2, 3, 1)]
+
+
+@pytest.mark.parametrize("missing, variable", [("RANK", "RANK"), ("WORLD_SIZE", "WORLD_SIZE"),
+                                               ("MASTER_ADDR", "MASTER_ADDR"), ("MASTER_PORT", "MASTER_PORT"),
+                                               ("FERRO_SECRET", "FERRO_SECRET")])
+def test_missing_configuration_names_the_variable(missing, variable):
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "FERRO_SECRET": "s"}
+    del env[missing]
+    with pytest.raises(ferro.ConfigurationError, match=variable):
+        RendezvousConfig.resolve(environ=env)
+
+
+@pytest.mark.parametrize("rank, world_size, error", [(2, 2, ferro.InvalidRankError), (-1, 2, ferro.InvalidRankError),
+                                                     (0, 0, ferro.InvalidWorldSizeError),
+                                                     (0, "2", ferro.InvalidWorldSizeError)])
+def test_invalid_rank_or_world_size_is_refused_before_connecting(rank, world_size, error):
+    with pytest.raises(error):
+        ferro.TcpBackend(rank, world_size, secret="s", timeout=1)
+
+
+def test_torch_tensors_travel_zero_copy_including_bfloat16():
+    import torch  # part of the test extra: a missing torch is a failure, not a skip
+    groups = ferro.SimulatedBackend.create_group(2, timeout=10)
+    source = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4) / 3
+    target = torch.zeros(3, 4, dtype=torch.bfloat16)
+    floats = torch.linspace(0, 1, 5, requires_grad=True)
+    floats_out = torch.zeros(5)
+    groups[0].send(source, 1)
+    groups[0].send(floats, 1)
+    groups[1].recv(target, 0)
+    groups[1].recv(floats_out, 0)
+    assert torch.equal(target, source)
+    assert torch.equal(floats_out, floats.detach())
