@@ -281,3 +281,33 @@ def test_sequence_numbers_advance_per_direction(pair):
         left.send(b"")
         right.recv_into(bytearray(0))
     assert (left.send_seq, left.recv_seq, right.send_seq, right.recv_seq) == (3, 0, 0, 3)
+
+
+def test_concurrent_senders_never_interleave_frames(pair):
+    left, right = pair
+    n_threads, n_frames, n = 4, 50, 100_000  # frames far larger than one socket write
+
+    def sender(tag):
+        for _ in range(n_frames):
+            left.send(np.full(n, tag, np.int32), timeout=30)
+
+    threads = [threading.Thread(target=sender, args=(tag,)) for tag in range(n_threads)]
+    for thread in threads:
+        thread.start()
+    counts = [0] * n_threads
+    out = np.empty(n, np.int32)
+    for _ in range(n_threads * n_frames):
+        right.recv_into(out, timeout=30)
+        assert (out == out[0]).all(), "a frame mixed bytes of two senders"
+        counts[out[0]] += 1
+    for thread in threads:
+        thread.join(30)
+    assert counts == [n_frames] * n_threads
+
+
+def test_short_garbage_then_close_is_peer_lost_not_a_hang(raw_pair):
+    conn, raw = raw_pair
+    raw.sendall(b"\x00" * 10)  # less than a header
+    raw.close()
+    with pytest.raises(PeerLostError):
+        conn.recv_into(bytearray(4), timeout=30)

@@ -1,6 +1,7 @@
 # Declarations of the framed transport, so later compiled modules (ring
 # collectives, shared memory) can drive connections without the GIL.
 
+from cpython.pythread cimport PyThread_type_lock
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 
 
@@ -68,8 +69,11 @@ cdef class Connection:
     cdef object sock           # the socket object: keeps the descriptor open and owned
     cdef object broken_reason  # message of the error that broke the stream, or None
     cdef bint is_closed        # close() was called
+    cdef PyThread_type_lock send_lock  # one sending thread at a time: frames must not interleave
+    cdef PyThread_type_lock recv_lock  # one receiving thread at a time
 
     cdef int check_usable(self, str op) except -1
+    cdef int lock(self, PyThread_type_lock which, double timeout, str op) except -1
 
 
 cdef int64_t monotonic_ns() noexcept nogil

@@ -18,6 +18,14 @@ A failure in the middle of a frame leaves the byte stream unusable; the
 connection is then marked broken and every later call says so.
 """
 
+from cpython.pythread cimport (
+    NOWAIT_LOCK,
+    PyThread_acquire_lock,
+    PyThread_allocate_lock,
+    PyThread_free_lock,
+    PyThread_release_lock,
+    PyThread_type_lock,
+)
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.errno cimport EAGAIN, ECONNRESET, EINTR, EPIPE, ETIMEDOUT, errno
 from libc.stdint cimport int64_t, uint32_t, uint64_t
@@ -66,6 +74,13 @@ cdef extern from "Python.h":
     # Declared without Cython's ``except -1`` so the loop can decide what to
     # clean up before it lets the pending KeyboardInterrupt propagate.
     int PyErr_CheckSignals_noexcept "PyErr_CheckSignals" ()
+
+
+cdef extern from "pythread.h":
+    ctypedef enum PyLockStatus:
+        PY_LOCK_ACQUIRED
+    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds,
+                                             int intr_flag) nogil
 
 
 cdef int _signal_raised() noexcept with gil:
@@ -404,8 +419,8 @@ cdef class Connection:
     """One end of an established stream socket between two ranks, carrying frames.
 
     The connection takes ownership of ``sock`` and closes it on :meth:`close`.
-    It is not safe to send from two threads at once, nor to receive from two
-    threads at once; one sender and one receiver may run concurrently.
+    It is thread-safe: concurrent sends (or receives) from several threads are
+    serialised frame by frame, while one send and one receive run in parallel.
 
     Args:
         sock: A connected ``socket.socket`` (TCP or Unix stream).
@@ -419,6 +434,10 @@ cdef class Connection:
     def __cinit__(self, sock, int local_rank, int peer_rank, double spin_us=50.0,
                   size_t stage_bytes=DEFAULT_STAGE_BYTES):
         self.st.stage = NULL
+        self.send_lock = PyThread_allocate_lock()
+        self.recv_lock = PyThread_allocate_lock()
+        if self.send_lock == NULL or self.recv_lock == NULL:
+            raise MemoryError()
         if stage_bytes < FERRO_HEADER_SIZE:
             raise ValueError(f"stage_bytes must be at least {FERRO_HEADER_SIZE}")
         if spin_us < 0:
@@ -442,6 +461,10 @@ cdef class Connection:
 
     def __dealloc__(self):
         free(self.st.stage)
+        if self.send_lock != NULL:
+            PyThread_free_lock(self.send_lock)
+        if self.recv_lock != NULL:
+            PyThread_free_lock(self.recv_lock)
 
     @property
     def peer(self) -> int:
@@ -497,6 +520,22 @@ cdef class Connection:
                 f"rank {self.st.local_rank}: {op}: the connection to rank {self.st.peer_rank} was closed by this process")
         return 0
 
+    cdef int lock(self, PyThread_type_lock which, double timeout, str op) except -1:
+        # Uncontended: one atomic operation with the GIL held. Contended: wait
+        # without the GIL, for no longer than the operation's own timeout.
+        cdef long long micros
+        cdef int got
+        if PyThread_acquire_lock(which, NOWAIT_LOCK):
+            return 0
+        micros = -1 if timeout < 0 else <long long>(timeout * 1e6)
+        with nogil:
+            got = PyThread_acquire_lock_timed(which, micros, 0)
+        if got != PY_LOCK_ACQUIRED:
+            raise DistributedTimeoutError(
+                f"rank {self.st.local_rank}: {op} with rank {self.st.peer_rank} timed out after {timeout:g} s "
+                f"waiting for another thread's {op} on the same connection")
+        return 0
+
     def send(self, buf, *, uint32_t kind=KIND_DATA, uint64_t fingerprint=0, double timeout=-1.0,
              str op="send") -> None:
         """Send ``buf`` as one frame.
@@ -517,10 +556,14 @@ cdef class Connection:
         self.check_usable(op)
         _acquire(buf, &view, False, op)
         try:
-            _init_send(&s, &self.st, &view, kind, fingerprint)
-            deadline = _deadline_from(timeout)
-            with nogil:
-                run_ops(&s, NULL, deadline)
+            self.lock(self.send_lock, timeout, op)
+            try:
+                _init_send(&s, &self.st, &view, kind, fingerprint)
+                deadline = _deadline_from(timeout)
+                with nogil:
+                    run_ops(&s, NULL, deadline)
+            finally:
+                PyThread_release_lock(self.send_lock)
         finally:
             PyBuffer_Release(&view)
         if s.status != ST_OK:
@@ -549,10 +592,14 @@ cdef class Connection:
         self.check_usable(op)
         _acquire(buf, &view, True, op)
         try:
-            _init_recv(&r, &self.st, &view, kind, fingerprint, exact)
-            deadline = _deadline_from(timeout)
-            with nogil:
-                run_ops(NULL, &r, deadline)
+            self.lock(self.recv_lock, timeout, op)
+            try:
+                _init_recv(&r, &self.st, &view, kind, fingerprint, exact)
+                deadline = _deadline_from(timeout)
+                with nogil:
+                    run_ops(NULL, &r, deadline)
+            finally:
+                PyThread_release_lock(self.recv_lock)
         finally:
             PyBuffer_Release(&view)
         if r.status != ST_OK:
@@ -606,11 +653,20 @@ def sendrecv(Connection send_conn, send_buf, Connection recv_conn, recv_buf, *,
         PyBuffer_Release(&send_view)
         raise
     try:
-        _init_send(&s, &send_conn.st, &send_view, kind, fingerprint)
-        _init_recv(&r, &recv_conn.st, &recv_view, kind, fingerprint, exact)
-        deadline = _deadline_from(timeout)
-        with nogil:
-            run_ops(&s, &r, deadline)
+        # Always the send lock first: a fixed order, so two exchanges cannot deadlock on the locks.
+        send_conn.lock(send_conn.send_lock, timeout, op)
+        try:
+            recv_conn.lock(recv_conn.recv_lock, timeout, op)
+            try:
+                _init_send(&s, &send_conn.st, &send_view, kind, fingerprint)
+                _init_recv(&r, &recv_conn.st, &recv_view, kind, fingerprint, exact)
+                deadline = _deadline_from(timeout)
+                with nogil:
+                    run_ops(&s, &r, deadline)
+            finally:
+                PyThread_release_lock(recv_conn.recv_lock)
+        finally:
+            PyThread_release_lock(send_conn.send_lock)
     finally:
         PyBuffer_Release(&send_view)
         PyBuffer_Release(&recv_view)

@@ -155,6 +155,8 @@ class Backend(abc.ABC):
             InvalidRankError: Not an integer in ``[0, world_size)``.
             SelfSendError: The calling rank itself.
         """
+        if type(peer) is int and 0 <= peer < self.world_size and peer != self.rank:
+            return peer  # the common case, kept cheap: this runs on every message
         if isinstance(peer, bool) or not hasattr(peer, "__index__"):
             raise InvalidRankError(f"rank {self.rank}: {op}: the peer rank must be an integer, got {peer!r}")
         index = peer.__index__()  # type: ignore[attr-defined]

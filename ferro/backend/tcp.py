@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -159,9 +158,6 @@ class TcpBackend(Backend):
         for peer, sock in sockets.items():
             _size_socket_buffers(sock)
             self._conns[peer] = Connection(sock, rank, peer, spin_us=spin_us)
-        # One sender and one receiver per peer at a time: frames must never interleave.
-        self._send_locks = [threading.Lock() for _ in range(world_size)]
-        self._recv_locks = [threading.Lock() for _ in range(world_size)]
 
     @property
     def rank(self) -> int:
@@ -202,19 +198,15 @@ class TcpBackend(Backend):
         """Send ``buf``'s bytes to ``dst`` (see :meth:`Backend.send`)."""
         self._usable("send")
         dst = self.check_peer(dst, "send")
-        data = as_buffer(buf, "send")
-        with self._send_locks[dst]:
-            self._conns[dst].send(data, kind=KIND_DATA, timeout=self._timeout if timeout is None else timeout,  # type: ignore[union-attr]
-                                  op="send")
+        self._conns[dst].send(as_buffer(buf, "send"), kind=KIND_DATA,  # type: ignore[union-attr]
+                              timeout=self._timeout if timeout is None else timeout, op="send")
 
     def recv(self, buf: Any, src: int, *, timeout: float | None = None) -> None:
         """Receive the next message from ``src`` into ``buf`` (see :meth:`Backend.recv`)."""
         self._usable("recv")
         src = self.check_peer(src, "recv")
-        out = as_buffer(buf, "recv")
-        with self._recv_locks[src]:
-            self._conns[src].recv_into(out, kind=KIND_DATA, timeout=self._timeout if timeout is None else timeout,  # type: ignore[union-attr]
-                                       op="recv")
+        self._conns[src].recv_into(as_buffer(buf, "recv"), kind=KIND_DATA,  # type: ignore[union-attr]
+                                   timeout=self._timeout if timeout is None else timeout, op="recv")
 
     def sendrecv(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, timeout: float | None = None) -> None:
         """Full-duplex exchange in one compiled progress loop (see :meth:`Backend.sendrecv`)."""
@@ -225,8 +217,7 @@ class TcpBackend(Backend):
                        self._timeout if timeout is None else timeout, "sendrecv")
 
     def _exchange(self, send_buf: Any, dst: int, recv_buf: Any, src: int, kind: int, timeout: float, op: str) -> None:
-        with self._send_locks[dst], self._recv_locks[src]:
-            sendrecv(self._conns[dst], send_buf, self._conns[src], recv_buf, kind=kind, timeout=timeout, op=op)
+        sendrecv(self._conns[dst], send_buf, self._conns[src], recv_buf, kind=kind, timeout=timeout, op=op)
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Block until every rank has entered the barrier (dissemination algorithm)."""

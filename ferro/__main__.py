@@ -1,0 +1,7 @@
+"""``python -m ferro`` runs the ``ferro`` command line."""
+
+import sys
+
+from ferro.cli import main
+
+sys.exit(main())

@@ -1,0 +1,37 @@
+"""The ``ferro`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ferro.demo import launch
+
+    return launch(size_mb=args.size_mb, round_trips=args.round_trips, exchanges=args.exchanges)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of the ``ferro`` command."""
+    parser = argparse.ArgumentParser(prog="ferro", description="ferro: distributed training with a compiled core.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser(
+        "demo", help="run two ranks over TCP on this host: a small-message round trip and a bulk exchange")
+    demo.add_argument("--size-mb", type=int, default=64, help="bytes exchanged each way, in MiB (default 64)")
+    demo.add_argument("--round-trips", type=int, default=2000, help="round trips timed (default 2000)")
+    demo.add_argument("--exchanges", type=int, default=5, help="bulk exchanges timed (default 5)")
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``ferro`` command line and return its exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
