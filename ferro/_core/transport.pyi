@@ -1,0 +1,65 @@
+"""Type stub for the compiled transport (ferro/_core/transport.pyx)."""
+
+import socket
+from typing import Any
+
+HEADER_SIZE: int
+PROTOCOL_VERSION: int
+KIND_DATA: int
+KIND_BARRIER: int
+KIND_COLLECTIVE: int
+
+def kind_name(kind: int) -> str: ...
+def describe_buffer_problem(obj: object, writable: bool) -> str: ...
+
+class Connection:
+    def __init__(
+        self,
+        sock: socket.socket,
+        local_rank: int,
+        peer_rank: int,
+        spin_us: float = 50.0,
+        stage_bytes: int = 65536,
+    ) -> None: ...
+    @property
+    def peer(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def broken(self) -> str | None: ...
+    @property
+    def send_seq(self) -> int: ...
+    @property
+    def recv_seq(self) -> int: ...
+    @property
+    def spin_us(self) -> float: ...
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...
+    def send(
+        self, buf: Any, *, kind: int = 1, fingerprint: int = 0, timeout: float = -1.0, op: str = "send"
+    ) -> None: ...
+    def recv_into(
+        self,
+        buf: Any,
+        *,
+        kind: int = 1,
+        fingerprint: int = 0,
+        timeout: float = -1.0,
+        exact: bool = True,
+        op: str = "recv",
+    ) -> int: ...
+
+def sendrecv(
+    send_conn: Connection,
+    send_buf: Any,
+    recv_conn: Connection,
+    recv_buf: Any,
+    *,
+    kind: int = 1,
+    fingerprint: int = 0,
+    timeout: float = -1.0,
+    exact: bool = True,
+    op: str = "sendrecv",
+) -> int: ...
