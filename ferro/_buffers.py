@@ -26,6 +26,7 @@ def as_buffer(obj: Any, op: str) -> Any:
 
     Raises:
         InvalidBufferError: A tensor that lives off the CPU.
+
     """
     if isinstance(obj, _PASS_THROUGH):
         return obj
@@ -56,6 +57,7 @@ def byte_view(obj: Any, op: str, writable: bool) -> memoryview:
 
     Raises:
         InvalidBufferError: Not a buffer, not C-contiguous, or read-only when ``writable``.
+
     """
     from ferro._core.transport import describe_buffer_problem
 

@@ -54,7 +54,7 @@ def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
     while len(chunks) < n:
         try:
             chunk = sock.recv(n - len(chunks))
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             raise DistributedTimeoutError(f"authentication: timed out waiting for {what}") from exc
         except OSError as exc:
             raise PeerLostError(f"authentication: connection lost while waiting for {what}: {exc}") from exc
@@ -67,7 +67,7 @@ def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
 def _send_all(sock: socket.socket, data: bytes, what: str) -> None:
     try:
         sock.sendall(data)
-    except socket.timeout as exc:
+    except TimeoutError as exc:
         raise DistributedTimeoutError(f"authentication: timed out sending {what}") from exc
     except OSError as exc:
         raise PeerLostError(f"authentication: connection lost while sending {what}: {exc}") from exc
@@ -86,6 +86,7 @@ def connect_handshake(sock: socket.socket, secret: bytes, context: bytes, timeou
     Raises:
         AuthenticationError: The other side does not hold the secret, or refused ours.
         DistributedTimeoutError, PeerLostError: The exchange did not complete.
+
     """
     if len(context) > MAX_CONTEXT_BYTES:
         raise ValueError("authentication context too long")
@@ -114,6 +115,7 @@ def accept_handshake(sock: socket.socket, secret: bytes, timeout: float, peer: s
         AuthenticationError: The client does not hold the secret (it was told so
             and the socket should be closed), or it did not speak ferro's protocol.
         DistributedTimeoutError, PeerLostError: The exchange did not complete.
+
     """
     sock.settimeout(timeout)
     try:

@@ -28,7 +28,7 @@ def _round_trips(group: TcpBackend, iterations: int) -> list[float]:
     peer = 1 - group.rank
     ping = np.zeros(PING_BYTES, np.uint8)
     times = []
-    for i in range(iterations):
+    for _ in range(iterations):
         if group.rank == 0:
             start = time.perf_counter()
             group.send(ping, peer)

@@ -51,6 +51,7 @@ class PeerLostError(DistributedError, ConnectionError):
     Attributes:
         peer: The rank of the lost peer, or ``None`` when the peer is not a rank
             (the rendezvous store, for instance).
+
     """
 
     def __init__(self, message: str, peer: int | None = None) -> None:
@@ -97,6 +98,7 @@ class SizeMismatchError(DistributedError, ValueError):
     Attributes:
         expected: Bytes the receiver posted.
         actual: Bytes the sender sent.
+
     """
 
     def __init__(self, message: str, expected: int | None = None, actual: int | None = None) -> None:
@@ -150,6 +152,7 @@ class RankFailedError(DistributedError, RuntimeError):
         rank: The rank that failed first.
         remote_traceback: The formatted traceback from that rank (may be empty
             when the rank died without raising, e.g. from a signal).
+
     """
 
     def __init__(self, message: str, rank: int | None = None, remote_traceback: str = "") -> None:

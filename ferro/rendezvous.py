@@ -51,6 +51,7 @@ def default_timeout(timeout: float | None = None) -> float:
 
     Raises:
         ConfigurationError: The value is not a positive number.
+
     """
     if timeout is None:
         raw = os.environ.get(TIMEOUT_ENV)
@@ -70,6 +71,7 @@ def validate_rank_and_size(rank: object, world_size: object) -> tuple[int, int]:
 
     Raises:
         InvalidWorldSizeError, InvalidRankError.
+
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidWorldSizeError(f"world_size must be a positive integer, got {world_size!r}")
@@ -103,6 +105,7 @@ class RendezvousConfig:
         master_addr: Address of the store (rank 0's host, or the launcher's).
         master_port: Port of the store.
         secret: The job secret shared by every rank.
+
     """
 
     rank: int
@@ -128,6 +131,7 @@ class RendezvousConfig:
             ConfigurationError: A setting is missing or malformed; the message
                 names the variable to set.
             InvalidRankError, InvalidWorldSizeError: Out-of-range values.
+
         """
         env = os.environ if environ is None else environ
         rank_value = rank if rank is not None else _int_from(env, "RANK", "rank")
@@ -183,6 +187,7 @@ def build_mesh(
         DistributedTimeoutError: Some peers did not connect in time (named).
         AuthenticationError: A peer we connected to does not hold the secret.
         InvalidWorldSizeError: A peer was started with another world size.
+
     """
     deadline = time.monotonic() + timeout
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -208,7 +213,7 @@ def build_mesh(
             listener.settimeout(_remaining(deadline, rank, _waiting_text(expected, refused)))
             try:
                 sock, address = listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue  # _remaining raises on the next turn
             src = _accept_peer(sock, address, secret, prefix, world_size, rank, expected, refused)
             if src is not None:

@@ -115,6 +115,7 @@ class StoreServer:
 
     Raises:
         ConfigurationError: The address cannot be bound (in use, or not local).
+
     """
 
     def __init__(self, host: str, port: int, *, secret: bytes) -> None:
@@ -123,6 +124,7 @@ class StoreServer:
         self._cond = threading.Condition()
         self._closing = False
         self._clients: set[socket.socket] = set()
+        self._refused: list[str] = []
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -136,6 +138,12 @@ class StoreServer:
         self.host, self.port = host, self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._accept_loop, name=f"ferro-store:{self.port}", daemon=True)
         self._thread.start()
+
+    @property
+    def refused(self) -> tuple[str, ...]:
+        """Descriptions of the latest connections refused for lacking the job secret (at most 8)."""
+        with self._cond:
+            return tuple(self._refused)
 
     def close(self) -> None:
         """Stop serving: wake waiting requests, close every client connection. Idempotent."""
@@ -173,6 +181,8 @@ class StoreServer:
             accept_handshake(sock, self._secret, HANDSHAKE_TIMEOUT, peer)
         except (AuthenticationError, DistributedError) as exc:
             log.warning("store on port %d: %s", self.port, exc)
+            with self._cond:
+                self._refused = [*self._refused[-7:], str(exc)]
             sock.close()
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -273,6 +283,7 @@ class Store:
         store = Store("127.0.0.1", 29500, secret=b"s3cret", serve=(rank == 0))
         store.set(f"addr/{rank}", "10.0.0.5:4000")
         peer = store.get("addr/1", timeout=30)
+
     """
 
     def __init__(self, host: str, port: int, *, secret: bytes | str, timeout: float = DEFAULT_TIMEOUT,
@@ -290,6 +301,11 @@ class Store:
             if self._server is not None:
                 self._server.close()
             raise
+
+    @property
+    def server(self) -> StoreServer | None:
+        """The server this client started (``serve=True``), or None."""
+        return self._server
 
     def _connect(self) -> socket.socket:
         where = f"the store at {self.host}:{self.port}"
@@ -326,7 +342,7 @@ class Store:
             try:
                 self._sock.sendall(_pack(code, args))
                 body = _read_message(self._sock)
-            except socket.timeout as exc:
+            except TimeoutError as exc:
                 raise DistributedTimeoutError(f"{where} did not answer within {wait:g} s") from exc
             except (OSError, ValueError) as exc:
                 raise PeerLostError(f"lost the connection to {where}: {exc}") from exc
@@ -350,6 +366,7 @@ class Store:
 
         Raises:
             DistributedTimeoutError: The key was not set in time.
+
         """
         seconds, ms = self._timeout_ms(timeout)
         status, results = self._request(_GET, [ms, key.encode()], wait=seconds)
@@ -362,6 +379,7 @@ class Store:
 
         Raises:
             DistributedTimeoutError: Naming the keys still missing.
+
         """
         key_list = [k.encode() for k in keys]
         seconds, ms = self._timeout_ms(timeout)
@@ -375,6 +393,7 @@ class Store:
 
         Raises:
             StoreError: The key holds something that is not an integer.
+
         """
         _, results = self._request(_ADD, [key.encode(), str(int(amount)).encode()])
         return int(results[0])

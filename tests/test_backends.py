@@ -48,7 +48,7 @@ def rank_round_trip_dtypes(group):
         group.send(np.empty(0, np.float32), 1)
         return None
     received = {}
-    for i, dtype in enumerate(DTYPES):
+    for dtype in DTYPES:
         out = np.empty(333, dtype)
         group.recv(out, 0)
         received[dtype] = out

@@ -58,7 +58,8 @@ def test_round_trip_every_dtype(pair, dtype):
     np.testing.assert_array_equal(out, data)
 
 
-@pytest.mark.parametrize("make", [bytes, bytearray, lambda b: memoryview(bytearray(b))], ids=["bytes", "bytearray", "memoryview"])
+@pytest.mark.parametrize("make", [bytes, bytearray, lambda b: memoryview(bytearray(b))],
+                         ids=["bytes", "bytearray", "memoryview"])
 def test_round_trip_builtin_buffers(pair, make):
     left, right = pair
     payload = make(b"ferro" * 100)

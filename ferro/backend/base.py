@@ -5,11 +5,13 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ferro.errors import BackendUnavailableError, InvalidRankError, SelfSendError
 
 __all__ = ["Backend", "dissemination_barrier"]
+
+_Group = TypeVar("_Group", bound="Backend")
 
 
 class Backend(abc.ABC):
@@ -41,7 +43,7 @@ class Backend(abc.ABC):
     @property
     @abc.abstractmethod
     def rank(self) -> int:
-        """This process's rank in the group, in ``[0, world_size)``."""
+        """The calling process's rank in the group, in ``[0, world_size)``."""
 
     @property
     @abc.abstractmethod
@@ -73,6 +75,7 @@ class Backend(abc.ABC):
         Raises:
             InvalidRankError, SelfSendError, InvalidBufferError, PeerLostError,
             DistributedTimeoutError, ConnectionBrokenError, BackendClosedError.
+
         """
 
     @abc.abstractmethod
@@ -89,6 +92,7 @@ class Backend(abc.ABC):
             InvalidRankError, SelfSendError, InvalidBufferError, PeerLostError,
             DistributedTimeoutError, CollectiveMismatchError, ConnectionBrokenError,
             BackendClosedError.
+
         """
 
     def recv_timeout(self, buf: Any, src: int, timeout: float) -> None:
@@ -105,6 +109,7 @@ class Backend(abc.ABC):
         Raises:
             The errors of :meth:`send` and :meth:`recv`; when both fail, the
             receive's error is raised.
+
         """
         send_error: list[BaseException] = []
 
@@ -130,6 +135,7 @@ class Backend(abc.ABC):
         Raises:
             PeerLostError, DistributedTimeoutError, CollectiveMismatchError
             (a peer made another call), BackendClosedError.
+
         """
 
     @abc.abstractmethod
@@ -145,6 +151,7 @@ class Backend(abc.ABC):
 
         Raises:
             BackendUnavailableError: This backend cannot create sub-groups.
+
         """
         raise BackendUnavailableError(f"{type(self).__name__} cannot create sub-groups (it does not implement split)")
 
@@ -154,12 +161,13 @@ class Backend(abc.ABC):
         Raises:
             InvalidRankError: Not an integer in ``[0, world_size)``.
             SelfSendError: The calling rank itself.
+
         """
         if type(peer) is int and 0 <= peer < self.world_size and peer != self.rank:
             return peer  # the common case, kept cheap: this runs on every message
         if isinstance(peer, bool) or not hasattr(peer, "__index__"):
             raise InvalidRankError(f"rank {self.rank}: {op}: the peer rank must be an integer, got {peer!r}")
-        index = peer.__index__()  # type: ignore[attr-defined]
+        index = peer.__index__()
         if not 0 <= index < self.world_size:
             raise InvalidRankError(
                 f"rank {self.rank}: {op}: peer rank {index} is outside the group's ranks [0, {self.world_size})")
@@ -167,7 +175,7 @@ class Backend(abc.ABC):
             raise SelfSendError(f"rank {self.rank}: {op} with itself: a rank cannot be its own peer")
         return index
 
-    def __enter__(self) -> Backend:
+    def __enter__(self: _Group) -> _Group:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -189,6 +197,7 @@ def dissemination_barrier(rank: int, world_size: int, exchange: Callable[[int, i
         world_size: Number of ranks.
         exchange: ``exchange(dst, src)`` sends an empty barrier message to
             ``dst`` and waits for one from ``src``.
+
     """
     distance = 1
     while distance < world_size:

@@ -40,7 +40,8 @@ class _World:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.cond = threading.Condition()
-        self.queues = {(s, d): deque() for s in range(world_size) for d in range(world_size) if s != d}
+        pairs = [(s, d) for s in range(world_size) for d in range(world_size) if s != d]
+        self.queues: dict[tuple[int, int], deque[_Message]] = {pair: deque() for pair in pairs}
         self.next_seq = {pair: 0 for pair in self.queues}
         self.closed = [False] * world_size
         self.children: dict[tuple[tuple[int, ...], int], _World] = {}
@@ -89,6 +90,7 @@ class SimulatedBackend(Backend):
 
         Raises:
             InvalidWorldSizeError: ``world_size`` is not a positive integer.
+
         """
         validate_rank_and_size(0, world_size)
         world = _World(world_size)
@@ -97,7 +99,7 @@ class SimulatedBackend(Backend):
 
     @property
     def rank(self) -> int:
-        """This rank."""
+        """The rank this object plays."""
         return self._rank
 
     @property

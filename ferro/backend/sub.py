@@ -39,7 +39,7 @@ class SubBackend(Backend):
 
     @property
     def rank(self) -> int:
-        """This process's local rank."""
+        """The calling process's local rank."""
         return self._channel.rank
 
     @property
@@ -62,6 +62,7 @@ class SubBackend(Backend):
 
         Raises:
             InvalidRankError: Not a local rank of this group.
+
         """
         if not 0 <= local_rank < len(self._ranks):
             raise InvalidRankError(f"local rank {local_rank} is outside the sub-group's [0, {len(self._ranks)})")
@@ -72,6 +73,7 @@ class SubBackend(Backend):
 
         Raises:
             InvalidRankError: That rank is not a member.
+
         """
         try:
             return self._ranks.index(global_rank)
@@ -131,6 +133,7 @@ def new_group(ranks: Iterable[int], group: Backend | None = None, *, timeout: fl
         # world of 4 ranks
         evens = new_group([0, 2], group=world)
         # rank 0: evens.rank == 0; rank 2: evens.rank == 1; ranks 1 and 3: evens is None
+
     """
     if group is None:
         raise ConfigurationError("new_group: pass the parent group as group= (there is no default process group)")

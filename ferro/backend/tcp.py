@@ -11,7 +11,7 @@ from typing import Any
 from ferro._buffers import as_buffer
 from ferro._core.transport import KIND_BARRIER, KIND_DATA, Connection, sendrecv
 from ferro.backend.base import Backend, dissemination_barrier
-from ferro.errors import BackendClosedError, ConfigurationError
+from ferro.errors import BackendClosedError, ConfigurationError, DistributedTimeoutError
 from ferro.rendezvous import (
     BIND_ADDR_ENV,
     RendezvousConfig,
@@ -89,6 +89,7 @@ class TcpBackend(Backend):
             group.send(numpy.arange(4.0), dst=1)
         else:
             buf = numpy.empty(4); group.recv(buf, src=0)   # buf == [0, 1, 2, 3]
+
     """
 
     def __init__(
@@ -118,6 +119,14 @@ class TcpBackend(Backend):
             bind = bind_addr or os.environ.get(BIND_ADDR_ENV) or local_address_towards(master_addr)
             self._connect(rank, world_size, store, owns_store, f"ferro/world/{generation}", config.secret, bind,
                           seconds, _spin_us(spin_us, world_size))
+        except DistributedTimeoutError as exc:
+            if owns_store:
+                store.close()
+            refused = store.server.refused if store.server is not None else ()
+            if refused:
+                raise DistributedTimeoutError(
+                    f"{exc}; meanwhile the store refused {len(refused)} connection(s): {refused[-1]}") from exc
+            raise
         except BaseException:
             if owns_store:
                 store.close()
@@ -131,6 +140,7 @@ class TcpBackend(Backend):
 
         Raises:
             ConfigurationError: Naming the variable that is missing or malformed.
+
         """
         config = RendezvousConfig.resolve(
             rank=kwargs.pop("rank", None), world_size=kwargs.pop("world_size", None),
@@ -154,14 +164,14 @@ class TcpBackend(Backend):
         self._spin_us = spin_us
         self._closed = False
         self._split_counts: dict[tuple[int, ...], int] = {}
-        self._conns: list[Connection | None] = [None] * world_size
+        self._conns: dict[int, Connection] = {}
         for peer, sock in sockets.items():
             _size_socket_buffers(sock)
             self._conns[peer] = Connection(sock, rank, peer, spin_us=spin_us)
 
     @property
     def rank(self) -> int:
-        """This process's rank in the group."""
+        """The calling process's rank in the group."""
         return self._rank
 
     @property
@@ -186,9 +196,7 @@ class TcpBackend(Backend):
 
     def connection(self, peer: int) -> Connection:
         """Return the compiled connection to ``peer`` (for ferro's own algorithms)."""
-        conn = self._conns[self.check_peer(peer, "connection")]
-        assert conn is not None  # every peer but this rank has one
-        return conn
+        return self._conns[self.check_peer(peer, "connection")]
 
     def _usable(self, op: str) -> None:
         if self._closed:
@@ -198,14 +206,14 @@ class TcpBackend(Backend):
         """Send ``buf``'s bytes to ``dst`` (see :meth:`Backend.send`)."""
         self._usable("send")
         dst = self.check_peer(dst, "send")
-        self._conns[dst].send(as_buffer(buf, "send"), kind=KIND_DATA,  # type: ignore[union-attr]
+        self._conns[dst].send(as_buffer(buf, "send"), kind=KIND_DATA,
                               timeout=self._timeout if timeout is None else timeout, op="send")
 
     def recv(self, buf: Any, src: int, *, timeout: float | None = None) -> None:
         """Receive the next message from ``src`` into ``buf`` (see :meth:`Backend.recv`)."""
         self._usable("recv")
         src = self.check_peer(src, "recv")
-        self._conns[src].recv_into(as_buffer(buf, "recv"), kind=KIND_DATA,  # type: ignore[union-attr]
+        self._conns[src].recv_into(as_buffer(buf, "recv"), kind=KIND_DATA,
                                    timeout=self._timeout if timeout is None else timeout, op="recv")
 
     def sendrecv(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, timeout: float | None = None) -> None:
@@ -246,8 +254,7 @@ class TcpBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        for conn in self._conns:
-            if conn is not None:
-                conn.close()
+        for conn in self._conns.values():
+            conn.close()
         if self._owns_store:
             self._store.close()

@@ -33,6 +33,7 @@ class RankExit:
     Attributes:
         exitcode: The process's exit status, or ``None`` if a signal ended it.
         signal_name: The name of the signal that ended it (``"SIGKILL"``), or ``None``.
+
     """
 
     exitcode: int | None
@@ -146,6 +147,7 @@ def run_processes(
             other rank is killed at once.
         DistributedTimeoutError: The run took longer than ``timeout``; the
             message holds the stacks of the ranks that had not finished.
+
     """
     if backend not in ("tcp", None):
         raise ValueError(f"run_processes: backend must be 'tcp' or None, got {backend!r}")
@@ -155,7 +157,7 @@ def run_processes(
     secret = secrets.token_hex(16)
     server = None
     workdir = tempfile.mkdtemp(prefix="ferro-ranks-")
-    processes: list[multiprocessing.process.BaseProcess] = []
+    processes: list[Any] = []  # context-specific Process classes
     pipes: list[multiprocessing.connection.Connection] = []
     try:
         if backend == "tcp":
@@ -197,7 +199,7 @@ def _collect(processes: list[multiprocessing.process.BaseProcess], pipes: list[m
     deadline = time.monotonic() + timeout
     while pending:
         remaining = deadline - time.monotonic()
-        waitables = {pipes[r]: r for r in pending}
+        waitables: dict[Any, int] = {pipes[r]: r for r in pending}
         waitables.update({processes[r].sentinel: r for r in pending})
         ready = multiprocessing.connection.wait(list(waitables), timeout=max(remaining, 0))
         if not ready:
@@ -226,7 +228,8 @@ def _collect(processes: list[multiprocessing.process.BaseProcess], pipes: list[m
 def _read_result(pipe: multiprocessing.connection.Connection) -> tuple[str, Any] | None:
     try:
         if pipe.poll():
-            return pipe.recv()  # type: ignore[no-any-return]
+            message: tuple[str, Any] = pipe.recv()
+            return message
     except (EOFError, OSError):
         pass
     return None

@@ -35,6 +35,7 @@ def run_threads(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] 
     Raises:
         RankFailedError: The first rank that raised, with its traceback.
         DistributedTimeoutError: Ranks still running after ``timeout``, with their stacks.
+
     """
     groups = SimulatedBackend.create_group(world_size, timeout=group_timeout)
     results: list[Any] = [None] * world_size
