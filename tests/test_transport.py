@@ -312,3 +312,22 @@ def test_short_garbage_then_close_is_peer_lost_not_a_hang(raw_pair):
     raw.close()
     with pytest.raises(PeerLostError):
         conn.recv_into(bytearray(4), timeout=30)
+
+
+def test_close_from_another_thread_wakes_a_blocked_receive(pair):
+    left, right = pair
+    errors = []
+
+    def blocked():
+        try:
+            right.recv_into(bytearray(8), timeout=30)
+        except Exception as exc:  # noqa: BLE001 - the test inspects whatever arrives
+            errors.append(exc)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    thread.join(0.2)  # let it block
+    right.close()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], BackendClosedError), errors

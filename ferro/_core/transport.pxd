@@ -32,6 +32,7 @@ cdef struct ConnState:
     size_t stage_begin     # first unconsumed staged byte
     size_t stage_end       # one past the last staged byte
     int broken             # 0, or the Status that left the stream unusable
+    int closing            # close() was called, possibly while another thread waits here
     int64_t spin_ns        # how long to spin on a quiet socket before sleeping in poll
 
 

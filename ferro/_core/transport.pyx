@@ -101,6 +101,8 @@ _KIND_NAMES = {KIND_DATA: "point-to-point data", KIND_BARRIER: "barrier", KIND_C
 # Longest sleep in poll before the loop looks at the deadline and at signals again.
 cdef int POLL_SLICE_MS = 100
 cdef size_t DEFAULT_STAGE_BYTES = 64 * 1024
+# How long close() waits for a thread inside an operation on the connection to leave it.
+cdef long long CLOSE_WAIT_US = 1000000
 
 cdef enum Phase:
     PHASE_HEADER = 0
@@ -455,6 +457,7 @@ cdef class Connection:
         self.st.stage_begin = 0
         self.st.stage_end = 0
         self.st.broken = 0
+        self.st.closing = 0
         self.st.spin_ns = <int64_t>(spin_us * 1000.0)
         self.broken_reason = None
         self.is_closed = False
@@ -508,11 +511,36 @@ cdef class Connection:
         return self.st.fd
 
     def close(self) -> None:
-        """Close the socket. Idempotent; later operations raise BackendClosedError."""
-        if not self.is_closed:
-            self.is_closed = True
-            self.st.fd = -1
-            self.sock.close()
+        """Close the socket. Idempotent; later operations raise BackendClosedError.
+
+        A thread blocked on this connection wakes at once and raises
+        BackendClosedError too: the socket is shut down before it is closed, so the
+        waiter sees the shutdown rather than a descriptor number that may be reused.
+        """
+        if self.is_closed:
+            return
+        self.is_closed = True
+        self.st.closing = 1
+        self.st.broken = ST_BROKEN
+        self.broken_reason = "closed by this process"
+        try:
+            self.sock.shutdown(2)  # SHUT_RDWR
+        except OSError:
+            pass  # already disconnected
+        # Taking both locks waits for a thread inside an operation to leave it (the
+        # shutdown wakes it within microseconds) before the descriptor is released.
+        # The wait is bounded: a signal handler may call close() on the thread that
+        # holds a lock, and that thread's loop then stops on the cleared descriptor.
+        cdef int got_send, got_recv
+        with nogil:
+            got_send = PyThread_acquire_lock_timed(self.send_lock, CLOSE_WAIT_US, 0) == PY_LOCK_ACQUIRED
+            got_recv = PyThread_acquire_lock_timed(self.recv_lock, CLOSE_WAIT_US, 0) == PY_LOCK_ACQUIRED
+        self.st.fd = -1
+        self.sock.close()
+        if got_recv:
+            PyThread_release_lock(self.recv_lock)
+        if got_send:
+            PyThread_release_lock(self.send_lock)
 
     cdef int check_usable(self, str op) except -1:
         if self.is_closed:
@@ -678,9 +706,15 @@ def sendrecv(Connection send_conn, send_buf, Connection recv_conn, recv_buf, *,
 # ---------------------------------------------------------------------------
 # The one place where statuses become exceptions.
 
+cdef object _closed_error(ConnState* st, str where):
+    return BackendClosedError(f"{where}: the connection was closed by this process while the operation waited")
+
+
 cdef object _send_error(SendOp* s, str op, double timeout):
     cdef ConnState* st = s.conn
     where = f"rank {st.local_rank}: {op} to rank {st.peer_rank}"
+    if st.closing:
+        return _closed_error(st, where)
     seq = f"frame seq {st.send_seq}"
     status = s.status
     if status == ST_TIMEOUT:
@@ -701,6 +735,8 @@ cdef object _send_error(SendOp* s, str op, double timeout):
 cdef object _recv_error(RecvOp* r, str op, double timeout):
     cdef ConnState* st = r.conn
     where = f"rank {st.local_rank}: {op} from rank {st.peer_rank}"
+    if st.closing:
+        return _closed_error(st, where)
     status = r.status
     if status == ST_TIMEOUT:
         tail = ("; it stopped in the middle of a frame, so the connection is now unusable"
