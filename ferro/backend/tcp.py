@@ -18,7 +18,6 @@ from ferro.rendezvous import (
     build_mesh,
     default_timeout,
     local_address_towards,
-    validate_rank_and_size,
 )
 from ferro.store import Store
 
@@ -105,7 +104,6 @@ class TcpBackend(Backend):
         store: Store | None = None,
         spin_us: float | None = None,
     ) -> None:
-        validate_rank_and_size(rank, world_size)
         config = RendezvousConfig.resolve(
             rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, secret=secret)
         seconds = default_timeout(timeout)
