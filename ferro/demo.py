@@ -1,16 +1,15 @@
 """The two-rank demonstration behind ``ferro demo``: a round trip and a bulk exchange over TCP.
 
-The launcher starts two copies of this module as separate processes with the
-torchrun-style environment, exactly as a real job's ranks would be started.
+:func:`launch` starts two ranks as separate processes with the torchrun-style
+environment, exactly as a real job's ranks would be started.
 """
 
 from __future__ import annotations
 
-import argparse
+import multiprocessing
 import os
 import secrets
 import statistics
-import subprocess
 import sys
 import time
 
@@ -76,38 +75,36 @@ def rank_main(size_mb: int, round_trips: int, exchanges: int) -> None:
             raise SystemExit(1)
 
 
+def _rank_process(rank: int, env: dict[str, str], size_mb: int, round_trips: int, exchanges: int) -> None:
+    os.environ.update(env, RANK=str(rank))
+    rank_main(size_mb, round_trips, exchanges)
+
+
 def launch(size_mb: int = 64, round_trips: int = 2000, exchanges: int = 5, timeout: float = 120.0) -> int:
-    """Start two ranks of the demonstration as processes and wait for them; return the exit status."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
-               FERRO_SECRET=secrets.token_hex(16))
-    command = [sys.executable, "-m", "ferro.demo", "--rank-main", str(size_mb), str(round_trips), str(exchanges)]
-    ranks = [subprocess.Popen(command, env=dict(env, RANK=str(r))) for r in range(2)]
+    """Start two ranks of the demonstration as processes and wait for them; return the exit status.
+
+    The ranks are spawned by multiprocessing, so they import the same ferro as
+    this process (a ``python -m`` child would put the current directory first on
+    its path and could pick up an unbuilt source checkout instead).
+    """
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "FERRO_SECRET": secrets.token_hex(16)}
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=_rank_process, args=(r, env, size_mb, round_trips, exchanges),
+                             name=f"ferro-demo-rank-{r}") for r in range(2)]
+    for process in ranks:
+        process.start()
     deadline = time.monotonic() + timeout
     status = 0
-    try:
-        for process in ranks:
-            code = process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            status = status or code
-    except subprocess.TimeoutExpired:
-        print(f"ferro demo: the ranks did not finish within {timeout:g} s", file=sys.stderr)
-        status = 1
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    for process in ranks:
+        process.join(max(deadline - time.monotonic(), 0.1))
+        if process.exitcode is None:
+            print(f"ferro demo: the ranks did not finish within {timeout:g} s", file=sys.stderr)
+            status = 1
+        elif process.exitcode != 0:
+            status = status or 1
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            process.join()
     return status
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m ferro.demo`` (a rank started by :func:`launch`)."""
-    parser = argparse.ArgumentParser(prog="python -m ferro.demo")
-    parser.add_argument("--rank-main", nargs=3, type=int, metavar=("SIZE_MB", "ROUND_TRIPS", "EXCHANGES"),
-                        required=True)
-    args = parser.parse_args(argv)
-    rank_main(*args.rank_main)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
