@@ -7,17 +7,22 @@ from setuptools import Extension, setup
 
 # FERRO_DEBUG_BUILD=1 keeps assertions and adds debug symbols for valgrind and gdb.
 debug = os.environ.get("FERRO_DEBUG_BUILD") == "1"
-compile_args = ["-O0", "-g"] if debug else ["-O3"]
+# -fwrapv: integer reductions wrap on overflow, as NumPy's do, instead of being undefined.
+compile_args = ["-O0", "-g", "-fwrapv"] if debug else ["-O3", "-fwrapv"]
 
-extensions = [
-    Extension(
-        "ferro._core.transport",
-        ["ferro/_core/transport.pyx"],
+
+def core_module(name: str) -> Extension:
+    return Extension(
+        f"ferro._core.{name}",
+        [f"ferro/_core/{name}.pyx"],
         include_dirs=["ferro/_core"],
         extra_compile_args=compile_args,
+        libraries=["m"],
         define_macros=[] if debug else [("NDEBUG", "1")],
-    ),
-]
+    )
+
+
+extensions = [core_module("transport"), core_module("reduce")]
 
 setup(
     ext_modules=cythonize(

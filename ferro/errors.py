@@ -89,7 +89,22 @@ class CollectiveMismatchError(DistributedError, RuntimeError):
     The frame's header carries the sender's operation kind and fingerprint; the
     receiver compares them with its own call before touching its buffer, and the
     frame stays unconsumed.
+
+    Attributes:
+        peer: The rank whose frame did not match (or that reported the mismatch).
+        expected: ``(kind, fingerprint)`` of this rank's call, when known.
+        actual: ``(kind, fingerprint)`` of the peer's frame, when known.
     """
+
+    def __init__(self, message: str, peer: int | None = None, expected: tuple[int, int] | None = None,
+                 actual: tuple[int, int] | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.expected = expected
+        self.actual = actual
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.peer, self.expected, self.actual))
 
 
 class SizeMismatchError(DistributedError, ValueError):

@@ -8,9 +8,17 @@ PROTOCOL_VERSION: int
 KIND_DATA: int
 KIND_BARRIER: int
 KIND_COLLECTIVE: int
+KIND_ABORT: int
+MAX_ABORT_BYTES: int
+ABORT_PEER_LOST: int
+ABORT_MISMATCH: int
+ABORT_TIMEOUT: int
+ABORT_OTHER: int
 
 def kind_name(kind: int) -> str: ...
 def describe_buffer_problem(obj: object, writable: bool) -> str: ...
+def abort_payload(code: int, peer: int, message: str) -> bytes: ...
+def abort_error(payload: bytes, sender: int, where: str) -> Exception: ...
 
 class Connection:
     def __init__(

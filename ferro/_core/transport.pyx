@@ -96,13 +96,25 @@ PROTOCOL_VERSION = FERRO_PROTOCOL_VERSION
 KIND_DATA = 1
 KIND_BARRIER = 2
 KIND_COLLECTIVE = 3
-_KIND_NAMES = {KIND_DATA: "point-to-point data", KIND_BARRIER: "barrier", KIND_COLLECTIVE: "collective"}
+KIND_ABORT = 4
+_KIND_NAMES = {KIND_DATA: "point-to-point data", KIND_BARRIER: "barrier", KIND_COLLECTIVE: "collective",
+               KIND_ABORT: "abort"}
+
+# An abort frame tells the peers why this rank gave up on a collective; it is
+# small, so the receiver can read it whatever buffer it had posted.
+MAX_ABORT_BYTES = 4096
+ABORT_PEER_LOST = 1
+ABORT_MISMATCH = 2
+ABORT_TIMEOUT = 3
+ABORT_OTHER = 4
 
 # Longest sleep in poll before the loop looks at the deadline and at signals again.
 cdef int POLL_SLICE_MS = 100
 cdef size_t DEFAULT_STAGE_BYTES = 64 * 1024
 # How long close() waits for a thread inside an operation on the connection to leave it.
 cdef long long CLOSE_WAIT_US = 1000000
+# An abort notice's payload follows its header at once; five seconds is generous.
+cdef int64_t ABORT_READ_NS = 5000000000
 
 cdef enum Phase:
     PHASE_HEADER = 0
@@ -758,11 +770,14 @@ cdef object _recv_error(RecvOp* r, str op, double timeout):
         return ProtocolError(
             f"{where}: frame seq {r.seen_seq} arrived where seq {st.recv_seq} was due: the stream is corrupt; "
             f"the connection is now unusable")
+    if status == ST_MISMATCH and r.seen_kind == KIND_ABORT and r.seen_length <= MAX_ABORT_BYTES:
+        return _read_abort(r, where)
     if status == ST_MISMATCH:
         return CollectiveMismatchError(
             f"{where}: this rank expected a {kind_name(r.kind)} frame (fingerprint 0x{r.fingerprint:x}) but "
             f"rank {st.peer_rank} sent a {kind_name(r.seen_kind)} frame (fingerprint 0x{r.seen_fingerprint:x}) "
-            f"at seq {r.seen_seq}: the two ranks made different calls; the frame was not consumed")
+            f"at seq {r.seen_seq}: the two ranks made different calls; the frame was not consumed",
+            st.peer_rank, (r.kind, r.fingerprint), (r.seen_kind, r.seen_fingerprint))
     if status == ST_TOO_LARGE or status == ST_SIZE_MISMATCH:
         relation = "holds" if status == ST_TOO_LARGE else "expects exactly"
         return SizeMismatchError(
@@ -772,6 +787,48 @@ cdef object _recv_error(RecvOp* r, str op, double timeout):
     if status == ST_INTR:
         return None
     return _generic_error(status, where, st)
+
+
+cdef object _read_abort(RecvOp* refused, str where):
+    """Consume the abort frame that ``refused`` ran into and turn it into the error it reports."""
+    cdef RecvOp r
+    cdef ConnState* st = refused.conn
+    cdef bytearray payload = bytearray(<size_t>refused.seen_length)
+    cdef Py_buffer view
+    cdef int64_t deadline = monotonic_ns() + ABORT_READ_NS
+    PyObject_GetBuffer(payload, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+    try:
+        _init_recv(&r, st, &view, KIND_ABORT, refused.seen_fingerprint, True)
+        with nogil:
+            run_ops(NULL, &r, deadline)
+    finally:
+        PyBuffer_Release(&view)
+    if r.status != ST_OK:
+        return _recv_error(&r, "reading an abort notice", 5.0)
+    return abort_error(bytes(payload), st.peer_rank, where)
+
+
+def abort_payload(int code, int peer, str message) -> bytes:
+    """Encode an abort notice: a code, the rank it concerns (-1 for none) and a message."""
+    text = message.encode("utf-8", "replace")[: MAX_ABORT_BYTES - 5]
+    return bytes([code]) + peer.to_bytes(4, "little", signed=True) + text
+
+
+def abort_error(bytes payload, int sender, str where) -> Exception:
+    """The exception an abort notice from rank ``sender`` stands for."""
+    if len(payload) < 5:
+        return ProtocolError(f"{where}: rank {sender} sent a malformed abort notice")
+    code = payload[0]
+    peer = int.from_bytes(payload[1:5], "little", signed=True)
+    text = payload[5:].decode("utf-8", "replace")
+    message = f"{where}: rank {sender} gave up on the collective: {text}"
+    if code == ABORT_PEER_LOST:
+        return PeerLostError(message, peer if peer >= 0 else sender)
+    if code == ABORT_MISMATCH:
+        return CollectiveMismatchError(message, sender)
+    if code == ABORT_TIMEOUT:
+        return DistributedTimeoutError(message)
+    return ConnectionBrokenError(message)
 
 
 cdef object _generic_error(int status, str where, ConnState* st):

@@ -128,6 +128,44 @@ class Backend(abc.ABC):
         if send_error:
             raise send_error[0]
 
+    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Send one message that carries a frame kind and a call fingerprint.
+
+        The receiver's :meth:`recv_tagged` refuses a message whose kind or
+        fingerprint differs from its own call (:class:`~ferro.CollectiveMismatchError`),
+        which is how collectives catch ranks that called different things.
+        This default drops the tags (for backends without framing) and calls :meth:`send`.
+        """
+        self.send(buf, dst, timeout=timeout)
+
+    def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Receive a message sent by :meth:`send_tagged`, checking its kind and fingerprint (see there)."""
+        self.recv(buf, src, timeout=timeout)
+
+    def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
+                        timeout: float | None = None) -> None:
+        """:meth:`sendrecv` with tagged messages (see :meth:`send_tagged`)."""
+        self.sendrecv(send_buf, dst, recv_buf, src, timeout=timeout)
+
+    def abort_peers(self, payload: bytes) -> None:
+        """Tell every peer, best effort, that this rank gave up on the current collective.
+
+        ``payload`` is an abort notice (``ferro._core.transport.abort_payload``); a
+        peer waiting on this rank raises the error it describes instead of
+        waiting for its timeout. This default does nothing (peers then time out).
+        """
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group is unusable after a failed collective, or None while it is healthy."""
+        return getattr(self, "_ferro_failure", None)
+
+    def mark_failed(self, reason: str) -> None:
+        """Record that a collective failed part-way: its frames may still be in flight, so every
+        later collective on this group raises instead of risking reading them."""
+        if getattr(self, "_ferro_failure", None) is None:
+            self._ferro_failure = reason
+
     @abc.abstractmethod
     def barrier(self, *, timeout: float | None = None) -> None:
         """Block until every rank of the group has entered the barrier.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferro._buffers import byte_view
-from ferro._core.transport import KIND_BARRIER, KIND_DATA, kind_name
+from ferro._core.transport import KIND_ABORT, KIND_BARRIER, KIND_DATA, abort_error, kind_name
 from ferro.backend.base import Backend, dissemination_barrier
 from ferro.errors import (
     BackendClosedError,
@@ -30,6 +30,7 @@ __all__ = ["SimulatedBackend"]
 @dataclass
 class _Message:
     kind: int
+    fingerprint: int
     payload: bytes
     seq: int
 
@@ -125,7 +126,7 @@ class SimulatedBackend(Backend):
         if self._world.closed[self._rank]:
             raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
 
-    def _post(self, payload: bytes, dst: int, kind: int, op: str) -> None:
+    def _post(self, payload: bytes, dst: int, kind: int, op: str, fingerprint: int = 0) -> None:
         world = self._world
         with world.cond:
             if world.closed[dst]:
@@ -133,11 +134,11 @@ class SimulatedBackend(Backend):
                     f"rank {self._rank}: {op} to rank {dst}: rank {dst} closed the connection "
                     f"(it exited, crashed or closed its group)", dst)
             pair = (self._rank, dst)
-            world.queues[pair].append(_Message(kind, payload, world.next_seq[pair]))
+            world.queues[pair].append(_Message(kind, fingerprint, payload, world.next_seq[pair]))
             world.next_seq[pair] += 1
             world.cond.notify_all()
 
-    def _take(self, out: memoryview, src: int, kind: int, timeout: float, op: str) -> None:
+    def _take(self, out: memoryview, src: int, kind: int, timeout: float, op: str, fingerprint: int = 0) -> None:
         world = self._world
         queue = world.queues[(src, self._rank)]
         where = f"rank {self._rank}: {op} from rank {src}"
@@ -154,11 +155,15 @@ class SimulatedBackend(Backend):
                     raise DistributedTimeoutError(f"{where} timed out after {timeout:g} s; no message was consumed")
                 world.cond.wait(remaining)
             message = queue[0]
-            if message.kind != kind:
+            if message.kind == KIND_ABORT and kind != KIND_ABORT:
+                queue.popleft()
+                raise abort_error(message.payload, src, where)
+            if message.kind != kind or message.fingerprint != fingerprint:
                 raise CollectiveMismatchError(
-                    f"{where}: this rank expected a {kind_name(kind)} message but rank {src} sent a "
-                    f"{kind_name(message.kind)} message at seq {message.seq}: the two ranks made different "
-                    f"calls; the message was not consumed")
+                    f"{where}: this rank expected a {kind_name(kind)} message (fingerprint 0x{fingerprint:x}) but "
+                    f"rank {src} sent a {kind_name(message.kind)} message (fingerprint 0x{message.fingerprint:x}) "
+                    f"at seq {message.seq}: the two ranks made different calls; the message was not consumed",
+                    src, (kind, fingerprint), (message.kind, message.fingerprint))
             if len(message.payload) != out.nbytes:
                 raise SizeMismatchError(
                     f"{where}: rank {src} sent a {len(message.payload)}-byte payload but the receive buffer "
@@ -169,25 +174,44 @@ class SimulatedBackend(Backend):
 
     def send(self, buf: Any, dst: int, *, timeout: float | None = None) -> None:
         """Queue a copy of ``buf``'s bytes for ``dst`` (see :meth:`Backend.send`)."""
-        self._usable("send")
-        dst = self.check_peer(dst, "send")
-        self._post(byte_view(buf, "send", writable=False).tobytes(), dst, KIND_DATA, "send")
+        self.send_tagged(buf, dst, kind=KIND_DATA, fingerprint=0, timeout=timeout)
 
     def recv(self, buf: Any, src: int, *, timeout: float | None = None) -> None:
         """Take the next message from ``src`` into ``buf`` (see :meth:`Backend.recv`)."""
-        self._usable("recv")
-        src = self.check_peer(src, "recv")
-        out = byte_view(buf, "recv", writable=True)
-        self._take(out, src, KIND_DATA, self._timeout if timeout is None else timeout, "recv")
+        self.recv_tagged(buf, src, kind=KIND_DATA, fingerprint=0, timeout=timeout)
 
     def sendrecv(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, timeout: float | None = None) -> None:
         """Send then receive; sends never block here, so no helper thread is needed."""
+        self.sendrecv_tagged(send_buf, dst, recv_buf, src, kind=KIND_DATA, fingerprint=0, timeout=timeout)
+
+    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Queue a tagged copy of ``buf`` (see :meth:`Backend.send_tagged`)."""
+        self._usable("send")
+        dst = self.check_peer(dst, "send")
+        self._post(byte_view(buf, "send", writable=False).tobytes(), dst, kind, "send", fingerprint)
+
+    def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Take the next message, refusing another kind or fingerprint (see :meth:`Backend.recv_tagged`)."""
+        self._usable("recv")
+        src = self.check_peer(src, "recv")
+        out = byte_view(buf, "recv", writable=True)
+        self._take(out, src, kind, self._timeout if timeout is None else timeout, "recv", fingerprint)
+
+    def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
+                        timeout: float | None = None) -> None:
+        """Post the send, then take the receive (see :meth:`Backend.sendrecv_tagged`)."""
         self._usable("sendrecv")
         dst = self.check_peer(dst, "sendrecv")
         src = self.check_peer(src, "sendrecv")
         out = byte_view(recv_buf, "sendrecv", writable=True)
-        self._post(byte_view(send_buf, "sendrecv", writable=False).tobytes(), dst, KIND_DATA, "sendrecv")
-        self._take(out, src, KIND_DATA, self._timeout if timeout is None else timeout, "sendrecv")
+        self._post(byte_view(send_buf, "sendrecv", writable=False).tobytes(), dst, kind, "sendrecv", fingerprint)
+        self._take(out, src, kind, self._timeout if timeout is None else timeout, "sendrecv", fingerprint)
+
+    def abort_peers(self, payload: bytes) -> None:
+        """Queue an abort notice for every peer that is still open."""
+        for peer in range(self.world_size):
+            if peer != self._rank and not self._world.closed[peer]:
+                self._post(payload, peer, KIND_ABORT, "abort")
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Block until every rank has entered the barrier (dissemination algorithm)."""

@@ -92,6 +92,24 @@ class SubBackend(Backend):
         """Full-duplex exchange with local ranks (see :meth:`Backend.sendrecv`)."""
         self._channel.sendrecv(send_buf, dst, recv_buf, src, timeout=timeout)
 
+    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Tagged send to local rank ``dst`` (see :meth:`Backend.send_tagged`)."""
+        self._channel.send_tagged(buf, dst, kind=kind, fingerprint=fingerprint, timeout=timeout)
+
+    def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Tagged receive from local rank ``src`` (see :meth:`Backend.recv_tagged`)."""
+        self._channel.recv_tagged(buf, src, kind=kind, fingerprint=fingerprint, timeout=timeout)
+
+    def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
+                        timeout: float | None = None) -> None:
+        """Tagged full-duplex exchange with local ranks (see :meth:`Backend.sendrecv_tagged`)."""
+        self._channel.sendrecv_tagged(send_buf, dst, recv_buf, src, kind=kind, fingerprint=fingerprint,
+                                      timeout=timeout)
+
+    def abort_peers(self, payload: bytes) -> None:
+        """Send an abort notice to the sub-group's members."""
+        self._channel.abort_peers(payload)
+
     def barrier(self, *, timeout: float | None = None) -> None:
         """Barrier among the members only."""
         self._channel.barrier(timeout=timeout)

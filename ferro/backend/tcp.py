@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ferro._buffers import as_buffer
-from ferro._core.transport import KIND_BARRIER, KIND_DATA, Connection, sendrecv
+from ferro._core.transport import KIND_ABORT, KIND_BARRIER, KIND_DATA, Connection, sendrecv
 from ferro.backend.base import Backend, dissemination_barrier
-from ferro.errors import BackendClosedError, ConfigurationError, DistributedTimeoutError
+from ferro.errors import BackendClosedError, ConfigurationError, DistributedError, DistributedTimeoutError
 from ferro.rendezvous import (
     BIND_ADDR_ENV,
     RendezvousConfig,
@@ -202,28 +202,48 @@ class TcpBackend(Backend):
 
     def send(self, buf: Any, dst: int, *, timeout: float | None = None) -> None:
         """Send ``buf``'s bytes to ``dst`` (see :meth:`Backend.send`)."""
-        self._usable("send")
-        dst = self.check_peer(dst, "send")
-        self._conns[dst].send(as_buffer(buf, "send"), kind=KIND_DATA,
-                              timeout=self._timeout if timeout is None else timeout, op="send")
+        self.send_tagged(buf, dst, kind=KIND_DATA, fingerprint=0, timeout=timeout)
 
     def recv(self, buf: Any, src: int, *, timeout: float | None = None) -> None:
         """Receive the next message from ``src`` into ``buf`` (see :meth:`Backend.recv`)."""
-        self._usable("recv")
-        src = self.check_peer(src, "recv")
-        self._conns[src].recv_into(as_buffer(buf, "recv"), kind=KIND_DATA,
-                                   timeout=self._timeout if timeout is None else timeout, op="recv")
+        self.recv_tagged(buf, src, kind=KIND_DATA, fingerprint=0, timeout=timeout)
 
     def sendrecv(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, timeout: float | None = None) -> None:
         """Full-duplex exchange in one compiled progress loop (see :meth:`Backend.sendrecv`)."""
+        self.sendrecv_tagged(send_buf, dst, recv_buf, src, kind=KIND_DATA, fingerprint=0, timeout=timeout)
+
+    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Send one frame with ``kind`` and ``fingerprint`` in its header (see :meth:`Backend.send_tagged`)."""
+        self._usable("send")
+        dst = self.check_peer(dst, "send")
+        self._conns[dst].send(as_buffer(buf, "send"), kind=kind, fingerprint=fingerprint,
+                              timeout=self._timeout if timeout is None else timeout, op="send")
+
+    def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Receive one frame, refusing another kind or fingerprint (see :meth:`Backend.recv_tagged`)."""
+        self._usable("recv")
+        src = self.check_peer(src, "recv")
+        self._conns[src].recv_into(as_buffer(buf, "recv"), kind=kind, fingerprint=fingerprint,
+                                   timeout=self._timeout if timeout is None else timeout, op="recv")
+
+    def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
+                        timeout: float | None = None) -> None:
+        """Full-duplex exchange of tagged frames (see :meth:`Backend.sendrecv_tagged`)."""
         self._usable("sendrecv")
         dst = self.check_peer(dst, "sendrecv")
         src = self.check_peer(src, "sendrecv")
-        self._exchange(as_buffer(send_buf, "sendrecv"), dst, as_buffer(recv_buf, "sendrecv"), src, KIND_DATA,
-                       self._timeout if timeout is None else timeout, "sendrecv")
+        sendrecv(self._conns[dst], as_buffer(send_buf, "sendrecv"), self._conns[src], as_buffer(recv_buf, "sendrecv"),
+                 kind=kind, fingerprint=fingerprint, timeout=self._timeout if timeout is None else timeout,
+                 op="sendrecv")
 
-    def _exchange(self, send_buf: Any, dst: int, recv_buf: Any, src: int, kind: int, timeout: float, op: str) -> None:
-        sendrecv(self._conns[dst], send_buf, self._conns[src], recv_buf, kind=kind, timeout=timeout, op=op)
+    def abort_peers(self, payload: bytes) -> None:
+        """Send an abort notice to every peer whose connection still works (one second each at most)."""
+        for conn in self._conns.values():
+            if conn.broken is None and not conn.closed:
+                try:
+                    conn.send(payload, kind=KIND_ABORT, timeout=1.0, op="abort")
+                except DistributedError:
+                    pass  # that peer is gone or wedged; it learns by its own timeout
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Block until every rank has entered the barrier (dissemination algorithm)."""
@@ -232,7 +252,8 @@ class TcpBackend(Backend):
         sink = bytearray(0)
         dissemination_barrier(
             self._rank, self._world_size,
-            lambda dst, src: self._exchange(_EMPTY, dst, sink, src, KIND_BARRIER, seconds, "barrier"))
+            lambda dst, src: sendrecv(self._conns[dst], _EMPTY, self._conns[src], sink, kind=KIND_BARRIER,
+                                      timeout=seconds, op="barrier"))
 
     def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> TcpBackend:
         """Connect a new mesh among ``ranks`` through this group's store (see :meth:`Backend.split`)."""

@@ -1,0 +1,726 @@
+"""Collective operations over a process group.
+
+Every function validates its arguments once, then runs the backend's native
+algorithm where it has one, else a generic algorithm over the backend's tagged
+send/recv, so every backend supports every collective. Every frame of a call
+carries the call's fingerprint: ranks that call different collectives (or the
+same one with different sizes, dtypes, ops or roots) raise
+:class:`~ferro.CollectiveMismatchError` naming both calls.
+
+Semantics, the same on every backend:
+
+* Results are identical on every rank, bit for bit.
+* ``ReduceOp.MEAN`` (alias ``AVG``) is SUM divided by the world size, for
+  floating-point dtypes; float16 and bfloat16 are combined in float32 at each step.
+* World size 1 and empty arrays need no communication; results documented as
+  new arrays never alias the input.
+* When a collective fails part-way (a lost peer, a mismatch, a timeout), this
+  rank tells the others so they fail at once too, and the group is marked
+  failed: frames of the abandoned call may still be in flight, so later
+  collectives on it raise :class:`~ferro.ConnectionBrokenError`. Create a new group.
+* ``async_op=True`` returns a :class:`~ferro.PendingCollective`. A group runs its
+  collectives one at a time, in call order, on every rank.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ferro import _algorithms as algo
+from ferro._core.reduce import divide, has_kernel
+from ferro._core.transport import (
+    ABORT_MISMATCH,
+    ABORT_OTHER,
+    ABORT_PEER_LOST,
+    ABORT_TIMEOUT,
+    KIND_COLLECTIVE,
+    abort_payload,
+    kind_name,
+)
+from ferro._dtypes import DType, Operand, describe_fingerprint, fingerprint, operand, wrap_like
+from ferro.backend.base import Backend
+from ferro.errors import (
+    CollectiveMismatchError,
+    ConfigurationError,
+    ConnectionBrokenError,
+    DistributedError,
+    DistributedTimeoutError,
+    InvalidBufferError,
+    InvalidRankError,
+    PeerLostError,
+    SizeMismatchError,
+)
+from ferro.rendezvous import default_timeout
+from ferro.work import PendingCollective, worker_of
+
+__all__ = [
+    "ReduceOp",
+    "all_gather",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single_uneven",
+    "allreduce",
+    "async_all_gather",
+    "async_reduce_scatter",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+]
+
+# Messages up to this size use latency-optimal algorithms (recursive doubling,
+# binomial trees); larger ones bandwidth-optimal rings and chains.
+SMALL_MESSAGE_BYTES = 64 * 1024
+BROADCAST_SEGMENT_BYTES = 1024 * 1024
+# Fixed size of the metadata frame that tells a receiver what to allocate.
+META_BYTES = 256
+
+
+class ReduceOp(enum.Enum):
+    """How :func:`allreduce`, :func:`reduce` and :func:`reduce_scatter` combine values.
+
+    ``BAND``, ``BOR`` and ``BXOR`` apply to integer dtypes; ``MEAN`` (also named
+    ``AVG``) to floating-point ones; the rest to both.
+    """
+
+    SUM = 0
+    PRODUCT = 1
+    MIN = 2
+    MAX = 3
+    BAND = 4
+    BOR = 5
+    BXOR = 6
+    MEAN = 7
+    AVG = 7  # an alias of MEAN, as in torch.distributed
+
+    @property
+    def kernel_code(self) -> int:
+        """The C kernel's op code (MEAN reduces as SUM, then divides)."""
+        return 0 if self is ReduceOp.MEAN else self.value
+
+
+# --- shared plumbing -----------------------------------------------------------
+
+def _group(group: Backend | None, name: str) -> Backend:
+    if group is None:
+        raise ConfigurationError(
+            f"{name}: pass group= (no default process group exists until init_process_group is called)")
+    if not isinstance(group, Backend):
+        raise ConfigurationError(f"{name}: group must be a ferro Backend, got {type(group).__name__}")
+    return group
+
+
+def _seconds(group: Backend, timeout: float | None) -> float:
+    return group.timeout if timeout is None else default_timeout(timeout)
+
+
+def _reduce_op(op: Any, dtype: DType, name: str) -> ReduceOp:
+    if not isinstance(op, ReduceOp):
+        try:
+            op = ReduceOp[str(op).upper()]
+        except KeyError:
+            raise ValueError(f"{name}: unknown reduce op {op!r}; use ferro.ReduceOp") from None
+    if not dtype.reducible:
+        raise InvalidBufferError(f"{name}: cannot reduce dtype {dtype.name}")
+    if op is ReduceOp.MEAN and dtype.kind != "f":
+        raise InvalidBufferError(
+            f"{name}: MEAN of {dtype.name} would not be an integer; use SUM and divide, or a float dtype")
+    if not has_kernel(dtype.code, op.kernel_code):
+        raise InvalidBufferError(f"{name}: {op.name} does not apply to {dtype.name} (bitwise ops need integers)")
+    return op
+
+
+def _root(root: Any, group: Backend, name: str, what: str = "root") -> int:
+    if isinstance(root, bool) or not hasattr(root, "__index__") or not 0 <= root.__index__() < group.world_size:
+        raise InvalidRankError(f"rank {group.rank}: {name}: {what} {root!r} is outside the group's ranks "
+                               f"[0, {group.world_size})")
+    return int(root.__index__())
+
+
+def _describe_mismatch(exc: CollectiveMismatchError, group: Backend) -> str:
+    if exc.expected is None or exc.actual is None:
+        return str(exc)
+    (my_kind, my_fp), (their_kind, their_fp) = exc.expected, exc.actual
+    mine = describe_fingerprint(my_fp) if my_kind == KIND_COLLECTIVE else kind_name(my_kind)
+    theirs = describe_fingerprint(their_fp) if their_kind == KIND_COLLECTIVE else f"a {kind_name(their_kind)} call"
+    return f"rank {group.rank} called {mine} but rank {exc.peer} called {theirs}: the ranks' calls differ"
+
+
+def _run_guarded(group: Backend, name: str, body: Callable[[], Any]) -> Any:
+    """Run a collective; on a failure part-way, tell the peers and mark the group failed."""
+    if group.failure is not None:
+        raise ConnectionBrokenError(
+            f"rank {group.rank}: {name}: this group is unusable after an earlier failed collective "
+            f"({group.failure}); create a new group")
+    try:
+        return body()
+    except CollectiveMismatchError as exc:
+        message = _describe_mismatch(exc, group)
+        _give_up(group, ABORT_MISMATCH, exc.peer, message)
+        if exc.expected is None:
+            raise  # a notice from a peer: already says what differed
+        raise CollectiveMismatchError(message, exc.peer, exc.expected, exc.actual) from exc
+    except PeerLostError as exc:
+        _give_up(group, ABORT_PEER_LOST, exc.peer, f"rank {exc.peer if exc.peer is not None else '?'} was lost")
+        raise
+    except DistributedTimeoutError as exc:
+        _give_up(group, ABORT_TIMEOUT, None, f"rank {group.rank} timed out: {exc}")
+        raise
+    except (DistributedError, KeyboardInterrupt) as exc:
+        _give_up(group, ABORT_OTHER, None, f"rank {group.rank}: {type(exc).__name__}: {exc}")
+        raise
+
+
+def _give_up(group: Backend, code: int, peer: int | None, message: str) -> None:
+    group.mark_failed(message)
+    group.abort_peers(abort_payload(code, -1 if peer is None else peer, message))
+
+
+def _execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, buffers: tuple[Any, ...]) -> Any:
+    worker = worker_of(group)
+    guarded = lambda: _run_guarded(group, name, body)  # noqa: E731 - a closure over this call's arguments
+    if async_op:
+        return worker.submit(guarded, f"{name} on rank {group.rank}", buffers)
+    return worker.run(guarded, f"{name} on rank {group.rank}", buffers)
+
+
+def _link(group: Backend, name: str, seconds: float, operand_: Operand | None = None, op_code: int = 0,
+          root: int = 0, count: int = 0, shape: tuple[int, ...] = ()) -> algo.Link:
+    code = operand_.dtype.code if operand_ is not None else -1
+    return algo.Link(group, fingerprint(name, code, op_code, root, count, shape), seconds)
+
+
+def _finish_mean(flat: np.ndarray, dtype: DType, op: ReduceOp, world_size: int) -> None:
+    if op is ReduceOp.MEAN:
+        divide(flat, dtype.code, float(world_size), dtype.itemsize)
+
+
+# --- reductions -------------------------------------------------------------------
+
+def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None, timeout: float | None = None,
+              async_op: bool = False, algorithm: str | None = None) -> Any:
+    """Reduce ``x`` across all ranks, in place; every rank ends with the result.
+
+    Args:
+        x: A C-contiguous, writable NumPy array or PyTorch CPU tensor.
+        op: How to combine values (:class:`ReduceOp`).
+        group: The process group.
+        timeout: Seconds (default: the group's).
+        async_op: Return a :class:`~ferro.PendingCollective` instead of waiting.
+        algorithm: ``"ring"`` or ``"recursive_doubling"`` to override the choice
+            by size (recursive doubling up to 64 KiB, ring above).
+
+    Returns:
+        ``x`` (or a handle whose ``wait()`` returns it).
+
+    Raises:
+        InvalidBufferError: Not contiguous, read-only, or an op that does not apply to the dtype.
+        CollectiveMismatchError: Ranks disagree on the call (size, dtype, op).
+        PeerLostError, DistributedTimeoutError, ConnectionBrokenError.
+
+    Example::
+
+        # rank 0: x = [1., 2.]    rank 1: x = [10., 20.]
+        ferro.allreduce(x, group=g)
+        # rank 0: x = [11., 22.]  rank 1: x = [11., 22.]
+    """
+    g = _group(group, "allreduce")
+    data = operand(x, "allreduce", writable=True)
+    reduce_op = _reduce_op(op, data.dtype, "allreduce")
+    if algorithm not in (None, "ring", "recursive_doubling"):
+        raise ValueError(f"allreduce: unknown algorithm {algorithm!r}; use 'ring' or 'recursive_doubling'")
+    link = _link(g, "allreduce", _seconds(g, timeout), data, reduce_op.value, 0, data.array.size, data.array.shape)
+
+    def body() -> Any:
+        flat = data.array.reshape(-1)
+        if g.world_size > 1 and flat.size > 0:
+            native = getattr(g, "native_allreduce", None)
+            chosen = algorithm or ("recursive_doubling" if flat.nbytes <= SMALL_MESSAGE_BYTES else "ring")
+            if native is not None:
+                native(flat, data.dtype, reduce_op.kernel_code, link.fingerprint, link.timeout, chosen)
+            elif chosen == "ring" and flat.size >= g.world_size:
+                algo.allreduce_ring(link, flat, data.dtype, reduce_op.kernel_code)
+            else:
+                algo.allreduce_recursive_doubling(link, flat, data.dtype, reduce_op.kernel_code)
+        _finish_mean(flat, data.dtype, reduce_op, g.world_size)
+        return x
+
+    return _execute(g, "allreduce", body, async_op, (x,))
+
+
+def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,
+           timeout: float | None = None, async_op: bool = False) -> Any:
+    """Reduce ``x`` across all ranks into ``x`` on rank ``dst``; other ranks' ``x`` is left unchanged.
+
+    Returns:
+        ``x`` on every rank (holding the result on ``dst``).
+
+    Raises:
+        InvalidRankError: ``dst`` outside the group. Otherwise as :func:`allreduce`.
+
+    Example::
+
+        # rank 0: x = [1.]   rank 1: x = [2.]   rank 2: x = [3.]
+        ferro.reduce(x, dst=1, group=g)
+        # rank 0: x = [1.]   rank 1: x = [6.]   rank 2: x = [3.]
+    """
+    g = _group(group, "reduce")
+    data = operand(x, "reduce", writable=True)
+    root = _root(dst, g, "reduce", "dst")
+    reduce_op = _reduce_op(op, data.dtype, "reduce")
+    link = _link(g, "reduce", _seconds(g, timeout), data, reduce_op.value, root, data.array.size, data.array.shape)
+
+    def body() -> Any:
+        flat = data.array.reshape(-1)
+        if g.world_size > 1 and flat.size > 0:
+            accumulator = flat if g.rank == root else flat.copy()
+            algo.reduce_tree(link, accumulator, root, data.dtype, reduce_op.kernel_code)
+        if g.rank == root:
+            _finish_mean(flat, data.dtype, reduce_op, g.world_size)
+        return x
+
+    return _execute(g, "reduce", body, async_op, (x,))
+
+
+def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,
+                   timeout: float | None = None, async_op: bool = False) -> Any:
+    """Reduce ``x`` across ranks and give each rank one part of the result.
+
+    ``x`` is split along axis 0 as ``numpy.array_split(x, world_size)`` splits
+    it (sizes may differ by one row); rank ``i`` gets reduced part ``i``.
+
+    Returns:
+        A new array (a tensor for tensor input) holding this rank's part.
+
+    Raises:
+        InvalidBufferError: A 0-d input, or as :func:`allreduce`.
+
+    Example::
+
+        # world of 2; rank 0: x = [1, 2, 3]   rank 1: x = [10, 20, 30]
+        part = ferro.reduce_scatter(x, group=g)
+        # rank 0: part = [11, 22]   rank 1: part = [33]
+    """
+    g = _group(group, "reduce_scatter")
+    data = operand(x, "reduce_scatter", writable=False)
+    if data.array.ndim == 0:
+        raise InvalidBufferError("reduce_scatter: the input needs at least one dimension to split along axis 0")
+    reduce_op = _reduce_op(op, data.dtype, "reduce_scatter")
+    link = _link(g, "reduce_scatter", _seconds(g, timeout), data, reduce_op.value, 0, data.array.size,
+                 data.array.shape)
+    rows = data.array.shape[0]
+    row_size = int(np.prod(data.array.shape[1:], dtype=np.int64))
+    row_bounds = algo.chunk_bounds(rows, g.world_size)
+    bounds = [b * row_size for b in row_bounds]
+
+    def body() -> Any:
+        scratch = data.array.reshape(-1).copy()
+        if g.world_size > 1 and scratch.size > 0:
+            algo.reduce_scatter_ring(link, scratch, bounds, data.dtype, reduce_op.kernel_code)
+        mine = scratch[bounds[g.rank]:bounds[g.rank + 1]]
+        _finish_mean(mine, data.dtype, reduce_op, g.world_size)
+        part = mine.reshape((row_bounds[g.rank + 1] - row_bounds[g.rank],) + data.array.shape[1:])
+        return wrap_like(part, data)
+
+    return _execute(g, "reduce_scatter", body, async_op, (x,))
+
+
+# --- data movement ------------------------------------------------------------------
+
+def broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeout: float | None = None,
+              async_op: bool = False) -> Any:
+    """Copy ``x`` from rank ``root`` into ``x`` on every other rank, in place.
+
+    Returns:
+        ``x``.
+
+    Raises:
+        InvalidRankError: ``root`` outside the group.
+        InvalidBufferError: Not contiguous, or read-only on a receiving rank.
+        CollectiveMismatchError: Ranks disagree on size, dtype or root.
+
+    Example::
+
+        # rank 0: x = [1, 2]   rank 1: x = [0, 0]
+        ferro.broadcast(x, root=0, group=g)
+        # rank 0: x = [1, 2]   rank 1: x = [1, 2]
+    """
+    g = _group(group, "broadcast")
+    root_rank = _root(root, g, "broadcast")
+    data = operand(x, "broadcast", writable=g.rank != root_rank)
+    link = _link(g, "broadcast", _seconds(g, timeout), data, 0, root_rank, data.array.size, data.array.shape)
+
+    def body() -> Any:
+        flat = data.array.reshape(-1).view(np.uint8)
+        if g.world_size > 1 and flat.size > 0:
+            if flat.nbytes <= SMALL_MESSAGE_BYTES or g.world_size == 2:
+                algo.broadcast_tree(link, flat, root_rank)
+            else:
+                algo.broadcast_chain(link, flat, root_rank, BROADCAST_SEGMENT_BYTES)
+        return x
+
+    return _execute(g, "broadcast", body, async_op, (x,))
+
+
+def _gathered_shape(array: np.ndarray, world_size: int) -> tuple[int, ...]:
+    if array.ndim == 0:
+        return (world_size,)
+    return (world_size * array.shape[0],) + array.shape[1:]
+
+
+def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout: float | None = None,
+               async_op: bool = False) -> Any:
+    """Concatenate every rank's ``x`` along axis 0, in rank order, on every rank.
+
+    All ranks pass arrays of the same shape and dtype. A 0-d input gives a result
+    of shape ``(world_size,)``.
+
+    Args:
+        x: This rank's contribution.
+        out: Optional result array of the gathered shape and ``x``'s dtype.
+
+    Returns:
+        ``out``, or a new array (a tensor for tensor input).
+
+    Raises:
+        SizeMismatchError: ``out`` has the wrong shape or dtype.
+        CollectiveMismatchError: Ranks disagree on shape or dtype.
+
+    Example::
+
+        # rank 0: x = [1, 2]   rank 1: x = [3, 4]
+        y = ferro.all_gather(x, group=g)
+        # both ranks: y = [1, 2, 3, 4]
+    """
+    g = _group(group, "all_gather")
+    data = operand(x, "all_gather", writable=False)
+    shape = _gathered_shape(data.array, g.world_size)
+    result = _output(out, shape, data, "all_gather")
+    link = _link(g, "all_gather", _seconds(g, timeout), data, 0, 0, data.array.size, data.array.shape)
+
+    def body() -> Any:
+        flat_out = result.array.reshape(-1)
+        size = data.array.size
+        bounds = [i * size for i in range(g.world_size + 1)]
+        flat_out[bounds[g.rank]:bounds[g.rank + 1]] = data.array.reshape(-1)
+        if g.world_size > 1 and size > 0:
+            algo.all_gather_ring(link, flat_out.view(np.uint8).reshape(-1), [b * data.dtype.itemsize for b in bounds])
+        return out if out is not None else wrap_like(result.array, data)
+
+    return _execute(g, "all_gather", body, async_op, (x, result.array))
+
+
+def _output(out: Any, shape: tuple[int, ...], like: Operand, name: str) -> Operand:
+    if out is None:
+        return Operand(np.empty(shape, like.array.dtype), like.dtype, like.torch_dtype)
+    result = operand(out, name, writable=True)
+    if result.array.shape != shape or result.array.dtype != like.array.dtype:
+        raise SizeMismatchError(
+            f"{name}: out has shape {result.array.shape} and dtype {result.array.dtype}; it needs shape {shape} "
+            f"and dtype {like.array.dtype}")
+    return result
+
+
+def gather(x: Any, dst: int = 0, *, group: Backend | None = None, timeout: float | None = None,
+           async_op: bool = False) -> Any:
+    """Concatenate every rank's ``x`` along axis 0 on rank ``dst`` only.
+
+    Returns:
+        On ``dst``, a new array (as :func:`all_gather` returns); elsewhere ``None``.
+
+    Example::
+
+        # rank 0: x = [1]   rank 1: x = [2]   rank 2: x = [3]
+        y = ferro.gather(x, dst=0, group=g)
+        # rank 0: y = [1, 2, 3]   ranks 1, 2: y is None
+    """
+    g = _group(group, "gather")
+    root = _root(dst, g, "gather", "dst")
+    data = operand(x, "gather", writable=False)
+    shape = _gathered_shape(data.array, g.world_size)
+    link = _link(g, "gather", _seconds(g, timeout), data, 0, root, data.array.size, data.array.shape)
+
+    def body() -> Any:
+        out = np.empty(shape, data.array.dtype) if g.rank == root else None
+        flat = data.array.reshape(-1)
+        if g.world_size == 1 or flat.size == 0:
+            if out is not None:
+                out.reshape(-1)[:] = flat
+        else:
+            algo.gather_direct(link, flat, out, root)
+        return wrap_like(out, data) if out is not None else None
+
+    return _execute(g, "gather", body, async_op, (x,))
+
+
+def _encode_meta(array: np.ndarray, torch_dtype: Any, extra: dict[str, Any] | None = None) -> np.ndarray:
+    import json
+
+    dtype = array.dtype.str if array.dtype.names is None else None
+    fields = {"dtype": dtype, "shape": list(array.shape), "torch": str(torch_dtype) if torch_dtype else None}
+    fields.update(extra or {})
+    text = json.dumps(fields).encode()
+    if dtype is None or len(text) > META_BYTES:
+        raise InvalidBufferError(f"cannot describe an array of dtype {array.dtype} and shape {array.shape} "
+                                 f"to its receiver (structured dtypes and very high ranks are not supported)")
+    meta = np.full(META_BYTES, ord(" "), np.uint8)
+    meta[: len(text)] = np.frombuffer(text, np.uint8)
+    return meta
+
+
+def _decode_meta(meta: np.ndarray) -> dict[str, Any]:
+    import json
+
+    return json.loads(meta.tobytes().decode().rstrip())  # type: ignore[no-any-return]
+
+
+def _array_from_meta(fields: dict[str, Any], max_bytes: int | None, where: str) -> tuple[np.ndarray, Any]:
+    dtype = np.dtype(fields["dtype"])
+    shape = tuple(int(d) for d in fields["shape"])
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if max_bytes is not None and nbytes > max_bytes:
+        raise SizeMismatchError(f"{where}: the sender announced {nbytes} bytes, above max_bytes={max_bytes}",
+                                expected=max_bytes, actual=nbytes)
+    torch_dtype = None
+    if fields.get("torch"):
+        import torch
+
+        torch_dtype = getattr(torch, fields["torch"].replace("torch.", ""))
+    return np.empty(shape, dtype), torch_dtype
+
+
+def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None = None,
+            timeout: float | None = None, async_op: bool = False) -> Any:
+    """Send ``chunks[i]`` from rank ``src`` to rank ``i``.
+
+    Receivers need no prior knowledge of the chunks: dtype and shape travel with them.
+
+    Args:
+        chunks: On ``src``, a sequence of ``world_size`` arrays (or tensors) of one
+            dtype; ignored (pass ``None``) elsewhere.
+        src: The sending rank.
+
+    Returns:
+        This rank's chunk as a new array (a tensor if the source chunks were tensors).
+
+    Raises:
+        ValueError: On ``src``, a number of chunks other than the world size, or mixed dtypes.
+
+    Example::
+
+        # rank 0: chunks = [np.array([1, 2]), np.array([3, 4])]   rank 1: chunks = None
+        mine = ferro.scatter(chunks, src=0, group=g)
+        # rank 0: mine = [1, 2]   rank 1: mine = [3, 4]
+    """
+    g = _group(group, "scatter")
+    root = _root(src, g, "scatter", "src")
+    blocks: list[Operand] | None = None
+    if g.rank == root:
+        if chunks is None or len(chunks) != g.world_size:
+            raise ValueError(f"scatter: rank {root} must pass {g.world_size} chunks, got "
+                             f"{'None' if chunks is None else len(chunks)}")
+        blocks = [operand(c, "scatter", writable=False) for c in chunks]
+        if len({b.array.dtype for b in blocks}) > 1:
+            raise ValueError("scatter: all chunks must have the same dtype")
+    link = _link(g, "scatter", _seconds(g, timeout), None, 0, root)
+
+    def body() -> Any:
+        if g.rank == root:
+            assert blocks is not None  # checked above on the root
+            for dst, block in enumerate(blocks):
+                if dst != root:
+                    link.send(_encode_meta(block.array, block.torch_dtype), dst)
+            out = np.empty_like(blocks[root].array)
+            algo.scatter_direct(link, [b.array for b in blocks], out, root)
+            return wrap_like(out, blocks[root])
+        meta = np.empty(META_BYTES, np.uint8)
+        link.recv(meta, root)
+        out, torch_dtype = _array_from_meta(_decode_meta(meta), None, f"rank {g.rank}: scatter")
+        algo.scatter_direct(link, None, out, root)
+        return wrap_like(out, Operand(out, DType(-1, "", 0, "o"), torch_dtype))
+
+    return _execute(g, "scatter", body, async_op, tuple(chunks) if chunks is not None else ())
+
+
+def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = None, async_op: bool = False) -> Any:
+    """Exchange equal blocks: block ``j`` of ``x`` on rank ``i`` becomes block ``i`` of the result on rank ``j``.
+
+    ``x`` is split along axis 0 into ``world_size`` equal blocks.
+
+    Returns:
+        A new array of ``x``'s shape.
+
+    Raises:
+        InvalidBufferError: ``x.shape[0]`` not divisible by the world size.
+
+    Example::
+
+        # rank 0: x = [1, 2]   rank 1: x = [3, 4]
+        y = ferro.all_to_all(x, group=g)
+        # rank 0: y = [1, 3]   rank 1: y = [2, 4]
+    """
+    g = _group(group, "all_to_all")
+    data = operand(x, "all_to_all", writable=False)
+    if data.array.ndim == 0 or data.array.shape[0] % g.world_size:
+        raise InvalidBufferError(
+            f"all_to_all: axis 0 of shape {data.array.shape} must split into {g.world_size} equal blocks; "
+            f"use all_to_all_single_uneven for uneven blocks")
+    link = _link(g, "all_to_all", _seconds(g, timeout), data, 0, 0, data.array.size, data.array.shape)
+
+    def body() -> Any:
+        out = np.empty_like(data.array)
+        send_blocks = np.split(data.array, g.world_size)
+        recv_blocks = np.split(out, g.world_size)
+        algo.all_to_all_pairwise(link, send_blocks, recv_blocks)
+        return wrap_like(out, data)
+
+    return _execute(g, "all_to_all", body, async_op, (x,))
+
+
+def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Sequence[int], *,
+                             group: Backend | None = None, timeout: float | None = None,
+                             async_op: bool = False) -> Any:
+    """Exchange blocks of any size: rows ``send_counts[j]`` of ``x`` go to rank ``j``.
+
+    Args:
+        x: This rank's rows, concatenated in destination order along axis 0.
+        send_counts: Rows for each destination; they sum to ``x.shape[0]``.
+        recv_counts: Rows expected from each source (each must equal that
+            source's ``send_counts`` for this rank).
+
+    Returns:
+        A new array of ``sum(recv_counts)`` rows, blocks in source order.
+
+    Raises:
+        ValueError: Counts of the wrong length, negative, or not summing to ``x.shape[0]``.
+        SizeMismatchError: A source sends a block of another size than expected.
+
+    Example::
+
+        # rank 0: x = [1, 2, 3], send_counts = [1, 2], recv_counts = [1, 1]
+        # rank 1: x = [4, 5],    send_counts = [1, 1], recv_counts = [2, 1]
+        y = ferro.all_to_all_single_uneven(x, send_counts, recv_counts, group=g)
+        # rank 0: y = [1, 4]   rank 1: y = [2, 3, 5]
+    """
+    g = _group(group, "all_to_all_single_uneven")
+    data = operand(x, "all_to_all_single_uneven", writable=False)
+    n = g.world_size
+    sends, recvs = _counts(send_counts, n, "send_counts"), _counts(recv_counts, n, "recv_counts")
+    if data.array.ndim == 0 or sum(sends) != data.array.shape[0]:
+        raise ValueError(f"all_to_all_single_uneven: send_counts sum to {sum(sends)} but x has "
+                         f"{data.array.shape[0] if data.array.ndim else 'no'} rows")
+    row_shape = data.array.shape[1:]
+    link = _link(g, "all_to_all_single_uneven", _seconds(g, timeout), data, 0, 0, 0, row_shape)
+
+    def body() -> Any:
+        out = np.empty((sum(recvs),) + row_shape, data.array.dtype)
+        send_blocks = np.split(data.array, np.cumsum(sends)[:-1])
+        recv_blocks = np.split(out, np.cumsum(recvs)[:-1])
+        if recvs[g.rank] != sends[g.rank]:
+            raise SizeMismatchError(f"all_to_all_single_uneven: rank {g.rank} sends itself {sends[g.rank]} rows "
+                                    f"but expects {recvs[g.rank]}", recvs[g.rank], sends[g.rank])
+        algo.all_to_all_pairwise(link, send_blocks, recv_blocks)
+        return wrap_like(out, data)
+
+    return _execute(g, "all_to_all_single_uneven", body, async_op, (x,))
+
+
+def _counts(counts: Sequence[int], n: int, name: str) -> list[int]:
+    values = [int(c) for c in counts]
+    if len(values) != n or any(c < 0 for c in values):
+        raise ValueError(f"all_to_all_single_uneven: {name} needs {n} non-negative counts, got {list(counts)}")
+    return values
+
+
+def barrier(*, group: Backend | None = None, timeout: float | None = None, async_op: bool = False) -> Any:
+    """Block until every rank of the group has called ``barrier``.
+
+    Example::
+
+        ferro.barrier(group=g)   # no rank passes until all have arrived
+    """
+    g = _group(group, "barrier")
+    seconds = _seconds(g, timeout)
+    return _execute(g, "barrier", lambda: g.barrier(timeout=seconds), async_op, ())
+
+
+def async_all_gather(x: Any, *, group: Backend | None = None, timeout: float | None = None) -> PendingCollective:
+    """Start :func:`all_gather` and return its handle (the seed's name for ``async_op=True``)."""
+    return all_gather(x, group=group, timeout=timeout, async_op=True)  # type: ignore[no-any-return]
+
+
+def async_reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,
+                         timeout: float | None = None) -> PendingCollective:
+    """Start :func:`reduce_scatter` and return its handle (the seed's name for ``async_op=True``)."""
+    return reduce_scatter(x, op, group=group, timeout=timeout, async_op=True)  # type: ignore[no-any-return]
+
+
+# --- small Python objects ------------------------------------------------------------
+
+def broadcast_object(obj: Any, root: int = 0, *, group: Backend | None = None, timeout: float | None = None) -> Any:
+    """Send a picklable object from ``root`` to every rank.
+
+    Objects are pickled and unpickled only between authenticated peers of the
+    job (every connection proved it holds the job secret); keep them small.
+
+    Returns:
+        The root's object (a copy on the other ranks).
+
+    Example::
+
+        config = ferro.broadcast_object({"lr": 0.1} if g.rank == 0 else None, group=g)
+    """
+    g = _group(group, "broadcast_object")
+    root_rank = _root(root, g, "broadcast_object")
+    link = _link(g, "broadcast_object", _seconds(g, timeout), None, 0, root_rank)
+
+    def body() -> Any:
+        if g.world_size == 1:
+            return obj
+        payload = np.frombuffer(pickle.dumps(obj), np.uint8) if g.rank == root_rank else None
+        length = np.array([payload.size if payload is not None else 0], np.int64)
+        algo.broadcast_tree(link, length, root_rank)
+        data = payload if payload is not None else np.empty(int(length[0]), np.uint8)
+        if data.size:
+            algo.broadcast_tree(link, data, root_rank)
+        return obj if g.rank == root_rank else pickle.loads(data.tobytes())
+
+    return _execute(g, "broadcast_object", body, False, ())
+
+
+def all_gather_object(obj: Any, *, group: Backend | None = None, timeout: float | None = None) -> list[Any]:
+    """Gather a picklable object from every rank onto every rank, as a list in rank order.
+
+    Pickled only between authenticated peers of the job (see :func:`broadcast_object`).
+
+    Example::
+
+        # rank 0: obj = "a"   rank 1: obj = {"b": 2}
+        everything = ferro.all_gather_object(obj, group=g)   # ["a", {"b": 2}] on both
+    """
+    g = _group(group, "all_gather_object")
+    link = _link(g, "all_gather_object", _seconds(g, timeout))
+
+    def body() -> list[Any]:
+        mine = np.frombuffer(pickle.dumps(obj), np.uint8)
+        n = g.world_size
+        lengths = np.zeros(n, np.int64)
+        lengths[g.rank] = mine.size
+        if n > 1:
+            algo.all_gather_ring(link, lengths.view(np.uint8), [i * 8 for i in range(n + 1)])
+        width = int(lengths.max())
+        padded = np.zeros(n * width, np.uint8)
+        padded[g.rank * width: g.rank * width + mine.size] = mine
+        if n > 1 and width:
+            algo.all_gather_ring(link, padded, [i * width for i in range(n + 1)])
+        return [pickle.loads(padded[i * width: i * width + int(lengths[i])].tobytes()) for i in range(n)]
+
+    return _execute(g, "all_gather_object", body, False, ())  # type: ignore[no-any-return]

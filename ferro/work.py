@@ -1,0 +1,135 @@
+"""Async collectives: each group runs its collectives one at a time, in call order, on a worker of its own."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ferro.errors import DistributedTimeoutError
+
+__all__ = ["GroupWorker", "PendingCollective", "worker_of"]
+
+# A worker with nothing to do for this long ends; the next async call starts another.
+IDLE_SECONDS = 10.0
+
+
+class PendingCollective:
+    """A collective started with ``async_op=True``.
+
+    It keeps references to its input and output arrays until it completes, so
+    they stay alive; do not modify them before :meth:`wait` returns. Collectives
+    of one group complete in the order they were called, on every rank.
+
+    Example::
+
+        pending = ferro.allreduce(grads, group=g, async_op=True)
+        ...                                   # compute while the allreduce runs
+        grads = pending.wait()                # the reduced array (or the error)
+    """
+
+    def __init__(self, description: str, buffers: tuple[Any, ...]) -> None:
+        self._description = description
+        self._buffers: tuple[Any, ...] | None = buffers  # owned until completion
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (successfully or not)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the collective finishes and return its result.
+
+        Args:
+            timeout: Seconds to wait; ``None`` waits for the collective's own
+                timeout to decide.
+
+        Raises:
+            DistributedTimeoutError: Still running after ``timeout`` (it keeps running).
+            Whatever the collective raised.
+        """
+        if not self._done.wait(timeout):
+            raise DistributedTimeoutError(f"{self._description} has not completed after {timeout:g} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._buffers = None
+        self._done.set()
+
+    def __repr__(self) -> str:
+        state = "completed" if self.is_completed() else "pending"
+        return f"<PendingCollective {self._description} {state}>"
+
+
+class GroupWorker:
+    """Runs one group's collectives in call order; synchronous calls wait behind pending async ones."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[Callable[[], Any], PendingCollective]] = deque()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], Any], description: str, buffers: tuple[Any, ...]) -> PendingCollective:
+        """Queue ``fn`` behind the group's earlier calls and return its handle."""
+        pending = PendingCollective(description, buffers)
+        with self._cond:
+            self._queue.append((fn, pending))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"ferro-worker-{self._name}", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return pending
+
+    def run(self, fn: Callable[[], Any], description: str, buffers: tuple[Any, ...]) -> Any:
+        """Run ``fn`` now if nothing is queued, else after everything queued; return its result."""
+        with self._cond:
+            if self._queue or self._busy:
+                inline = False
+            else:
+                self._busy = True
+                inline = True
+        if not inline:
+            return self.submit(fn, description, buffers).wait()
+        try:
+            return fn()
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue or self._busy:
+                    if not self._cond.wait(IDLE_SECONDS) and not self._queue and not self._busy:
+                        self._thread = None
+                        return
+                fn, pending = self._queue.popleft()
+                self._busy = True
+            try:
+                result, error = fn(), None
+            except BaseException as exc:  # handed to the caller through the handle
+                result, error = None, exc
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+            pending._finish(result, error)
+
+
+def worker_of(group: Any) -> GroupWorker:
+    """The group's worker, created on first use and kept on the group object itself."""
+    worker = group.__dict__.get("_ferro_worker")
+    if worker is None:
+        # setdefault is atomic under the GIL: racing first calls agree on one worker
+        # (a losing candidate has started no thread and is simply dropped).
+        worker = group.__dict__.setdefault("_ferro_worker", GroupWorker(f"rank{group.rank}"))
+    return worker  # type: ignore[no-any-return]
