@@ -4,7 +4,25 @@ The public names live here; everything else is reachable by module path but
 should not be needed.
 """
 
+from ferro import p2p
 from ferro.backend import Backend, SimulatedBackend, SubBackend, TcpBackend, new_group
+from ferro.collective import (
+    ReduceOp,
+    all_gather,
+    all_gather_object,
+    all_to_all,
+    all_to_all_single_uneven,
+    allreduce,
+    async_all_gather,
+    async_reduce_scatter,
+    barrier,
+    broadcast,
+    broadcast_object,
+    gather,
+    reduce,
+    reduce_scatter,
+    scatter,
+)
 from ferro.errors import (
     AuthenticationError,
     BackendClosedError,
@@ -25,27 +43,51 @@ from ferro.errors import (
     StoreError,
     TransportError,
 )
+from ferro.p2p import recv, recv_into, send, sendrecv
 from ferro.store import Store, StoreServer
+from ferro.work import PendingCollective
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "all_gather",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single_uneven",
+    "allreduce",
+    "async_all_gather",
+    "async_reduce_scatter",
     "AuthenticationError",
     "Backend",
     "BackendClosedError",
     "BackendUnavailableError",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
     "CollectiveMismatchError",
     "ConfigurationError",
     "ConnectionBrokenError",
     "DistributedError",
     "DistributedTimeoutError",
+    "gather",
     "InvalidBufferError",
     "InvalidRankError",
     "InvalidWorldSizeError",
+    "new_group",
+    "p2p",
     "PeerLostError",
+    "PendingCollective",
     "ProtocolError",
     "RankFailedError",
+    "recv",
+    "recv_into",
+    "reduce",
+    "reduce_scatter",
+    "ReduceOp",
+    "scatter",
     "SelfSendError",
+    "send",
+    "sendrecv",
     "SimulatedBackend",
     "SizeMismatchError",
     "Store",
@@ -55,5 +97,4 @@ __all__ = [
     "TcpBackend",
     "TransportError",
     "__version__",
-    "new_group",
 ]

@@ -47,7 +47,7 @@ class Link:
 
     @property
     def rank(self) -> int:
-        """This rank."""
+        """The calling rank."""
         return self.group.rank
 
     @property

@@ -29,6 +29,7 @@ class DType:
         name: Its name, for messages.
         itemsize: Bytes per element.
         kind: ``"f"`` floating, ``"i"`` signed, ``"u"`` unsigned integer, ``"o"`` other.
+
     """
 
     code: int
@@ -59,13 +60,6 @@ _BY_NAME = {
 _BY_CODE = {d.code: d for d in _BY_NAME.values()}
 
 
-def dtype_from_code(code: int, numpy_dtype: np.dtype) -> DType:
-    """The DType of a code, or an irreducible DType named after ``numpy_dtype`` for code -1."""
-    if code >= 0:
-        return _BY_CODE[code]
-    return DType(-1, numpy_dtype.name, numpy_dtype.itemsize, "o")
-
-
 @dataclass(frozen=True)
 class Operand:
     """A collective's input as a NumPy array, with what is needed to reduce it and to return results.
@@ -74,11 +68,15 @@ class Operand:
         array: The data, C-contiguous (a zero-copy view of a tensor when the input is one).
         dtype: How its elements reduce.
         torch_dtype: The tensor dtype when the input was a PyTorch tensor, else None.
+        numpy_dtype: The caller's NumPy dtype when ``array`` is a same-width integer view
+            of it (dtypes such as ml_dtypes' bfloat16 cannot export the buffer protocol).
+
     """
 
     array: np.ndarray
     dtype: DType
     torch_dtype: Any = None
+    numpy_dtype: Any = None
 
 
 def operand(x: Any, op: str, *, writable: bool) -> Operand:
@@ -87,6 +85,7 @@ def operand(x: Any, op: str, *, writable: bool) -> Operand:
     Raises:
         InvalidBufferError: Not an array or tensor; not C-contiguous; read-only
             where the collective writes; or a tensor off the CPU.
+
     """
     torch_dtype = None
     if isinstance(x, np.ndarray):
@@ -102,11 +101,12 @@ def operand(x: Any, op: str, *, writable: bool) -> Operand:
     if writable and not array.flags.writeable:
         raise InvalidBufferError(f"{op} writes its result into the input, but the array is read-only")
     if torch_dtype is not None and str(torch_dtype) == "torch.bfloat16":
-        dtype = _BY_NAME["bfloat16"]
-    else:
-        found = _BY_NAME.get(array.dtype.name)
-        dtype = found if found is not None else DType(-1, array.dtype.name, array.dtype.itemsize, "o")
-    return Operand(array, dtype, torch_dtype)
+        return Operand(array, _BY_NAME["bfloat16"], torch_dtype)
+    found = _BY_NAME.get(array.dtype.name)
+    dtype = found if found is not None else DType(-1, array.dtype.name, array.dtype.itemsize, "o")
+    if array.dtype.name in _NOT_EXPORTABLE:
+        return Operand(array.view(f"u{array.dtype.itemsize}"), dtype, None, array.dtype)
+    return Operand(array, dtype, None)
 
 
 def _torch_array(tensor: Any, op: str) -> tuple[np.ndarray, Any]:
@@ -126,8 +126,14 @@ def _torch_array(tensor: Any, op: str) -> tuple[np.ndarray, Any]:
         return tensor.view(width).numpy(), tensor.dtype
 
 
+# Extension dtypes whose arrays NumPy cannot export through the buffer protocol.
+_NOT_EXPORTABLE = {"bfloat16"}
+
+
 def wrap_like(array: np.ndarray, like: Operand) -> Any:
     """Return a new result array in the caller's type (a tensor when the input was one)."""
+    if like.numpy_dtype is not None:
+        return array.view(like.numpy_dtype)
     if like.torch_dtype is None:
         return array
     import torch

@@ -231,6 +231,7 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
         # rank 0: x = [1., 2.]    rank 1: x = [10., 20.]
         ferro.allreduce(x, group=g)
         # rank 0: x = [11., 22.]  rank 1: x = [11., 22.]
+
     """
     g = _group(group, "allreduce")
     data = operand(x, "allreduce", writable=True)
@@ -271,6 +272,7 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend 
         # rank 0: x = [1.]   rank 1: x = [2.]   rank 2: x = [3.]
         ferro.reduce(x, dst=1, group=g)
         # rank 0: x = [1.]   rank 1: x = [6.]   rank 2: x = [3.]
+
     """
     g = _group(group, "reduce")
     data = operand(x, "reduce", writable=True)
@@ -308,6 +310,7 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
         # world of 2; rank 0: x = [1, 2, 3]   rank 1: x = [10, 20, 30]
         part = ferro.reduce_scatter(x, group=g)
         # rank 0: part = [11, 22]   rank 1: part = [33]
+
     """
     g = _group(group, "reduce_scatter")
     data = operand(x, "reduce_scatter", writable=False)
@@ -352,6 +355,7 @@ def broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeout: f
         # rank 0: x = [1, 2]   rank 1: x = [0, 0]
         ferro.broadcast(x, root=0, group=g)
         # rank 0: x = [1, 2]   rank 1: x = [1, 2]
+
     """
     g = _group(group, "broadcast")
     root_rank = _root(root, g, "broadcast")
@@ -386,6 +390,9 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
     Args:
         x: This rank's contribution.
         out: Optional result array of the gathered shape and ``x``'s dtype.
+        group: The process group.
+        timeout: Seconds (default: the group's).
+        async_op: Return a :class:`~ferro.PendingCollective` instead of waiting.
 
     Returns:
         ``out``, or a new array (a tensor for tensor input).
@@ -399,6 +406,7 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
         # rank 0: x = [1, 2]   rank 1: x = [3, 4]
         y = ferro.all_gather(x, group=g)
         # both ranks: y = [1, 2, 3, 4]
+
     """
     g = _group(group, "all_gather")
     data = operand(x, "all_gather", writable=False)
@@ -441,6 +449,7 @@ def gather(x: Any, dst: int = 0, *, group: Backend | None = None, timeout: float
         # rank 0: x = [1]   rank 1: x = [2]   rank 2: x = [3]
         y = ferro.gather(x, dst=0, group=g)
         # rank 0: y = [1, 2, 3]   ranks 1, 2: y is None
+
     """
     g = _group(group, "gather")
     root = _root(dst, g, "gather", "dst")
@@ -461,11 +470,14 @@ def gather(x: Any, dst: int = 0, *, group: Backend | None = None, timeout: float
     return _execute(g, "gather", body, async_op, (x,))
 
 
-def _encode_meta(array: np.ndarray, torch_dtype: Any, extra: dict[str, Any] | None = None) -> np.ndarray:
+def _encode_meta(data: Operand, extra: dict[str, Any] | None = None) -> np.ndarray:
+    """Describe an array for a receiver that knows nothing of it: wire dtype, shape, the caller's type."""
     import json
 
+    array = data.array
     dtype = array.dtype.str if array.dtype.names is None else None
-    fields = {"dtype": dtype, "shape": list(array.shape), "torch": str(torch_dtype) if torch_dtype else None}
+    fields = {"dtype": dtype, "shape": list(array.shape), "torch": str(data.torch_dtype) if data.torch_dtype else None,
+              "view": data.numpy_dtype.name if data.numpy_dtype is not None else None}
     fields.update(extra or {})
     text = json.dumps(fields).encode()
     if dtype is None or len(text) > META_BYTES:
@@ -479,22 +491,34 @@ def _encode_meta(array: np.ndarray, torch_dtype: Any, extra: dict[str, Any] | No
 def _decode_meta(meta: np.ndarray) -> dict[str, Any]:
     import json
 
-    return json.loads(meta.tobytes().decode().rstrip())  # type: ignore[no-any-return]
+    return json.loads(meta.tobytes().decode().rstrip())
 
 
-def _array_from_meta(fields: dict[str, Any], max_bytes: int | None, where: str) -> tuple[np.ndarray, Any]:
+def _array_from_meta(fields: dict[str, Any], max_bytes: int | None, where: str) -> Operand:
+    """Allocate the array a description announces, as an Operand that returns it in the sender's type."""
     dtype = np.dtype(fields["dtype"])
     shape = tuple(int(d) for d in fields["shape"])
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if max_bytes is not None and nbytes > max_bytes:
         raise SizeMismatchError(f"{where}: the sender announced {nbytes} bytes, above max_bytes={max_bytes}",
                                 expected=max_bytes, actual=nbytes)
-    torch_dtype = None
+    torch_dtype = numpy_dtype = None
     if fields.get("torch"):
         import torch
 
         torch_dtype = getattr(torch, fields["torch"].replace("torch.", ""))
-    return np.empty(shape, dtype), torch_dtype
+    if fields.get("view"):
+        numpy_dtype = _extension_dtype(fields["view"])
+    return Operand(np.empty(shape, dtype), DType(-1, dtype.name, dtype.itemsize, "o"), torch_dtype, numpy_dtype)
+
+
+def _extension_dtype(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # the sender used one of its dtypes, so it is installed there
+
+        return np.dtype(getattr(ml_dtypes, name))
 
 
 def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None = None,
@@ -507,6 +531,9 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None
         chunks: On ``src``, a sequence of ``world_size`` arrays (or tensors) of one
             dtype; ignored (pass ``None``) elsewhere.
         src: The sending rank.
+        group: The process group.
+        timeout: Seconds (default: the group's).
+        async_op: Return a :class:`~ferro.PendingCollective` instead of waiting.
 
     Returns:
         This rank's chunk as a new array (a tensor if the source chunks were tensors).
@@ -519,6 +546,7 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None
         # rank 0: chunks = [np.array([1, 2]), np.array([3, 4])]   rank 1: chunks = None
         mine = ferro.scatter(chunks, src=0, group=g)
         # rank 0: mine = [1, 2]   rank 1: mine = [3, 4]
+
     """
     g = _group(group, "scatter")
     root = _root(src, g, "scatter", "src")
@@ -537,15 +565,15 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None
             assert blocks is not None  # checked above on the root
             for dst, block in enumerate(blocks):
                 if dst != root:
-                    link.send(_encode_meta(block.array, block.torch_dtype), dst)
+                    link.send(_encode_meta(block), dst)
             out = np.empty_like(blocks[root].array)
             algo.scatter_direct(link, [b.array for b in blocks], out, root)
             return wrap_like(out, blocks[root])
         meta = np.empty(META_BYTES, np.uint8)
         link.recv(meta, root)
-        out, torch_dtype = _array_from_meta(_decode_meta(meta), None, f"rank {g.rank}: scatter")
-        algo.scatter_direct(link, None, out, root)
-        return wrap_like(out, Operand(out, DType(-1, "", 0, "o"), torch_dtype))
+        incoming = _array_from_meta(_decode_meta(meta), None, f"rank {g.rank}: scatter")
+        algo.scatter_direct(link, None, incoming.array, root)
+        return wrap_like(incoming.array, incoming)
 
     return _execute(g, "scatter", body, async_op, tuple(chunks) if chunks is not None else ())
 
@@ -566,6 +594,7 @@ def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = 
         # rank 0: x = [1, 2]   rank 1: x = [3, 4]
         y = ferro.all_to_all(x, group=g)
         # rank 0: y = [1, 3]   rank 1: y = [2, 4]
+
     """
     g = _group(group, "all_to_all")
     data = operand(x, "all_to_all", writable=False)
@@ -595,6 +624,9 @@ def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Se
         send_counts: Rows for each destination; they sum to ``x.shape[0]``.
         recv_counts: Rows expected from each source (each must equal that
             source's ``send_counts`` for this rank).
+        group: The process group.
+        timeout: Seconds (default: the group's).
+        async_op: Return a :class:`~ferro.PendingCollective` instead of waiting.
 
     Returns:
         A new array of ``sum(recv_counts)`` rows, blocks in source order.
@@ -609,6 +641,7 @@ def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Se
         # rank 1: x = [4, 5],    send_counts = [1, 1], recv_counts = [2, 1]
         y = ferro.all_to_all_single_uneven(x, send_counts, recv_counts, group=g)
         # rank 0: y = [1, 4]   rank 1: y = [2, 3, 5]
+
     """
     g = _group(group, "all_to_all_single_uneven")
     data = operand(x, "all_to_all_single_uneven", writable=False)
@@ -654,13 +687,13 @@ def barrier(*, group: Backend | None = None, timeout: float | None = None, async
 
 def async_all_gather(x: Any, *, group: Backend | None = None, timeout: float | None = None) -> PendingCollective:
     """Start :func:`all_gather` and return its handle (the seed's name for ``async_op=True``)."""
-    return all_gather(x, group=group, timeout=timeout, async_op=True)  # type: ignore[no-any-return]
+    return all_gather(x, group=group, timeout=timeout, async_op=True)
 
 
 def async_reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,
                          timeout: float | None = None) -> PendingCollective:
     """Start :func:`reduce_scatter` and return its handle (the seed's name for ``async_op=True``)."""
-    return reduce_scatter(x, op, group=group, timeout=timeout, async_op=True)  # type: ignore[no-any-return]
+    return reduce_scatter(x, op, group=group, timeout=timeout, async_op=True)
 
 
 # --- small Python objects ------------------------------------------------------------
@@ -677,6 +710,7 @@ def broadcast_object(obj: Any, root: int = 0, *, group: Backend | None = None, t
     Example::
 
         config = ferro.broadcast_object({"lr": 0.1} if g.rank == 0 else None, group=g)
+
     """
     g = _group(group, "broadcast_object")
     root_rank = _root(root, g, "broadcast_object")
@@ -723,4 +757,4 @@ def all_gather_object(obj: Any, *, group: Backend | None = None, timeout: float 
             algo.all_gather_ring(link, padded, [i * width for i in range(n + 1)])
         return [pickle.loads(padded[i * width: i * width + int(lengths[i])].tobytes()) for i in range(n)]
 
-    return _execute(g, "all_gather_object", body, False, ())  # type: ignore[no-any-return]
+    return _execute(g, "all_gather_object", body, False, ())

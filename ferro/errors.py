@@ -94,6 +94,7 @@ class CollectiveMismatchError(DistributedError, RuntimeError):
         peer: The rank whose frame did not match (or that reported the mismatch).
         expected: ``(kind, fingerprint)`` of this rank's call, when known.
         actual: ``(kind, fingerprint)`` of the peer's frame, when known.
+
     """
 
     def __init__(self, message: str, peer: int | None = None, expected: tuple[int, int] | None = None,

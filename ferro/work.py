@@ -50,6 +50,7 @@ class PendingCollective:
         Raises:
             DistributedTimeoutError: Still running after ``timeout`` (it keeps running).
             Whatever the collective raised.
+
         """
         if not self._done.wait(timeout):
             raise DistributedTimeoutError(f"{self._description} has not completed after {timeout:g} s")
@@ -126,10 +127,10 @@ class GroupWorker:
 
 
 def worker_of(group: Any) -> GroupWorker:
-    """The group's worker, created on first use and kept on the group object itself."""
+    """Return the group's worker, created on first use and kept on the group object itself."""
     worker = group.__dict__.get("_ferro_worker")
     if worker is None:
         # setdefault is atomic under the GIL: racing first calls agree on one worker
         # (a losing candidate has started no thread and is simply dropped).
         worker = group.__dict__.setdefault("_ferro_worker", GroupWorker(f"rank{group.rank}"))
-    return worker  # type: ignore[no-any-return]
+    return worker

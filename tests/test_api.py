@@ -29,9 +29,12 @@ BUILTIN_OF = {
 }
 
 
+EXPORTED_MODULES = {"p2p"}  # ferro.p2p is public as a namespace, as the issue names it
+
+
 def test_all_lists_exactly_the_public_names():
     public = {name for name in dir(ferro) if not name.startswith("_")}
-    modules = {name for name in public if inspect.ismodule(getattr(ferro, name))}
+    modules = {name for name in public if inspect.ismodule(getattr(ferro, name))} - EXPORTED_MODULES
     assert set(ferro.__all__) - {"__version__"} == public - modules
 
 

@@ -147,7 +147,7 @@ class Backend(abc.ABC):
         """:meth:`sendrecv` with tagged messages (see :meth:`send_tagged`)."""
         self.sendrecv(send_buf, dst, recv_buf, src, timeout=timeout)
 
-    def abort_peers(self, payload: bytes) -> None:
+    def abort_peers(self, payload: bytes) -> None:  # noqa: B027 - optional hook, deliberately a no-op
         """Tell every peer, best effort, that this rank gave up on the current collective.
 
         ``payload`` is an abort notice (``ferro._core.transport.abort_payload``); a
@@ -161,8 +161,11 @@ class Backend(abc.ABC):
         return getattr(self, "_ferro_failure", None)
 
     def mark_failed(self, reason: str) -> None:
-        """Record that a collective failed part-way: its frames may still be in flight, so every
-        later collective on this group raises instead of risking reading them."""
+        """Record that a collective failed part-way.
+
+        Its frames may still be in flight, so every later collective on this
+        group raises instead of risking reading them.
+        """
         if getattr(self, "_ferro_failure", None) is None:
             self._ferro_failure = reason
 
@@ -224,7 +227,7 @@ class Backend(abc.ABC):
         return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size} {state}>"
 
 
-def dissemination_barrier(rank: int, world_size: int, exchange: Callable[[int, int], None]) -> None:
+def dissemination_barrier(rank: int, world_size: int, exchange: Callable[[int, int], object]) -> None:
     """Run a dissemination barrier: ceil(log2 n) rounds of one empty message each way.
 
     In round k every rank signals rank ``+2**k`` and waits for rank ``-2**k``;

@@ -1,0 +1,218 @@
+"""Point-to-point messages that carry their dtype and shape, with tags.
+
+A message is two frames: a fixed-size description (tag, dtype, shape) and the
+data. The receiver needs no prior knowledge of what comes. Tags keep
+independent streams between two ranks apart: a message that arrives for
+another tag is set aside for the receive that asks for it, in arrival order.
+
+Point-to-point calls are ordered with the group's collectives: they wait for
+the group's pending async collectives, as a synchronous collective does.
+Messages come from authenticated peers of the job only; the receiver allocates
+what the sender describes (``max_bytes`` puts a ceiling on it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ferro._core.transport import KIND_DATA
+from ferro._dtypes import Operand, fingerprint, operand, wrap_like
+from ferro.backend.base import Backend
+from ferro.collective import META_BYTES, _array_from_meta, _decode_meta, _encode_meta, _group, _seconds
+from ferro.errors import SizeMismatchError
+from ferro.work import worker_of
+
+__all__ = ["recv", "recv_into", "send", "sendrecv"]
+
+_META_FP = fingerprint("p2p", root=1)
+_DATA_FP = fingerprint("p2p", root=2)
+MAX_TAG = 2**31 - 1
+
+
+def _tag(tag: Any) -> int:
+    if isinstance(tag, bool) or not hasattr(tag, "__index__") or not 0 <= tag.__index__() <= MAX_TAG:
+        raise ValueError(f"tag must be an integer in [0, {MAX_TAG}], got {tag!r}")
+    return int(tag.__index__())
+
+
+def _state(group: Backend) -> tuple[dict[tuple[int, int], deque[Operand]], dict[int, dict[str, Any]]]:
+    """Per-group receive state: messages set aside by (source, tag), and descriptions whose data is still due."""
+    state = group.__dict__.setdefault("_ferro_p2p", ({}, {}))
+    return state
+
+
+def send(x: Any, dst: int, *, tag: int = 0, group: Backend | None = None, timeout: float | None = None) -> None:
+    """Send an array (or CPU tensor) to ``dst``, with its dtype and shape.
+
+    Example::
+
+        # rank 0
+        ferro.p2p.send(np.arange(3.0), dst=1, tag=7, group=g)
+        # rank 1
+        y = ferro.p2p.recv(src=0, tag=7, group=g)   # array([0., 1., 2.])
+
+    Raises:
+        InvalidRankError, SelfSendError, InvalidBufferError, PeerLostError, DistributedTimeoutError.
+
+    """
+    g = _group(group, "send")
+    data = operand(x, "send", writable=False)
+    dst = g.check_peer(dst, "send")
+    meta = _encode_meta(data, {"tag": _tag(tag)})
+    seconds = _seconds(g, timeout)
+
+    def body() -> None:
+        g.send_tagged(meta, dst, kind=KIND_DATA, fingerprint=_META_FP, timeout=seconds)
+        g.send_tagged(data.array.reshape(-1).view(np.uint8), dst, kind=KIND_DATA, fingerprint=_DATA_FP,
+                      timeout=seconds)
+
+    worker_of(g).run(body, "send", (x,))
+
+
+def _next_message(g: Backend, src: int, seconds: float, max_bytes: int | None) -> tuple[int, Operand]:
+    """Receive the next message from ``src``, whatever its tag."""
+    _, due = _state(g)
+    fields = due.pop(src, None)
+    if fields is None:
+        meta = np.empty(META_BYTES, np.uint8)
+        g.recv_tagged(meta, src, kind=KIND_DATA, fingerprint=_META_FP, timeout=seconds)
+        fields = _decode_meta(meta)
+    try:
+        message = _array_from_meta(fields, max_bytes, f"rank {g.rank}: recv from rank {src}")
+    except SizeMismatchError:
+        due[src] = fields  # the data frame is still on its way; a later receive takes it
+        raise
+    try:
+        g.recv_tagged(message.array.reshape(-1).view(np.uint8), src, kind=KIND_DATA, fingerprint=_DATA_FP,
+                      timeout=seconds)
+    except BaseException:
+        due[src] = fields
+        raise
+    return int(fields["tag"]), message
+
+
+def _take(g: Backend, src: int, tag: int, seconds: float, max_bytes: int | None) -> Operand:
+    stash, _ = _state(g)
+    queue = stash.get((src, tag))
+    if queue:
+        return queue.popleft()
+    while True:
+        got_tag, message = _next_message(g, src, seconds, max_bytes)
+        if got_tag == tag:
+            return message
+        stash.setdefault((src, got_tag), deque()).append(message)
+
+
+def recv(src: int, *, tag: int = 0, group: Backend | None = None, timeout: float | None = None,
+         max_bytes: int | None = None) -> Any:
+    """Receive the next message with ``tag`` from ``src``; dtype and shape come with it.
+
+    Args:
+        src: Source rank.
+        tag: Only a message sent with this tag is returned; others from ``src``
+            are set aside for the receives that ask for their tags.
+        group: The process group.
+        timeout: Seconds (default: the group's).
+        max_bytes: Refuse (and keep for a later receive) a message larger than this.
+
+    Returns:
+        A new array (a tensor if a tensor was sent).
+
+    Raises:
+        SizeMismatchError: Larger than ``max_bytes``; nothing is lost.
+        InvalidRankError, SelfSendError, PeerLostError, DistributedTimeoutError, CollectiveMismatchError.
+
+    """
+    g = _group(group, "recv")
+    src = g.check_peer(src, "recv")
+    wanted, seconds = _tag(tag), _seconds(g, timeout)
+
+    def body() -> Any:
+        message = _take(g, src, wanted, seconds, max_bytes)
+        return wrap_like(message.array, message)
+
+    return worker_of(g).run(body, "recv", ())
+
+
+def recv_into(out: Any, src: int, *, tag: int = 0, group: Backend | None = None, timeout: float | None = None) -> Any:
+    """Receive the next message with ``tag`` from ``src`` into ``out`` (same dtype and element count).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        SizeMismatchError: The message has another dtype or size; it is kept, and
+            :func:`recv` with the same tag returns it.
+
+    """
+    g = _group(group, "recv_into")
+    target = operand(out, "recv_into", writable=True)
+    src = g.check_peer(src, "recv_into")
+    wanted, seconds = _tag(tag), _seconds(g, timeout)
+
+    def body() -> Any:
+        message = _take(g, src, wanted, seconds, None)
+        array = message.array
+        if array.dtype != target.array.dtype or array.size != target.array.size:
+            stash, _ = _state(g)
+            stash.setdefault((src, wanted), deque()).appendleft(message)
+            raise SizeMismatchError(
+                f"rank {g.rank}: recv_into from rank {src}: the message is {array.dtype} of shape {array.shape}, "
+                f"out is {target.array.dtype} of shape {target.array.shape}; the message was kept "
+                f"(receive it with recv)", expected=target.array.nbytes, actual=array.nbytes)
+        target.array.reshape(-1)[:] = array.reshape(-1)
+        return out
+
+    return worker_of(g).run(body, "recv_into", (out,))
+
+
+def sendrecv(x: Any, peer: int, *, tag: int = 0, group: Backend | None = None, timeout: float | None = None,
+             max_bytes: int | None = None) -> Any:
+    """Send ``x`` to ``peer`` and receive ``peer``'s message with ``tag``, both at once.
+
+    Example::
+
+        # rank 0: theirs = sendrecv(np.zeros(2), peer=1, group=g)  -> rank 1's array
+        # rank 1: theirs = sendrecv(np.ones(3), peer=0, group=g)   -> rank 0's array
+
+    Raises:
+        As :func:`send` and :func:`recv`.
+
+    """
+    g = _group(group, "sendrecv")
+    data = operand(x, "sendrecv", writable=False)
+    peer = g.check_peer(peer, "sendrecv")
+    wanted, seconds = _tag(tag), _seconds(g, timeout)
+    meta = _encode_meta(data, {"tag": wanted})
+
+    def body() -> Any:
+        stash, due = _state(g)
+        if stash.get((peer, wanted)) or peer in due:
+            # Something from the peer is already set aside: keep the order simple.
+            g.send_tagged(meta, peer, kind=KIND_DATA, fingerprint=_META_FP, timeout=seconds)
+            g.send_tagged(data.array.reshape(-1).view(np.uint8), peer, kind=KIND_DATA, fingerprint=_DATA_FP,
+                          timeout=seconds)
+            message = _take(g, peer, wanted, seconds, max_bytes)
+        else:
+            # Full duplex: descriptions first, then the data both ways at once.
+            their_meta = np.empty(META_BYTES, np.uint8)
+            g.sendrecv_tagged(meta, peer, their_meta, peer, kind=KIND_DATA, fingerprint=_META_FP, timeout=seconds)
+            fields = _decode_meta(their_meta)
+            try:
+                message = _array_from_meta(fields, max_bytes, f"rank {g.rank}: sendrecv with rank {peer}")
+            except SizeMismatchError:
+                due[peer] = fields
+                g.send_tagged(data.array.reshape(-1).view(np.uint8), peer, kind=KIND_DATA, fingerprint=_DATA_FP,
+                              timeout=seconds)
+                raise
+            g.sendrecv_tagged(data.array.reshape(-1).view(np.uint8), peer, message.array.reshape(-1).view(np.uint8),
+                              peer, kind=KIND_DATA, fingerprint=_DATA_FP, timeout=seconds)
+            if int(fields["tag"]) != wanted:
+                stash.setdefault((peer, int(fields["tag"])), deque()).append(message)
+                message = _take(g, peer, wanted, seconds, max_bytes)
+        return wrap_like(message.array, message)
+
+    return worker_of(g).run(body, "sendrecv", (x,))
