@@ -90,6 +90,8 @@ def operand(x: Any, op: str, *, writable: bool) -> Operand:
     torch_dtype = None
     if isinstance(x, np.ndarray):
         array = x
+    elif isinstance(x, np.generic) and not writable:
+        array = np.asarray(x)  # a NumPy scalar reads as a 0-d array (it cannot be written into)
     elif type(x).__module__.startswith("torch") and hasattr(x, "numpy"):
         array, torch_dtype = _torch_array(x, op)
     else:
@@ -106,7 +108,7 @@ def operand(x: Any, op: str, *, writable: bool) -> Operand:
     dtype = found if found is not None else DType(-1, array.dtype.name, array.dtype.itemsize, "o")
     if array.dtype.name in _NOT_EXPORTABLE:
         return Operand(array.view(f"u{array.dtype.itemsize}"), dtype, None, array.dtype)
-    return Operand(array, dtype, None)
+    return Operand(array, dtype, torch_dtype)
 
 
 def _torch_array(tensor: Any, op: str) -> tuple[np.ndarray, Any]:

@@ -1,0 +1,105 @@
+"""Typed point-to-point: dtype and shape travel with the data; tags keep streams apart."""
+
+import numpy as np
+import pytest
+
+import ferro
+from ferro.testing import run_processes, run_threads
+
+
+@pytest.fixture(params=["tcp", "simulated"])
+def run(request):
+    if request.param == "tcp":
+        return lambda fn, n, args=(): run_processes(fn, n, args=args)
+    return lambda fn, n, args=(): run_threads(fn, n, args=args)
+
+
+def rank_typed_messages(group):
+    if group.rank == 0:
+        ferro.send(np.arange(12, dtype=np.int16).reshape(3, 4), 1, group=group)
+        ferro.p2p.send(np.float64(2.5) * np.ones(()), 1, group=group)
+        ferro.send(np.empty((0, 5), np.float32), 1, group=group)
+        return None
+    a = ferro.recv(0, group=group)
+    b = ferro.p2p.recv(0, group=group)
+    c = ferro.recv(0, group=group)
+    return (a.dtype.name, a.shape, a.tolist(), b.dtype.name, b.shape, float(b), c.dtype.name, c.shape)
+
+
+def test_receiver_needs_no_prior_knowledge(run):
+    a_dtype, a_shape, a_values, b_dtype, b_shape, b_value, c_dtype, c_shape = run(rank_typed_messages, 2)[1]
+    assert (a_dtype, a_shape) == ("int16", (3, 4)) and a_values == np.arange(12).reshape(3, 4).tolist()
+    assert (b_dtype, b_shape, b_value) == ("float64", (), 2.5)
+    assert (c_dtype, c_shape) == ("float32", (0, 5))
+
+
+def rank_tags_out_of_order(group):
+    if group.rank == 0:
+        for tag in (5, 3, 5, 9):
+            ferro.send(np.array([tag * 10 + len(str(tag))]), 1, tag=tag, group=group)
+        return None
+    return [int(ferro.recv(0, tag=t, group=group)[0]) for t in (9, 3, 5, 5)]
+
+
+def test_tags_keep_independent_streams_apart(run):
+    assert run(rank_tags_out_of_order, 2)[1] == [91, 31, 51, 51]
+
+
+def rank_recv_into_mismatch(group):
+    if group.rank == 0:
+        ferro.send(np.arange(4, dtype=np.float32), 1, group=group)
+        return None
+    out = np.zeros(3, np.float32)
+    try:
+        ferro.recv_into(out, 0, group=group)
+        outcome = "accepted"
+    except ferro.SizeMismatchError as exc:
+        outcome = "kept" if "kept" in str(exc) else str(exc)
+    return outcome, out.tolist(), ferro.recv(0, group=group).tolist()
+
+
+def test_recv_into_with_the_wrong_size_keeps_the_message(run):
+    assert run(rank_recv_into_mismatch, 2)[1] == ("kept", [0.0, 0.0, 0.0], [0.0, 1.0, 2.0, 3.0])
+
+
+def rank_max_bytes(group):
+    if group.rank == 0:
+        ferro.send(np.zeros(1000, np.float64), 1, group=group)
+        return None
+    try:
+        ferro.recv(0, group=group, max_bytes=100)
+        outcome = "accepted"
+    except ferro.SizeMismatchError:
+        outcome = "refused"
+    return outcome, ferro.recv(0, group=group).size
+
+
+def test_max_bytes_refuses_without_losing_the_message(run):
+    assert run(rank_max_bytes, 2)[1] == ("refused", 1000)
+
+
+def rank_sendrecv(group):
+    peer = 1 - group.rank
+    mine = np.full(3 + group.rank, group.rank, np.int32)
+    theirs = ferro.sendrecv(mine, peer, group=group)
+    into = np.empty(4 - group.rank, np.int32)
+    ferro.send(mine, peer, group=group)  # small: both ranks may send first
+    return theirs.tolist(), ferro.recv_into(into, peer, group=group) is into, into.tolist()
+
+
+def test_sendrecv_and_recv_into(run):
+    results = run(rank_sendrecv, 2)
+    assert results[0] == ([1, 1, 1, 1], True, [1, 1, 1, 1])
+    assert results[1] == ([0, 0, 0], True, [0, 0, 0])
+
+
+def rank_bad_tag(group):
+    try:
+        ferro.send(np.zeros(1), 1 - group.rank, tag=-1, group=group)
+        return "accepted"
+    except ValueError:
+        return "refused"
+
+
+def test_invalid_tag(run):
+    assert run(rank_bad_tag, 2) == ["refused", "refused"]
