@@ -116,7 +116,7 @@ def test_mismatched_calls_raise_on_every_rank_naming_both(run, kind, words):
 
 
 def rank_killed_mid_collective(group):
-    r, n = group.rank, group.world_size
+    r = group.rank
     x = np.ones(4 * MB // 4, np.float32)
     ferro.allreduce(x.copy(), group=group)
     if r == 2:

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-# The references overflow and produce NaN on purpose (inf - inf, 65520 -> inf).
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
 from ferro._core.reduce import divide, has_kernel, reduce_into
 from ferro._dtypes import _BY_NAME
+
+# The references overflow and produce NaN on purpose (inf - inf, 65520 -> inf).
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 OPS = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3, "BAND": 4, "BOR": 5, "BXOR": 6}
 NUMPY_OPS = {"SUM": np.add, "PRODUCT": np.multiply, "MIN": np.minimum, "MAX": np.maximum, "BAND": np.bitwise_and,
