@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from ferro._core.reduce import divide, has_kernel, reduce_into
+
 from ferro._dtypes import _BY_NAME
 
 # The references overflow and produce NaN on purpose (inf - inf, 65520 -> inf).
