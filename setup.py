@@ -22,7 +22,7 @@ def core_module(name: str) -> Extension:
     )
 
 
-extensions = [core_module("transport"), core_module("reduce")]
+extensions = [core_module("transport"), core_module("reduce"), core_module("collectives")]
 
 setup(
     ext_modules=cythonize(

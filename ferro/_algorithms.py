@@ -12,8 +12,6 @@ symmetric kernels from the same partial results (recursive doubling).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from ferro._core.reduce import reduce_into
@@ -37,13 +35,15 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
 class Link:
     """One collective call's view of its group: every frame carries the call's fingerprint."""
 
-    group: Backend
-    fingerprint: int
-    timeout: float
+    __slots__ = ("fingerprint", "group", "timeout")
+
+    def __init__(self, group: Backend, fingerprint: int, timeout: float) -> None:
+        self.group = group
+        self.fingerprint = fingerprint
+        self.timeout = timeout
 
     @property
     def rank(self) -> int:

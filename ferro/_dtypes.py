@@ -9,9 +9,10 @@ arrays go back in the caller's type.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -60,8 +61,7 @@ _BY_NAME = {
 _BY_CODE = {d.code: d for d in _BY_NAME.values()}
 
 
-@dataclass(frozen=True)
-class Operand:
+class Operand(NamedTuple):
     """A collective's input as a NumPy array, with what is needed to reduce it and to return results.
 
     Attributes:
@@ -104,11 +104,18 @@ def operand(x: Any, op: str, *, writable: bool) -> Operand:
         raise InvalidBufferError(f"{op} writes its result into the input, but the array is read-only")
     if torch_dtype is not None and str(torch_dtype) == "torch.bfloat16":
         return Operand(array, _BY_NAME["bfloat16"], torch_dtype)
-    found = _BY_NAME.get(array.dtype.name)
-    dtype = found if found is not None else DType(-1, array.dtype.name, array.dtype.itemsize, "o")
-    if array.dtype.name in _NOT_EXPORTABLE:
+    dtype, exportable = _classify(array.dtype)
+    if not exportable:
         return Operand(array.view(f"u{array.dtype.itemsize}"), dtype, None, array.dtype)
     return Operand(array, dtype, torch_dtype)
+
+
+@functools.lru_cache(maxsize=None)  # one entry per distinct dtype; dtype.name costs microseconds
+def _classify(numpy_dtype: np.dtype) -> tuple[DType, bool]:
+    name = numpy_dtype.name
+    found = _BY_NAME.get(name)
+    dtype = found if found is not None else DType(-1, name, numpy_dtype.itemsize, "o")
+    return dtype, name not in _NOT_EXPORTABLE
 
 
 def _torch_array(tensor: Any, op: str) -> tuple[np.ndarray, Any]:
@@ -154,6 +161,7 @@ _COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVE_IDS.items()}
 _OP_NAMES = ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "MEAN"]
 
 
+@functools.lru_cache(maxsize=4096)  # the same calls repeat every training step
 def fingerprint(collective: str, dtype_code: int = -1, op_code: int = 0, root: int = 0, count: int = 0,
                 shape: tuple[int, ...] = ()) -> int:
     """Pack a collective call into the 64-bit frame fingerprint.

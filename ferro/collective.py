@@ -25,6 +25,7 @@ Semantics, the same on every backend:
 from __future__ import annotations
 
 import enum
+import functools
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -76,9 +77,12 @@ __all__ = [
     "scatter",
 ]
 
-# Messages up to this size use latency-optimal algorithms (recursive doubling,
-# binomial trees); larger ones bandwidth-optimal rings and chains.
+# Messages up to this size use latency-optimal algorithms (binomial trees);
+# larger ones bandwidth-optimal chains.
 SMALL_MESSAGE_BYTES = 64 * 1024
+# Recursive doubling moves the whole message log2(n) times, the ring 2(n-1)/n times in
+# 2(n-1) rounds: below this many bytes x log2(n), fewer rounds win (measured: bench/).
+RECURSIVE_DOUBLING_BYTES = 1024 * 1024
 BROADCAST_SEGMENT_BYTES = 1024 * 1024
 # Fixed size of the metadata frame that tells a receiver what to allocate.
 META_BYTES = 256
@@ -104,7 +108,12 @@ class ReduceOp(enum.Enum):
     @property
     def kernel_code(self) -> int:
         """The C kernel's op code (MEAN reduces as SUM, then divides)."""
-        return 0 if self is ReduceOp.MEAN else self.value
+        return _KERNEL_CODES[self]
+
+
+# Looked up on every call: plain dictionaries beat enum attribute access.
+_KERNEL_CODES = {op: (0 if op is ReduceOp.MEAN else op.value) for op in ReduceOp}
+_OP_VALUES = {op: op.value for op in ReduceOp}
 
 
 # --- shared plumbing -----------------------------------------------------------
@@ -122,6 +131,7 @@ def _seconds(group: Backend, timeout: float | None) -> float:
     return group.timeout if timeout is None else default_timeout(timeout)
 
 
+@functools.lru_cache(maxsize=256)  # validated once per (op, dtype, collective)
 def _reduce_op(op: Any, dtype: DType, name: str) -> ReduceOp:
     if not isinstance(op, ReduceOp):
         try:
@@ -216,7 +226,8 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
         timeout: Seconds (default: the group's).
         async_op: Return a :class:`~ferro.PendingCollective` instead of waiting.
         algorithm: ``"ring"`` or ``"recursive_doubling"`` to override the choice
-            by size (recursive doubling up to 64 KiB, ring above).
+            by size (recursive doubling while ``nbytes * ceil(log2(world_size))``
+            is at most 1 MiB, ring above).
 
     Returns:
         ``x`` (or a handle whose ``wait()`` returns it).
@@ -238,23 +249,31 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
     reduce_op = _reduce_op(op, data.dtype, "allreduce")
     if algorithm not in (None, "ring", "recursive_doubling"):
         raise ValueError(f"allreduce: unknown algorithm {algorithm!r}; use 'ring' or 'recursive_doubling'")
-    link = _link(g, "allreduce", _seconds(g, timeout), data, reduce_op.value, 0, data.array.size, data.array.shape)
+    link = _link(g, "allreduce", _seconds(g, timeout), data, _OP_VALUES[reduce_op], 0, data.array.size,
+                 data.array.shape)
+    kernel_code = _KERNEL_CODES[reduce_op]
 
     def body() -> Any:
         flat = data.array.reshape(-1)
         if g.world_size > 1 and flat.size > 0:
             native = getattr(g, "native_allreduce", None)
-            chosen = algorithm or ("recursive_doubling" if flat.nbytes <= SMALL_MESSAGE_BYTES else "ring")
+            chosen = algorithm or _allreduce_algorithm(flat.nbytes, g.world_size)
             if native is not None:
-                native(flat, data.dtype, reduce_op.kernel_code, link.fingerprint, link.timeout, chosen)
+                native(flat, data.dtype, kernel_code, link.fingerprint, link.timeout, chosen)
             elif chosen == "ring" and flat.size >= g.world_size:
-                algo.allreduce_ring(link, flat, data.dtype, reduce_op.kernel_code)
+                algo.allreduce_ring(link, flat, data.dtype, kernel_code)
             else:
-                algo.allreduce_recursive_doubling(link, flat, data.dtype, reduce_op.kernel_code)
-        _finish_mean(flat, data.dtype, reduce_op, g.world_size)
+                algo.allreduce_recursive_doubling(link, flat, data.dtype, kernel_code)
+        if reduce_op is ReduceOp.MEAN:
+            _finish_mean(flat, data.dtype, reduce_op, g.world_size)
         return x
 
     return _execute(g, "allreduce", body, async_op, (x,))
+
+
+def _allreduce_algorithm(nbytes: int, world_size: int) -> str:
+    rounds = max(1, (world_size - 1).bit_length())
+    return "recursive_doubling" if nbytes * rounds <= RECURSIVE_DOUBLING_BYTES else "ring"
 
 
 def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,

@@ -73,7 +73,7 @@ class GroupWorker:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # not the default RLock: cheaper, never re-entered
         self._queue: deque[tuple[Callable[[], Any], PendingCollective]] = deque()
         self._busy = False
         self._thread: threading.Thread | None = None
@@ -104,7 +104,8 @@ class GroupWorker:
         finally:
             with self._cond:
                 self._busy = False
-                self._cond.notify_all()
+                if self._thread is not None:  # only the worker ever waits on the condition
+                    self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ferro._buffers import as_buffer
+from ferro._core import collectives as native
 from ferro._core.transport import KIND_ABORT, KIND_BARRIER, KIND_DATA, Connection, sendrecv
 from ferro.backend.base import Backend, dissemination_barrier
 from ferro.errors import BackendClosedError, ConfigurationError, DistributedError, DistributedTimeoutError
@@ -26,6 +27,9 @@ __all__ = ["TcpBackend"]
 SPIN_ENV = "FERRO_SPIN_US"
 DEFAULT_SPIN_US = 50.0
 SOCKET_BUFFER_ENV = "FERRO_SOCKET_BUFFER_BYTES"
+# Measured on loopback (bench/, DESIGN.md): fixed 4 MiB buffers take a 1 MiB allreduce
+# from ~565 to ~350 us, where autotuning starts too small; 0 restores autotuning.
+DEFAULT_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 _EMPTY = b""
 
 
@@ -45,9 +49,12 @@ def _spin_us(spin_us: float | None, world_size: int) -> float:
 
 def _size_socket_buffers(sock: socket.socket) -> None:
     raw = os.environ.get(SOCKET_BUFFER_ENV)
-    if not raw:
-        return  # the kernel's autotuning (best on loopback, measured in bench/)
-    size = int(raw)
+    try:
+        size = DEFAULT_SOCKET_BUFFER_BYTES if raw is None else int(raw)
+    except ValueError:
+        raise ConfigurationError(f"{SOCKET_BUFFER_ENV}={raw!r} is not a number of bytes") from None
+    if size <= 0:
+        return  # the kernel's autotuning
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
 
@@ -166,6 +173,8 @@ class TcpBackend(Backend):
         for peer, sock in sockets.items():
             _size_socket_buffers(sock)
             self._conns[peer] = Connection(sock, rank, peer, spin_us=spin_us)
+        # Indexed by rank, for the native collectives (None stands for this rank).
+        self._conn_table = tuple(self._conns.get(peer) for peer in range(world_size))
 
     @property
     def rank(self) -> int:
@@ -235,6 +244,14 @@ class TcpBackend(Backend):
         sendrecv(self._conns[dst], as_buffer(send_buf, "sendrecv"), self._conns[src], as_buffer(recv_buf, "sendrecv"),
                  kind=kind, fingerprint=fingerprint, timeout=self._timeout if timeout is None else timeout,
                  op="sendrecv")
+
+    def native_allreduce(self, flat: Any, dtype: Any, op_code: int, fingerprint: int, timeout: float,
+                         algorithm: str) -> None:
+        """Allreduce ``flat`` in place in one compiled call (used by :func:`ferro.allreduce`)."""
+        self._usable("allreduce")
+        code = native.ALGORITHM_RING if algorithm == "ring" else native.ALGORITHM_RECURSIVE_DOUBLING
+        native.allreduce(self._conn_table, self._rank, flat, dtype.code, op_code, dtype.itemsize, fingerprint,
+                         timeout, code)
 
     def abort_peers(self, payload: bytes) -> None:
         """Send an abort notice to every peer whose connection still works (one second each at most)."""

@@ -1,0 +1,198 @@
+"""Allreduce: ferro (TCP) beside torch.distributed's gloo and Open MPI (mpi4py over TCP), in one run.
+
+Each peer runs as its own pair of processes on loopback; the sweeps are
+interleaved (ferro, gloo, MPI, ferro, ...) for ``--repeats`` rounds so the noisy
+shared machine affects them alike, and the table reports the median of the
+rounds. Open MPI is restricted to its TCP path (``--mca btl self,tcp``), the
+fair comparison for a socket transport.
+
+Time is per allreduce on rank 0 (float32, SUM, in place), averaged over many
+calls per size. Bus bandwidth uses nccl-tests' factor for allreduce,
+2(n-1)/n, with GB = 1e9 bytes.
+
+Run: ``python bench/bench_allreduce.py [--repeats 3] [--max-bytes 268435456] [--json out.json]``.
+Needs torch (for gloo) and mpi4py with ``mpirun`` for the peers; missing peers are skipped and said so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+PEERS = ["ferro", "gloo", "mpi"]
+
+
+def sizes(max_bytes: int) -> list[int]:
+    out, size = [], 4
+    while size <= max_bytes:
+        out.append(size)
+        size *= 4
+    return out
+
+
+def iterations(nbytes: int) -> tuple[int, int]:
+    """(warm-up, timed) calls for a message size: many for small messages, few for large."""
+    timed = int(min(1000, max(5, 4e8 / max(nbytes, 16_384) / 10)))
+    return max(2, timed // 10), timed
+
+
+def _measure(allreduce, barrier, rank: int, max_bytes: int) -> dict[int, float]:
+    results = {}
+    for nbytes in sizes(max_bytes):
+        buf = np.ones(max(nbytes // 4, 1), np.float32)
+        warmup, timed = iterations(nbytes)
+        for _ in range(warmup):
+            allreduce(buf)
+        barrier()
+        start = time.perf_counter()
+        for _ in range(timed):
+            allreduce(buf)
+        elapsed = (time.perf_counter() - start) / timed
+        if rank == 0:
+            results[nbytes] = elapsed
+    return results
+
+
+def worker_ferro(rank: int, world: int, port: int, max_bytes: int) -> dict[int, float]:
+    import ferro
+
+    with ferro.TcpBackend(rank, world, "127.0.0.1", port, secret="bench", timeout=300) as group:
+        return _measure(lambda b: ferro.allreduce(b, group=group), group.barrier, rank, max_bytes)
+
+
+def worker_gloo(rank: int, world: int, port: int, max_bytes: int) -> dict[int, float]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        return _measure(lambda b: dist.all_reduce(torch.from_numpy(b)), dist.barrier, rank, max_bytes)
+    finally:
+        dist.destroy_process_group()
+
+
+def worker_mpi(max_bytes: int) -> tuple[int, dict[int, float]]:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    return comm.Get_rank(), _measure(lambda b: comm.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM), comm.Barrier,
+                                     comm.Get_rank(), max_bytes)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_peer(peer: str, world: int, max_bytes: int, out: str) -> bool:
+    script = os.path.abspath(__file__)
+    if peer == "mpi":
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            return False
+        command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(world), "--mca", "btl", "self,tcp",
+                   sys.executable, script, "--worker", "mpi", "--max-bytes", str(max_bytes), "--out", out]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            print(f"# mpi run failed: {done.stderr[-500:]}", file=sys.stderr)
+        return done.returncode == 0
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, script, "--worker", peer, "--rank", str(r), "--world", str(world),
+                               "--port", str(port), "--max-bytes", str(max_bytes), "--out", out])
+             for r in range(world)]
+    codes = [p.wait(timeout=1800) for p in procs]
+    return all(c == 0 for c in codes)
+
+
+def available(peer: str) -> bool:
+    try:
+        if peer == "gloo":
+            import torch.distributed  # noqa: F401
+        if peer == "mpi":
+            import mpi4py  # noqa: F401
+
+            return shutil.which("mpirun") is not None
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", choices=PEERS)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--out")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-bytes", type=int, default=256 * 1024 * 1024)
+    parser.add_argument("--peers", default="ferro,gloo,mpi")
+    parser.add_argument("--json", help="write every round's raw times here")
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        if args.worker == "mpi":
+            rank, results = worker_mpi(args.max_bytes)
+        else:
+            rank = args.rank
+            fn = worker_ferro if args.worker == "ferro" else worker_gloo
+            results = fn(args.rank, args.world, args.port, args.max_bytes)
+        if rank == 0:
+            with open(args.out, "w") as f:
+                json.dump({str(k): v for k, v in results.items()}, f)
+        return 0
+
+    peers = [p for p in args.peers.split(",") if p]
+    skipped = [p for p in peers if not available(p)]
+    peers = [p for p in peers if p not in skipped]
+    rounds: dict[str, list[dict[int, float]]] = {p: [] for p in peers}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for peer in peers:
+                out = os.path.join(tmp, f"{peer}-{repeat}.json")
+                if run_peer(peer, args.world, args.max_bytes, out):
+                    with open(out) as f:
+                        rounds[peer].append({int(k): v for k, v in json.load(f).items()})
+                print(f"# round {repeat + 1}/{args.repeats}: {peer} done", file=sys.stderr, flush=True)
+    table = {p: {n: statistics.median(r[n] for r in rounds[p]) for n in sizes(args.max_bytes)}
+             for p in peers if rounds[p]}
+    factor = 2 * (args.world - 1) / args.world
+    print(f"# allreduce, float32 SUM in place, world size {args.world}, loopback, median of {args.repeats} rounds")
+    if skipped:
+        print(f"# skipped (not installed): {', '.join(skipped)}")
+    header = f"{'bytes':>11}"
+    for p in table:
+        header += f"{p + ' us':>13}{p + ' busbw':>12}"
+    for p in table:
+        if p != "ferro":
+            header += f"{'vs ' + p:>10}"
+    print(header)
+    for n in sizes(args.max_bytes):
+        row = f"{n:>11}"
+        for p in table:
+            t = table[p][n]
+            row += f"{t * 1e6:>13.1f}{n * factor / t / 1e9:>12.3f}"
+        for p in table:
+            if p != "ferro" and "ferro" in table:
+                row += f"{table[p][n] / table['ferro'][n]:>9.2f}x"
+        print(row)
+    print("# 'vs X' = X's time / ferro's time (above 1: ferro is faster)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({p: [{str(k): v for k, v in r.items()} for r in rounds[p]] for p in rounds}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
