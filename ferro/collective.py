@@ -346,7 +346,12 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
     def body() -> Any:
         scratch = data.array.reshape(-1).copy()
         if g.world_size > 1 and scratch.size > 0:
-            algo.reduce_scatter_ring(link, scratch, bounds, data.dtype, reduce_op.kernel_code)
+            native = getattr(g, "native_ring", None)
+            if native is not None:
+                native(scratch, bounds, data.dtype.code, reduce_op.kernel_code, data.dtype.itemsize, link.fingerprint,
+                       link.timeout, True, False)
+            else:
+                algo.reduce_scatter_ring(link, scratch, bounds, data.dtype, reduce_op.kernel_code)
         mine = scratch[bounds[g.rank]:bounds[g.rank + 1]]
         _finish_mean(mine, data.dtype, reduce_op, g.world_size)
         part = mine.reshape((row_bounds[g.rank + 1] - row_bounds[g.rank],) + data.array.shape[1:])
@@ -439,7 +444,12 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
         bounds = [i * size for i in range(g.world_size + 1)]
         flat_out[bounds[g.rank]:bounds[g.rank + 1]] = data.array.reshape(-1)
         if g.world_size > 1 and size > 0:
-            algo.all_gather_ring(link, flat_out.view(np.uint8).reshape(-1), [b * data.dtype.itemsize for b in bounds])
+            byte_bounds = [b * data.dtype.itemsize for b in bounds]
+            native = getattr(g, "native_ring", None)
+            if native is not None:
+                native(flat_out.view(np.uint8), byte_bounds, -1, 0, 1, link.fingerprint, link.timeout, False, True)
+            else:
+                algo.all_gather_ring(link, flat_out.view(np.uint8).reshape(-1), byte_bounds)
         return out if out is not None else wrap_like(result.array, data)
 
     return _execute(g, "all_gather", body, async_op, (x, result.array))

@@ -69,6 +69,11 @@ cdef inline size_t _bound(size_t total, int parts, int i) noexcept nogil:
     return i * base + (<size_t>i if <size_t>i < extra else extra)
 
 
+cdef enum:
+    PHASE_REDUCE_SCATTER = 1
+    PHASE_ALL_GATHER = 2
+
+
 cdef int _exchange(SendOp* s, ConnState* to, const unsigned char* out, size_t out_len,
                    RecvOp* r, ConnState* frm, unsigned char* into, size_t in_len,
                    uint64_t fingerprint, int64_t deadline) except -1 nogil:
@@ -83,16 +88,23 @@ cdef int _exchange(SendOp* s, ConnState* to, const unsigned char* out, size_t ou
     return 0
 
 
-cdef int _ring_allreduce(ConnState** conns, int rank, int n, unsigned char* buf, size_t count, size_t itemsize,
-                         ferro_reduce_fn kernel, unsigned char* scratch, size_t segment, uint64_t fingerprint,
-                         int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
-    """Segmented ring: reduce-scatter then all-gather; each segment is reduced as soon as it lands."""
+cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const size_t* bounds, size_t itemsize,
+               ferro_reduce_fn kernel, unsigned char* scratch, size_t segment, uint64_t fingerprint,
+               int64_t deadline, SendOp* s, RecvOp* r, int phases) except -1 nogil:
+    """Segmented ring over chunks ``[bounds[i], bounds[i+1])`` (in elements) of ``buf``.
+
+    Reduce-scatter (``PHASE_REDUCE_SCATTER``) leaves chunk ``rank`` fully reduced
+    here, each segment reduced as soon as it lands; all-gather
+    (``PHASE_ALL_GATHER``) then passes every rank's chunk around. Both make an allreduce.
+    """
     cdef ConnState* nxt = conns[(rank + 1) % n]
     cdef ConnState* prv = conns[(rank - 1 + n) % n]
     cdef int step, send_idx, recv_idx
     cdef size_t send_off, send_len, recv_off, recv_len, pos, a, b
     cdef int phase
     for phase in range(2):
+        if not phases & (PHASE_REDUCE_SCATTER if phase == 0 else PHASE_ALL_GATHER):
+            continue
         for step in range(n - 1):
             if phase == 0:  # reduce-scatter: afterwards chunk `rank` is complete here
                 send_idx = (rank - step - 1 + 2 * n) % n
@@ -100,10 +112,10 @@ cdef int _ring_allreduce(ConnState** conns, int rank, int n, unsigned char* buf,
             else:           # all-gather: pass the complete chunks around
                 send_idx = (rank - step + 2 * n) % n
                 recv_idx = (rank - step - 1 + 2 * n) % n
-            send_off = _bound(count, n, send_idx) * itemsize
-            send_len = _bound(count, n, send_idx + 1) * itemsize - send_off
-            recv_off = _bound(count, n, recv_idx) * itemsize
-            recv_len = _bound(count, n, recv_idx + 1) * itemsize - recv_off
+            send_off = bounds[send_idx] * itemsize
+            send_len = bounds[send_idx + 1] * itemsize - send_off
+            recv_off = bounds[recv_idx] * itemsize
+            recv_len = bounds[recv_idx + 1] * itemsize - recv_off
             pos = 0
             while pos < send_len or pos < recv_len:
                 a = send_len - pos if pos < send_len else 0
@@ -158,6 +170,103 @@ cdef int _recursive_doubling(ConnState** conns, int rank, int n, unsigned char* 
     return 0
 
 
+cdef class _Call:
+    """What one native collective holds while it runs: the buffer, the peers' states and their locks."""
+
+    cdef Py_buffer view
+    cdef bint has_view
+    cdef tuple connections
+    cdef int rank
+    cdef int n
+    cdef ConnState** states
+    cdef int locked
+    cdef unsigned char* scratch
+    cdef size_t* bounds
+
+    def __cinit__(self):
+        self.has_view = False
+        self.states = NULL
+        self.scratch = NULL
+        self.bounds = NULL
+        self.locked = 0
+
+    cdef int take(self, tuple connections, int rank, buf, double timeout, str op) except -1:
+        cdef int i
+        cdef Connection conn
+        self.connections = connections
+        self.rank = rank
+        self.n = len(connections)
+        PyObject_GetBuffer(buf, &self.view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+        self.has_view = True
+        self.states = <ConnState**>malloc(self.n * sizeof(ConnState*))
+        if self.states == NULL:
+            raise MemoryError()
+        for i in range(self.n):
+            self.states[i] = NULL
+            if i != rank:
+                conn = connections[i]
+                conn.check_usable(op)
+                self.states[i] = &conn.st
+        # Every peer's locks in rank order (sends, then receives): one fixed order,
+        # so no other thread's operation can deadlock against this one.
+        for i in range(self.n):
+            if i != rank:
+                conn = connections[i]
+                conn.lock(conn.send_lock, timeout, op)
+                self.locked += 1
+        for i in range(self.n):
+            if i != rank:
+                conn = connections[i]
+                conn.lock(conn.recv_lock, timeout, op)
+                self.locked += 1
+        return 0
+
+    cdef int set_bounds(self, object offsets) except -1:
+        cdef int i
+        self.bounds = <size_t*>malloc((self.n + 1) * sizeof(size_t))
+        if self.bounds == NULL:
+            raise MemoryError()
+        for i in range(self.n + 1):
+            self.bounds[i] = offsets[i]
+        return 0
+
+    cdef int make_scratch(self, size_t nbytes) except -1:
+        self.scratch = <unsigned char*>malloc(nbytes if nbytes else 1)
+        if self.scratch == NULL:
+            raise MemoryError()
+        return 0
+
+    cdef void release(self):
+        cdef int i, released = 0
+        cdef Connection conn
+        for i in range(self.n):  # in the order taken: send locks, then receive locks
+            if i != self.rank and released < self.locked:
+                conn = self.connections[i]
+                PyThread_release_lock(conn.send_lock)
+                released += 1
+        for i in range(self.n):
+            if i != self.rank and released < self.locked:
+                conn = self.connections[i]
+                PyThread_release_lock(conn.recv_lock)
+                released += 1
+        self.locked = 0
+        free(self.scratch)
+        free(self.states)
+        free(self.bounds)
+        self.scratch = NULL
+        self.states = NULL
+        self.bounds = NULL
+        if self.has_view:
+            PyBuffer_Release(&self.view)
+            self.has_view = False
+
+
+cdef size_t _segment_size(Py_ssize_t segment_bytes, Py_ssize_t itemsize) except 0:
+    if segment_bytes < itemsize or itemsize <= 0:
+        raise ValueError("segment_bytes must hold at least one element")
+    return <size_t>(segment_bytes - segment_bytes % itemsize)
+
+
 def allreduce(tuple connections, int rank, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t fingerprint,
               double timeout, int algorithm, Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES) -> None:
     """Allreduce ``buf`` in place over ``connections`` (indexed by rank; None at ``rank``).
@@ -178,84 +287,95 @@ def allreduce(tuple connections, int rank, buf, int dtype, int op, Py_ssize_t it
         The transport's errors (PeerLostError, DistributedTimeoutError,
         CollectiveMismatchError, ...), and InvalidBufferError for a bad buffer.
     """
-    cdef int n = len(connections)
-    cdef Py_buffer view
+    cdef _Call call = _Call()
     cdef SendOp s
     cdef RecvOp r
-    cdef ConnState** states = NULL
-    cdef unsigned char* scratch = NULL
     cdef ferro_reduce_fn kernel = ferro_reduce_kernel(dtype, op)
-    cdef size_t count, segment, scratch_bytes
+    cdef size_t segment = _segment_size(segment_bytes, itemsize), count, nbytes
     cdef int64_t deadline
-    cdef int rc = 0, locked = 0, i
-    cdef Connection conn
+    cdef int rc = 0, n = len(connections)
     if kernel == NULL:
         raise ValueError(f"no reduction kernel for dtype code {dtype} and op code {op}")
-    if segment_bytes < itemsize:
-        raise ValueError("segment_bytes must hold at least one element")
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
-    PyObject_GetBuffer(buf, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
     try:
-        if view.len % itemsize:
-            raise InvalidBufferError(f"allreduce: {view.len} bytes is not a whole number of {itemsize}-byte elements")
-        count = <size_t>(view.len // itemsize)
-        segment = <size_t>(segment_bytes - segment_bytes % itemsize)
+        call.take(connections, rank, buf, timeout, "allreduce")
+        nbytes = <size_t>call.view.len
+        if nbytes % itemsize:
+            raise InvalidBufferError(f"allreduce: {nbytes} bytes is not a whole number of {itemsize}-byte elements")
+        count = nbytes // itemsize
         if n < 2 or count == 0:
             return
-        states = <ConnState**>malloc(n * sizeof(ConnState*))
-        if states == NULL:
-            raise MemoryError()
-        for i in range(n):
-            states[i] = NULL
-            if i != rank:
-                conn = connections[i]
-                conn.check_usable("allreduce")
-                states[i] = &conn.st
-        # Take every peer's locks in rank order (sends, then receives): one fixed
-        # order, so no other thread's operation can deadlock against this one.
-        for i in range(n):
-            if i != rank:
-                conn = connections[i]
-                conn.lock(conn.send_lock, timeout, "allreduce")
-                locked += 1
-        for i in range(n):
-            if i != rank:
-                conn = connections[i]
-                conn.lock(conn.recv_lock, timeout, "allreduce")
-                locked += 1
-        scratch_bytes = <size_t>view.len if algorithm == RECURSIVE_DOUBLING else min(segment, <size_t>view.len)
-        scratch = <unsigned char*>malloc(scratch_bytes if scratch_bytes else 1)
-        if scratch == NULL:
-            raise MemoryError()
+        if algorithm == RECURSIVE_DOUBLING:
+            call.make_scratch(nbytes)
+        else:
+            call.set_bounds([_bound(count, n, i) for i in range(n + 1)])
+            call.make_scratch(min(segment, nbytes))
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
             if algorithm == RECURSIVE_DOUBLING:
-                rc = _recursive_doubling(states, rank, n, <unsigned char*>view.buf, <size_t>view.len, itemsize,
-                                         kernel, scratch, fingerprint, deadline, &s, &r)
+                rc = _recursive_doubling(call.states, rank, n, <unsigned char*>call.view.buf, nbytes, itemsize,
+                                         kernel, call.scratch, fingerprint, deadline, &s, &r)
             else:
-                rc = _ring_allreduce(states, rank, n, <unsigned char*>view.buf, count, itemsize, kernel, scratch,
-                                     segment, fingerprint, deadline, &s, &r)
+                rc = _ring(call.states, rank, n, <unsigned char*>call.view.buf, call.bounds, itemsize, kernel,
+                           call.scratch, segment, fingerprint, deadline, &s, &r,
+                           PHASE_REDUCE_SCATTER | PHASE_ALL_GATHER)
     finally:
-        _unlock(connections, rank, locked)
-        free(scratch)
-        free(states)
-        PyBuffer_Release(&view)
+        call.release()
     if rc:
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "allreduce", timeout)
 
 
-cdef void _unlock(tuple connections, int rank, int locked):
-    cdef int n = len(connections), i, released = 0
-    cdef Connection conn
-    # Release in the order taken: all send locks, then the receive locks.
-    for i in range(n):
-        if i != rank and released < locked:
-            conn = connections[i]
-            PyThread_release_lock(conn.send_lock)
-            released += 1
-    for i in range(n):
-        if i != rank and released < locked:
-            conn = connections[i]
-            PyThread_release_lock(conn.recv_lock)
-            released += 1
+def ring(tuple connections, int rank, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
+         uint64_t fingerprint, double timeout, bint reduce_scatter, bint all_gather,
+         Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES) -> None:
+    """Run a ring reduce-scatter and/or all-gather in place on ``buf``.
+
+    Args:
+        connections: As for :func:`allreduce`.
+        rank: This rank.
+        buf: Writable C-contiguous buffer.
+        bounds: ``n + 1`` element offsets: chunk ``i`` is ``[bounds[i], bounds[i+1])``.
+        dtype: ``FERRO_*`` dtype code (any value when only gathering).
+        op: ``FERRO_*`` op code (any value when only gathering).
+        itemsize: Bytes per element.
+        fingerprint: The call's fingerprint.
+        timeout: Seconds for the whole collective.
+        reduce_scatter: Reduce so that chunk ``rank`` ends complete here.
+        all_gather: Then (or only) circulate every rank's chunk ``i`` to all.
+        segment_bytes: Segment size; every rank must use the same.
+    """
+    cdef _Call call = _Call()
+    cdef SendOp s
+    cdef RecvOp r
+    cdef ferro_reduce_fn kernel = NULL
+    cdef size_t segment = _segment_size(segment_bytes, itemsize), largest = 0
+    cdef int64_t deadline
+    cdef int rc = 0, n = len(connections), i
+    cdef int phases = (PHASE_REDUCE_SCATTER if reduce_scatter else 0) | (PHASE_ALL_GATHER if all_gather else 0)
+    if reduce_scatter:
+        kernel = ferro_reduce_kernel(dtype, op)
+        if kernel == NULL:
+            raise ValueError(f"no reduction kernel for dtype code {dtype} and op code {op}")
+    if len(bounds) != n + 1:
+        raise ValueError(f"ring: {n + 1} bounds needed, got {len(bounds)}")
+    memset(&s, 0, sizeof(SendOp))
+    memset(&r, 0, sizeof(RecvOp))
+    try:
+        call.take(connections, rank, buf, timeout, "ring")
+        if n < 2 or phases == 0:
+            return
+        call.set_bounds(bounds)
+        if call.bounds[n] * itemsize > <size_t>call.view.len:
+            raise InvalidBufferError(f"ring: bounds reach element {call.bounds[n]} of a {call.view.len}-byte buffer")
+        for i in range(n):
+            largest = max(largest, (call.bounds[i + 1] - call.bounds[i]) * itemsize)
+        call.make_scratch(min(segment, largest))
+        deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
+        with nogil:
+            rc = _ring(call.states, rank, n, <unsigned char*>call.view.buf, call.bounds, itemsize, kernel,
+                       call.scratch, segment, fingerprint, deadline, &s, &r, phases)
+    finally:
+        call.release()
+    if rc:
+        raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "ring", timeout)

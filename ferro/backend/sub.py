@@ -26,6 +26,10 @@ class SubBackend(Backend):
         self._parent = parent
         self._ranks = tuple(ranks)
         self._channel = channel
+        # Native collectives of the channel (TCP's compiled ones) serve the sub-group as they are.
+        for name in ("native_allreduce", "native_ring"):
+            if hasattr(channel, name):
+                setattr(self, name, getattr(channel, name))
 
     @property
     def parent(self) -> Backend:

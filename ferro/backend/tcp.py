@@ -253,6 +253,13 @@ class TcpBackend(Backend):
         native.allreduce(self._conn_table, self._rank, flat, dtype.code, op_code, dtype.itemsize, fingerprint,
                          timeout, code)
 
+    def native_ring(self, flat: Any, bounds: list[int], dtype_code: int, op_code: int, itemsize: int,
+                    fingerprint: int, timeout: float, reduce_scatter: bool, all_gather: bool) -> None:
+        """Ring reduce-scatter and/or all-gather in one compiled call (used by the collectives)."""
+        self._usable("ring")
+        native.ring(self._conn_table, self._rank, flat, bounds, dtype_code, op_code, itemsize, fingerprint, timeout,
+                    reduce_scatter, all_gather)
+
     def abort_peers(self, payload: bytes) -> None:
         """Send an abort notice to every peer whose connection still works (one second each at most)."""
         for conn in self._conns.values():
