@@ -110,7 +110,7 @@ def operand(x: Any, op: str, *, writable: bool) -> Operand:
     return Operand(array, dtype, torch_dtype)
 
 
-@functools.lru_cache(maxsize=None)  # one entry per distinct dtype; dtype.name costs microseconds
+@functools.cache  # one entry per distinct dtype; dtype.name costs microseconds
 def _classify(numpy_dtype: np.dtype) -> tuple[DType, bool]:
     name = numpy_dtype.name
     found = _BY_NAME.get(name)

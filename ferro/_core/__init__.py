@@ -1,11 +1,11 @@
-"""ferro's compiled core: framed transport over sockets, run without the GIL.
+"""ferro's compiled core: framed transport, reduction kernels and native collectives, without the GIL.
 
 Nothing here knows about process groups or collectives; the layers above
 decide policy and this package moves bytes.
 """
 
 try:
-    from ferro._core import transport
+    from ferro._core import collectives, reduce, transport
 except ImportError as exc:  # pragma: no cover - only hit on a broken install
     raise ImportError(
         "ferro's compiled core is not built. Install the package with "
@@ -13,4 +13,4 @@ except ImportError as exc:  # pragma: no cover - only hit on a broken install
         "it with Cython and a C compiler."
     ) from exc
 
-__all__ = ["transport"]
+__all__ = ["collectives", "reduce", "transport"]
