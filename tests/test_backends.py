@@ -7,24 +7,9 @@ import numpy as np
 import pytest
 
 import ferro
-from ferro.testing import run_processes, run_threads
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool", "complex128"]
 MB = 1024 * 1024
-
-
-def harness_tcp(fn, world_size, args=(), **kwargs):
-    return run_processes(fn, world_size, args=args, **kwargs)
-
-
-def harness_simulated(fn, world_size, args=(), **kwargs):
-    kwargs.pop("allow_exit", None)
-    return run_threads(fn, world_size, args=args, **kwargs)
-
-
-@pytest.fixture(params=["tcp", "simulated"])
-def run(request):
-    return {"tcp": harness_tcp, "simulated": harness_simulated}[request.param]
 
 
 def payload(dtype, n, seed):

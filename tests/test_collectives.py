@@ -7,24 +7,10 @@ import numpy as np
 import pytest
 
 import ferro
-from ferro.testing import RankExit, run_processes, run_threads
+from ferro.testing import RankExit, run_processes
 from ferro.testing.conformance import check_collectives
 
 MB = 1024 * 1024
-
-
-def harness_tcp(fn, world_size, args=(), **kwargs):
-    return run_processes(fn, world_size, args=args, **kwargs)
-
-
-def harness_simulated(fn, world_size, args=(), **kwargs):
-    kwargs.pop("allow_exit", None)
-    return run_threads(fn, world_size, args=args, **kwargs)
-
-
-@pytest.fixture(params=["tcp", "simulated"])
-def run(request):
-    return {"tcp": harness_tcp, "simulated": harness_simulated}[request.param]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])

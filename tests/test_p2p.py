@@ -1,17 +1,8 @@
 """Typed point-to-point: dtype and shape travel with the data; tags keep streams apart."""
 
 import numpy as np
-import pytest
 
 import ferro
-from ferro.testing import run_processes, run_threads
-
-
-@pytest.fixture(params=["tcp", "simulated"])
-def run(request):
-    if request.param == "tcp":
-        return lambda fn, n, args=(): run_processes(fn, n, args=args)
-    return lambda fn, n, args=(): run_threads(fn, n, args=args)
 
 
 def rank_typed_messages(group):

@@ -1,8 +1,8 @@
 """Process groups: the Backend interface and its implementations."""
 
-from ferro.backend.base import Backend
+from ferro.backend.base import Backend, FramedBackend
 from ferro.backend.simulated import SimulatedBackend
 from ferro.backend.sub import SubBackend, new_group
 from ferro.backend.tcp import TcpBackend
 
-__all__ = ["Backend", "SimulatedBackend", "SubBackend", "TcpBackend", "new_group"]
+__all__ = ["Backend", "FramedBackend", "SimulatedBackend", "SubBackend", "TcpBackend", "new_group"]

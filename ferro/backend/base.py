@@ -7,9 +7,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ferro._core.transport import KIND_DATA
 from ferro.errors import BackendUnavailableError, InvalidRankError, SelfSendError
 
-__all__ = ["Backend", "dissemination_barrier"]
+__all__ = ["Backend", "FramedBackend", "dissemination_barrier"]
 
 _Group = TypeVar("_Group", bound="Backend")
 
@@ -225,6 +226,39 @@ class Backend(abc.ABC):
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size} {state}>"
+
+
+class FramedBackend(Backend):
+    """A backend whose every message is a frame carrying a kind and a call fingerprint.
+
+    Plain :meth:`send`, :meth:`recv` and :meth:`sendrecv` are data frames with
+    fingerprint 0; implementations provide the tagged operations.
+    """
+
+    def send(self, buf: Any, dst: int, *, timeout: float | None = None) -> None:
+        """Send ``buf``'s bytes to ``dst`` as a data frame (see :meth:`Backend.send`)."""
+        self.send_tagged(buf, dst, kind=KIND_DATA, fingerprint=0, timeout=timeout)
+
+    def recv(self, buf: Any, src: int, *, timeout: float | None = None) -> None:
+        """Receive the next data frame from ``src`` into ``buf`` (see :meth:`Backend.recv`)."""
+        self.recv_tagged(buf, src, kind=KIND_DATA, fingerprint=0, timeout=timeout)
+
+    def sendrecv(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, timeout: float | None = None) -> None:
+        """Exchange data frames, both directions at once (see :meth:`Backend.sendrecv`)."""
+        self.sendrecv_tagged(send_buf, dst, recv_buf, src, kind=KIND_DATA, fingerprint=0, timeout=timeout)
+
+    @abc.abstractmethod
+    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Send one frame with this kind and fingerprint (see :meth:`Backend.send_tagged`)."""
+
+    @abc.abstractmethod
+    def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Receive one frame, refusing another kind or fingerprint (see :meth:`Backend.recv_tagged`)."""
+
+    @abc.abstractmethod
+    def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
+                        timeout: float | None = None) -> None:
+        """Exchange tagged frames, both directions at once (see :meth:`Backend.sendrecv_tagged`)."""
 
 
 def dissemination_barrier(rank: int, world_size: int, exchange: Callable[[int, int], object]) -> None:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferro._buffers import byte_view
-from ferro._core.transport import KIND_ABORT, KIND_BARRIER, KIND_DATA, abort_error, kind_name
-from ferro.backend.base import Backend, dissemination_barrier
+from ferro._core.transport import KIND_ABORT, KIND_BARRIER, abort_error, kind_name
+from ferro.backend.base import FramedBackend, dissemination_barrier
 from ferro.errors import (
     BackendClosedError,
     CollectiveMismatchError,
@@ -57,7 +57,7 @@ class _World:
             child.abort()
 
 
-class SimulatedBackend(Backend):
+class SimulatedBackend(FramedBackend):
     """One rank of a group whose ranks are threads of this process.
 
     Messages are copied at send time (the sender may reuse its buffer at once)
@@ -172,18 +172,6 @@ class SimulatedBackend(Backend):
             queue.popleft()
         out[:] = message.payload
 
-    def send(self, buf: Any, dst: int, *, timeout: float | None = None) -> None:
-        """Queue a copy of ``buf``'s bytes for ``dst`` (see :meth:`Backend.send`)."""
-        self.send_tagged(buf, dst, kind=KIND_DATA, fingerprint=0, timeout=timeout)
-
-    def recv(self, buf: Any, src: int, *, timeout: float | None = None) -> None:
-        """Take the next message from ``src`` into ``buf`` (see :meth:`Backend.recv`)."""
-        self.recv_tagged(buf, src, kind=KIND_DATA, fingerprint=0, timeout=timeout)
-
-    def sendrecv(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, timeout: float | None = None) -> None:
-        """Send then receive; sends never block here, so no helper thread is needed."""
-        self.sendrecv_tagged(send_buf, dst, recv_buf, src, kind=KIND_DATA, fingerprint=0, timeout=timeout)
-
     def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
         """Queue a tagged copy of ``buf`` (see :meth:`Backend.send_tagged`)."""
         self._usable("send")
@@ -199,7 +187,7 @@ class SimulatedBackend(Backend):
 
     def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
                         timeout: float | None = None) -> None:
-        """Post the send, then take the receive (see :meth:`Backend.sendrecv_tagged`)."""
+        """Post the send, then take the receive: sends never block here, so no helper thread is needed."""
         self._usable("sendrecv")
         dst = self.check_peer(dst, "sendrecv")
         src = self.check_peer(src, "sendrecv")

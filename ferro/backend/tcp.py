@@ -10,8 +10,8 @@ from typing import Any
 
 from ferro._buffers import as_buffer
 from ferro._core import collectives as native
-from ferro._core.transport import KIND_ABORT, KIND_BARRIER, KIND_DATA, Connection, sendrecv
-from ferro.backend.base import Backend, dissemination_barrier
+from ferro._core.transport import KIND_ABORT, KIND_BARRIER, Connection, sendrecv
+from ferro.backend.base import FramedBackend, dissemination_barrier
 from ferro.errors import BackendClosedError, ConfigurationError, DistributedError, DistributedTimeoutError
 from ferro.rendezvous import (
     BIND_ADDR_ENV,
@@ -59,7 +59,7 @@ def _size_socket_buffers(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
 
 
-class TcpBackend(Backend):
+class TcpBackend(FramedBackend):
     """A process group whose ranks are connected pairwise by TCP (a full mesh).
 
     Rank 0 serves the rendezvous :class:`~ferro.Store` on ``master_addr:master_port``
@@ -209,18 +209,6 @@ class TcpBackend(Backend):
         if self._closed:
             raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
 
-    def send(self, buf: Any, dst: int, *, timeout: float | None = None) -> None:
-        """Send ``buf``'s bytes to ``dst`` (see :meth:`Backend.send`)."""
-        self.send_tagged(buf, dst, kind=KIND_DATA, fingerprint=0, timeout=timeout)
-
-    def recv(self, buf: Any, src: int, *, timeout: float | None = None) -> None:
-        """Receive the next message from ``src`` into ``buf`` (see :meth:`Backend.recv`)."""
-        self.recv_tagged(buf, src, kind=KIND_DATA, fingerprint=0, timeout=timeout)
-
-    def sendrecv(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, timeout: float | None = None) -> None:
-        """Full-duplex exchange in one compiled progress loop (see :meth:`Backend.sendrecv`)."""
-        self.sendrecv_tagged(send_buf, dst, recv_buf, src, kind=KIND_DATA, fingerprint=0, timeout=timeout)
-
     def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
         """Send one frame with ``kind`` and ``fingerprint`` in its header (see :meth:`Backend.send_tagged`)."""
         self._usable("send")
@@ -237,7 +225,7 @@ class TcpBackend(Backend):
 
     def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
                         timeout: float | None = None) -> None:
-        """Full-duplex exchange of tagged frames (see :meth:`Backend.sendrecv_tagged`)."""
+        """Full-duplex exchange of tagged frames in one compiled progress loop (see :meth:`Backend.sendrecv_tagged`)."""
         self._usable("sendrecv")
         dst = self.check_peer(dst, "sendrecv")
         src = self.check_peer(src, "sendrecv")

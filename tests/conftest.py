@@ -1,0 +1,22 @@
+"""Shared fixtures: the same rank functions run as TCP processes and as simulated threads."""
+
+import pytest
+
+from ferro.testing import run_processes, run_threads
+
+
+def harness_tcp(fn, world_size, args=(), **kwargs):
+    """Ranks as processes over real sockets."""
+    return run_processes(fn, world_size, args=args, **kwargs)
+
+
+def harness_simulated(fn, world_size, args=(), **kwargs):
+    """Ranks as threads over SimulatedBackend (a thread cannot be killed, so allow_exit does not apply)."""
+    kwargs.pop("allow_exit", None)
+    return run_threads(fn, world_size, args=args, **kwargs)
+
+
+@pytest.fixture(params=["tcp", "simulated"])
+def run(request):
+    """Run a rank function on both backends: ``run(fn, world_size, args=(), **harness_kwargs)``."""
+    return {"tcp": harness_tcp, "simulated": harness_simulated}[request.param]
