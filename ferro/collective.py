@@ -389,10 +389,14 @@ def broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeout: f
     def body() -> Any:
         flat = data.array.reshape(-1).view(np.uint8)
         if g.world_size > 1 and flat.size > 0:
-            if flat.nbytes <= SMALL_MESSAGE_BYTES or g.world_size == 2:
-                algo.broadcast_tree(link, flat, root_rank)
-            else:
+            chain = flat.nbytes > SMALL_MESSAGE_BYTES and g.world_size > 2
+            native = getattr(g, "native_broadcast", None)
+            if native is not None:
+                native(flat, root_rank, link.fingerprint, link.timeout, chain)
+            elif chain:
                 algo.broadcast_chain(link, flat, root_rank, BROADCAST_SEGMENT_BYTES)
+            else:
+                algo.broadcast_tree(link, flat, root_rank)
         return x
 
     return _execute(g, "broadcast", body, async_op, (x,))
@@ -635,9 +639,9 @@ def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = 
 
     def body() -> Any:
         out = np.empty_like(data.array)
-        send_blocks = np.split(data.array, g.world_size)
-        recv_blocks = np.split(out, g.world_size)
-        algo.all_to_all_pairwise(link, send_blocks, recv_blocks)
+        block = data.array.nbytes // g.world_size
+        offsets = [i * block for i in range(g.world_size + 1)]
+        _exchange_blocks(g, link, data.array, offsets, out, offsets)
         return wrap_like(out, data)
 
     return _execute(g, "all_to_all", body, async_op, (x,))
@@ -682,17 +686,36 @@ def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Se
     row_shape = data.array.shape[1:]
     link = _link(g, "all_to_all_single_uneven", _seconds(g, timeout), data, 0, 0, 0, row_shape)
 
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * data.array.dtype.itemsize
+    if recvs[g.rank] != sends[g.rank]:
+        raise SizeMismatchError(f"all_to_all_single_uneven: rank {g.rank} sends itself {sends[g.rank]} rows "
+                                f"but expects {recvs[g.rank]}", recvs[g.rank], sends[g.rank])
+
     def body() -> Any:
         out = np.empty((sum(recvs),) + row_shape, data.array.dtype)
-        send_blocks = np.split(data.array, np.cumsum(sends)[:-1])
-        recv_blocks = np.split(out, np.cumsum(recvs)[:-1])
-        if recvs[g.rank] != sends[g.rank]:
-            raise SizeMismatchError(f"all_to_all_single_uneven: rank {g.rank} sends itself {sends[g.rank]} rows "
-                                    f"but expects {recvs[g.rank]}", recvs[g.rank], sends[g.rank])
-        algo.all_to_all_pairwise(link, send_blocks, recv_blocks)
+        send_offsets = [0, *np.cumsum(sends).tolist()]
+        recv_offsets = [0, *np.cumsum(recvs).tolist()]
+        _exchange_blocks(g, link, data.array, [o * row_bytes for o in send_offsets], out,
+                         [o * row_bytes for o in recv_offsets])
         return wrap_like(out, data)
 
     return _execute(g, "all_to_all_single_uneven", body, async_op, (x,))
+
+
+def _exchange_blocks(group: Backend, link: algo.Link, send: np.ndarray, send_offsets: list[int], recv: np.ndarray,
+                     recv_offsets: list[int]) -> None:
+    """All-to-all of byte blocks: natively on backends that have it, else pairwise over tagged frames."""
+    send_bytes, recv_bytes = send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8)
+    if group.world_size == 1:
+        recv_bytes[:] = send_bytes
+        return
+    native = getattr(group, "native_all_to_all", None)
+    if native is not None:
+        native(send_bytes, send_offsets, recv_bytes, recv_offsets, link.fingerprint, link.timeout)
+        return
+    n = group.world_size
+    algo.all_to_all_pairwise(link, [send_bytes[send_offsets[i]:send_offsets[i + 1]] for i in range(n)],
+                             [recv_bytes[recv_offsets[i]:recv_offsets[i + 1]] for i in range(n)])
 
 
 def _counts(counts: Sequence[int], n: int, name: str) -> list[int]:

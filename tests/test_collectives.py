@@ -225,3 +225,15 @@ def rank_subgroup_collectives(group):
 
 def test_collectives_on_subgroups(run):
     assert run(rank_subgroup_collectives, 4) == [(2.0, 4.0), (4.0, 4.0), (2.0, 4.0), (4.0, 4.0)]
+
+
+def rank_chained_broadcast(group, nbytes, root):
+    data = (np.arange(nbytes // 8, dtype=np.float64) * 1.5) if group.rank == root else np.zeros(nbytes // 8)
+    ferro.broadcast(data, root=root, group=group)
+    return bool(np.array_equal(data, np.arange(nbytes // 8, dtype=np.float64) * 1.5))
+
+
+@pytest.mark.parametrize("world_size, root", [(3, 1), (4, 3)])
+def test_large_broadcast_pipelined_over_a_chain(run, world_size, root):
+    # 3.5 MB: several 1 MiB segments flow down the chain, and the last one is partial.
+    assert run(rank_chained_broadcast, world_size, args=(3_500_000, root)) == [True] * world_size

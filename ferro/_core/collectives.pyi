@@ -34,3 +34,24 @@ def ring(
     all_gather: bool,
     segment_bytes: int = ...,
 ) -> None: ...
+def broadcast(
+    connections: tuple[Connection | None, ...],
+    rank: int,
+    buf: Any,
+    root: int,
+    fingerprint: int,
+    timeout: float,
+    chain: bool,
+    segment_bytes: int = ...,
+) -> None: ...
+def all_to_all(
+    connections: tuple[Connection | None, ...],
+    rank: int,
+    send_buf: Any,
+    send_offsets: list[int],
+    recv_buf: Any,
+    recv_offsets: list[int],
+    fingerprint: int,
+    timeout: float,
+) -> None: ...
+def barrier(connections: tuple[Connection | None, ...], rank: int, timeout: float) -> None: ...

@@ -14,7 +14,7 @@ from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release
 from cpython.pythread cimport PyThread_release_lock
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 from ferro._core.reduce cimport ferro_reduce_fn, ferro_reduce_kernel
 from ferro._core.transport cimport (
@@ -40,26 +40,27 @@ ALGORITHM_RECURSIVE_DOUBLING = RECURSIVE_DOUBLING
 # 1 MiB measured best on loopback (256 KiB: -25% at 64 MB; 4 MiB: -10%); fits in L2 for the reduce.
 DEFAULT_SEGMENT_BYTES = 1024 * 1024
 
+cdef uint32_t KIND_BARRIER = 2
 cdef uint32_t KIND_COLLECTIVE = 3
 
 
 cdef inline void _prepare_send(SendOp* s, ConnState* st, const unsigned char* data, size_t length,
-                               uint64_t fingerprint) noexcept nogil:
+                               uint64_t fingerprint, uint32_t kind=KIND_COLLECTIVE) noexcept nogil:
     memset(s, 0, sizeof(SendOp))
     s.conn = st
     s.payload = data
     s.length = length
-    ferro_pack_header(s.header, KIND_COLLECTIVE, length, st.send_seq, fingerprint)
+    ferro_pack_header(s.header, kind, length, st.send_seq, fingerprint)
 
 
 cdef inline void _prepare_recv(RecvOp* r, ConnState* st, unsigned char* data, size_t length,
-                               uint64_t fingerprint) noexcept nogil:
+                               uint64_t fingerprint, uint32_t kind=KIND_COLLECTIVE) noexcept nogil:
     memset(r, 0, sizeof(RecvOp))
     r.conn = st
     r.buffer = data
     r.capacity = length
     r.exact = 1
-    r.kind = KIND_COLLECTIVE
+    r.kind = kind
     r.fingerprint = fingerprint
 
 
@@ -76,12 +77,12 @@ cdef enum:
 
 cdef int _exchange(SendOp* s, ConnState* to, const unsigned char* out, size_t out_len,
                    RecvOp* r, ConnState* frm, unsigned char* into, size_t in_len,
-                   uint64_t fingerprint, int64_t deadline) except -1 nogil:
+                   uint64_t fingerprint, int64_t deadline, uint32_t kind=KIND_COLLECTIVE) except -1 nogil:
     """One frame each way at once (either side may be absent: NULL connection). 0 or 1 on failure."""
     if to != NULL:
-        _prepare_send(s, to, out, out_len, fingerprint)
+        _prepare_send(s, to, out, out_len, fingerprint, kind)
     if frm != NULL:
-        _prepare_recv(r, frm, into, in_len, fingerprint)
+        _prepare_recv(r, frm, into, in_len, fingerprint, kind)
     run_ops(s if to != NULL else NULL, r if frm != NULL else NULL, deadline)
     if (to != NULL and s.status != ST_OK) or (frm != NULL and r.status != ST_OK):
         return 1
@@ -173,8 +174,10 @@ cdef int _recursive_doubling(ConnState** conns, int rank, int n, unsigned char* 
 cdef class _Call:
     """What one native collective holds while it runs: the buffer, the peers' states and their locks."""
 
-    cdef Py_buffer view
+    cdef Py_buffer view       # the writable buffer the collective works in
     cdef bint has_view
+    cdef Py_buffer input      # a read-only input, for collectives with separate in and out buffers
+    cdef bint has_input
     cdef tuple connections
     cdef int rank
     cdef int n
@@ -185,6 +188,7 @@ cdef class _Call:
 
     def __cinit__(self):
         self.has_view = False
+        self.has_input = False
         self.states = NULL
         self.scratch = NULL
         self.bounds = NULL
@@ -219,6 +223,11 @@ cdef class _Call:
                 conn = connections[i]
                 conn.lock(conn.recv_lock, timeout, op)
                 self.locked += 1
+        return 0
+
+    cdef int take_input(self, buf) except -1:
+        PyObject_GetBuffer(buf, &self.input, PyBUF_C_CONTIGUOUS)
+        self.has_input = True
         return 0
 
     cdef int set_bounds(self, object offsets) except -1:
@@ -259,6 +268,9 @@ cdef class _Call:
         if self.has_view:
             PyBuffer_Release(&self.view)
             self.has_view = False
+        if self.has_input:
+            PyBuffer_Release(&self.input)
+            self.has_input = False
 
 
 cdef size_t _segment_size(Py_ssize_t segment_bytes, Py_ssize_t itemsize) except 0:
@@ -379,3 +391,158 @@ def ring(tuple connections, int rank, buf, object bounds, int dtype, int op, Py_
         call.release()
     if rc:
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "ring", timeout)
+
+
+cdef int _broadcast_tree(ConnState** conns, int rank, int n, int root, unsigned char* buf, size_t nbytes,
+                         uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
+    """Binomial tree: receive once from the parent, then send to each child; log2(n) rounds."""
+    cdef int virtual = (rank - root + n) % n, mask = 1
+    while mask < n:
+        if virtual & mask:
+            if _exchange(s, NULL, NULL, 0, r, conns[(virtual - mask + root) % n], buf, nbytes, fingerprint, deadline):
+                return 1
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:
+        if virtual + mask < n:
+            if _exchange(s, conns[(virtual + mask + root) % n], buf, nbytes, r, NULL, NULL, 0, fingerprint, deadline):
+                return 1
+        mask >>= 1
+    return 0
+
+
+cdef int _broadcast_chain(ConnState** conns, int rank, int n, int root, unsigned char* buf, size_t nbytes,
+                          size_t segment, uint64_t fingerprint, int64_t deadline, SendOp* s,
+                          RecvOp* r) except -1 nogil:
+    """Pipelined chain root -> root+1 -> ...: forward segment i-1 while segment i arrives."""
+    cdef int virtual = (rank - root + n) % n
+    cdef ConnState* nxt = conns[(rank + 1) % n] if virtual != n - 1 else NULL
+    cdef ConnState* prv = conns[(rank - 1 + n) % n] if virtual != 0 else NULL
+    cdef size_t count = (nbytes + segment - 1) // segment, i, start, length, prev_start = 0, prev_length = 0
+    cdef ConnState* to
+    for i in range(count + 1):
+        start = i * segment
+        length = min(segment, nbytes - start) if i < count else 0
+        if virtual == 0:
+            # The root sends segment i; it has nothing to receive.
+            if i < count and _exchange(s, nxt, buf + start, length, r, NULL, NULL, 0, fingerprint, deadline):
+                return 1
+            continue
+        # Others forward segment i-1 while segment i arrives.
+        to = nxt if i > 0 else NULL
+        if _exchange(s, to, buf + prev_start, prev_length, r, prv if i < count else NULL, buf + start, length,
+                     fingerprint, deadline):
+            return 1
+        prev_start, prev_length = start, length
+    return 0
+
+
+def broadcast(tuple connections, int rank, buf, int root, uint64_t fingerprint, double timeout, bint chain,
+              Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES) -> None:
+    """Broadcast ``buf`` (bytes) from ``root`` in place: binomial tree, or pipelined chain when ``chain``."""
+    cdef _Call call = _Call()
+    cdef SendOp s
+    cdef RecvOp r
+    cdef int rc = 0, n = len(connections)
+    cdef int64_t deadline
+    cdef size_t segment = _segment_size(segment_bytes, 1)
+    memset(&s, 0, sizeof(SendOp))
+    memset(&r, 0, sizeof(RecvOp))
+    try:
+        call.take(connections, rank, buf, timeout, "broadcast")
+        if n < 2 or call.view.len == 0:
+            return
+        deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
+        with nogil:
+            if chain:
+                rc = _broadcast_chain(call.states, rank, n, root, <unsigned char*>call.view.buf, <size_t>call.view.len,
+                                      segment, fingerprint, deadline, &s, &r)
+            else:
+                rc = _broadcast_tree(call.states, rank, n, root, <unsigned char*>call.view.buf, <size_t>call.view.len,
+                                     fingerprint, deadline, &s, &r)
+    finally:
+        call.release()
+    if rc:
+        raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "broadcast", timeout)
+
+
+def all_to_all(tuple connections, int rank, send_buf, object send_offsets, recv_buf, object recv_offsets,
+               uint64_t fingerprint, double timeout) -> None:
+    """Pairwise exchange: bytes ``[send_offsets[j], send_offsets[j+1])`` go to rank ``j``.
+
+    In step ``k`` rank ``r`` sends to ``r+k`` and receives from ``r-k``, both at once.
+    ``recv_offsets`` say where each source's block lands in ``recv_buf``.
+    """
+    cdef _Call call = _Call()
+    cdef SendOp s
+    cdef RecvOp r
+    cdef int rc = 0, n = len(connections), step, dst, src, i
+    cdef int64_t deadline
+    cdef size_t* send_at = NULL
+    cdef size_t* recv_at = NULL
+    cdef const unsigned char* out
+    cdef unsigned char* into
+    memset(&s, 0, sizeof(SendOp))
+    memset(&r, 0, sizeof(RecvOp))
+    if len(send_offsets) != n + 1 or len(recv_offsets) != n + 1:
+        raise ValueError(f"all_to_all: {n + 1} offsets needed on each side")
+    try:
+        call.take(connections, rank, recv_buf, timeout, "all_to_all")
+        call.take_input(send_buf)
+        send_at = <size_t*>malloc((n + 1) * sizeof(size_t))
+        recv_at = <size_t*>malloc((n + 1) * sizeof(size_t))
+        if send_at == NULL or recv_at == NULL:
+            raise MemoryError()
+        for i in range(n + 1):
+            send_at[i] = send_offsets[i]
+            recv_at[i] = recv_offsets[i]
+        if send_at[n] > <size_t>call.input.len or recv_at[n] > <size_t>call.view.len:
+            raise InvalidBufferError("all_to_all: offsets reach past the buffers")
+        if send_at[rank + 1] - send_at[rank] != recv_at[rank + 1] - recv_at[rank]:
+            raise InvalidBufferError("all_to_all: the block a rank sends itself must match the one it receives")
+        out = <const unsigned char*>call.input.buf
+        into = <unsigned char*>call.view.buf
+        deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
+        with nogil:
+            memcpy(into + recv_at[rank], out + send_at[rank], send_at[rank + 1] - send_at[rank])
+            for step in range(1, n):
+                dst = (rank + step) % n
+                src = (rank - step + n) % n
+                if _exchange(&s, call.states[dst], out + send_at[dst], send_at[dst + 1] - send_at[dst],
+                             &r, call.states[src], into + recv_at[src], recv_at[src + 1] - recv_at[src],
+                             fingerprint, deadline):
+                    rc = 1
+                    break
+    finally:
+        free(send_at)
+        free(recv_at)
+        call.release()
+    if rc:
+        raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "all_to_all", timeout)
+
+
+def barrier(tuple connections, int rank, double timeout) -> None:
+    """Dissemination barrier: in round k signal rank+2^k and wait for rank-2^k (empty barrier frames)."""
+    cdef _Call call = _Call()
+    cdef SendOp s
+    cdef RecvOp r
+    cdef int rc = 0, n = len(connections), distance = 1
+    cdef int64_t deadline
+    cdef bytearray nothing = bytearray(1)
+    memset(&s, 0, sizeof(SendOp))
+    memset(&r, 0, sizeof(RecvOp))
+    try:
+        call.take(connections, rank, nothing, timeout, "barrier")
+        deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
+        with nogil:
+            while distance < n:
+                if _exchange(&s, call.states[(rank + distance) % n], NULL, 0,
+                             &r, call.states[(rank - distance + n) % n], NULL, 0, 0, deadline, KIND_BARRIER):
+                    rc = 1
+                    break
+                distance *= 2
+    finally:
+        call.release()
+    if rc:
+        raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "barrier", timeout)

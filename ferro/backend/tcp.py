@@ -10,8 +10,8 @@ from typing import Any
 
 from ferro._buffers import as_buffer
 from ferro._core import collectives as native
-from ferro._core.transport import KIND_ABORT, KIND_BARRIER, Connection, sendrecv
-from ferro.backend.base import FramedBackend, dissemination_barrier
+from ferro._core.transport import KIND_ABORT, Connection, sendrecv
+from ferro.backend.base import FramedBackend
 from ferro.errors import BackendClosedError, ConfigurationError, DistributedError, DistributedTimeoutError
 from ferro.rendezvous import (
     BIND_ADDR_ENV,
@@ -30,7 +30,6 @@ SOCKET_BUFFER_ENV = "FERRO_SOCKET_BUFFER_BYTES"
 # Measured on loopback (bench/, DESIGN.md): fixed 4 MiB buffers take a 1 MiB allreduce
 # from ~565 to ~350 us, where autotuning starts too small; 0 restores autotuning.
 DEFAULT_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-_EMPTY = b""
 
 
 def _spin_us(spin_us: float | None, world_size: int) -> float:
@@ -248,6 +247,17 @@ class TcpBackend(FramedBackend):
         native.ring(self._conn_table, self._rank, flat, bounds, dtype_code, op_code, itemsize, fingerprint, timeout,
                     reduce_scatter, all_gather)
 
+    def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float, chain: bool) -> None:
+        """Broadcast bytes in one compiled call: binomial tree, or pipelined chain when ``chain``."""
+        self._usable("broadcast")
+        native.broadcast(self._conn_table, self._rank, flat, root, fingerprint, timeout, chain)
+
+    def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
+                          fingerprint: int, timeout: float) -> None:
+        """Pairwise all-to-all of byte blocks in one compiled call."""
+        self._usable("all_to_all")
+        native.all_to_all(self._conn_table, self._rank, send, send_offsets, recv, recv_offsets, fingerprint, timeout)
+
     def abort_peers(self, payload: bytes) -> None:
         """Send an abort notice to every peer whose connection still works (one second each at most)."""
         for conn in self._conns.values():
@@ -260,12 +270,7 @@ class TcpBackend(FramedBackend):
     def barrier(self, *, timeout: float | None = None) -> None:
         """Block until every rank has entered the barrier (dissemination algorithm)."""
         self._usable("barrier")
-        seconds = self._timeout if timeout is None else timeout
-        sink = bytearray(0)
-        dissemination_barrier(
-            self._rank, self._world_size,
-            lambda dst, src: sendrecv(self._conns[dst], _EMPTY, self._conns[src], sink, kind=KIND_BARRIER,
-                                      timeout=seconds, op="barrier"))
+        native.barrier(self._conn_table, self._rank, self._timeout if timeout is None else timeout)
 
     def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> TcpBackend:
         """Connect a new mesh among ``ranks`` through this group's store (see :meth:`Backend.split`)."""
