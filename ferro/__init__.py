@@ -44,6 +44,14 @@ from ferro.errors import (
     TransportError,
 )
 from ferro.p2p import recv, recv_into, send, sendrecv
+from ferro.process_group import (
+    destroy_process_group,
+    get_default_group,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    is_initialized,
+)
 from ferro.store import Store, StoreServer
 from ferro.work import PendingCollective
 
@@ -67,12 +75,18 @@ __all__ = [
     "CollectiveMismatchError",
     "ConfigurationError",
     "ConnectionBrokenError",
+    "destroy_process_group",
     "DistributedError",
     "DistributedTimeoutError",
     "gather",
+    "get_default_group",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
     "InvalidBufferError",
     "InvalidRankError",
     "InvalidWorldSizeError",
+    "is_initialized",
     "new_group",
     "p2p",
     "PeerLostError",

@@ -120,8 +120,9 @@ _OP_VALUES = {op: op.value for op in ReduceOp}
 
 def _group(group: Backend | None, name: str) -> Backend:
     if group is None:
-        raise ConfigurationError(
-            f"{name}: pass group= (no default process group exists until init_process_group is called)")
+        from ferro.process_group import get_default_group  # deferred: process_group builds on this layer's peers
+
+        return get_default_group()
     if not isinstance(group, Backend):
         raise ConfigurationError(f"{name}: group must be a ferro Backend, got {type(group).__name__}")
     return group

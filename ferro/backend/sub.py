@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ferro.backend.base import Backend
-from ferro.errors import ConfigurationError, InvalidRankError
+from ferro.errors import InvalidRankError
 
 __all__ = ["SubBackend", "new_group"]
 
@@ -139,8 +139,7 @@ def new_group(ranks: Iterable[int], group: Backend | None = None, *, timeout: fl
 
     Args:
         ranks: Ranks of ``group`` that form the sub-group.
-        group: The parent group. (``None`` will mean the default group once
-            ``init_process_group`` exists; for now it must be given.)
+        group: The parent group (default: the default group of ``init_process_group``).
         timeout: Seconds for connecting the sub-group (default: the parent's).
 
     Returns:
@@ -148,7 +147,7 @@ def new_group(ranks: Iterable[int], group: Backend | None = None, *, timeout: fl
 
     Raises:
         InvalidRankError: Empty, duplicate or out-of-range ranks.
-        ConfigurationError: No parent group given.
+        ConfigurationError: No parent group given and no default group exists.
 
     Example::
 
@@ -158,7 +157,9 @@ def new_group(ranks: Iterable[int], group: Backend | None = None, *, timeout: fl
 
     """
     if group is None:
-        raise ConfigurationError("new_group: pass the parent group as group= (there is no default process group)")
+        from ferro.process_group import get_default_group  # deferred: process_group imports the backends
+
+        group = get_default_group()
     members = []
     for r in ranks:
         if isinstance(r, bool) or not hasattr(r, "__index__"):

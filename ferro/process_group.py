@@ -1,0 +1,180 @@
+"""The default process group: ``init_process_group`` and the functions that read it.
+
+The default group is the one piece of global state in ferro: collectives and
+``new_group`` use it when called without ``group=``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+from urllib.parse import urlparse
+
+from ferro.backend.base import Backend
+from ferro.backend.tcp import TcpBackend
+from ferro.environment import DEFAULT_MASTER_PORT, detect
+from ferro.errors import BackendUnavailableError, ConfigurationError
+from ferro.file_store import FileStore
+
+__all__ = [
+    "destroy_process_group",
+    "get_default_group",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "is_initialized",
+]
+
+log = logging.getLogger("ferro.process_group")
+
+LOG_LEVEL_ENV = "FERRO_LOG_LEVEL"
+_FUTURE_BACKENDS = {
+    "shm": "the shared-memory backend",
+    "mpi": "the MPI backend",
+    "nccl": "the NCCL backend",
+    "hybrid": "the TCP+NCCL hybrid backend",
+}
+
+_default_group: Backend | None = None  # the documented default group; see the module docstring
+
+
+def _configure_logging() -> None:
+    level = os.environ.get(LOG_LEVEL_ENV)
+    if not level:
+        return
+    logger = logging.getLogger("ferro")
+    try:
+        logger.setLevel(level.upper())
+    except ValueError:
+        raise ConfigurationError(f"{LOG_LEVEL_ENV}={level!r} is not a logging level (DEBUG, INFO, WARNING, ...)"
+                                 ) from None
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s ferro %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+def init_process_group(backend: str = "auto", init_method: str | None = None, rank: int | None = None,
+                       world_size: int | None = None, timeout: float | None = None, *,
+                       secret: bytes | str | None = None) -> Backend:
+    """Join the job's process group and make it the default for every collective.
+
+    Where rank and world size come from, first found wins: the arguments;
+    ``init_method``; the torchrun / ``ferro run`` environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); Open MPI
+    (``OMPI_COMM_WORLD_*``); MPICH/PMI (``PMI_RANK``, ``PMI_SIZE``); SLURM
+    (``SLURM_PROCID``, ``SLURM_NTASKS``, master = first host of
+    ``SLURM_JOB_NODELIST``). The source used is logged at debug level
+    (``FERRO_LOG_LEVEL=DEBUG``). Every rank needs the job secret
+    (``FERRO_SECRET``, set by ``ferro run``; with mpirun or srun, export it yourself).
+
+    Args:
+        backend: ``"auto"`` picks the fastest available for where the ranks are
+            (TCP today), or ``"tcp"``.
+        init_method: ``"env://"``, ``"tcp://host:port"`` (the master), or
+            ``"file:///path"`` (rendezvous through a file every rank can open).
+        rank: This rank.
+        world_size: Number of ranks.
+        timeout: Default seconds for every blocking operation (default ``$FERRO_TIMEOUT`` or 60).
+        secret: The job secret (default ``$FERRO_SECRET``).
+
+    Returns:
+        The new default group.
+
+    Raises:
+        ConfigurationError: Already initialised; or missing or contradictory
+            settings (the message names the variable to set).
+        BackendUnavailableError: A backend that is not available yet.
+
+    Example::
+
+        # under `ferro run --nproc-per-node 2 train.py`
+        group = ferro.init_process_group()
+        ferro.allreduce(grads)                # uses the default group
+        ferro.destroy_process_group()
+
+    """
+    global _default_group
+    _configure_logging()
+    if _default_group is not None:
+        raise ConfigurationError("init_process_group: already initialised; call destroy_process_group() first")
+    if backend not in ("auto", "tcp"):
+        if backend in _FUTURE_BACKENDS:
+            raise BackendUnavailableError(
+                f"backend {backend!r}: {_FUTURE_BACKENDS[backend]} is not part of this ferro yet; use 'tcp' or 'auto'")
+        raise ConfigurationError(f"unknown backend {backend!r}; use 'auto' or 'tcp'")
+    master_addr: str | None = None
+    master_port: int | None = None
+    store: Any = None
+    via = "arguments"
+    if init_method:
+        parsed = urlparse(init_method)
+        if parsed.scheme == "tcp":
+            if not parsed.hostname or not parsed.port:
+                raise ConfigurationError(f"init_method {init_method!r}: give both host and port, tcp://host:port")
+            master_addr, master_port, via = parsed.hostname, parsed.port, f"init_method {init_method}"
+        elif parsed.scheme == "file":
+            if not parsed.path:
+                raise ConfigurationError(f"init_method {init_method!r}: give a path, file:///path/to/file")
+            store, via = FileStore(parsed.path), f"init_method {init_method}"
+        elif parsed.scheme != "env":
+            raise ConfigurationError(f"init_method {init_method!r}: use env://, tcp://host:port or file:///path")
+    found = detect(os.environ)
+    if rank is None or world_size is None:
+        if found is None:
+            raise ConfigurationError(
+                "init_process_group: rank and world size are unknown; pass rank= and world_size=, launch with "
+                "`ferro run` or torchrun (RANK, WORLD_SIZE), or under mpirun or srun")
+        rank = found.rank if rank is None else rank
+        world_size = found.world_size if world_size is None else world_size
+        via = found.source if via == "arguments" else f"{via} and {found.source}"
+    if store is None:
+        master_addr = master_addr or (found.master_addr if found else None) or os.environ.get("MASTER_ADDR")
+        if not master_addr:
+            raise ConfigurationError(
+                "init_process_group: no master address: set MASTER_ADDR (the host of rank 0), or pass "
+                "init_method='tcp://host:port'")
+        master_port = master_port or (found.master_port if found else DEFAULT_MASTER_PORT)
+    log.debug("init_process_group: rank %s of %s from %s; master %s", rank, world_size, via,
+              f"{master_addr}:{master_port}" if store is None else init_method)
+    bind_addr = None if store is None else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
+    group = TcpBackend(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
+                       timeout=timeout, secret=secret, store=store, bind_addr=bind_addr)
+    _default_group = group
+    return group
+
+
+def destroy_process_group() -> None:
+    """Close the default group and forget it. Does nothing if there is none."""
+    global _default_group
+    group, _default_group = _default_group, None
+    if group is not None:
+        group.close()
+
+
+def is_initialized() -> bool:
+    """Whether a default group exists."""
+    return _default_group is not None
+
+
+def get_default_group() -> Backend:
+    """Return the default group.
+
+    Raises:
+        ConfigurationError: ``init_process_group`` was not called.
+
+    """
+    if _default_group is None:
+        raise ConfigurationError("no default process group: call ferro.init_process_group() first, or pass group=")
+    return _default_group
+
+
+def get_rank(group: Backend | None = None) -> int:
+    """Return this process's rank in ``group`` (default: the default group)."""
+    return (group or get_default_group()).rank
+
+
+def get_world_size(group: Backend | None = None) -> int:
+    """Return the number of ranks in ``group`` (default: the default group)."""
+    return (group or get_default_group()).world_size
