@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``ferro`` command."""
     parser = argparse.ArgumentParser(prog="ferro", description="ferro: distributed training with a compiled core.")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("run", help="start a job's ranks on this node (torchrun-style); see `ferro run --help`",
+                        add_help=False)
     demo = commands.add_parser(
         "demo", help="run two ranks over TCP on this host: a small-message round trip and a bulk exchange")
     demo.add_argument("--size-mb", type=int, default=64, help="bytes exchanged each way, in MiB (default 64)")
@@ -27,9 +29,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Subcommands with parsers of their own: everything after the name is theirs.
+_DELEGATED = {"run": "ferro.launch.cli"}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``ferro`` command line and return its exit status."""
-    args = build_parser().parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments and arguments[0] in _DELEGATED:
+        import importlib
+
+        return int(importlib.import_module(_DELEGATED[arguments[0]]).main(arguments[1:]))
+    args = build_parser().parse_args(arguments)
     return int(args.handler(args))
 
 

@@ -1,0 +1,245 @@
+"""The launcher's engine: start a node's ranks, watch them, stop them all on a failure, restart on request."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+from ferro.errors import ConfigurationError
+from ferro.launch.bootstrap import LAUNCHER_PID_ENV
+
+__all__ = ["LaunchConfig", "RankFailure", "run_job"]
+
+POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One node's share of a job.
+
+    Attributes:
+        target: ``["-m", module, *args]`` or ``[script, *args]``.
+        nproc_per_node: Ranks to start on this node.
+        nnodes: Nodes in the job.
+        node_rank: This node's index.
+        master_addr: Host of rank 0 (the rendezvous store).
+        master_port: Port of the rendezvous store.
+        max_restarts: How many times to restart the whole group after a failure.
+        prefix: Prefix every output line with its rank.
+        grace_seconds: How long ranks get to exit after SIGTERM/SIGINT before SIGKILL.
+        secret: The job secret handed to every rank.
+
+    """
+
+    target: Sequence[str]
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    max_restarts: int = 0
+    prefix: bool = True
+    grace_seconds: float = 5.0
+    secret: str = field(default_factory=lambda: secrets.token_hex(16))
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the whole job."""
+        return self.nnodes * self.nproc_per_node
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How a rank ended badly.
+
+    Attributes:
+        rank: Its global rank.
+        exitcode: Its exit status, or None if a signal ended it.
+        signal_name: The signal's name, or None.
+
+    """
+
+    rank: int
+    exitcode: int | None
+    signal_name: str | None
+
+    def describe(self) -> str:
+        """Say how the rank ended, e.g. "exited with code 3" or "was killed by SIGKILL"."""
+        if self.signal_name:
+            return f"was killed by {self.signal_name}"
+        return f"exited with code {self.exitcode}"
+
+    @property
+    def job_exit_code(self) -> int:
+        """The launcher's exit status for this failure (128 + signal number, as shells report it)."""
+        if self.signal_name:
+            return 128 + int(getattr(signal, self.signal_name))
+        return self.exitcode or 1
+
+
+def _environment(config: LaunchConfig, local_rank: int, restart: int) -> dict[str, str]:
+    rank = config.node_rank * config.nproc_per_node + local_rank
+    env = dict(os.environ)
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(config.world_size),
+        "LOCAL_WORLD_SIZE": str(config.nproc_per_node), "GROUP_RANK": str(config.node_rank),
+        "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(config.master_port),
+        "FERRO_RESTART_COUNT": str(restart), "FERRO_SECRET": config.secret,
+        LAUNCHER_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+class _OutputPump:
+    """Copies a rank's output to ours line by line, prefixed with its rank."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._threads: list[threading.Thread] = []
+
+    def follow(self, stream: IO[bytes], sink: IO[bytes], prefix: bytes) -> None:
+        thread = threading.Thread(target=self._copy, args=(stream, sink, prefix), daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _copy(self, stream: IO[bytes], sink: IO[bytes], prefix: bytes) -> None:
+        for line in iter(stream.readline, b""):
+            with self._lock:
+                sink.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                sink.flush()
+        stream.close()
+
+    def drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0))
+        self._threads = [t for t in self._threads if t.is_alive()]
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _start(config: LaunchConfig, restart: int, pump: _OutputPump) -> list[subprocess.Popen[bytes]]:
+    command = [sys.executable, "-u", "-m", "ferro.launch.bootstrap", *config.target]
+    ranks = []
+    for local in range(config.nproc_per_node):
+        pipe = subprocess.PIPE if config.prefix else None
+        # A session of its own: the rank and everything it starts can be signalled as one group.
+        process = subprocess.Popen(command, env=_environment(config, local, restart), stdout=pipe, stderr=pipe,
+                                   start_new_session=True)
+        ranks.append(process)
+        if config.prefix:
+            rank = config.node_rank * config.nproc_per_node + local
+            assert process.stdout is not None and process.stderr is not None  # piped above
+            pump.follow(process.stdout, sys.stdout.buffer, f"[rank {rank}] ".encode())
+            pump.follow(process.stderr, sys.stderr.buffer, f"[rank {rank}] ".encode())
+    return ranks
+
+
+def _signal_all(ranks: list[subprocess.Popen[bytes]], signum: int) -> None:
+    for process in ranks:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _stop(ranks: list[subprocess.Popen[bytes]], signum: int, grace: float) -> None:
+    """Ask every rank's process group to stop, then kill what is left after ``grace`` seconds."""
+    _signal_all(ranks, signum)
+    deadline = time.monotonic() + grace
+    while any(p.poll() is None for p in ranks) and time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS)
+    _signal_all(ranks, signal.SIGKILL)
+    for process in ranks:
+        process.wait()
+        try:  # anything the rank left behind in its group
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _watch(ranks: list[subprocess.Popen[bytes]], config: LaunchConfig) -> RankFailure | None:
+    """Wait until all ranks succeed (None) or one fails (the first failure)."""
+    while True:
+        running = False
+        for local, process in enumerate(ranks):
+            code = process.poll()
+            if code is None:
+                running = True
+            elif code != 0:
+                rank = config.node_rank * config.nproc_per_node + local
+                if code < 0:
+                    return RankFailure(rank, None, signal.Signals(-code).name)
+                return RankFailure(rank, code, None)
+        if not running:
+            return None
+        time.sleep(POLL_SECONDS)
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"ferro run: {message}\n")
+    sys.stderr.flush()
+
+
+def run_job(config: LaunchConfig) -> int:
+    """Run the node's ranks to completion, restarting the whole group up to ``max_restarts`` times.
+
+    Returns:
+        0 when every rank succeeded; otherwise the failing rank's exit code (or
+        128 + the signal number), and 128 + SIGINT/SIGTERM when interrupted.
+
+    Raises:
+        ConfigurationError: Invalid settings.
+
+    """
+    if config.nproc_per_node < 1 or config.nnodes < 1 or not 0 <= config.node_rank < config.nnodes:
+        raise ConfigurationError(
+            f"ferro run: need --nproc-per-node >= 1, --nnodes >= 1 and 0 <= --node-rank < --nnodes "
+            f"(got {config.nproc_per_node}, {config.nnodes}, {config.node_rank})")
+    lock = threading.Lock()
+    pump = _OutputPump(lock)
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise _Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    ranks: list[subprocess.Popen[bytes]] = []
+    try:
+        for restart in range(config.max_restarts + 1):
+            ranks = _start(config, restart, pump)
+            failure = _watch(ranks, config)
+            if failure is None:
+                pump.drain(5.0)
+                return 0
+            _say(f"rank {failure.rank} {failure.describe()}; stopping the other ranks")
+            _stop(ranks, signal.SIGTERM, config.grace_seconds)
+            pump.drain(5.0)
+            if restart < config.max_restarts:
+                _say(f"restarting all ranks (restart {restart + 1} of {config.max_restarts})")
+                continue
+            _say(f"job failed: rank {failure.rank} {failure.describe()}")
+            return failure.job_exit_code
+        return 1  # unreachable: the loop returns
+    except _Interrupted as stop:
+        for sig in previous:  # a second Ctrl-C must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
+        _say(f"received {signal.Signals(stop.signum).name}; stopping all ranks")
+        _stop(ranks, stop.signum, config.grace_seconds)
+        pump.drain(2.0)
+        return 128 + stop.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,80 @@
+"""``ferro run``: start a job's ranks on this node, torchrun-style."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ferro.errors import ConfigurationError
+from ferro.launch.agent import LaunchConfig, run_job
+from ferro.testing.processes import free_port
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser of ``ferro run`` (flag-compatible with torchrun for the common cases)."""
+    parser = argparse.ArgumentParser(
+        prog="ferro run",
+        description="Start the ranks of a distributed job on this node. Each rank gets RANK, LOCAL_RANK, "
+                    "WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, FERRO_RESTART_COUNT "
+                    "and the job's FERRO_SECRET.")
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="ranks on this node")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's index (default 0)")
+    parser.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
+                        help="host of rank 0 (default 127.0.0.1)")
+    parser.add_argument("--master-port", "--master_port", type=int, default=None,
+                        help="port of the rendezvous store (default: a free port on one node, 29500 on several)")
+    parser.add_argument("--standalone", action="store_true",
+                        help="a single-node job on loopback with a free port")
+    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                        help="restart the whole group up to K times after a failure")
+    parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds ranks get to exit after a stop request before they are killed (default 5)")
+    parser.add_argument("-m", "--module", action="store_true", help="run the target as a module, like python -m")
+    parser.add_argument("target", help="the script (or module with -m)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> LaunchConfig:
+    """Turn parsed arguments into a :class:`LaunchConfig`.
+
+    Raises:
+        ConfigurationError: Several nodes without a shared ``FERRO_SECRET``, or contradictory flags.
+
+    """
+    env = os.environ if environ is None else environ
+    nnodes, node_rank, addr = args.nnodes, args.node_rank, args.master_addr
+    if args.standalone:
+        if nnodes != 1:
+            raise ConfigurationError("ferro run: --standalone is a single-node job; drop --nnodes")
+        node_rank, addr = 0, "127.0.0.1"
+    port = args.master_port
+    if port is None:
+        port = free_port(addr) if nnodes == 1 else 29500
+    secret = env.get("FERRO_SECRET")
+    if not secret and nnodes > 1:
+        raise ConfigurationError(
+            "ferro run: a job on several nodes needs the same FERRO_SECRET on every node; export one "
+            "(for example `export FERRO_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))')`) "
+            "before starting each node's launcher")
+    target = ["-m", args.target, *args.args] if args.module else [args.target, *args.args]
+    fields = dict(target=target, nproc_per_node=args.nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                  master_addr=addr, master_port=port, max_restarts=args.max_restarts, prefix=not args.no_prefix,
+                  grace_seconds=args.grace)
+    return LaunchConfig(**fields, secret=secret) if secret else LaunchConfig(**fields)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``ferro run`` and return its exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+        return run_job(config)
+    except ConfigurationError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
