@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("run", help="start a job's ranks on this node (torchrun-style); see `ferro run --help`",
                         add_help=False)
+    commands.add_parser("bench", help="benchmark collectives, nccl-tests style; see `ferro bench --help`",
+                        add_help=False)
     demo = commands.add_parser(
         "demo", help="run two ranks over TCP on this host: a small-message round trip and a bulk exchange")
     demo.add_argument("--size-mb", type=int, default=64, help="bytes exchanged each way, in MiB (default 64)")
@@ -30,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands with parsers of their own: everything after the name is theirs.
-_DELEGATED = {"run": "ferro.launch.cli"}
+_DELEGATED = {"run": "ferro.launch.cli", "bench": "ferro.bench.cli"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,192 @@
+"""``ferro bench``: sweep collectives over message sizes and print nccl-tests' table.
+
+With ``-n N`` it starts N local ranks itself (through ``ferro run``); inside a
+launcher (``ferro run``, torchrun, mpirun) it is one of the ranks. ``--compare
+torch-gloo,mpi`` runs the same sweep on torch.distributed's gloo and on Open
+MPI (mpi4py) and prints ferro's ratio to each per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from ferro.bench.table import Row, read_json, write_csv, write_json
+from ferro.bench.worker import OPS, sizes_from
+from ferro.bench.worker import main as worker_main
+from ferro.environment import detect
+from ferro.errors import ConfigurationError
+from ferro.launch.agent import LaunchConfig, run_job
+
+__all__ = ["build_parser", "main", "parse_size"]
+
+PEERS = ("torch-gloo", "mpi")
+_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """Read ``8``, ``64K``, ``128M`` or ``1G`` (binary units) as bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: Not a size.
+
+    """
+    value = text.strip().upper().removesuffix("IB").removesuffix("B") or "0"
+    unit = value[-1] if value[-1] in _UNITS else ""
+    number = value[:-1] if unit else value
+    try:
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use 8, 64K, 128M, 1G)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser of ``ferro bench``."""
+    parser = argparse.ArgumentParser(prog="ferro bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ops", nargs="*", default=["allreduce"], help=f"one or more of {', '.join(OPS)}, or all")
+    parser.add_argument("-n", "--nproc", type=int, help="start this many local ranks (else: run as a rank)")
+    parser.add_argument("--backend", default="tcp", help="ferro backend (tcp; auto = tcp today)")
+    parser.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size (default 8)")
+    parser.add_argument("-e", "--maxbytes", type=parse_size, default=32 * 1024**2, help="largest size (default 32M)")
+    parser.add_argument("-f", "--stepfactor", type=int, default=2, help="size factor between rows (default 2)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per size (fewer above 4 MiB)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls per size")
+    parser.add_argument("--dtype", default="float32",
+                        help="float32, float64, float16, bfloat16, int8, int32, int64, uint8 (default float32)")
+    parser.add_argument("--op", default="sum", help="reduction: sum, prod, min, max, mean (default sum)")
+    parser.add_argument("--check", action="store_true", help="verify results and count wrong elements")
+    parser.add_argument("--csv", help="write the rows as CSV")
+    parser.add_argument("--json", help="write the rows as JSON")
+    parser.add_argument("--plot", help="draw bus bandwidth and latency against size into this PNG (matplotlib)")
+    parser.add_argument("--compare", default="", help="also run torch-gloo and/or mpi, e.g. torch-gloo,mpi")
+    return parser
+
+
+def _worker_args(args: argparse.Namespace, ops: list[str], library: str, out: str) -> list[str]:
+    sizes = sizes_from(args.minbytes, args.maxbytes, args.stepfactor)
+    argv = ["--library", library, "--ops", ",".join(ops), "--sizes", ",".join(map(str, sizes)),
+            "--dtype", args.dtype, "--redop", args.op, "--iters", str(args.iters), "--warmup", str(args.warmup),
+            "--out", out]
+    return argv + (["--check"] if args.check else [])
+
+
+def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: str) -> int:
+    worker = _worker_args(args, ops, library, out)
+    if library == "mpi":
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            print("# mpi: mpirun not found; skipped (apt-get install openmpi-bin; pip install mpi4py)")
+            return 0
+        command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(args.nproc), "--mca", "btl",
+                   "self,tcp", sys.executable, "-m", "ferro.bench.worker", *worker]
+        return subprocess.run(command, check=False).returncode
+    return run_job(LaunchConfig(target=["-m", "ferro.bench.worker", *worker], nproc_per_node=args.nproc,
+                                prefix=False))
+
+
+def _available(library: str) -> str | None:
+    module = {"torch-gloo": "torch.distributed", "mpi": "mpi4py"}[library]
+    try:
+        __import__(module)
+    except ImportError:
+        return f"{module} is not installed"
+    return None
+
+
+def _comparison(rows: list[Row], peers: list[str]) -> str:
+    ours = {(r.op, r.size): r for r in rows if r.library == "ferro"}
+    lines = ["#", "# ferro beside its peers: time per call (us), in-place where both have it, else out-of-place;",
+             "# ratio = peer / ferro (above 1: ferro is faster)"]
+    header = f"# {'op':<15}{'size':>12}{'ferro':>11}"
+    for peer in peers:
+        header += f"{peer:>12}{'ratio':>8}"
+    lines.append(header)
+    for (op, size), mine in sorted(ours.items()):
+        line = f"  {op:<15}{size:>12}{mine.time_us():>11.1f}"
+        for peer in peers:
+            theirs = next((r for r in rows if r.library == peer and r.op == op and r.size == size), None)
+            if theirs is None:
+                line += f"{'N/A':>12}{'N/A':>8}"
+            else:
+                both_in_place = theirs.ip_time_us is not None and mine.ip_time_us is not None
+                mine_t = mine.time_us() if both_in_place else mine.oop_time_us
+                theirs_t = theirs.time_us() if both_in_place else theirs.oop_time_us
+                line += f"{theirs_t:>12.1f}{theirs_t / mine_t:>7.2f}x"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``ferro bench`` and return its exit status."""
+    args = build_parser().parse_args(argv)
+    ops = OPS if args.ops == ["all"] else args.ops
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        print(f"ferro bench: unknown op {unknown[0]!r}; choose from {', '.join(OPS)} or all", file=sys.stderr)
+        return 2
+    if args.backend not in ("tcp", "auto"):
+        print(f"ferro bench: backend {args.backend!r} is not part of this ferro yet; use tcp", file=sys.stderr)
+        return 2
+    peers = [p for p in args.compare.split(",") if p]
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        print(f"ferro bench: --compare takes {', '.join(PEERS)}; got {bad[0]!r}", file=sys.stderr)
+        return 2
+    if args.nproc is None:
+        if peers:
+            print("ferro bench: --compare starts its own ranks; give -n", file=sys.stderr)
+            return 2
+        if detect(os.environ) is None:
+            print("ferro bench: give -n N to start N local ranks, or run it under ferro run / mpirun",
+                  file=sys.stderr)
+            return 2
+        return _as_rank(args, ops)
+    rows: list[Row] = []
+    status = 0
+    with tempfile.TemporaryDirectory(prefix="ferro-bench-") as tmp:
+        for library in ["ferro", *peers]:
+            reason = _available(library) if library != "ferro" else None
+            if reason:
+                print(f"# {library}: {reason}; skipped")
+                continue
+            out = os.path.join(tmp, f"{library}.json")
+            try:
+                code = _run_library(library, args, ops, out)
+            except ConfigurationError as exc:
+                print(f"ferro bench: {exc}", file=sys.stderr)
+                return 2
+            if os.path.exists(out):
+                rows += read_json(out)
+            if code != 0:
+                status = status or code
+                if code == 130:
+                    break  # interrupted: keep what was measured and stop
+    if peers:
+        print(_comparison(rows, peers))
+    _write_outputs(args, rows)
+    return status
+
+
+def _as_rank(args: argparse.Namespace, ops: list[str]) -> int:
+    with tempfile.TemporaryDirectory(prefix="ferro-bench-") as tmp:
+        out = os.path.join(tmp, "rows.json")
+        code = worker_main(_worker_args(args, ops, "ferro", out))
+        if os.path.exists(out):
+            _write_outputs(args, read_json(out))
+    return code
+
+
+def _write_outputs(args: argparse.Namespace, rows: list[Row]) -> None:
+    if args.csv:
+        write_csv(args.csv, rows)
+    if args.json:
+        write_json(args.json, rows)
+    if args.plot and rows:
+        from ferro.bench.plot import plot
+
+        plot(args.plot, rows)

@@ -1,0 +1,49 @@
+"""Bus bandwidth and latency against message size, one line per library and op (matplotlib)."""
+
+from __future__ import annotations
+
+from ferro.bench.table import Row
+from ferro.errors import BackendUnavailableError
+
+__all__ = ["plot"]
+
+
+def plot(path: str, rows: list[Row]) -> None:
+    """Draw ``rows`` into ``path`` (PNG).
+
+    Raises:
+        BackendUnavailableError: matplotlib is not installed (``pip install 'ferro[plot]'``).
+
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise BackendUnavailableError("--plot needs matplotlib: pip install 'ferro[plot]'") from exc
+    figure, (bandwidth, latency) = plt.subplots(1, 2, figsize=(12, 4.5))
+    series: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        if row.size > 0:
+            series.setdefault((row.library, row.op), []).append(row)
+    for (library, op), points in sorted(series.items()):
+        points.sort(key=lambda r: r.size)
+        label = f"{library} {op}"
+        style = "-" if library == "ferro" else "--"
+        in_place = all(p.ip_time_us is not None for p in points)
+        bandwidth.plot([p.size for p in points], [p.busbw(in_place) or 0 for p in points], style, marker="o", ms=3,
+                       label=label)
+        latency.plot([p.size for p in points], [p.time_us() for p in points], style, marker="o", ms=3, label=label)
+    world = rows[0].world_size if rows else 0
+    for axis, title, unit in ((bandwidth, "bus bandwidth", "GB/s"), (latency, "time per call", "us")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("message size (bytes)")
+        axis.set_ylabel(unit)
+        axis.set_title(f"{title}, {world} ranks")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    latency.set_yscale("log")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

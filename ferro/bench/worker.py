@@ -1,0 +1,354 @@
+"""One rank of a ``ferro bench`` sweep, for ferro or for a peer library (torch gloo, Open MPI).
+
+Started by ``ferro bench -n`` through ``ferro run`` (or ``mpirun`` for the MPI
+peer), or run directly inside any launcher: ``python -m ferro.bench.worker ...``.
+Every library runs the same loop -- warm-up calls, a barrier, timed calls,
+the slowest rank's average kept -- through a small adapter per library.
+Rank 0 prints the nccl-tests table as rows complete and writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ferro.bench.table import HEADER, Row, footer, format_row, write_json
+
+__all__ = ["OPS", "main", "sizes_from"]
+
+OPS = ["allreduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "sendrecv", "barrier"]
+REDUCING = {"allreduce", "reduce_scatter"}
+# (out-of-place call, in-place call or None, check) -- each returns the array to check
+Plan = tuple[Callable[[], Any], Callable[[], Any] | None, Callable[[], int] | None]
+
+
+def sizes_from(begin: int, end: int, factor: int) -> list[int]:
+    """The sweep's sizes: ``begin``, ``begin * factor``, ... up to ``end``."""
+    out, size = [], max(begin, 1)
+    while size <= end:
+        out.append(size)
+        size *= max(factor, 2)
+    return out
+
+
+def _dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class _Adapter:
+    """What the sweep needs from a library: its ranks, a barrier, a MAX over ranks, and each op."""
+
+    name = ""
+    rank = 0
+    world_size = 1
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def max_over_ranks(self, value: float) -> float:
+        raise NotImplementedError
+
+    def plan(self, op: str, count: int, dtype: np.dtype, redop: str) -> Plan | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Leave the group."""
+
+
+def _expected_sum(n: int) -> float:
+    return n * (n + 1) / 2  # rank r contributes r + 1
+
+
+class _Ferro(_Adapter):
+    name = "ferro"
+
+    def __init__(self) -> None:
+        import ferro
+
+        self.ferro = ferro
+        self.group = ferro.init_process_group()
+        self.rank, self.world_size = self.group.rank, self.group.world_size
+
+    def barrier(self) -> None:
+        self.ferro.barrier()
+
+    def max_over_ranks(self, value: float) -> float:
+        x = np.array([value])
+        self.ferro.allreduce(x, op=self.ferro.ReduceOp.MAX)
+        return float(x[0])
+
+    def plan(self, op: str, count: int, dtype: np.dtype, redop: str) -> Plan | None:
+        f, n, r = self.ferro, self.world_size, self.rank
+        reduce_op = f.ReduceOp[redop.upper()] if op in REDUCING else None
+        mine = np.full(count, r + 1, dtype)
+        if op == "allreduce":
+            buf = mine.copy()
+            expected = _expected_sum(n) if redop == "sum" else {"max": n, "min": 1}.get(redop)
+
+            def check() -> int:
+                y = mine.copy()
+                f.allreduce(y, reduce_op)
+                return int(np.count_nonzero(y.astype(np.float64) != expected)) if expected is not None else 0
+            return (lambda: f.allreduce(mine.copy(), reduce_op), lambda: f.allreduce(buf, reduce_op), check)
+        if op == "all_gather":
+            out = np.empty(count * n, dtype)
+            block = out[r * count:(r + 1) * count]
+            block[:] = mine
+            want = np.repeat(np.arange(1, n + 1), count).astype(np.float64)
+            return (lambda: f.all_gather(mine), lambda: f.all_gather(block, out=out),
+                    lambda: int(np.count_nonzero(f.all_gather(mine).astype(np.float64) != want)))
+        if op == "reduce_scatter":
+            expected = _expected_sum(n) if redop == "sum" else None
+            return (lambda: f.reduce_scatter(mine, reduce_op), None,
+                    lambda: int(np.count_nonzero(f.reduce_scatter(mine, reduce_op).astype(np.float64) != expected))
+                    if expected is not None else 0)
+        if op == "broadcast":
+            buf = mine.copy()
+
+            def check() -> int:
+                y = mine.copy()
+                f.broadcast(y, root=0)
+                return int(np.count_nonzero(y.astype(np.float64) != 1))
+            return (lambda: f.broadcast(mine.copy(), root=0), lambda: f.broadcast(buf, root=0), check)
+        if op == "all_to_all":
+            if count % n:
+                return None
+            send = np.repeat(np.arange(n) + 10 * r, count // n).astype(dtype)
+            want = np.repeat(np.arange(n) * 10 + r, count // n).astype(np.float64)
+            return (lambda: f.all_to_all(send), None,
+                    lambda: int(np.count_nonzero(f.all_to_all(send).astype(np.float64) != want)))
+        if op == "sendrecv":
+            group, incoming = self.group, np.empty_like(mine)
+            nxt, prv = (r + 1) % n, (r - 1) % n
+
+            def exchange() -> None:
+                if n > 1:
+                    group.sendrecv(mine, nxt, incoming, prv)
+
+            def check() -> int:
+                exchange()
+                return int(np.count_nonzero(incoming.astype(np.float64) != prv + 1)) if n > 1 else 0
+            return (exchange, None, check)
+        if op == "barrier":
+            return (self.barrier, None, None)
+        return None
+
+    def close(self) -> None:
+        self.ferro.destroy_process_group()
+
+
+class _Gloo(_Adapter):
+    name = "torch-gloo"
+
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        dist.init_process_group("gloo")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def max_over_ranks(self, value: float) -> float:
+        t = self.torch.tensor([value], dtype=self.torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t[0])
+
+    def plan(self, op: str, count: int, dtype: np.dtype, redop: str) -> Plan | None:
+        torch, dist, n, r = self.torch, self.dist, self.world_size, self.rank
+        if dtype.name == "bfloat16":
+            return None
+        mine = torch.from_numpy(np.full(count, r + 1, dtype))
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "prod": dist.ReduceOp.PRODUCT}.get(redop)
+        if op == "allreduce" and red is not None:
+            buf = mine.clone()
+            return (lambda: dist.all_reduce(mine.clone(), op=red), lambda: dist.all_reduce(buf, op=red), None)
+        if op == "all_gather":
+            out = torch.empty(count * n, dtype=mine.dtype)
+            return (lambda: dist.all_gather_into_tensor(out, mine), None, None)
+        if op == "broadcast":
+            buf = mine.clone()
+            return (lambda: dist.broadcast(mine.clone(), src=0), lambda: dist.broadcast(buf, src=0), None)
+        if op == "all_to_all" and count % n == 0:
+            out = torch.empty_like(mine)
+            return (lambda: dist.all_to_all_single(out, mine), None, None)
+        if op == "sendrecv":
+            incoming = torch.empty_like(mine)
+
+            def exchange() -> None:
+                if n > 1:
+                    ops = [dist.P2POp(dist.isend, mine, (r + 1) % n), dist.P2POp(dist.irecv, incoming, (r - 1) % n)]
+                    for work in dist.batch_isend_irecv(ops):
+                        work.wait()
+            return (exchange, None, None)
+        if op == "barrier":
+            return (self.barrier, None, None)
+        return None  # reduce_scatter is not implemented by torch's gloo backend
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+class _Mpi(_Adapter):
+    name = "mpi"
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def max_over_ranks(self, value: float) -> float:
+        return float(self.comm.allreduce(value, op=self.MPI.MAX))
+
+    def plan(self, op: str, count: int, dtype: np.dtype, redop: str) -> Plan | None:
+        MPI, comm, n, r = self.MPI, self.comm, self.world_size, self.rank
+        if dtype.name in ("bfloat16", "float16"):
+            return None
+        mine = np.full(count, r + 1, dtype)
+        red = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}.get(redop)
+        if op == "allreduce" and red is not None:
+            buf, out = mine.copy(), np.empty_like(mine)
+            return (lambda: comm.Allreduce(mine, out, op=red), lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=red),
+                    None)
+        if op == "all_gather":
+            out = np.empty(count * n, dtype)
+            return (lambda: comm.Allgather(mine, out), None, None)
+        if op == "reduce_scatter" and red is not None and count % n == 0:
+            out = np.empty(count // n, dtype)
+            return (lambda: comm.Reduce_scatter_block(mine, out, op=red), None, None)
+        if op == "broadcast":
+            buf = mine.copy()
+            return (lambda: comm.Bcast(mine.copy(), root=0), lambda: comm.Bcast(buf, root=0), None)
+        if op == "all_to_all" and count % n == 0:
+            out = np.empty_like(mine)
+            return (lambda: comm.Alltoall(mine, out), None, None)
+        if op == "sendrecv":
+            incoming = np.empty_like(mine)
+            return (lambda: comm.Sendrecv(mine, (r + 1) % n, recvbuf=incoming, source=(r - 1) % n), None, None)
+        if op == "barrier":
+            return (self.barrier, None, None)
+        return None
+
+
+ADAPTERS = {"ferro": _Ferro, "torch-gloo": _Gloo, "mpi": _Mpi}
+
+
+def _count_for(op: str, nbytes: int, itemsize: int, n: int) -> tuple[int, int]:
+    """(elements per rank's input, the row's size in bytes) for a requested size."""
+    if op == "all_gather":
+        per_rank = max(nbytes // itemsize // n, 1)
+        return per_rank, per_rank * n * itemsize
+    if op in ("reduce_scatter", "all_to_all"):
+        total = max(nbytes // itemsize // n, 1) * n
+        return total, total * itemsize
+    count = max(nbytes // itemsize, 1)
+    return count, count * itemsize
+
+
+def _time(adapter: _Adapter, call: Callable[[], Any], iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        call()
+    adapter.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    mine = (time.perf_counter() - start) / iters * 1e6
+    return adapter.max_over_ranks(mine)
+
+
+def sweep(adapter: _Adapter, ops: list[str], sizes: list[int], dtype: np.dtype, redop: str, iters: int,
+          warmup: int, check: bool, show: Callable[[str], None], rows: list[Row]) -> None:
+    """Measure every op at every size, appending each row to ``rows`` as it completes."""
+    progress = _progress(adapter.rank == 0, len(ops) * len(sizes))
+    for op in ops:
+        show(f"#\n# {op} on {adapter.name}, {adapter.world_size} ranks")
+        show(HEADER)
+        for nbytes in ([0] if op == "barrier" else sizes):
+            count, size = _count_for(op, nbytes, dtype.itemsize, adapter.world_size) if op != "barrier" else (0, 0)
+            plan = adapter.plan(op, max(count, 1), dtype, redop)
+            progress()
+            if plan is None:
+                show(f"# {op} with {dtype.name}/{redop} is not available in {adapter.name}; skipped")
+                break
+            out_of_place, in_place, checker = plan
+            scaled = max(1, min(iters, int(iters * 4e6 / max(size, 4e6)))) if size else iters
+            oop = _time(adapter, out_of_place, scaled, warmup)
+            ip = _time(adapter, in_place, scaled, warmup) if in_place is not None else None
+            wrong = int(adapter.max_over_ranks(float(checker()))) if check and checker is not None else None
+            row = Row(adapter.name, op, size, count, dtype.name, redop if op in REDUCING else "none",
+                      0 if op == "broadcast" else -1, adapter.world_size, oop, ip, wrong,
+                      wrong if ip is not None else None)
+            rows.append(row)
+            show(format_row(row))
+    show(footer(rows))
+
+
+def _progress(enabled: bool, total: int) -> Callable[[], None]:
+    """A tqdm bar on stderr when tqdm is installed and the sweep is long; else nothing."""
+    if not enabled or total < 20 or not sys.stderr.isatty():
+        return lambda: None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lambda: None
+    bar = tqdm(total=total, file=sys.stderr, leave=False, desc="ferro bench")
+    return lambda: bar.update(1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the worker's parser (the orchestrator passes these through)."""
+    parser = argparse.ArgumentParser(prog="python -m ferro.bench.worker")
+    parser.add_argument("--library", choices=list(ADAPTERS), default="ferro")
+    parser.add_argument("--ops", default="allreduce")
+    parser.add_argument("--sizes", required=True, help="comma-separated byte sizes")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--redop", default="sum")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--out", help="rank 0 writes the rows here as JSON")
+    parser.add_argument("--quiet", action="store_true", help="do not print the table")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one rank's sweep."""
+    args = build_parser().parse_args(argv)
+    adapter = ADAPTERS[args.library]()
+    rows: list[Row] = []
+
+    def show(line: str) -> None:
+        if adapter.rank == 0 and not args.quiet:
+            print(line, flush=True)
+
+    try:
+        sweep(adapter, args.ops.split(","), [int(s) for s in args.sizes.split(",")], _dtype(args.dtype),
+              args.redop, args.iters, args.warmup, args.check, show, rows)
+    except KeyboardInterrupt:
+        show("# interrupted: the rows above are what was measured")
+        return 130
+    finally:
+        if adapter.rank == 0 and args.out:
+            write_json(args.out, rows)
+        adapter.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
