@@ -62,7 +62,7 @@ class Row:
     ip_wrong: int | None
 
     def time_us(self) -> float:
-        """The time used to compare libraries: in-place where the op has it (as training calls it), else out-of-place."""
+        """Return the time used to compare libraries: in-place where the op has it, else out-of-place."""
         return self.ip_time_us if self.ip_time_us is not None else self.oop_time_us
 
     def algbw(self, in_place: bool = False) -> float | None:
@@ -95,7 +95,7 @@ def _wrong(value: int | None) -> str:
 
 
 def format_row(row: Row) -> str:
-    """The row as nccl-tests prints it."""
+    """Format the row as nccl-tests prints it."""
     return (f"{row.size:>12d}  {row.count:>12d}  {row.dtype:>8}  {row.redop:>6}  {row.root:>6d}  "
             f"{_cell(row.oop_time_us, 7, 1)} {_cell(row.algbw(), 7, 2)} {_cell(row.busbw(), 7, 2)} "
             f"{_wrong(row.oop_wrong)}  {_cell(row.ip_time_us, 7, 1)} {_cell(row.algbw(True), 7, 2)} "

@@ -28,7 +28,7 @@ Plan = tuple[Callable[[], Any], Callable[[], Any] | None, Callable[[], int] | No
 
 
 def sizes_from(begin: int, end: int, factor: int) -> list[int]:
-    """The sweep's sizes: ``begin``, ``begin * factor``, ... up to ``end``."""
+    """Return the sweep's sizes: ``begin``, ``begin * factor``, ... up to ``end``."""
     out, size = [], max(begin, 1)
     while size <= end:
         out.append(size)
@@ -300,7 +300,7 @@ def sweep(adapter: _Adapter, ops: list[str], sizes: list[int], dtype: np.dtype, 
 
 
 def _progress(enabled: bool, total: int) -> Callable[[], None]:
-    """A tqdm bar on stderr when tqdm is installed and the sweep is long; else nothing."""
+    """Return a step function for a tqdm bar on stderr when tqdm is installed and the sweep is long."""
     if not enabled or total < 20 or not sys.stderr.isatty():
         return lambda: None
     try:
