@@ -1,0 +1,111 @@
+"""ferro bench: the nccl-tests table, --check, output files, --compare, and Ctrl-C."""
+
+import csv
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+FERRO = [sys.executable, "-m", "ferro"]
+NUMBER = r"(?:\d+(?:\.\d+)?|N/A)"
+# size count type redop root | time algbw busbw #wrong | time algbw busbw #wrong
+ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(-?\d+)\s+" + r"\s+".join([NUMBER] * 8) + r"\s*$")
+
+
+def parse_rows(text):
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        match = ROW.match(line)
+        assert match, f"not an nccl-tests row: {line!r}"
+        fields = line.split()
+        rows.append({"size": int(fields[0]), "count": int(fields[1]), "type": fields[2], "redop": fields[3],
+                     "oop_time": fields[5], "oop_busbw": fields[7], "oop_wrong": fields[8], "ip_wrong": fields[12]})
+    return rows
+
+
+def test_table_parses_check_finds_nothing_wrong_and_files_are_written(tmp_path):
+    csv_path, json_path, png_path = tmp_path / "r.csv", tmp_path / "r.json", tmp_path / "r.png"
+    done = subprocess.run([*FERRO, "bench", "all", "-n", "2", "-b", "8", "-e", "64K", "-f", "16", "--check",
+                           "--iters", "3", "--warmup", "1", "--csv", str(csv_path), "--json", str(json_path),
+                           "--plot", str(png_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = parse_rows(done.stdout)
+    sizes = [8, 128, 2048, 32768]
+    assert len(rows) == 6 * len(sizes) + 1  # six ops over the sizes, plus one barrier row
+    for row in rows:
+        assert row["oop_wrong"] in ("0", "N/A") and row["ip_wrong"] in ("0", "N/A")
+        assert float(row["oop_time"]) > 0
+    assert sum(row["oop_wrong"] == "0" for row in rows) >= 6 * len(sizes)  # checked everywhere but the barrier
+    assert re.search(r"# Avg bus bandwidth\s+:\s+\d+\.\d+", done.stdout)
+    assert "# Out of bounds values : 0 OK" in done.stdout
+    with open(csv_path) as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert len(json.loads(json_path.read_text())) == len(rows)
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bus_bandwidth_uses_the_nccl_tests_factors(tmp_path):
+    json_path = tmp_path / "r.json"
+    done = subprocess.run([*FERRO, "bench", "allreduce", "all_gather", "broadcast", "-n", "2", "-b", "1M", "-e", "1M",
+                           "--iters", "2", "--warmup", "1", "--json", str(json_path)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for row in json.loads(json_path.read_text()):
+        algbw = row["size"] / (row["oop_time_us"] * 1e-6) / 1e9
+        factor = {"allreduce": 1.0, "all_gather": 0.5, "broadcast": 1.0}[row["op"]]  # 2(n-1)/n, (n-1)/n, 1 at n=2
+        assert row["oop_busbw"] == pytest.approx(algbw * factor)
+
+
+def test_compare_prints_ferros_ratio_to_gloo(tmp_path):
+    done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "2", "-b", "1K", "-e", "4K", "-f", "4", "--iters", "3",
+                           "--warmup", "1", "--compare", "torch-gloo"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "allreduce on torch-gloo, 2 ranks" in done.stdout
+    lines = [line for line in done.stdout.splitlines() if re.match(r"^\s+allreduce\s+\d+\s", line)]
+    assert len(lines) == 2
+    for line in lines:
+        assert re.search(r"\d+\.\d+x$", line)
+
+
+def test_bench_runs_as_the_ranks_of_ferro_run(tmp_path):
+    done = subprocess.run([*FERRO, "run", "--nproc-per-node", "2", "--no-prefix", "-m", "ferro", "bench", "allreduce",
+                           "-b", "8", "-e", "64", "-f", "8", "--iters", "2", "--check"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = parse_rows(done.stdout)  # printed once, by rank 0
+    assert [row["size"] for row in rows] == [8, 64] and all(row["oop_wrong"] == "0" for row in rows)
+
+
+def test_bad_arguments_get_clear_errors(tmp_path):
+    for args, words in ((["frobnicate", "-n", "2"], "unknown op"), (["-n", "2", "--compare", "nccl"], "--compare"),
+                        (["allreduce"], "give -n")):
+        done = subprocess.run([*FERRO, "bench", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                              env={k: v for k, v in __import__("os").environ.items()
+                                   if k not in ("RANK", "WORLD_SIZE")})
+        assert done.returncode == 2 and words in done.stderr, done.stderr
+
+
+def test_ctrl_c_keeps_the_rows_measured_so_far(tmp_path):
+    json_path = tmp_path / "partial.json"
+    bench = subprocess.Popen([*FERRO, "bench", "allreduce", "-n", "2", "-b", "1K", "-e", "1G", "-f", "2", "--iters",
+                              "50", "--json", str(json_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=tmp_path)
+    seen = []
+    deadline = time.monotonic() + 120
+    while len(seen) < 2 and time.monotonic() < deadline:
+        line = bench.stdout.readline()
+        if ROW.match(line):
+            seen.append(line)
+    bench.send_signal(signal.SIGINT)
+    rest, _ = bench.communicate(timeout=60)
+    assert len(seen) == 2
+    assert bench.returncode != 0
+    assert "interrupted" in rest
+    assert len(json.loads(json_path.read_text())) >= 2

@@ -1,0 +1,183 @@
+"""ferro run: environment, output, failures, restarts, Ctrl-C -- and no process left behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+FERRO = [sys.executable, "-m", "ferro"]
+
+
+def write(path, body):
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def survivors(marker):
+    """Processes whose command line mentions ``marker`` (the test's own scripts)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def wait_gone(marker, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while survivors(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return survivors(marker)
+
+
+ENV_SCRIPT = """
+    import json, os, sys
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "FERRO_RESTART_COUNT"]
+    info = {k: os.environ[k] for k in keys}
+    info["secret_length"] = len(os.environ["FERRO_SECRET"])
+    info["argv"] = sys.argv
+    import numpy as np, ferro
+    ferro.init_process_group(timeout=30)
+    x = np.ones(1)
+    ferro.allreduce(x)
+    info["sum"] = float(x[0])
+    ferro.destroy_process_group()
+    print("INFO " + json.dumps(info))
+"""
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_runs_a_script_with_the_right_environment(tmp_path, nproc):
+    script = write(tmp_path / "job.py", ENV_SCRIPT)
+    done = subprocess.run([*FERRO, "run", "--nproc-per-node", str(nproc), script, "--lr", "0.1"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    infos = {}
+    for line in done.stdout.splitlines():
+        prefix, _, rest = line.partition("] ")
+        if rest.startswith("INFO "):
+            info = json.loads(rest[5:])
+            assert prefix == f"[rank {info['RANK']}"  # each line carries its rank
+            infos[int(info["RANK"])] = info
+    assert sorted(infos) == list(range(nproc))
+    ports = {info["MASTER_PORT"] for info in infos.values()}
+    for rank, info in infos.items():
+        assert info["LOCAL_RANK"] == str(rank) and info["WORLD_SIZE"] == str(nproc)
+        assert info["LOCAL_WORLD_SIZE"] == str(nproc) and info["GROUP_RANK"] == "0"
+        assert info["MASTER_ADDR"] == "127.0.0.1" and info["FERRO_RESTART_COUNT"] == "0"
+        assert info["secret_length"] == 32 and info["argv"] == [script, "--lr", "0.1"]
+        assert info["sum"] == nproc
+    assert len(ports) == 1
+
+
+def test_runs_a_module_without_prefix(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    write(tmp_path / "pkg" / "work.py", """
+        import os, sys
+        print("module", os.environ["RANK"], sys.argv[1:], __name__)
+    """)
+    done = subprocess.run([*FERRO, "run", "--nproc-per-node", "2", "--no-prefix", "-m", "pkg.work", "x"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["module 0 ['x'] __main__", "module 1 ['x'] __main__"]
+
+
+FAILING = """
+    import os, signal, sys, time
+    print("pid", os.getpid(), flush=True)
+    mode = sys.argv[1]
+    if os.environ["RANK"] == "1" and os.environ["FERRO_RESTART_COUNT"] == "0":
+        if mode == "exit":
+            sys.exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ["FERRO_RESTART_COUNT"] != "0":
+        print("restarted", os.environ["RANK"], flush=True)
+        sys.exit(0)
+    time.sleep(120)   # the launcher must stop this rank
+"""
+
+
+@pytest.mark.parametrize("mode, code, how", [("exit", 3, "exited with code 3"), ("kill", 137, "was killed by SIGKILL")])
+def test_failing_rank_takes_the_job_down_and_nothing_survives(tmp_path, mode, code, how):
+    script = write(tmp_path / "fail.py", FAILING)
+    start = time.monotonic()
+    done = subprocess.run([*FERRO, "run", "--nproc-per-node", "3", "--grace", "2", script, mode],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == code
+    assert f"rank 1 {how}" in done.stderr
+    assert time.monotonic() - start < 60  # not the sleeping ranks' 120 s
+    assert wait_gone(str(tmp_path)) == []
+
+
+def test_max_restarts_restarts_the_whole_group(tmp_path):
+    script = write(tmp_path / "fail.py", FAILING)
+    done = subprocess.run([*FERRO, "run", "--nproc-per-node", "2", "--max-restarts", "1", "--grace", "2", script,
+                           "exit"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "restarting all ranks (restart 1 of 1)" in done.stderr
+    assert sorted(line for line in done.stdout.splitlines() if "restarted" in line) == [
+        "[rank 0] restarted 0", "[rank 1] restarted 1"]
+    assert wait_gone(str(tmp_path)) == []
+
+
+SLEEPER = """
+    import os, time
+    print("ready", os.getpid(), flush=True)
+    time.sleep(120)
+"""
+
+
+def start_sleepers(tmp_path, nproc=2):
+    script = write(tmp_path / "sleep.py", SLEEPER)
+    launcher = subprocess.Popen([*FERRO, "run", "--nproc-per-node", str(nproc), "--grace", "3", script],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    ready = 0
+    deadline = time.monotonic() + 60
+    while ready < nproc and time.monotonic() < deadline:
+        line = launcher.stdout.readline()
+        ready += "ready" in line
+    assert ready == nproc
+    return launcher
+
+
+def test_ctrl_c_reaches_every_rank_and_the_launcher_exits_promptly(tmp_path):
+    launcher = start_sleepers(tmp_path)
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGINT)
+    code = launcher.wait(timeout=30)
+    assert code == 130
+    assert time.monotonic() - start < 15
+    assert "received SIGINT; stopping all ranks" in launcher.stderr.read()
+    assert wait_gone(str(tmp_path)) == []
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    launcher = start_sleepers(tmp_path)
+    launcher.kill()
+    launcher.wait(timeout=30)
+    assert wait_gone(str(tmp_path)) == []  # the parent-death signal took them
+
+
+def test_several_nodes_need_a_shared_secret(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "FERRO_SECRET"}
+    done = subprocess.run([*FERRO, "run", "--nnodes", "2", "--node-rank", "0", "x.py"], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 2 and "FERRO_SECRET" in done.stderr
+
+
+def test_python_dash_m_ferro_run_is_the_same_command(tmp_path):
+    write(tmp_path / "hello.py", "print('hello')\n")
+    done = subprocess.run([sys.executable, "-m", "ferro.run", "--nproc-per-node", "2", "hello.py"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.count("hello") == 2
