@@ -1,7 +1,8 @@
 """The two-rank demonstration behind ``ferro demo``: a round trip and a bulk exchange over TCP.
 
 :func:`launch` starts two ranks as separate processes with the torchrun-style
-environment, exactly as a real job's ranks would be started.
+environment, exactly as a real job's ranks would be started. The module is also
+a rank program of its own: ``ferro run --nproc-per-node 2 -m ferro.demo``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import numpy as np
 
 from ferro.backend.tcp import TcpBackend
+from ferro.errors import ConfigurationError
 from ferro.testing import free_port
 
 __all__ = ["launch", "rank_main"]
@@ -54,8 +56,14 @@ def _exchanges(group: TcpBackend, nbytes: int, iterations: int) -> tuple[list[fl
 
 
 def rank_main(size_mb: int, round_trips: int, exchanges: int) -> None:
-    """Run one rank of the demonstration; rank 0 prints the report."""
+    """Run one rank of the demonstration; rank 0 prints the report.
+
+    Raises:
+        ConfigurationError: Not exactly two ranks.
+    """
     with TcpBackend.from_env() as group:
+        if group.world_size != 2:
+            raise ConfigurationError(f"the demo pairs two ranks; start it with 2, not {group.world_size}")
         _round_trips(group, 200)  # warm-up: connections, caches, CPU frequency
         rtt = _round_trips(group, round_trips)
         exchange_times, intact = _exchanges(group, size_mb * 1024 * 1024, exchanges)
@@ -108,3 +116,20 @@ def launch(size_mb: int = 64, round_trips: int = 2000, exchanges: int = 5, timeo
             process.kill()
             process.join()
     return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run as one rank under a launcher: ``ferro run --nproc-per-node 2 -m ferro.demo [--size-mb N]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ferro.demo")
+    parser.add_argument("--size-mb", type=int, default=64)
+    parser.add_argument("--round-trips", type=int, default=2000)
+    parser.add_argument("--exchanges", type=int, default=5)
+    args = parser.parse_args(argv)
+    rank_main(args.size_mb, args.round_trips, args.exchanges)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
