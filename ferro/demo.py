@@ -60,6 +60,7 @@ def rank_main(size_mb: int, round_trips: int, exchanges: int) -> None:
 
     Raises:
         ConfigurationError: Not exactly two ranks.
+
     """
     with TcpBackend.from_env() as group:
         if group.world_size != 2:
