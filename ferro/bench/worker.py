@@ -64,8 +64,15 @@ class _Adapter:
         """Leave the group."""
 
 
-def _expected_sum(n: int) -> float:
-    return n * (n + 1) / 2  # rank r contributes r + 1
+def _expected(redop: str, n: int) -> float:
+    """Every element's reduced value when rank ``r`` contributes ``r + 1`` everywhere."""
+    import math
+
+    values = {"sum": n * (n + 1) / 2, "mean": (n + 1) / 2, "avg": (n + 1) / 2, "prod": float(math.factorial(n)),
+              "product": float(math.factorial(n)), "min": 1.0, "max": float(n)}
+    if redop not in values:
+        raise ValueError(f"ferro bench: unknown --op {redop!r}; use sum, mean, prod, min or max")
+    return values[redop]
 
 
 class _Ferro(_Adapter):
@@ -88,16 +95,16 @@ class _Ferro(_Adapter):
 
     def plan(self, op: str, count: int, dtype: np.dtype, redop: str) -> Plan | None:
         f, n, r = self.ferro, self.world_size, self.rank
-        reduce_op = f.ReduceOp[redop.upper()] if op in REDUCING else None
+        reduce_op = f.ReduceOp[{"prod": "PRODUCT"}.get(redop, redop.upper())] if op in REDUCING else None
         mine = np.full(count, r + 1, dtype)
         if op == "allreduce":
             buf = mine.copy()
-            expected = _expected_sum(n) if redop == "sum" else {"max": n, "min": 1}.get(redop)
+            expected = _expected(redop, n)
 
             def check() -> int:
                 y = mine.copy()
                 f.allreduce(y, reduce_op)
-                return int(np.count_nonzero(y.astype(np.float64) != expected)) if expected is not None else 0
+                return int(np.count_nonzero(y.astype(np.float64) != expected))
             return (lambda: f.allreduce(mine.copy(), reduce_op), lambda: f.allreduce(buf, reduce_op), check)
         if op == "all_gather":
             out = np.empty(count * n, dtype)
@@ -107,10 +114,9 @@ class _Ferro(_Adapter):
             return (lambda: f.all_gather(mine), lambda: f.all_gather(block, out=out),
                     lambda: int(np.count_nonzero(f.all_gather(mine).astype(np.float64) != want)))
         if op == "reduce_scatter":
-            expected = _expected_sum(n) if redop == "sum" else None
+            expected = _expected(redop, n)
             return (lambda: f.reduce_scatter(mine, reduce_op), None,
-                    lambda: int(np.count_nonzero(f.reduce_scatter(mine, reduce_op).astype(np.float64) != expected))
-                    if expected is not None else 0)
+                    lambda: int(np.count_nonzero(f.reduce_scatter(mine, reduce_op).astype(np.float64) != expected)))
         if op == "broadcast":
             buf = mine.copy()
 
