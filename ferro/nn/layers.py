@@ -1,0 +1,151 @@
+"""Layers, losses and containers, each with an exact backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ferro.nn.module import Module, Parameter
+
+__all__ = ["CrossEntropyLoss", "Linear", "MSELoss", "ReLU", "Sequential", "Tanh"]
+
+
+def _need(cached: Any, layer: Module) -> Any:
+    if cached is None:
+        raise RuntimeError(f"{type(layer).__name__}.backward called before forward")
+    return cached
+
+
+class Linear(Module):
+    """``y = x @ weight.T + bias``, initialised as PyTorch does (uniform in ±1/sqrt(in_features)).
+
+    Args:
+        in_features: Input width.
+        out_features: Output width.
+        bias: Whether to add a bias.
+        rng: Random generator for the initial values (seed it for reproducible runs).
+        dtype: Parameter dtype.
+
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 rng: np.random.Generator | None = None, dtype: Any = np.float32) -> None:
+        super().__init__()
+        rng = rng or np.random.default_rng()
+        bound = 1.0 / np.sqrt(in_features)
+        self.weight = Parameter(rng.uniform(-bound, bound, (out_features, in_features)).astype(dtype))
+        self.bias = Parameter(rng.uniform(-bound, bound, out_features).astype(dtype)) if bias else None
+        self._input: np.ndarray | None = None
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        """Apply the affine map to a batch ``(N, in_features)``."""
+        self._input = x
+        y = x @ self.weight.data.T
+        return y + self.bias.data if self.bias is not None else y
+
+    def backward(self, grad_output: np.ndarray) -> np.ndarray:
+        """Add dL/dW and dL/db; return dL/dx."""
+        x = _need(self._input, self)
+        grad_input = grad_output @ self.weight.data
+        # Bias first: backward produces gradients in reverse definition order.
+        if self.bias is not None:
+            self.bias.accumulate_grad(grad_output.sum(axis=0))
+        self.weight.accumulate_grad(grad_output.T @ x)
+        return grad_input
+
+
+class ReLU(Module):
+    """``max(x, 0)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mask: np.ndarray | None = None
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        """Zero the negative entries."""
+        self._mask = x > 0
+        return x * self._mask
+
+    def backward(self, grad_output: np.ndarray) -> np.ndarray:
+        """Pass the gradient where the input was positive."""
+        return grad_output * _need(self._mask, self)
+
+
+class Tanh(Module):
+    """Hyperbolic tangent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._output: np.ndarray | None = None
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        """Apply tanh element-wise."""
+        self._output = np.tanh(x)
+        return self._output
+
+    def backward(self, grad_output: np.ndarray) -> np.ndarray:
+        """Multiply by 1 - tanh(x)^2."""
+        return grad_output * (1 - _need(self._output, self) ** 2)
+
+
+class Sequential(Module):
+    """Modules applied in order; backward runs them in reverse."""
+
+    def __init__(self, *modules: Module) -> None:
+        super().__init__()
+        for i, module in enumerate(modules):
+            setattr(self, str(i), module)
+
+    def forward(self, x: Any) -> Any:
+        """Feed ``x`` through every module."""
+        for module in self.children():
+            x = module(x)
+        return x
+
+    def backward(self, grad_output: np.ndarray) -> np.ndarray:
+        """Feed the gradient back through every module, last first."""
+        for module in reversed(list(self.children())):
+            grad_output = module.backward(grad_output)
+        return grad_output
+
+
+class MSELoss:
+    """Mean squared error over every element; ``backward()`` returns dL/dprediction."""
+
+    def __init__(self) -> None:
+        self._diff: np.ndarray | None = None
+
+    def __call__(self, prediction: np.ndarray, target: np.ndarray) -> float:
+        self._diff = prediction - target
+        return float(np.mean(self._diff**2))
+
+    def backward(self) -> np.ndarray:
+        """The gradient of the last loss with respect to the prediction."""
+        diff = self._diff
+        if diff is None:
+            raise RuntimeError("MSELoss.backward called before the loss")
+        return (2.0 / diff.size) * diff
+
+
+class CrossEntropyLoss:
+    """Softmax cross-entropy of logits ``(N, C)`` against integer classes ``(N,)``, averaged over the batch."""
+
+    def __init__(self) -> None:
+        self._probabilities: np.ndarray | None = None
+        self._targets: np.ndarray | None = None
+
+    def __call__(self, logits: np.ndarray, targets: np.ndarray) -> float:
+        shifted = logits - logits.max(axis=1, keepdims=True)  # for numerical safety
+        log_probabilities = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        self._probabilities = np.exp(log_probabilities)
+        self._targets = np.asarray(targets)
+        return float(-log_probabilities[np.arange(len(self._targets)), self._targets].mean())
+
+    def backward(self) -> np.ndarray:
+        """The gradient of the last loss with respect to the logits: (softmax - one-hot) / N."""
+        if self._probabilities is None or self._targets is None:
+            raise RuntimeError("CrossEntropyLoss.backward called before the loss")
+        grad = self._probabilities.copy()
+        grad[np.arange(len(self._targets)), self._targets] -= 1
+        return grad / len(self._targets)

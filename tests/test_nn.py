@@ -1,0 +1,119 @@
+"""ferro.nn: every backward against finite differences; optimizers against PyTorch's."""
+
+import numpy as np
+import pytest
+
+from ferro import nn
+
+EPS = 1e-6
+
+
+def numeric_gradient(f, array):
+    grad = np.zeros_like(array)
+    for index in np.ndindex(array.shape):
+        saved = array[index]
+        array[index] = saved + EPS
+        up = f()
+        array[index] = saved - EPS
+        down = f()
+        array[index] = saved
+        grad[index] = (up - down) / (2 * EPS)
+    return grad
+
+
+def check_module(model, x, loss_fn, target):
+    """Analytic gradients of the loss w.r.t. every parameter and the input match finite differences."""
+    def loss():
+        return loss_fn(model(x), target)
+
+    loss()
+    model.zero_grad()
+    grad_x = model.backward(loss_fn.backward())
+    for name, param in model.named_parameters():
+        np.testing.assert_allclose(param.grad, numeric_gradient(loss, param.data), rtol=1e-5, atol=1e-7, err_msg=name)
+    np.testing.assert_allclose(grad_x, numeric_gradient(loss, x), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("activation", [nn.ReLU, nn.Tanh])
+def test_mlp_backward_matches_finite_differences(activation):
+    rng = np.random.default_rng(0)
+    model = nn.Sequential(nn.Linear(5, 7, rng=rng, dtype=np.float64), activation(),
+                          nn.Linear(7, 3, rng=rng, dtype=np.float64))
+    x = rng.standard_normal((4, 5))
+    check_module(model, x, nn.CrossEntropyLoss(), np.array([0, 2, 1, 2]))
+    check_module(model, x, nn.MSELoss(), rng.standard_normal((4, 3)))
+
+
+def test_linear_without_bias():
+    rng = np.random.default_rng(1)
+    layer = nn.Linear(3, 2, bias=False, rng=rng, dtype=np.float64)
+    check_module(layer, rng.standard_normal((6, 3)), nn.MSELoss(), rng.standard_normal((6, 2)))
+    assert [name for name, _ in layer.named_parameters()] == ["weight"]
+
+
+def test_gradients_accumulate_until_zeroed_and_hooks_fire_when_ready():
+    rng = np.random.default_rng(2)
+    layer = nn.Linear(2, 2, rng=rng, dtype=np.float64)
+    seen = []
+    layer.weight.register_grad_ready_hook(lambda p: seen.append("weight"))
+    remove = layer.bias.register_grad_ready_hook(lambda p: seen.append("bias"))
+    x = rng.standard_normal((3, 2))
+    layer(x)
+    layer.backward(np.ones((3, 2)))
+    first = layer.weight.grad.copy()
+    layer(x)
+    layer.backward(np.ones((3, 2)))
+    np.testing.assert_allclose(layer.weight.grad, 2 * first)
+    assert seen == ["bias", "weight", "bias", "weight"]  # reverse definition order, like autograd
+    remove()
+    layer.zero_grad()
+    assert not layer.weight.grad.any()
+
+
+def test_frozen_parameter_gets_no_gradient():
+    layer = nn.Linear(2, 2, rng=np.random.default_rng(3))
+    layer.bias.requires_grad = False
+    layer(np.ones((1, 2), np.float32))
+    layer.backward(np.ones((1, 2), np.float32))
+    assert layer.bias.grad is None and layer.weight.grad is not None
+
+
+def test_state_dict_round_trip_and_shape_check():
+    a = nn.Sequential(nn.Linear(3, 4, rng=np.random.default_rng(4)), nn.ReLU(), nn.Linear(4, 2))
+    b = nn.Sequential(nn.Linear(3, 4, rng=np.random.default_rng(5)), nn.ReLU(), nn.Linear(4, 2))
+    weight_before = b._modules["0"].weight.data
+    b.load_state_dict(a.state_dict())
+    assert b._modules["0"].weight.data is weight_before  # updated in place
+    for (_, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        np.testing.assert_array_equal(p.data, q.data)
+    with pytest.raises(ValueError, match="shape"):
+        b.load_state_dict({**a.state_dict(), "0.weight": np.zeros((2, 2))})
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps, torch: (nn.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+                       lambda tps: torch.optim.SGD(tps, lr=0.1, momentum=0.9, weight_decay=0.01)),
+    lambda ps, torch: (nn.Adam(ps, lr=0.01, weight_decay=0.01),
+                       lambda tps: torch.optim.Adam(tps, lr=0.01, weight_decay=0.01)),
+], ids=["sgd", "adam"])
+def test_optimizers_match_torch(make):
+    import torch
+
+    rng = np.random.default_rng(6)
+    start = rng.standard_normal((3, 4))
+    grads = [rng.standard_normal((3, 4)) for _ in range(5)]
+    param = nn.Parameter(start.copy())
+    ours, theirs_factory = make([param], torch)
+    tparam = torch.nn.Parameter(torch.from_numpy(start.copy()))
+    theirs = theirs_factory([tparam])
+    for g in grads:
+        param.grad = g.copy()
+        ours.step()
+        tparam.grad = torch.from_numpy(g.copy())
+        theirs.step()
+    np.testing.assert_allclose(param.data, tparam.detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_backward_before_forward_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="before forward"):
+        nn.Linear(2, 2).backward(np.ones((1, 2)))
