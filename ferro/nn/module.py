@@ -72,6 +72,10 @@ class Module:
     respect to the input.
     """
 
+    _parameters: dict[str, Parameter]
+    _modules: dict[str, Module]
+    training: bool
+
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
