@@ -4,7 +4,7 @@ The public names live here; everything else is reachable by module path but
 should not be needed.
 """
 
-from ferro import p2p
+from ferro import nn, p2p
 from ferro.backend import Backend, SimulatedBackend, SubBackend, TcpBackend, new_group
 from ferro.collective import (
     ReduceOp,
@@ -23,6 +23,7 @@ from ferro.collective import (
     reduce_scatter,
     scatter,
 )
+from ferro.ddp import DDP
 from ferro.errors import (
     AuthenticationError,
     BackendClosedError,
@@ -75,6 +76,7 @@ __all__ = [
     "CollectiveMismatchError",
     "ConfigurationError",
     "ConnectionBrokenError",
+    "DDP",
     "destroy_process_group",
     "DistributedError",
     "DistributedTimeoutError",
@@ -88,6 +90,7 @@ __all__ = [
     "InvalidWorldSizeError",
     "is_initialized",
     "new_group",
+    "nn",
     "p2p",
     "PeerLostError",
     "PendingCollective",

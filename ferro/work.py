@@ -90,7 +90,15 @@ class GroupWorker:
         return pending
 
     def run(self, fn: Callable[[], Any], description: str, buffers: tuple[Any, ...]) -> Any:
-        """Run ``fn`` now if nothing is queued, else after everything queued; return its result."""
+        """Run ``fn`` now if nothing is queued, else after everything queued; return its result.
+
+        Called from the worker thread itself (a collective inside an async task,
+        such as a DDP communication hook), ``fn`` runs at once: it is already the
+        group's current operation.
+        """
+        thread = self._thread
+        if thread is not None and thread.ident == threading.get_ident():
+            return fn()
         with self._cond:
             if self._queue or self._busy:
                 inline = False

@@ -1,0 +1,388 @@
+"""Distributed data parallel training for ferro.nn and PyTorch modules.
+
+Gradients live in flat *bucket* buffers: each parameter's gradient is a view
+into its bucket, so reducing a bucket reduces its gradients with no gather or
+scatter copies. Buckets are filled in reverse parameter order, the order
+backward produces gradients. During backward, a bucket's allreduce starts as
+soon as its last gradient is ready. It runs on the group's worker thread
+inside ferro's compiled core, without the GIL, so communication hides behind
+the rest of backward; the end of backward waits for every bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ferro.backend.base import Backend
+from ferro.collective import ReduceOp, allreduce, broadcast
+from ferro.errors import ConfigurationError
+from ferro.work import PendingCollective, worker_of
+
+__all__ = ["DDP", "Bucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+
+MB = 1024 * 1024
+
+
+@dataclass
+class Bucket:
+    """Gradients reduced together.
+
+    Attributes:
+        index: Position in reduction order (0 holds the last parameters, reduced first).
+        buffer: The flat gradient buffer: a NumPy array, or a PyTorch tensor for torch modules.
+        parameters: The parameters whose gradients are views into ``buffer``.
+        offsets: Element offset of each parameter's gradient in ``buffer``.
+
+    """
+
+    index: int
+    buffer: Any
+    parameters: list[Any]
+    offsets: list[int]
+    ready: set[int] = field(default_factory=set)
+    pending: PendingCollective | None = None
+
+    def array(self) -> np.ndarray:
+        """The buffer as a NumPy array (zero-copy; a same-width integer view for bfloat16 tensors)."""
+        if isinstance(self.buffer, np.ndarray):
+            return self.buffer
+        from ferro._dtypes import operand
+
+        return operand(self.buffer, "bucket", writable=True).array
+
+
+CommHook = Callable[[Backend, Bucket], None]
+
+
+def allreduce_hook(group: Backend, bucket: Bucket) -> None:
+    """The default communication hook: average the bucket over the group, in place."""
+    allreduce(bucket.buffer, ReduceOp.MEAN, group=group)
+
+
+def _compress_hook(group: Backend, bucket: Bucket, compressed_dtype: Any) -> None:
+    data = bucket.array()
+    if data.dtype.kind != "f" or data.dtype.itemsize <= 2:
+        allreduce(bucket.buffer, ReduceOp.MEAN, group=group)  # already 16-bit (or not float): nothing to gain
+        return
+    # Divide first: the sum of n compressed gradients then stays in the narrow type's range.
+    compressed = (data / group.world_size).astype(compressed_dtype)
+    allreduce(compressed, ReduceOp.SUM, group=group)
+    data[...] = compressed.astype(data.dtype)
+
+
+def fp16_compress_hook(group: Backend, bucket: Bucket) -> None:
+    """Average in float16: divide by the world size, compress, sum, decompress. Halves the bytes sent."""
+    _compress_hook(group, bucket, np.float16)
+
+
+def bf16_compress_hook(group: Backend, bucket: Bucket) -> None:
+    """Average in bfloat16 (float32's range, 8 bits of mantissa). Needs ``ml_dtypes``."""
+    try:
+        import ml_dtypes
+    except ImportError as exc:
+        raise ConfigurationError("bf16_compress_hook needs ml_dtypes: pip install ml_dtypes") from exc
+    _compress_hook(group, bucket, ml_dtypes.bfloat16)
+
+
+class _NumpyModel:
+    """How DDP reaches into a ferro.nn module."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def trainable(self) -> list[Any]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def every_array(self) -> list[Any]:
+        return [p.data for p in self.module.parameters()]
+
+    def new_buffer(self, like: Any, count: int) -> Any:
+        return np.zeros(count, like.data.dtype)
+
+    def dtype_key(self, param: Any) -> str:
+        return str(param.data.dtype)
+
+    def size(self, param: Any) -> int:
+        return int(param.data.size)
+
+    def attach(self, param: Any, buffer: Any, offset: int) -> None:
+        view = buffer[offset:offset + param.data.size].reshape(param.data.shape)
+        if param.grad is not None:
+            view[...] = param.grad
+        param.grad = view
+
+    def hook(self, param: Any, fn: Callable[[Any], None]) -> None:
+        param.register_grad_ready_hook(fn)
+
+
+class _TorchModel:
+    """How DDP reaches into a torch.nn.Module (CPU tensors, zero-copy through NumPy)."""
+
+    def __init__(self, module: Any) -> None:
+        import torch
+
+        self.module, self.torch = module, torch
+
+    def trainable(self) -> list[Any]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def every_array(self) -> list[Any]:
+        return [p.detach() for p in self.module.parameters()] + [b for b in self.module.buffers()]
+
+    def new_buffer(self, like: Any, count: int) -> Any:
+        return self.torch.zeros(count, dtype=like.dtype)
+
+    def dtype_key(self, param: Any) -> str:
+        return str(param.dtype)
+
+    def size(self, param: Any) -> int:
+        return int(param.numel())
+
+    def attach(self, param: Any, buffer: Any, offset: int) -> None:
+        view = buffer[offset:offset + param.numel()].view(param.shape)
+        if param.grad is not None:
+            view.copy_(param.grad)
+        param.grad = view
+
+    def hook(self, param: Any, fn: Callable[[Any], None]) -> None:
+        param.register_post_accumulate_grad_hook(fn)
+
+
+class DDP:
+    """Data-parallel training: every rank runs the same model on its own data; gradients are averaged.
+
+    Wraps a ``ferro.nn`` module or a ``torch.nn.Module`` (CPU). The model's
+    parameters are copied from rank 0 when it is wrapped, so every rank starts
+    from the same values.
+
+    Args:
+        module: The model.
+        group: The process group (default: the default group).
+        bucket_cap_mb: Bucket size in MiB.
+        first_bucket_mb: Size of the first bucket (the last layers' gradients,
+            ready first), kept small so communication starts early.
+        broadcast_parameters: Copy rank 0's parameters to every rank now.
+        comm_hook: How a bucket is reduced (default :func:`allreduce_hook`).
+
+    Example::
+
+        model = ferro.DDP(nn.Sequential(nn.Linear(64, 10)))
+        optimizer = nn.SGD(model.parameters(), lr=0.1)
+        loss = criterion(model(x), y)             # x, y: this rank's share of the batch
+        optimizer.zero_grad()
+        model.backward(criterion.backward())      # ferro.nn; for torch: loss.backward()
+        optimizer.step()                          # gradients are averaged over all ranks
+
+    Raises:
+        ConfigurationError: No group and no default group, or a module without trainable parameters.
+
+    """
+
+    def __init__(self, module: Any, group: Backend | None = None, bucket_cap_mb: float = 25,
+                 first_bucket_mb: float = 1, broadcast_parameters: bool = True,
+                 comm_hook: CommHook | None = None) -> None:
+        from ferro.collective import _group
+
+        self.module = module
+        self.group = _group(group, "DDP")
+        self._model: _NumpyModel | _TorchModel = _TorchModel(module) if _is_torch_module(module) else _NumpyModel(module)
+        self.comm_hook: CommHook = comm_hook or allreduce_hook
+        self._syncing = True
+        self._finish_queued = False
+        self.buckets = self._build_buckets(bucket_cap_mb, first_bucket_mb)
+        self._bucket_of: dict[int, tuple[Bucket, int]] = {}
+        for bucket in self.buckets:
+            for position, param in enumerate(bucket.parameters):
+                self._bucket_of[id(param)] = (bucket, position)
+                self._model.hook(param, self._on_grad_ready)
+        if broadcast_parameters:
+            self.broadcast_parameters(0)
+
+    # --- buckets ------------------------------------------------------------------
+
+    def _build_buckets(self, cap_mb: float, first_mb: float) -> list[Bucket]:
+        model = self._model
+        params = model.trainable()
+        if not params:
+            raise ConfigurationError("DDP: the module has no trainable parameters")
+        buckets: list[Bucket] = []
+        # Reverse definition order is the order backward produces gradients.
+        current: dict[str, list[Any]] = {}
+        filled: dict[str, int] = {}
+        for param in reversed(params):
+            key = model.dtype_key(param)
+            members = current.setdefault(key, [])
+            cap = (first_mb if not any(b.parameters and model.dtype_key(b.parameters[0]) == key for b in buckets)
+                   else cap_mb) * MB
+            itemsize = _itemsize(param)
+            if members and (filled.get(key, 0) + model.size(param)) * itemsize > cap:
+                buckets.append(self._make_bucket(len(buckets), members))
+                current[key] = members = []
+                filled[key] = 0
+            members.append(param)
+            filled[key] = filled.get(key, 0) + model.size(param)
+        for members in current.values():
+            if members:
+                buckets.append(self._make_bucket(len(buckets), members))
+        return buckets
+
+    def _make_bucket(self, index: int, members: list[Any]) -> Bucket:
+        offsets, total = [], 0
+        for param in members:
+            offsets.append(total)
+            total += self._model.size(param)
+        buffer = self._model.new_buffer(members[0], total)
+        for param, offset in zip(members, offsets):
+            self._model.attach(param, buffer, offset)
+        return Bucket(index, buffer, list(members), offsets)
+
+    # --- during backward ----------------------------------------------------------
+
+    def _on_grad_ready(self, param: Any) -> None:
+        bucket, position = self._bucket_of[id(param)]
+        if isinstance(self._model, _TorchModel):
+            self._keep_view(param, bucket, position)
+            if self._syncing and not self._finish_queued:
+                # Wait for every bucket before backward returns, as torch's own DDP does.
+                self._model.torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+                self._finish_queued = True
+        if not self._syncing:
+            return
+        if bucket.pending is not None:
+            raise RuntimeError(
+                f"DDP: a parameter of bucket {bucket.index} received a gradient after the bucket was reduced "
+                f"(is it used twice in one forward pass?)")
+        bucket.ready.add(position)
+        if len(bucket.ready) == len(bucket.parameters):
+            self._launch(bucket)
+
+    def _keep_view(self, param: Any, bucket: Bucket, position: int) -> None:
+        """Put the gradient back into the bucket if the optimizer replaced it (zero_grad(set_to_none=True))."""
+        offset, size = bucket.offsets[position], param.numel()
+        view = bucket.buffer[offset:offset + size].view(param.shape)
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+
+    def _launch(self, bucket: Bucket) -> None:
+        group, hook = self.group, self.comm_hook
+        bucket.pending = worker_of(group).submit(lambda: hook(group, bucket), f"DDP bucket {bucket.index}",
+                                                 (bucket.buffer,))
+
+    def _finish_backward(self) -> None:
+        self._finish_queued = False
+        if self._syncing:
+            self.sync_gradients()
+
+    # --- public -------------------------------------------------------------------
+
+    def sync_gradients(self) -> None:
+        """Average every bucket's gradients over the group and wait until all are done.
+
+        Buckets whose allreduce already started during backward are waited for;
+        the others (parameters that got no gradient this step, or gradients set
+        by hand) are reduced now.
+        """
+        for bucket in self.buckets:
+            if bucket.pending is None:
+                self._launch(bucket)
+        try:
+            for bucket in self.buckets:
+                assert bucket.pending is not None  # launched just above
+                bucket.pending.wait()
+        finally:
+            for bucket in self.buckets:
+                bucket.pending = None
+                bucket.ready.clear()
+
+    def backward(self, grad_output: Any) -> Any:
+        """Run the ferro.nn module's backward (overlapping communication), then wait for every bucket."""
+        if isinstance(self._model, _TorchModel):
+            raise ConfigurationError("DDP.backward is for ferro.nn modules; with torch, call loss.backward()")
+        grad_input = self.module.backward(grad_output)
+        if self._syncing:
+            self.sync_gradients()
+        return grad_input
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block averages the accumulated sum."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def broadcast_parameters(self, root: int = 0) -> None:
+        """Copy ``root``'s parameters (and torch buffers) into every rank's existing arrays, in place.
+
+        The arrays stay the same objects, so an optimizer created before this
+        call keeps working.
+        """
+        for array in self._model.every_array():
+            broadcast(array, root=root, group=self.group)
+
+    def register_comm_hook(self, hook: CommHook) -> None:
+        """Use ``hook(group, bucket)`` to reduce each bucket.
+
+        It runs on the group's worker thread, overlapped with backward, and must
+        leave the *average* of the bucket over the group in ``bucket.buffer``
+        (see :func:`fp16_compress_hook`).
+        """
+        self.comm_hook = hook
+
+    # --- the wrapped module's interface -------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module."""
+        return self.module(*args, **kwargs)
+
+    def parameters(self) -> Any:
+        """The wrapped module's parameters."""
+        return self.module.parameters()
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's named parameters."""
+        return self.module.named_parameters(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> DDP:
+        """Set the wrapped module's training mode; return self."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> DDP:
+        """Set the wrapped module to evaluation mode; return self."""
+        self.module.eval()
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's state."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Load state into the wrapped module."""
+        return self.module.load_state_dict(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names DDP itself lacks: forward the rest of the module's interface.
+        if name == "module":
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+
+def _is_torch_module(module: Any) -> bool:
+    torch = sys.modules.get("torch")  # a torch module exists only if torch was imported
+    return torch is not None and isinstance(module, torch.nn.Module)
+
+
+def _itemsize(param: Any) -> int:
+    return int(param.element_size()) if hasattr(param, "element_size") else int(param.data.itemsize)
