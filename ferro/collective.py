@@ -260,8 +260,11 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
             native = getattr(g, "native_allreduce", None)
             chosen = algorithm or _allreduce_algorithm(flat.nbytes, g.world_size)
             if native is not None:
-                native(flat, data.dtype, kernel_code, link.fingerprint, link.timeout, chosen)
-            elif chosen == "ring" and flat.size >= g.world_size:
+                # The native ring divides for MEAN itself, each chunk once, while it is in cache.
+                native(flat, data.dtype, kernel_code, link.fingerprint, link.timeout, chosen,
+                       float(g.world_size) if reduce_op is ReduceOp.MEAN else 0.0)
+                return x
+            if chosen == "ring" and flat.size >= g.world_size:
                 algo.allreduce_ring(link, flat, data.dtype, kernel_code)
             else:
                 algo.allreduce_recursive_doubling(link, flat, data.dtype, kernel_code)

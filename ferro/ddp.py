@@ -12,6 +12,7 @@ the rest of backward; the end of backward waits for every bucket.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -195,6 +196,7 @@ class DDP:
         self.comm_hook: CommHook = comm_hook or allreduce_hook
         self._syncing = True
         self._finish_queued = False
+        self._next_launch = 0  # buckets are reduced strictly in index order, the same order on every rank
         self.buckets = self._build_buckets(bucket_cap_mb, first_bucket_mb)
         self._bucket_of: dict[int, tuple[Bucket, int]] = {}
         for bucket in self.buckets:
@@ -259,8 +261,17 @@ class DDP:
                 f"DDP: a parameter of bucket {bucket.index} received a gradient after the bucket was reduced "
                 f"(is it used twice in one forward pass?)")
         bucket.ready.add(position)
-        if len(bucket.ready) == len(bucket.parameters):
+        self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        # A complete bucket waits for the earlier ones: ranks must reduce buckets in one order, and
+        # equal-sized buckets carry equal fingerprints, so a different order could pair the wrong data.
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if len(bucket.ready) < len(bucket.parameters):
+                return
             self._launch(bucket)
+            self._next_launch += 1
 
     def _keep_view(self, param: Any, bucket: Bucket, position: int) -> None:
         """Put the gradient back into the bucket if the optimizer replaced it (zero_grad(set_to_none=True))."""
@@ -289,17 +300,21 @@ class DDP:
         the others (parameters that got no gradient this step, or gradients set
         by hand) are reduced now.
         """
-        for bucket in self.buckets:
-            if bucket.pending is None:
-                self._launch(bucket)
+        group, hook, worker = self.group, self.comm_hook, worker_of(self.group)
         try:
             for bucket in self.buckets:
-                assert bucket.pending is not None  # launched just above
-                bucket.pending.wait()
+                if bucket.pending is not None:
+                    bucket.pending.wait()
+                else:
+                    # Not started during backward: reduce it now, in order, on this thread
+                    # (run() queues it behind any async work still pending on the group).
+                    worker.run(functools.partial(hook, group, bucket), f"DDP bucket {bucket.index}",
+                               (bucket.buffer,))
         finally:
             for bucket in self.buckets:
                 bucket.pending = None
                 bucket.ready.clear()
+            self._next_launch = 0
 
     def backward(self, grad_output: Any) -> Any:
         """Run the ferro.nn module's backward (overlapping communication), then wait for every bucket."""

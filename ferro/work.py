@@ -76,6 +76,7 @@ class GroupWorker:
         self._cond = threading.Condition(threading.Lock())  # not the default RLock: cheaper, never re-entered
         self._queue: deque[tuple[Callable[[], Any], PendingCollective]] = deque()
         self._busy = False
+        self._owner: int | None = None  # the thread running the group's current operation
         self._thread: threading.Thread | None = None
 
     def submit(self, fn: Callable[[], Any], description: str, buffers: tuple[Any, ...]) -> PendingCollective:
@@ -92,18 +93,20 @@ class GroupWorker:
     def run(self, fn: Callable[[], Any], description: str, buffers: tuple[Any, ...]) -> Any:
         """Run ``fn`` now if nothing is queued, else after everything queued; return its result.
 
-        Called from the worker thread itself (a collective inside an async task,
-        such as a DDP communication hook), ``fn`` runs at once: it is already the
-        group's current operation.
+        Called from the thread that is running the group's current operation (a
+        collective inside an async task or inside another collective's callback,
+        such as a DDP communication hook), ``fn`` runs at once: it is part of
+        that operation.
         """
-        thread = self._thread
-        if thread is not None and thread.ident == threading.get_ident():
+        me = threading.get_ident()
+        if self._owner == me:
             return fn()
         with self._cond:
             if self._queue or self._busy:
                 inline = False
             else:
                 self._busy = True
+                self._owner = me
                 inline = True
         if not inline:
             return self.submit(fn, description, buffers).wait()
@@ -112,6 +115,7 @@ class GroupWorker:
         finally:
             with self._cond:
                 self._busy = False
+                self._owner = None
                 if self._thread is not None:  # only the worker ever waits on the condition
                     self._cond.notify_all()
 
@@ -124,6 +128,7 @@ class GroupWorker:
                         return
                 fn, pending = self._queue.popleft()
                 self._busy = True
+                self._owner = threading.get_ident()
             try:
                 result, error = fn(), None
             except BaseException as exc:  # handed to the caller through the handle
@@ -131,6 +136,7 @@ class GroupWorker:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._owner = None
                     self._cond.notify_all()
             pending._finish(result, error)
 

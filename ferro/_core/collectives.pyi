@@ -19,6 +19,7 @@ def allreduce(
     timeout: float,
     algorithm: int,
     segment_bytes: int = ...,
+    divisor: float = ...,
 ) -> None: ...
 def ring(
     connections: tuple[Connection | None, ...],

@@ -16,7 +16,7 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
-from ferro._core.reduce cimport ferro_reduce_fn, ferro_reduce_kernel
+from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
 from ferro._core.transport cimport (
     ST_OK,
     ConnState,
@@ -91,7 +91,7 @@ cdef int _exchange(SendOp* s, ConnState* to, const unsigned char* out, size_t ou
 
 cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const size_t* bounds, size_t itemsize,
                ferro_reduce_fn kernel, unsigned char* scratch, size_t segment, uint64_t fingerprint,
-               int64_t deadline, SendOp* s, RecvOp* r, int phases) except -1 nogil:
+               int64_t deadline, SendOp* s, RecvOp* r, int phases, int dtype=-1, double divisor=0) except -1 nogil:
     """Segmented ring over chunks ``[bounds[i], bounds[i+1])`` (in elements) of ``buf``.
 
     Reduce-scatter (``PHASE_REDUCE_SCATTER``) leaves chunk ``rank`` fully reduced
@@ -104,6 +104,10 @@ cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const siz
     cdef size_t send_off, send_len, recv_off, recv_len, pos, a, b
     cdef int phase
     for phase in range(2):
+        if phase == 1 and divisor != 0:
+            # MEAN: this rank scales only the chunk it completed (1/n of the data, still in
+            # cache); the all-gather then spreads the averaged values, identical everywhere.
+            ferro_divide(buf + bounds[rank] * itemsize, bounds[rank + 1] - bounds[rank], dtype, divisor)
         if not phases & (PHASE_REDUCE_SCATTER if phase == 0 else PHASE_ALL_GATHER):
             continue
         for step in range(n - 1):
@@ -280,7 +284,8 @@ cdef size_t _segment_size(Py_ssize_t segment_bytes, Py_ssize_t itemsize) except 
 
 
 def allreduce(tuple connections, int rank, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t fingerprint,
-              double timeout, int algorithm, Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES) -> None:
+              double timeout, int algorithm, Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES,
+              double divisor=0) -> None:
     """Allreduce ``buf`` in place over ``connections`` (indexed by rank; None at ``rank``).
 
     Args:
@@ -294,6 +299,8 @@ def allreduce(tuple connections, int rank, buf, int dtype, int op, Py_ssize_t it
         timeout: Seconds for the whole collective.
         algorithm: ``ALGORITHM_RING`` or ``ALGORITHM_RECURSIVE_DOUBLING``.
         segment_bytes: Ring segment size; every rank must use the same.
+        divisor: When not 0, divide the result by it (MEAN) inside the collective:
+            the ring divides each chunk once, between its two phases.
 
     Raises:
         The transport's errors (PeerLostError, DistributedTimeoutError,
@@ -328,10 +335,12 @@ def allreduce(tuple connections, int rank, buf, int dtype, int op, Py_ssize_t it
             if algorithm == RECURSIVE_DOUBLING:
                 rc = _recursive_doubling(call.states, rank, n, <unsigned char*>call.view.buf, nbytes, itemsize,
                                          kernel, call.scratch, fingerprint, deadline, &s, &r)
+                if rc == 0 and divisor != 0:
+                    ferro_divide(call.view.buf, count, dtype, divisor)
             else:
                 rc = _ring(call.states, rank, n, <unsigned char*>call.view.buf, call.bounds, itemsize, kernel,
                            call.scratch, segment, fingerprint, deadline, &s, &r,
-                           PHASE_REDUCE_SCATTER | PHASE_ALL_GATHER)
+                           PHASE_REDUCE_SCATTER | PHASE_ALL_GATHER, dtype, divisor)
     finally:
         call.release()
     if rc:

@@ -233,12 +233,15 @@ class TcpBackend(FramedBackend):
                  op="sendrecv")
 
     def native_allreduce(self, flat: Any, dtype: Any, op_code: int, fingerprint: int, timeout: float,
-                         algorithm: str) -> None:
-        """Allreduce ``flat`` in place in one compiled call (used by :func:`ferro.allreduce`)."""
+                         algorithm: str, divisor: float = 0.0) -> None:
+        """Allreduce ``flat`` in place in one compiled call (used by :func:`ferro.allreduce`).
+
+        A non-zero ``divisor`` divides the result inside the collective (MEAN).
+        """
         self._usable("allreduce")
         code = native.ALGORITHM_RING if algorithm == "ring" else native.ALGORITHM_RECURSIVE_DOUBLING
         native.allreduce(self._conn_table, self._rank, flat, dtype.code, op_code, dtype.itemsize, fingerprint,
-                         timeout, code)
+                         timeout, code, native.DEFAULT_SEGMENT_BYTES, divisor)
 
     def native_ring(self, flat: Any, bounds: list[int], dtype_code: int, op_code: int, itemsize: int,
                     fingerprint: int, timeout: float, reduce_scatter: bool, all_gather: bool) -> None:
