@@ -21,6 +21,7 @@ from ferro import nn
 
 
 def load_digits_or_explain() -> tuple[np.ndarray, np.ndarray]:
+    """Return the digits (scaled to [0, 1]) and their labels, or say what to install."""
     try:
         from sklearn.datasets import load_digits
     except ImportError:
@@ -32,6 +33,7 @@ def load_digits_or_explain() -> tuple[np.ndarray, np.ndarray]:
 
 
 def build(use_torch: bool, hidden: int, seed: int, lr: float):
+    """Return ``(step(x, y) -> loss, predict)`` for the chosen model, wrapped in ferro.DDP."""
     if use_torch:
         import torch
 
@@ -69,6 +71,7 @@ def build(use_torch: bool, hidden: int, seed: int, lr: float):
 
 
 def main() -> int:
+    """Train and report."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--torch", action="store_true", help="train the PyTorch version of the model")
     parser.add_argument("--epochs", type=int, default=10)

@@ -50,7 +50,7 @@ class Bucket:
     pending: PendingCollective | None = None
 
     def array(self) -> np.ndarray:
-        """The buffer as a NumPy array (zero-copy; a same-width integer view for bfloat16 tensors)."""
+        """Return the buffer as a NumPy array (zero-copy; a same-width integer view for bfloat16 tensors)."""
         if isinstance(self.buffer, np.ndarray):
             return self.buffer
         from ferro._dtypes import operand
@@ -62,7 +62,7 @@ CommHook = Callable[[Backend, Bucket], None]
 
 
 def allreduce_hook(group: Backend, bucket: Bucket) -> None:
-    """The default communication hook: average the bucket over the group, in place."""
+    """Average the bucket over the group, in place (the default communication hook)."""
     allreduce(bucket.buffer, ReduceOp.MEAN, group=group)
 
 
@@ -192,7 +192,8 @@ class DDP:
 
         self.module = module
         self.group = _group(group, "DDP")
-        self._model: _NumpyModel | _TorchModel = _TorchModel(module) if _is_torch_module(module) else _NumpyModel(module)
+        self._model: _NumpyModel | _TorchModel = (
+            _TorchModel(module) if _is_torch_module(module) else _NumpyModel(module))
         self.comm_hook: CommHook = comm_hook or allreduce_hook
         self._syncing = True
         self._finish_queued = False
@@ -240,7 +241,7 @@ class DDP:
             offsets.append(total)
             total += self._model.size(param)
         buffer = self._model.new_buffer(members[0], total)
-        for param, offset in zip(members, offsets):
+        for param, offset in zip(members, offsets, strict=True):
             self._model.attach(param, buffer, offset)
         return Bucket(index, buffer, list(members), offsets)
 
@@ -355,6 +356,7 @@ class DDP:
     # --- the wrapped module's interface -------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module."""
         return self.module(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -362,11 +364,11 @@ class DDP:
         return self.module(*args, **kwargs)
 
     def parameters(self) -> Any:
-        """The wrapped module's parameters."""
+        """Return the wrapped module's parameters."""
         return self.module.parameters()
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped module's named parameters."""
+        """Return the wrapped module's named parameters."""
         return self.module.named_parameters(*args, **kwargs)
 
     def train(self, mode: bool = True) -> DDP:
@@ -380,7 +382,7 @@ class DDP:
         return self
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped module's state."""
+        """Return the wrapped module's state."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:

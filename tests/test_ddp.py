@@ -48,8 +48,9 @@ def train_numpy(model, batches, shard=None, ddp=None, accumulate=1, frozen=False
 def rank_numpy_ddp(group, options):
     model = numpy_model(seed=group.rank + 100, mixed=options.get("mixed", False))  # rank 0's init wins
     reference_init = numpy_model(seed=100, mixed=options.get("mixed", False))
-    make = (lambda m: ferro.DDP(m, group=group, bucket_cap_mb=0.0005, first_bucket_mb=0.0001,
-                                comm_hook=options.get("hook")))
+    def make(m):
+        return ferro.DDP(m, group=group, bucket_cap_mb=0.0005, first_bucket_mb=0.0001, comm_hook=options.get("hook"))
+
     return train_numpy(model, data(), (group.rank, group.world_size), make, options.get("accumulate", 1),
                        options.get("frozen", False)), [p.data.copy() for p in reference_init.parameters()]
 
@@ -62,7 +63,7 @@ def test_ferro_nn_ddp_equals_single_process_training(run, world_size, options):
     expected = train_numpy(numpy_model(seed=100, mixed=options.get("mixed", False)), data(),
                            accumulate=options.get("accumulate", 1), frozen=options.get("frozen", False))
     for params, _ in results:
-        for got, want in zip(params, expected):
+        for got, want in zip(params, expected, strict=True):
             tolerance = 1e-5 if got.dtype == np.float32 else 1e-10
             np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
     if options.get("frozen"):
@@ -101,7 +102,7 @@ def rank_torch_ddp(group):
 def test_torch_model_ddp_equals_single_process_training(run, world_size):
     expected = train_torch(torch_model(seed=5), data())
     for params in run(rank_torch_ddp, world_size):
-        for got, want in zip(params, expected):
+        for got, want in zip(params, expected, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
 
 
@@ -121,7 +122,7 @@ def test_ferro_ddp_ends_where_torch_ddp_with_gloo_ends():
 
     theirs = run_processes(rank_torch_own_ddp, 2, backend=None)
     ours = run_processes(rank_torch_ddp, 2)
-    for got, want in zip(ours[0], theirs[0]):
+    for got, want in zip(ours[0], theirs[0], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
 
 
@@ -130,7 +131,7 @@ def rank_broadcast_with_existing_optimizer(group):
     optimizer = nn.SGD(model.parameters(), lr=0.1)  # created before DDP copies rank 0's values
     arrays_before = [p.data for p in model.parameters()]
     ddp = ferro.DDP(model, group=group)
-    same_arrays = all(a is p.data for a, p in zip(arrays_before, model.parameters()))
+    same_arrays = all(a is p.data for a, p in zip(arrays_before, model.parameters(), strict=True))
     criterion = nn.CrossEntropyLoss()
     x, y = data()[0]
     criterion(ddp(np.array_split(x, group.world_size)[group.rank]), np.array_split(y, group.world_size)[group.rank])
@@ -151,7 +152,7 @@ def test_broadcast_parameters_keeps_an_existing_optimizer_working(run):
     optimizer.step()
     for same_arrays, params in results:
         assert same_arrays
-        for got, want in zip(params, expected.parameters()):
+        for got, want in zip(params, expected.parameters(), strict=True):
             np.testing.assert_allclose(got, want.data, rtol=1e-10, atol=1e-10)
 
 
@@ -161,7 +162,7 @@ def rank_compression(group, hook_name):
     ddp = ferro.DDP(model, group=group, comm_hook=hook)
     grads = [np.random.default_rng([group.rank, i]).standard_normal(p.shape).astype(np.float32)
              for i, p in enumerate(model.parameters())]
-    for p, g in zip(model.parameters(), grads):
+    for p, g in zip(model.parameters(), grads, strict=True):
         p.grad[...] = g
     ddp.sync_gradients()
     return [p.grad.copy() for p in model.parameters()]

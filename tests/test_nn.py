@@ -84,7 +84,7 @@ def test_state_dict_round_trip_and_shape_check():
     weight_before = b._modules["0"].weight.data
     b.load_state_dict(a.state_dict())
     assert b._modules["0"].weight.data is weight_before  # updated in place
-    for (_, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+    for (_, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         np.testing.assert_array_equal(p.data, q.data)
     with pytest.raises(ValueError, match="shape"):
         b.load_state_dict({**a.state_dict(), "0.weight": np.zeros((2, 2))})

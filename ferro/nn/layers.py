@@ -117,11 +117,12 @@ class MSELoss:
         self._diff: np.ndarray | None = None
 
     def __call__(self, prediction: np.ndarray, target: np.ndarray) -> float:
+        """Return the loss (and keep what backward needs)."""
         self._diff = prediction - target
         return float(np.mean(self._diff**2))
 
     def backward(self) -> np.ndarray:
-        """The gradient of the last loss with respect to the prediction."""
+        """Return the gradient of the last loss with respect to the prediction."""
         diff = self._diff
         if diff is None:
             raise RuntimeError("MSELoss.backward called before the loss")
@@ -136,6 +137,7 @@ class CrossEntropyLoss:
         self._targets: np.ndarray | None = None
 
     def __call__(self, logits: np.ndarray, targets: np.ndarray) -> float:
+        """Return the loss (and keep what backward needs)."""
         shifted = logits - logits.max(axis=1, keepdims=True)  # for numerical safety
         log_probabilities = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
         self._probabilities = np.exp(log_probabilities)
@@ -143,7 +145,7 @@ class CrossEntropyLoss:
         return float(-log_probabilities[np.arange(len(self._targets)), self._targets].mean())
 
     def backward(self) -> np.ndarray:
-        """The gradient of the last loss with respect to the logits: (softmax - one-hot) / N."""
+        """Return the gradient of the last loss with respect to the logits: (softmax - one-hot) / N."""
         if self._probabilities is None or self._targets is None:
             raise RuntimeError("CrossEntropyLoss.backward called before the loss")
         grad = self._probabilities.copy()

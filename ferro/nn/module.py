@@ -97,6 +97,7 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} does not implement backward")
 
     def __call__(self, *inputs: Any) -> Any:
+        """Run :meth:`forward`."""
         return self.forward(*inputs)
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
