@@ -27,37 +27,19 @@ from __future__ import annotations
 import enum
 import functools
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ferro import _algorithms as algo
 from ferro._core.reduce import divide, has_kernel
-from ferro._core.transport import (
-    ABORT_MISMATCH,
-    ABORT_OTHER,
-    ABORT_PEER_LOST,
-    ABORT_TIMEOUT,
-    KIND_COLLECTIVE,
-    abort_payload,
-    kind_name,
-)
-from ferro._dtypes import DType, Operand, describe_fingerprint, fingerprint, operand, wrap_like
+from ferro._dispatch import execute, make_link, resolve_group, resolve_root, resolve_timeout
+from ferro._dtypes import DType, Operand, operand, wrap_like
+from ferro._meta import META_BYTES, array_from_meta, decode_meta, encode_meta
 from ferro.backend.base import Backend
-from ferro.errors import (
-    CollectiveMismatchError,
-    ConfigurationError,
-    ConnectionBrokenError,
-    DistributedError,
-    DistributedTimeoutError,
-    InvalidBufferError,
-    InvalidRankError,
-    PeerLostError,
-    SizeMismatchError,
-)
-from ferro.rendezvous import default_timeout
-from ferro.work import PendingCollective, worker_of
+from ferro.errors import InvalidBufferError, SizeMismatchError
+from ferro.work import PendingCollective
 
 __all__ = [
     "ReduceOp",
@@ -84,8 +66,6 @@ SMALL_MESSAGE_BYTES = 64 * 1024
 # 2(n-1) rounds: below this many bytes x log2(n), fewer rounds win (measured: bench/).
 RECURSIVE_DOUBLING_BYTES = 1024 * 1024
 BROADCAST_SEGMENT_BYTES = 1024 * 1024
-# Fixed size of the metadata frame that tells a receiver what to allocate.
-META_BYTES = 256
 
 
 class ReduceOp(enum.Enum):
@@ -118,20 +98,6 @@ _OP_VALUES = {op: op.value for op in ReduceOp}
 
 # --- shared plumbing -----------------------------------------------------------
 
-def _group(group: Backend | None, name: str) -> Backend:
-    if group is None:
-        from ferro.process_group import get_default_group  # deferred: process_group builds on this layer's peers
-
-        return get_default_group()
-    if not isinstance(group, Backend):
-        raise ConfigurationError(f"{name}: group must be a ferro Backend, got {type(group).__name__}")
-    return group
-
-
-def _seconds(group: Backend, timeout: float | None) -> float:
-    return group.timeout if timeout is None else default_timeout(timeout)
-
-
 @functools.lru_cache(maxsize=256)  # validated once per (op, dtype, collective)
 def _reduce_op(op: Any, dtype: DType, name: str) -> ReduceOp:
     if not isinstance(op, ReduceOp):
@@ -147,66 +113,6 @@ def _reduce_op(op: Any, dtype: DType, name: str) -> ReduceOp:
     if not has_kernel(dtype.code, op.kernel_code):
         raise InvalidBufferError(f"{name}: {op.name} does not apply to {dtype.name} (bitwise ops need integers)")
     return op
-
-
-def _root(root: Any, group: Backend, name: str, what: str = "root") -> int:
-    if isinstance(root, bool) or not hasattr(root, "__index__") or not 0 <= root.__index__() < group.world_size:
-        raise InvalidRankError(f"rank {group.rank}: {name}: {what} {root!r} is outside the group's ranks "
-                               f"[0, {group.world_size})")
-    return int(root.__index__())
-
-
-def _describe_mismatch(exc: CollectiveMismatchError, group: Backend) -> str:
-    if exc.expected is None or exc.actual is None:
-        return str(exc)
-    (my_kind, my_fp), (their_kind, their_fp) = exc.expected, exc.actual
-    mine = describe_fingerprint(my_fp) if my_kind == KIND_COLLECTIVE else kind_name(my_kind)
-    theirs = describe_fingerprint(their_fp) if their_kind == KIND_COLLECTIVE else f"a {kind_name(their_kind)} call"
-    return f"rank {group.rank} called {mine} but rank {exc.peer} called {theirs}: the ranks' calls differ"
-
-
-def _run_guarded(group: Backend, name: str, body: Callable[[], Any]) -> Any:
-    """Run a collective; on a failure part-way, tell the peers and mark the group failed."""
-    if group.failure is not None:
-        raise ConnectionBrokenError(
-            f"rank {group.rank}: {name}: this group is unusable after an earlier failed collective "
-            f"({group.failure}); create a new group")
-    try:
-        return body()
-    except CollectiveMismatchError as exc:
-        message = _describe_mismatch(exc, group)
-        _give_up(group, ABORT_MISMATCH, exc.peer, message)
-        if exc.expected is None:
-            raise  # a notice from a peer: already says what differed
-        raise CollectiveMismatchError(message, exc.peer, exc.expected, exc.actual) from exc
-    except PeerLostError as exc:
-        _give_up(group, ABORT_PEER_LOST, exc.peer, f"rank {exc.peer if exc.peer is not None else '?'} was lost")
-        raise
-    except DistributedTimeoutError as exc:
-        _give_up(group, ABORT_TIMEOUT, None, f"rank {group.rank} timed out: {exc}")
-        raise
-    except (DistributedError, KeyboardInterrupt) as exc:
-        _give_up(group, ABORT_OTHER, None, f"rank {group.rank}: {type(exc).__name__}: {exc}")
-        raise
-
-
-def _give_up(group: Backend, code: int, peer: int | None, message: str) -> None:
-    group.mark_failed(message)
-    group.abort_peers(abort_payload(code, -1 if peer is None else peer, message))
-
-
-def _execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, buffers: tuple[Any, ...]) -> Any:
-    worker = worker_of(group)
-    guarded = lambda: _run_guarded(group, name, body)  # noqa: E731 - a closure over this call's arguments
-    if async_op:
-        return worker.submit(guarded, f"{name} on rank {group.rank}", buffers)
-    return worker.run(guarded, f"{name} on rank {group.rank}", buffers)
-
-
-def _link(group: Backend, name: str, seconds: float, operand_: Operand | None = None, op_code: int = 0,
-          root: int = 0, count: int = 0, shape: tuple[int, ...] = ()) -> algo.Link:
-    code = operand_.dtype.code if operand_ is not None else -1
-    return algo.Link(group, fingerprint(name, code, op_code, root, count, shape), seconds)
 
 
 def _finish_mean(flat: np.ndarray, dtype: DType, op: ReduceOp, world_size: int) -> None:
@@ -245,12 +151,12 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
         # rank 0: x = [11., 22.]  rank 1: x = [11., 22.]
 
     """
-    g = _group(group, "allreduce")
+    g = resolve_group(group, "allreduce")
     data = operand(x, "allreduce", writable=True)
     reduce_op = _reduce_op(op, data.dtype, "allreduce")
     if algorithm not in (None, "ring", "recursive_doubling"):
         raise ValueError(f"allreduce: unknown algorithm {algorithm!r}; use 'ring' or 'recursive_doubling'")
-    link = _link(g, "allreduce", _seconds(g, timeout), data, _OP_VALUES[reduce_op], 0, data.array.size,
+    link = make_link(g, "allreduce", resolve_timeout(g, timeout), data, _OP_VALUES[reduce_op], 0, data.array.size,
                  data.array.shape)
     kernel_code = _KERNEL_CODES[reduce_op]
 
@@ -272,7 +178,7 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
             _finish_mean(flat, data.dtype, reduce_op, g.world_size)
         return x
 
-    return _execute(g, "allreduce", body, async_op, (x,))
+    return execute(g, "allreduce", body, async_op, (x,))
 
 
 def _allreduce_algorithm(nbytes: int, world_size: int) -> str:
@@ -297,11 +203,12 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend 
         # rank 0: x = [1.]   rank 1: x = [6.]   rank 2: x = [3.]
 
     """
-    g = _group(group, "reduce")
+    g = resolve_group(group, "reduce")
     data = operand(x, "reduce", writable=True)
-    root = _root(dst, g, "reduce", "dst")
+    root = resolve_root(dst, g, "reduce", "dst")
     reduce_op = _reduce_op(op, data.dtype, "reduce")
-    link = _link(g, "reduce", _seconds(g, timeout), data, reduce_op.value, root, data.array.size, data.array.shape)
+    link = make_link(g, "reduce", resolve_timeout(g, timeout), data, reduce_op.value, root, data.array.size,
+                     data.array.shape)
 
     def body() -> Any:
         flat = data.array.reshape(-1)
@@ -312,7 +219,7 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend 
             _finish_mean(flat, data.dtype, reduce_op, g.world_size)
         return x
 
-    return _execute(g, "reduce", body, async_op, (x,))
+    return execute(g, "reduce", body, async_op, (x,))
 
 
 def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,
@@ -335,12 +242,12 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
         # rank 0: part = [11, 22]   rank 1: part = [33]
 
     """
-    g = _group(group, "reduce_scatter")
+    g = resolve_group(group, "reduce_scatter")
     data = operand(x, "reduce_scatter", writable=False)
     if data.array.ndim == 0:
         raise InvalidBufferError("reduce_scatter: the input needs at least one dimension to split along axis 0")
     reduce_op = _reduce_op(op, data.dtype, "reduce_scatter")
-    link = _link(g, "reduce_scatter", _seconds(g, timeout), data, reduce_op.value, 0, data.array.size,
+    link = make_link(g, "reduce_scatter", resolve_timeout(g, timeout), data, reduce_op.value, 0, data.array.size,
                  data.array.shape)
     rows = data.array.shape[0]
     row_size = int(np.prod(data.array.shape[1:], dtype=np.int64))
@@ -361,7 +268,7 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
         part = mine.reshape((row_bounds[g.rank + 1] - row_bounds[g.rank],) + data.array.shape[1:])
         return wrap_like(part, data)
 
-    return _execute(g, "reduce_scatter", body, async_op, (x,))
+    return execute(g, "reduce_scatter", body, async_op, (x,))
 
 
 # --- data movement ------------------------------------------------------------------
@@ -385,10 +292,10 @@ def broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeout: f
         # rank 0: x = [1, 2]   rank 1: x = [1, 2]
 
     """
-    g = _group(group, "broadcast")
-    root_rank = _root(root, g, "broadcast")
+    g = resolve_group(group, "broadcast")
+    root_rank = resolve_root(root, g, "broadcast")
     data = operand(x, "broadcast", writable=g.rank != root_rank)
-    link = _link(g, "broadcast", _seconds(g, timeout), data, 0, root_rank, data.array.size, data.array.shape)
+    link = make_link(g, "broadcast", resolve_timeout(g, timeout), data, 0, root_rank, data.array.size, data.array.shape)
 
     def body() -> Any:
         flat = data.array.reshape(-1).view(np.uint8)
@@ -403,7 +310,7 @@ def broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeout: f
                 algo.broadcast_tree(link, flat, root_rank)
         return x
 
-    return _execute(g, "broadcast", body, async_op, (x,))
+    return execute(g, "broadcast", body, async_op, (x,))
 
 
 def _gathered_shape(array: np.ndarray, world_size: int) -> tuple[int, ...]:
@@ -440,11 +347,11 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
         # both ranks: y = [1, 2, 3, 4]
 
     """
-    g = _group(group, "all_gather")
+    g = resolve_group(group, "all_gather")
     data = operand(x, "all_gather", writable=False)
     shape = _gathered_shape(data.array, g.world_size)
     result = _output(out, shape, data, "all_gather")
-    link = _link(g, "all_gather", _seconds(g, timeout), data, 0, 0, data.array.size, data.array.shape)
+    link = make_link(g, "all_gather", resolve_timeout(g, timeout), data, 0, 0, data.array.size, data.array.shape)
 
     def body() -> Any:
         flat_out = result.array.reshape(-1)
@@ -460,7 +367,7 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
                 algo.all_gather_ring(link, flat_out.view(np.uint8).reshape(-1), byte_bounds)
         return out if out is not None else wrap_like(result.array, data)
 
-    return _execute(g, "all_gather", body, async_op, (x, result.array))
+    return execute(g, "all_gather", body, async_op, (x, result.array))
 
 
 def _output(out: Any, shape: tuple[int, ...], like: Operand, name: str) -> Operand:
@@ -488,11 +395,11 @@ def gather(x: Any, dst: int = 0, *, group: Backend | None = None, timeout: float
         # rank 0: y = [1, 2, 3]   ranks 1, 2: y is None
 
     """
-    g = _group(group, "gather")
-    root = _root(dst, g, "gather", "dst")
+    g = resolve_group(group, "gather")
+    root = resolve_root(dst, g, "gather", "dst")
     data = operand(x, "gather", writable=False)
     shape = _gathered_shape(data.array, g.world_size)
-    link = _link(g, "gather", _seconds(g, timeout), data, 0, root, data.array.size, data.array.shape)
+    link = make_link(g, "gather", resolve_timeout(g, timeout), data, 0, root, data.array.size, data.array.shape)
 
     def body() -> Any:
         out = np.empty(shape, data.array.dtype) if g.rank == root else None
@@ -504,58 +411,7 @@ def gather(x: Any, dst: int = 0, *, group: Backend | None = None, timeout: float
             algo.gather_direct(link, flat, out, root)
         return wrap_like(out, data) if out is not None else None
 
-    return _execute(g, "gather", body, async_op, (x,))
-
-
-def _encode_meta(data: Operand, extra: dict[str, Any] | None = None) -> np.ndarray:
-    """Describe an array for a receiver that knows nothing of it: wire dtype, shape, the caller's type."""
-    import json
-
-    array = data.array
-    dtype = array.dtype.str if array.dtype.names is None else None
-    fields = {"dtype": dtype, "shape": list(array.shape), "torch": str(data.torch_dtype) if data.torch_dtype else None,
-              "view": data.numpy_dtype.name if data.numpy_dtype is not None else None}
-    fields.update(extra or {})
-    text = json.dumps(fields).encode()
-    if dtype is None or len(text) > META_BYTES:
-        raise InvalidBufferError(f"cannot describe an array of dtype {array.dtype} and shape {array.shape} "
-                                 f"to its receiver (structured dtypes and very high ranks are not supported)")
-    meta = np.full(META_BYTES, ord(" "), np.uint8)
-    meta[: len(text)] = np.frombuffer(text, np.uint8)
-    return meta
-
-
-def _decode_meta(meta: np.ndarray) -> dict[str, Any]:
-    import json
-
-    return json.loads(meta.tobytes().decode().rstrip())
-
-
-def _array_from_meta(fields: dict[str, Any], max_bytes: int | None, where: str) -> Operand:
-    """Allocate the array a description announces, as an Operand that returns it in the sender's type."""
-    dtype = np.dtype(fields["dtype"])
-    shape = tuple(int(d) for d in fields["shape"])
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if max_bytes is not None and nbytes > max_bytes:
-        raise SizeMismatchError(f"{where}: the sender announced {nbytes} bytes, above max_bytes={max_bytes}",
-                                expected=max_bytes, actual=nbytes)
-    torch_dtype = numpy_dtype = None
-    if fields.get("torch"):
-        import torch
-
-        torch_dtype = getattr(torch, fields["torch"].replace("torch.", ""))
-    if fields.get("view"):
-        numpy_dtype = _extension_dtype(fields["view"])
-    return Operand(np.empty(shape, dtype), DType(-1, dtype.name, dtype.itemsize, "o"), torch_dtype, numpy_dtype)
-
-
-def _extension_dtype(name: str) -> np.dtype:
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes  # the sender used one of its dtypes, so it is installed there
-
-        return np.dtype(getattr(ml_dtypes, name))
+    return execute(g, "gather", body, async_op, (x,))
 
 
 def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None = None,
@@ -585,8 +441,8 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None
         # rank 0: mine = [1, 2]   rank 1: mine = [3, 4]
 
     """
-    g = _group(group, "scatter")
-    root = _root(src, g, "scatter", "src")
+    g = resolve_group(group, "scatter")
+    root = resolve_root(src, g, "scatter", "src")
     blocks: list[Operand] | None = None
     if g.rank == root:
         if chunks is None or len(chunks) != g.world_size:
@@ -595,24 +451,24 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None
         blocks = [operand(c, "scatter", writable=False) for c in chunks]
         if len({b.array.dtype for b in blocks}) > 1:
             raise ValueError("scatter: all chunks must have the same dtype")
-    link = _link(g, "scatter", _seconds(g, timeout), None, 0, root)
+    link = make_link(g, "scatter", resolve_timeout(g, timeout), None, 0, root)
 
     def body() -> Any:
         if g.rank == root:
             assert blocks is not None  # checked above on the root
             for dst, block in enumerate(blocks):
                 if dst != root:
-                    link.send(_encode_meta(block), dst)
+                    link.send(encode_meta(block), dst)
             out = np.empty_like(blocks[root].array)
             algo.scatter_direct(link, [b.array for b in blocks], out, root)
             return wrap_like(out, blocks[root])
         meta = np.empty(META_BYTES, np.uint8)
         link.recv(meta, root)
-        incoming = _array_from_meta(_decode_meta(meta), None, f"rank {g.rank}: scatter")
+        incoming = array_from_meta(decode_meta(meta), None, f"rank {g.rank}: scatter")
         algo.scatter_direct(link, None, incoming.array, root)
         return wrap_like(incoming.array, incoming)
 
-    return _execute(g, "scatter", body, async_op, tuple(chunks) if chunks is not None else ())
+    return execute(g, "scatter", body, async_op, tuple(chunks) if chunks is not None else ())
 
 
 def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = None, async_op: bool = False) -> Any:
@@ -633,13 +489,13 @@ def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = 
         # rank 0: y = [1, 3]   rank 1: y = [2, 4]
 
     """
-    g = _group(group, "all_to_all")
+    g = resolve_group(group, "all_to_all")
     data = operand(x, "all_to_all", writable=False)
     if data.array.ndim == 0 or data.array.shape[0] % g.world_size:
         raise InvalidBufferError(
             f"all_to_all: axis 0 of shape {data.array.shape} must split into {g.world_size} equal blocks; "
             f"use all_to_all_single_uneven for uneven blocks")
-    link = _link(g, "all_to_all", _seconds(g, timeout), data, 0, 0, data.array.size, data.array.shape)
+    link = make_link(g, "all_to_all", resolve_timeout(g, timeout), data, 0, 0, data.array.size, data.array.shape)
 
     def body() -> Any:
         out = np.empty_like(data.array)
@@ -648,7 +504,7 @@ def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = 
         _exchange_blocks(g, link, data.array, offsets, out, offsets)
         return wrap_like(out, data)
 
-    return _execute(g, "all_to_all", body, async_op, (x,))
+    return execute(g, "all_to_all", body, async_op, (x,))
 
 
 def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Sequence[int], *,
@@ -680,7 +536,7 @@ def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Se
         # rank 0: y = [1, 4]   rank 1: y = [2, 3, 5]
 
     """
-    g = _group(group, "all_to_all_single_uneven")
+    g = resolve_group(group, "all_to_all_single_uneven")
     data = operand(x, "all_to_all_single_uneven", writable=False)
     n = g.world_size
     sends, recvs = _counts(send_counts, n, "send_counts"), _counts(recv_counts, n, "recv_counts")
@@ -688,7 +544,7 @@ def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Se
         raise ValueError(f"all_to_all_single_uneven: send_counts sum to {sum(sends)} but x has "
                          f"{data.array.shape[0] if data.array.ndim else 'no'} rows")
     row_shape = data.array.shape[1:]
-    link = _link(g, "all_to_all_single_uneven", _seconds(g, timeout), data, 0, 0, 0, row_shape)
+    link = make_link(g, "all_to_all_single_uneven", resolve_timeout(g, timeout), data, 0, 0, 0, row_shape)
 
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * data.array.dtype.itemsize
     if recvs[g.rank] != sends[g.rank]:
@@ -703,7 +559,7 @@ def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Se
                          [o * row_bytes for o in recv_offsets])
         return wrap_like(out, data)
 
-    return _execute(g, "all_to_all_single_uneven", body, async_op, (x,))
+    return execute(g, "all_to_all_single_uneven", body, async_op, (x,))
 
 
 def _exchange_blocks(group: Backend, link: algo.Link, send: np.ndarray, send_offsets: list[int], recv: np.ndarray,
@@ -736,9 +592,9 @@ def barrier(*, group: Backend | None = None, timeout: float | None = None, async
 
         ferro.barrier(group=g)   # no rank passes until all have arrived
     """
-    g = _group(group, "barrier")
-    seconds = _seconds(g, timeout)
-    return _execute(g, "barrier", lambda: g.barrier(timeout=seconds), async_op, ())
+    g = resolve_group(group, "barrier")
+    seconds = resolve_timeout(g, timeout)
+    return execute(g, "barrier", lambda: g.barrier(timeout=seconds), async_op, ())
 
 
 def async_all_gather(x: Any, *, group: Backend | None = None, timeout: float | None = None) -> PendingCollective:
@@ -768,9 +624,9 @@ def broadcast_object(obj: Any, root: int = 0, *, group: Backend | None = None, t
         config = ferro.broadcast_object({"lr": 0.1} if g.rank == 0 else None, group=g)
 
     """
-    g = _group(group, "broadcast_object")
-    root_rank = _root(root, g, "broadcast_object")
-    link = _link(g, "broadcast_object", _seconds(g, timeout), None, 0, root_rank)
+    g = resolve_group(group, "broadcast_object")
+    root_rank = resolve_root(root, g, "broadcast_object")
+    link = make_link(g, "broadcast_object", resolve_timeout(g, timeout), None, 0, root_rank)
 
     def body() -> Any:
         if g.world_size == 1:
@@ -783,7 +639,7 @@ def broadcast_object(obj: Any, root: int = 0, *, group: Backend | None = None, t
             algo.broadcast_tree(link, data, root_rank)
         return obj if g.rank == root_rank else pickle.loads(data.tobytes())
 
-    return _execute(g, "broadcast_object", body, False, ())
+    return execute(g, "broadcast_object", body, False, ())
 
 
 def all_gather_object(obj: Any, *, group: Backend | None = None, timeout: float | None = None) -> list[Any]:
@@ -796,8 +652,8 @@ def all_gather_object(obj: Any, *, group: Backend | None = None, timeout: float 
         # rank 0: obj = "a"   rank 1: obj = {"b": 2}
         everything = ferro.all_gather_object(obj, group=g)   # ["a", {"b": 2}] on both
     """
-    g = _group(group, "all_gather_object")
-    link = _link(g, "all_gather_object", _seconds(g, timeout))
+    g = resolve_group(group, "all_gather_object")
+    link = make_link(g, "all_gather_object", resolve_timeout(g, timeout))
 
     def body() -> list[Any]:
         mine = np.frombuffer(pickle.dumps(obj), np.uint8)
@@ -813,4 +669,4 @@ def all_gather_object(obj: Any, *, group: Backend | None = None, timeout: float 
             algo.all_gather_ring(link, padded, [i * width for i in range(n + 1)])
         return [pickle.loads(padded[i * width: i * width + int(lengths[i])].tobytes()) for i in range(n)]
 
-    return _execute(g, "all_gather_object", body, False, ())
+    return execute(g, "all_gather_object", body, False, ())

@@ -188,10 +188,10 @@ class DDP:
     def __init__(self, module: Any, group: Backend | None = None, bucket_cap_mb: float = 25,
                  first_bucket_mb: float = 1, broadcast_parameters: bool = True,
                  comm_hook: CommHook | None = None) -> None:
-        from ferro.collective import _group
+        from ferro._dispatch import resolve_group
 
         self.module = module
-        self.group = _group(group, "DDP")
+        self.group = resolve_group(group, "DDP")
         self._model: _NumpyModel | _TorchModel = (
             _TorchModel(module) if _is_torch_module(module) else _NumpyModel(module))
         self.comm_hook: CommHook = comm_hook or allreduce_hook

@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 
 from ferro._core.transport import KIND_DATA
+from ferro._dispatch import resolve_group, resolve_timeout
 from ferro._dtypes import Operand, fingerprint, operand, wrap_like
+from ferro._meta import META_BYTES, array_from_meta, decode_meta, encode_meta
 from ferro.backend.base import Backend
-from ferro.collective import META_BYTES, _array_from_meta, _decode_meta, _encode_meta, _group, _seconds
 from ferro.errors import SizeMismatchError
 from ferro.work import worker_of
 
@@ -58,11 +59,11 @@ def send(x: Any, dst: int, *, tag: int = 0, group: Backend | None = None, timeou
         InvalidRankError, SelfSendError, InvalidBufferError, PeerLostError, DistributedTimeoutError.
 
     """
-    g = _group(group, "send")
+    g = resolve_group(group, "send")
     data = operand(x, "send", writable=False)
     dst = g.check_peer(dst, "send")
-    meta = _encode_meta(data, {"tag": _tag(tag)})
-    seconds = _seconds(g, timeout)
+    meta = encode_meta(data, {"tag": _tag(tag)})
+    seconds = resolve_timeout(g, timeout)
 
     def body() -> None:
         g.send_tagged(meta, dst, kind=KIND_DATA, fingerprint=_META_FP, timeout=seconds)
@@ -79,9 +80,9 @@ def _next_message(g: Backend, src: int, seconds: float, max_bytes: int | None) -
     if fields is None:
         meta = np.empty(META_BYTES, np.uint8)
         g.recv_tagged(meta, src, kind=KIND_DATA, fingerprint=_META_FP, timeout=seconds)
-        fields = _decode_meta(meta)
+        fields = decode_meta(meta)
     try:
-        message = _array_from_meta(fields, max_bytes, f"rank {g.rank}: recv from rank {src}")
+        message = array_from_meta(fields, max_bytes, f"rank {g.rank}: recv from rank {src}")
     except SizeMismatchError:
         due[src] = fields  # the data frame is still on its way; a later receive takes it
         raise
@@ -126,9 +127,9 @@ def recv(src: int, *, tag: int = 0, group: Backend | None = None, timeout: float
         InvalidRankError, SelfSendError, PeerLostError, DistributedTimeoutError, CollectiveMismatchError.
 
     """
-    g = _group(group, "recv")
+    g = resolve_group(group, "recv")
     src = g.check_peer(src, "recv")
-    wanted, seconds = _tag(tag), _seconds(g, timeout)
+    wanted, seconds = _tag(tag), resolve_timeout(g, timeout)
 
     def body() -> Any:
         message = _take(g, src, wanted, seconds, max_bytes)
@@ -148,10 +149,10 @@ def recv_into(out: Any, src: int, *, tag: int = 0, group: Backend | None = None,
             :func:`recv` with the same tag returns it.
 
     """
-    g = _group(group, "recv_into")
+    g = resolve_group(group, "recv_into")
     target = operand(out, "recv_into", writable=True)
     src = g.check_peer(src, "recv_into")
-    wanted, seconds = _tag(tag), _seconds(g, timeout)
+    wanted, seconds = _tag(tag), resolve_timeout(g, timeout)
 
     def body() -> Any:
         message = _take(g, src, wanted, seconds, None)
@@ -182,11 +183,11 @@ def sendrecv(x: Any, peer: int, *, tag: int = 0, group: Backend | None = None, t
         As :func:`send` and :func:`recv`.
 
     """
-    g = _group(group, "sendrecv")
+    g = resolve_group(group, "sendrecv")
     data = operand(x, "sendrecv", writable=False)
     peer = g.check_peer(peer, "sendrecv")
-    wanted, seconds = _tag(tag), _seconds(g, timeout)
-    meta = _encode_meta(data, {"tag": wanted})
+    wanted, seconds = _tag(tag), resolve_timeout(g, timeout)
+    meta = encode_meta(data, {"tag": wanted})
 
     def body() -> Any:
         stash, due = _state(g)
@@ -200,9 +201,9 @@ def sendrecv(x: Any, peer: int, *, tag: int = 0, group: Backend | None = None, t
             # Full duplex: descriptions first, then the data both ways at once.
             their_meta = np.empty(META_BYTES, np.uint8)
             g.sendrecv_tagged(meta, peer, their_meta, peer, kind=KIND_DATA, fingerprint=_META_FP, timeout=seconds)
-            fields = _decode_meta(their_meta)
+            fields = decode_meta(their_meta)
             try:
-                message = _array_from_meta(fields, max_bytes, f"rank {g.rank}: sendrecv with rank {peer}")
+                message = array_from_meta(fields, max_bytes, f"rank {g.rank}: sendrecv with rank {peer}")
             except SizeMismatchError:
                 due[peer] = fields
                 g.send_tagged(data.array.reshape(-1).view(np.uint8), peer, kind=KIND_DATA, fingerprint=_DATA_FP,

@@ -1,0 +1,111 @@
+"""How a collective call runs: its group, root and timeout, and the guard that fails all ranks together.
+
+Calls go through the group's worker, which keeps them in order.
+
+Shared by :mod:`ferro.collective` and :mod:`ferro.p2p`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ferro import _algorithms as algo
+from ferro._core.transport import (
+    ABORT_MISMATCH,
+    ABORT_OTHER,
+    ABORT_PEER_LOST,
+    ABORT_TIMEOUT,
+    KIND_COLLECTIVE,
+    abort_payload,
+    kind_name,
+)
+from ferro._dtypes import Operand, describe_fingerprint, fingerprint
+from ferro.backend.base import Backend
+from ferro.errors import (
+    CollectiveMismatchError,
+    ConfigurationError,
+    ConnectionBrokenError,
+    DistributedError,
+    DistributedTimeoutError,
+    InvalidRankError,
+    PeerLostError,
+)
+from ferro.rendezvous import default_timeout
+from ferro.work import worker_of
+
+__all__ = ["execute", "make_link", "resolve_group", "resolve_root", "resolve_timeout"]
+
+
+def resolve_group(group: Backend | None, name: str) -> Backend:
+    if group is None:
+        from ferro.process_group import get_default_group  # deferred: process_group builds on this layer's peers
+
+        return get_default_group()
+    if not isinstance(group, Backend):
+        raise ConfigurationError(f"{name}: group must be a ferro Backend, got {type(group).__name__}")
+    return group
+
+
+def resolve_timeout(group: Backend, timeout: float | None) -> float:
+    return group.timeout if timeout is None else default_timeout(timeout)
+
+
+def resolve_root(root: Any, group: Backend, name: str, what: str = "root") -> int:
+    if isinstance(root, bool) or not hasattr(root, "__index__") or not 0 <= root.__index__() < group.world_size:
+        raise InvalidRankError(f"rank {group.rank}: {name}: {what} {root!r} is outside the group's ranks "
+                               f"[0, {group.world_size})")
+    return int(root.__index__())
+
+
+def _describe_mismatch(exc: CollectiveMismatchError, group: Backend) -> str:
+    if exc.expected is None or exc.actual is None:
+        return str(exc)
+    (my_kind, my_fp), (their_kind, their_fp) = exc.expected, exc.actual
+    mine = describe_fingerprint(my_fp) if my_kind == KIND_COLLECTIVE else kind_name(my_kind)
+    theirs = describe_fingerprint(their_fp) if their_kind == KIND_COLLECTIVE else f"a {kind_name(their_kind)} call"
+    return f"rank {group.rank} called {mine} but rank {exc.peer} called {theirs}: the ranks' calls differ"
+
+
+def _run_guarded(group: Backend, name: str, body: Callable[[], Any]) -> Any:
+    """Run a collective; on a failure part-way, tell the peers and mark the group failed."""
+    if group.failure is not None:
+        raise ConnectionBrokenError(
+            f"rank {group.rank}: {name}: this group is unusable after an earlier failed collective "
+            f"({group.failure}); create a new group")
+    try:
+        return body()
+    except CollectiveMismatchError as exc:
+        message = _describe_mismatch(exc, group)
+        _give_up(group, ABORT_MISMATCH, exc.peer, message)
+        if exc.expected is None:
+            raise  # a notice from a peer: already says what differed
+        raise CollectiveMismatchError(message, exc.peer, exc.expected, exc.actual) from exc
+    except PeerLostError as exc:
+        _give_up(group, ABORT_PEER_LOST, exc.peer, f"rank {exc.peer if exc.peer is not None else '?'} was lost")
+        raise
+    except DistributedTimeoutError as exc:
+        _give_up(group, ABORT_TIMEOUT, None, f"rank {group.rank} timed out: {exc}")
+        raise
+    except (DistributedError, KeyboardInterrupt) as exc:
+        _give_up(group, ABORT_OTHER, None, f"rank {group.rank}: {type(exc).__name__}: {exc}")
+        raise
+
+
+def _give_up(group: Backend, code: int, peer: int | None, message: str) -> None:
+    group.mark_failed(message)
+    group.abort_peers(abort_payload(code, -1 if peer is None else peer, message))
+
+
+def execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, buffers: tuple[Any, ...]) -> Any:
+    worker = worker_of(group)
+    guarded = lambda: _run_guarded(group, name, body)  # noqa: E731 - a closure over this call's arguments
+    if async_op:
+        return worker.submit(guarded, f"{name} on rank {group.rank}", buffers)
+    return worker.run(guarded, f"{name} on rank {group.rank}", buffers)
+
+
+def make_link(group: Backend, name: str, seconds: float, operand_: Operand | None = None, op_code: int = 0,
+          root: int = 0, count: int = 0, shape: tuple[int, ...] = ()) -> algo.Link:
+    code = operand_.dtype.code if operand_ is not None else -1
+    return algo.Link(group, fingerprint(name, code, op_code, root, count, shape), seconds)
