@@ -22,7 +22,7 @@ def core_module(name: str) -> Extension:
     )
 
 
-extensions = [core_module("transport"), core_module("reduce"), core_module("collectives")]
+extensions = [core_module("transport"), core_module("reduce"), core_module("collectives"), core_module("shm")]
 
 setup(
     ext_modules=cythonize(

@@ -30,7 +30,6 @@ log = logging.getLogger("ferro.process_group")
 
 LOG_LEVEL_ENV = "FERRO_LOG_LEVEL"
 _FUTURE_BACKENDS = {
-    "shm": "the shared-memory backend",
     "mpi": "the MPI backend",
     "nccl": "the NCCL backend",
     "hybrid": "the TCP+NCCL hybrid backend",
@@ -70,8 +69,8 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     (``FERRO_SECRET``, set by ``ferro run``; with mpirun or srun, export it yourself).
 
     Args:
-        backend: ``"auto"`` picks the fastest available for where the ranks are
-            (TCP today), or ``"tcp"``.
+        backend: ``"auto"`` (TCP today), ``"tcp"``, or ``"shm"`` (shared memory; every
+            rank on this host).
         init_method: ``"env://"``, ``"tcp://host:port"`` (the master), or
             ``"file:///path"`` (rendezvous through a file every rank can open).
         rank: This rank.
@@ -99,11 +98,11 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     _configure_logging()
     if _default_group is not None:
         raise ConfigurationError("init_process_group: already initialised; call destroy_process_group() first")
-    if backend not in ("auto", "tcp"):
+    if backend not in ("auto", "tcp", "shm"):
         if backend in _FUTURE_BACKENDS:
             raise BackendUnavailableError(
                 f"backend {backend!r}: {_FUTURE_BACKENDS[backend]} is not part of this ferro yet; use 'tcp' or 'auto'")
-        raise ConfigurationError(f"unknown backend {backend!r}; use 'auto' or 'tcp'")
+        raise ConfigurationError(f"unknown backend {backend!r}; use 'auto', 'tcp' or 'shm'")
     master_addr: str | None = None
     master_port: int | None = None
     store: Any = None
@@ -138,9 +137,16 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
         master_port = master_port or (found.master_port if found else DEFAULT_MASTER_PORT)
     log.debug("init_process_group: rank %s of %s from %s; master %s", rank, world_size, via,
               f"{master_addr}:{master_port}" if store is None else init_method)
-    bind_addr = None if store is None else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
-    group = TcpBackend(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
-                       timeout=timeout, secret=secret, store=store, bind_addr=bind_addr)
+    group: Backend
+    if backend == "shm":
+        from ferro.backend.shm import ShmBackend
+
+        group = ShmBackend(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
+                           timeout=timeout, secret=secret, store=store)
+    else:
+        bind_addr = None if store is None else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
+        group = TcpBackend(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
+                           timeout=timeout, secret=secret, store=store, bind_addr=bind_addr)
     _default_group = group
     return group
 

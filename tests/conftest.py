@@ -10,13 +10,18 @@ def harness_tcp(fn, world_size, args=(), **kwargs):
     return run_processes(fn, world_size, args=args, **kwargs)
 
 
+def harness_shm(fn, world_size, args=(), **kwargs):
+    """Ranks as processes over shared memory."""
+    return run_processes(fn, world_size, args=args, backend="shm", **kwargs)
+
+
 def harness_simulated(fn, world_size, args=(), **kwargs):
     """Ranks as threads over SimulatedBackend (a thread cannot be killed, so allow_exit does not apply)."""
     kwargs.pop("allow_exit", None)
     return run_threads(fn, world_size, args=args, **kwargs)
 
 
-@pytest.fixture(params=["tcp", "simulated"])
+@pytest.fixture(params=["tcp", "shm", "simulated"])
 def run(request):
-    """Run a rank function on both backends: ``run(fn, world_size, args=(), **harness_kwargs)``."""
-    return {"tcp": harness_tcp, "simulated": harness_simulated}[request.param]
+    """Run a rank function on every backend: ``run(fn, world_size, args=(), **harness_kwargs)``."""
+    return {"tcp": harness_tcp, "shm": harness_shm, "simulated": harness_simulated}[request.param]

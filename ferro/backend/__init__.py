@@ -1,8 +1,9 @@
 """Process groups: the Backend interface and its implementations."""
 
 from ferro.backend.base import Backend, FramedBackend
+from ferro.backend.shm import ShmBackend
 from ferro.backend.simulated import SimulatedBackend
 from ferro.backend.sub import SubBackend, new_group
 from ferro.backend.tcp import TcpBackend
 
-__all__ = ["Backend", "FramedBackend", "SimulatedBackend", "SubBackend", "TcpBackend", "new_group"]
+__all__ = ["Backend", "FramedBackend", "ShmBackend", "SimulatedBackend", "SubBackend", "TcpBackend", "new_group"]

@@ -81,14 +81,16 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_s
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        if mode == "tcp":
+        if mode in ("tcp", "shm"):
+            from ferro.backend.shm import ShmBackend
             from ferro.backend.tcp import TcpBackend
             from ferro.store import Store
 
+            backend_class = TcpBackend if mode == "tcp" else ShmBackend
             store = Store(_LOCALHOST, store_port, secret=secret, timeout=group_timeout or 60.0)
             try:
-                with TcpBackend(rank, world_size, _LOCALHOST, store_port, secret=secret, store=store,
-                                timeout=group_timeout) as group:
+                with backend_class(rank, world_size, _LOCALHOST, store_port, secret=secret, store=store,
+                                   timeout=group_timeout) as group:
                     result = fn(group, *args)
             finally:
                 store.close()
@@ -117,9 +119,9 @@ def run_processes(
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` ranks, each in its own process, and return their results.
 
-    With ``backend="tcp"`` each rank calls ``fn(group, *args)`` with a connected
-    :class:`~ferro.TcpBackend` (the harness serves the rendezvous store on
-    loopback and closes every group afterwards). With ``backend=None`` each rank
+    With ``backend="tcp"`` (or ``"shm"``) each rank calls ``fn(group, *args)`` with
+    a connected :class:`~ferro.TcpBackend` (or :class:`~ferro.ShmBackend`); the
+    harness serves the rendezvous store on loopback and closes every group afterwards. With ``backend=None`` each rank
     calls ``fn(rank, world_size, *args)`` with ``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT`` (a free port) and a fresh ``FERRO_SECRET``
     in its environment, and builds whatever it wants.
@@ -131,7 +133,7 @@ def run_processes(
         fn: The function every rank runs.
         world_size: Number of ranks.
         args: Extra positional arguments for ``fn``.
-        backend: ``"tcp"`` or ``None`` (see above).
+        backend: ``"tcp"``, ``"shm"`` or ``None`` (see above).
         timeout: Seconds for the whole run; past it the stacks of the ranks
             still running are collected into the error and every rank is killed.
         group_timeout: Default timeout of the TCP group (default: ferro's).
@@ -149,8 +151,8 @@ def run_processes(
             message holds the stacks of the ranks that had not finished.
 
     """
-    if backend not in ("tcp", None):
-        raise ValueError(f"run_processes: backend must be 'tcp' or None, got {backend!r}")
+    if backend not in ("tcp", "shm", None):
+        raise ValueError(f"run_processes: backend must be 'tcp', 'shm' or None, got {backend!r}")
     allowed = set(allow_exit)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["numpy", "ferro"])
@@ -160,7 +162,7 @@ def run_processes(
     processes: list[Any] = []  # context-specific Process classes
     pipes: list[multiprocessing.connection.Connection] = []
     try:
-        if backend == "tcp":
+        if backend in ("tcp", "shm"):
             from ferro.store import StoreServer
 
             server = StoreServer(_LOCALHOST, 0, secret=secret.encode())

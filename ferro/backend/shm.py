@@ -1,0 +1,240 @@
+"""The shared-memory process group: ranks on one host exchange frames through rings in one segment."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from ferro._buffers import as_buffer
+from ferro._core.shm import Channel, Segment, segment_bytes
+from ferro._core.transport import KIND_ABORT, KIND_BARRIER
+from ferro.backend.base import FramedBackend, dissemination_barrier
+from ferro.errors import BackendClosedError, ConfigurationError, DistributedError
+from ferro.rendezvous import RendezvousConfig, default_timeout
+from ferro.store import Store
+
+__all__ = ["ShmBackend"]
+
+SHM_DIR = "/dev/shm"
+RING_ENV = "FERRO_SHM_RING_BYTES"
+DEFAULT_RING_BYTES = 4 * 1024 * 1024
+
+
+def _sweep_stale_segments() -> None:
+    """Remove segments whose creating process died before it could unlink them (killed during set-up).
+
+    A segment's name carries its creator's pid; only this user's segments with
+    a dead creator are removed, so a live job's segments are never touched.
+    """
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "ferro" or not parts[1].isdigit():
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except OSError:
+            continue
+
+
+def _ring_bytes(ring_bytes: int | None) -> int:
+    if ring_bytes is None:
+        raw = os.environ.get(RING_ENV)
+        ring_bytes = int(raw) if raw else DEFAULT_RING_BYTES
+    if ring_bytes < 4096:
+        raise ConfigurationError(f"shared-memory rings need at least 4096 bytes, got {ring_bytes}")
+    return ring_bytes
+
+
+class ShmBackend(FramedBackend):
+    """A process group whose ranks share one host and talk through shared memory.
+
+    Rank 0 creates the segment with owner-only permissions, under a random name
+    that only the job's authenticated store hands out; every rank maps it, and
+    rank 0 unlinks it as soon as all have, so nothing is left in ``/dev/shm``
+    however the ranks end. A rank that exits (or is killed) is noticed by its
+    peers within a millisecond of waiting: they raise :class:`~ferro.PeerLostError`.
+
+    Args:
+        rank: This process's rank.
+        world_size: Number of ranks (all on this host).
+        master_addr: Address of the rendezvous store.
+        master_port: Port of the rendezvous store.
+        timeout: Default seconds for blocking operations.
+        secret: The job secret (default ``$FERRO_SECRET``).
+        store: An existing store client to rendezvous through.
+        ring_bytes: Capacity of each rank-to-rank ring (default 4 MiB, ``$FERRO_SHM_RING_BYTES``).
+        spin_us: Microseconds to spin before yielding the CPU while waiting.
+
+    Raises:
+        ConfigurationError, InvalidRankError, InvalidWorldSizeError, DistributedTimeoutError,
+        AuthenticationError: As :class:`~ferro.TcpBackend`.
+
+    """
+
+    def __init__(self, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500, *,
+                 timeout: float | None = None, secret: bytes | str | None = None, store: Store | None = None,
+                 ring_bytes: int | None = None, spin_us: float | None = None) -> None:
+        config = RendezvousConfig.resolve(
+            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, secret=secret)
+        seconds = default_timeout(timeout)
+        owns_store = store is None
+        if store is None:
+            store = Store(master_addr, master_port, secret=config.secret, timeout=seconds, serve=(rank == 0))
+        try:
+            generation = store.add(f"ferro/shm-joins/{rank}", 1)
+            self._attach(rank, world_size, store, owns_store, f"ferro/shm/{generation}", seconds,
+                         _ring_bytes(ring_bytes), 50.0 if spin_us is None else spin_us)
+        except BaseException:
+            if owns_store:
+                store.close()
+            raise
+
+    def _attach(self, rank: int, world_size: int, store: Store, owns_store: bool, prefix: str, timeout: float,
+                ring_bytes: int, spin_us: float) -> None:
+        size = segment_bytes(world_size, ring_bytes)
+        path = None
+        if rank == 0:
+            _sweep_stale_segments()
+            path = os.path.join(SHM_DIR, f"ferro-{os.getpid()}-{secrets.token_hex(8)}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)  # sized before anyone learns the name
+            except BaseException:
+                os.close(fd)
+                os.unlink(path)
+                raise
+        else:
+            path = store.get(f"{prefix}/segment", timeout=timeout).decode()
+            fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        if rank == 0:
+            store.set(f"{prefix}/segment", path)
+        segment = Segment(mapping, world_size, ring_bytes)
+        segment.register(rank, os.getpid())
+        store.set(f"{prefix}/mapped/{rank}", b"1")
+        if rank == 0:
+            try:
+                store.wait([f"{prefix}/mapped/{r}" for r in range(world_size)], timeout=timeout)
+            finally:
+                os.unlink(path)  # every rank has it mapped (or the job failed): no name left behind
+            store.set(f"{prefix}/unlinked", b"1")
+        else:
+            store.wait([f"{prefix}/unlinked"], timeout=timeout)
+        self._rank, self._world_size, self._timeout = rank, world_size, timeout
+        self._store, self._owns_store, self._prefix = store, owns_store, prefix
+        self._ring_bytes, self._spin_us = ring_bytes, spin_us
+        self._mapping, self._segment = mapping, segment
+        self._closed = False
+        self._split_counts: dict[tuple[int, ...], int] = {}
+        self._channels = {peer: Channel(segment, rank, peer, spin_us) for peer in range(world_size) if peer != rank}
+
+    @property
+    def rank(self) -> int:
+        """The calling process's rank."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks."""
+        return self._world_size
+
+    @property
+    def timeout(self) -> float:
+        """Default seconds for blocking operations."""
+        return self._timeout
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def _usable(self, op: str) -> None:
+        if self._closed:
+            raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
+
+    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Write one frame into the ring to ``dst`` (see :meth:`Backend.send_tagged`)."""
+        self._usable("send")
+        dst = self.check_peer(dst, "send")
+        self._channels[dst].send(as_buffer(buf, "send"), kind=kind, fingerprint=fingerprint,
+                                 timeout=self._timeout if timeout is None else timeout, op="send")
+
+    def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Read one frame from the ring from ``src`` (see :meth:`Backend.recv_tagged`)."""
+        self._usable("recv")
+        src = self.check_peer(src, "recv")
+        self._channels[src].recv_into(as_buffer(buf, "recv"), kind=kind, fingerprint=fingerprint,
+                                      timeout=self._timeout if timeout is None else timeout, op="recv")
+
+    def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
+                        timeout: float | None = None) -> None:
+        """Write to ``dst`` and read from ``src`` in one loop, so rings of any size never deadlock."""
+        self._usable("sendrecv")
+        dst = self.check_peer(dst, "sendrecv")
+        src = self.check_peer(src, "sendrecv")
+        self._channels[dst].exchange(as_buffer(send_buf, "sendrecv"), as_buffer(recv_buf, "sendrecv"), kind=kind,
+                                     fingerprint=fingerprint, timeout=self._timeout if timeout is None else timeout,
+                                     op="sendrecv", receive_from=self._channels[src])
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Block until every rank has entered the barrier (dissemination algorithm)."""
+        self._usable("barrier")
+        seconds = self._timeout if timeout is None else timeout
+        sink = bytearray(0)
+        dissemination_barrier(
+            self._rank, self._world_size,
+            lambda dst, src: self._channels[dst].exchange(b"", sink, kind=KIND_BARRIER, fingerprint=0,
+                                                          timeout=seconds, op="barrier",
+                                                          receive_from=self._channels[src]))
+
+    def abort_peers(self, payload: bytes) -> None:
+        """Leave an abort notice in every peer's ring (one second each at most)."""
+        for channel in self._channels.values():
+            try:
+                channel.send(payload, kind=KIND_ABORT, fingerprint=0, timeout=1.0, op="abort")
+            except DistributedError:
+                pass  # that peer is gone or its ring is full; it learns by its own timeout
+
+    def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> ShmBackend:
+        """Create a segment of their own for ``ranks`` through this group's store (see :meth:`Backend.split`)."""
+        self._usable("new_group")
+        members = tuple(ranks)
+        count = self._split_counts.get(members, 0) + 1
+        self._split_counts[members] = count
+        child = ShmBackend.__new__(ShmBackend)
+        child._attach(members.index(self._rank), len(members), self._store, False,
+                      f"{self._prefix}/sub/{'-'.join(map(str, members))}/{count}",
+                      self._timeout if timeout is None else default_timeout(timeout), self._ring_bytes,
+                      self._spin_us)
+        return child
+
+    def close(self) -> None:
+        """Tell the peers, unmap the segment, and close the store if this rank serves it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._segment.mark_closed(self._rank)
+        for channel in self._channels.values():
+            channel.close()
+        self._segment.release()
+        self._mapping.close()
+        if self._owns_store:
+            self._store.close()

@@ -1,0 +1,128 @@
+"""The shared-memory backend: what only shared memory can get wrong."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ferro
+from ferro.backend.shm import SHM_DIR, _sweep_stale_segments
+from ferro.testing import RankExit, run_processes
+
+
+def ferro_segments():
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith("ferro-"))
+
+
+def rank_killed(group):
+    if group.rank == 1:
+        group.barrier()
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    group.barrier()
+    start = time.monotonic()
+    try:
+        group.recv(np.empty(10), 1, timeout=60)
+        return "no error"
+    except ferro.PeerLostError as exc:
+        return exc.peer, time.monotonic() - start < 30, ferro_segments()
+
+
+def test_killed_rank_is_noticed_and_nothing_is_left_in_dev_shm():
+    before = ferro_segments()
+    results = run_processes(rank_killed, 2, backend="shm", allow_exit={1}, timeout=60)
+    peer, prompt, during = results[0]
+    assert peer == 1 and prompt
+    assert results[1] == RankExit(None, "SIGKILL")
+    assert during == before  # unlinked as soon as both ranks had mapped it
+    assert ferro_segments() == before
+
+
+def rank_interrupted(group):
+    if group.rank == 1:
+        out = np.empty(1)
+        group.recv(out, 0, timeout=60)
+        return float(out[0])
+    threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT)).start()
+    try:
+        group.recv(np.empty(1), 1, timeout=60)
+        outcome = "no interrupt"
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    group.send(np.array([5.0]), 1)
+    return outcome
+
+
+def test_ctrl_c_interrupts_a_receive_waiting_on_shared_memory():
+    assert run_processes(rank_interrupted, 2, backend="shm", timeout=60) == ["KeyboardInterrupt", 5.0]
+
+
+def test_sweep_removes_only_segments_of_dead_creators(tmp_path):
+    dead = os.path.join(SHM_DIR, "ferro-999999999-deadbeef")  # no such pid
+    alive = os.path.join(SHM_DIR, f"ferro-{os.getpid()}-cafe0000")
+    other = os.path.join(SHM_DIR, "ferro-not-a-segment")
+    for path in (dead, alive, other):
+        with open(path, "w"):
+            pass
+    try:
+        _sweep_stale_segments()
+        assert not os.path.exists(dead)
+        assert os.path.exists(alive) and os.path.exists(other)
+    finally:
+        for path in (dead, alive, other):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def rank_two_groups(group):
+    from ferro.backend.shm import ShmBackend
+
+    second = ShmBackend(group.rank, group.world_size, store=group._store, secret="unused-with-a-store", timeout=30)
+    try:
+        peer = 1 - group.rank
+        group.send(np.array([1.0 + group.rank]), peer)
+        second.send(np.array([10.0 + group.rank]), peer)
+        a, b = np.empty(1), np.empty(1)
+        second.recv(b, peer)
+        group.recv(a, peer)
+        return float(a[0]), float(b[0])
+    finally:
+        second.close()
+
+
+def test_two_groups_on_one_host_keep_their_own_segments():
+    assert run_processes(rank_two_groups, 2, backend="shm") == [(2.0, 11.0), (1.0, 10.0)]
+
+
+def rank_init_shm(rank, world_size):
+    group = ferro.init_process_group(backend="shm", timeout=30)
+    try:
+        x = np.array([rank + 1.0])
+        ferro.allreduce(x)
+        return type(group).__name__, float(x[0])
+    finally:
+        ferro.destroy_process_group()
+
+
+def test_init_process_group_with_shared_memory():
+    assert run_processes(rank_init_shm, 3, backend=None) == [("ShmBackend", 6.0)] * 3
+
+
+@pytest.mark.parametrize("ring_bytes", [4096, 65536])
+def test_messages_far_larger_than_the_ring_stream_through(ring_bytes):
+    assert run_processes(rank_big_exchange, 3, args=(ring_bytes,), backend=None, timeout=120) == [True] * 3
+
+
+def rank_big_exchange(rank, world_size, ring_bytes):
+    from ferro.backend.shm import ShmBackend
+
+    with ShmBackend(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                    ring_bytes=ring_bytes, timeout=60) as group:
+        n = 3 * 1024 * 1024 // 8
+        mine = np.arange(n, dtype=np.float64) + rank
+        theirs = np.empty(n)
+        group.sendrecv(mine, (rank + 1) % world_size, theirs, (rank - 1) % world_size)
+        return bool(np.array_equal(theirs, np.arange(n, dtype=np.float64) + (rank - 1) % world_size))
