@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 from urllib.parse import urlparse
 
+from ferro.auth import secret_from_env
 from ferro.backend.base import Backend
 from ferro.backend.tcp import TcpBackend
 from ferro.environment import DEFAULT_MASTER_PORT, detect
 from ferro.errors import BackendUnavailableError, ConfigurationError
 from ferro.file_store import FileStore
+from ferro.rendezvous import default_timeout
+from ferro.store import Store
 
 __all__ = [
     "destroy_process_group",
@@ -69,8 +73,8 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     (``FERRO_SECRET``, set by ``ferro run``; with mpirun or srun, export it yourself).
 
     Args:
-        backend: ``"auto"`` (TCP today), ``"tcp"``, or ``"shm"`` (shared memory; every
-            rank on this host).
+        backend: ``"auto"`` picks shared memory when every rank shares this host (and
+            its ``/dev/shm``), else TCP; or ``"tcp"``, or ``"shm"``.
         init_method: ``"env://"``, ``"tcp://host:port"`` (the master), or
             ``"file:///path"`` (rendezvous through a file every rank can open).
         rank: This rank.
@@ -137,18 +141,63 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
         master_port = master_port or (found.master_port if found else DEFAULT_MASTER_PORT)
     log.debug("init_process_group: rank %s of %s from %s; master %s", rank, world_size, via,
               f"{master_addr}:{master_port}" if store is None else init_method)
+    close_store = False  # a store made here for choosing the backend is handed over to the group
+    if backend == "auto":
+        if store is None:
+            store = Store(master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
+                          secret=_job_secret(secret), timeout=default_timeout(timeout), serve=(rank == 0))
+            close_store = True
+        backend = "shm" if _all_on_one_host(store, rank, world_size, default_timeout(timeout)) else "tcp"
+        log.debug("init_process_group: backend auto -> %s", backend)
     group: Backend
     if backend == "shm":
         from ferro.backend.shm import ShmBackend
 
         group = ShmBackend(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
-                           timeout=timeout, secret=secret, store=store)
+                           timeout=timeout, secret=secret, store=store, close_store=close_store)
     else:
         bind_addr = None if store is None else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
         group = TcpBackend(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
-                           timeout=timeout, secret=secret, store=store, bind_addr=bind_addr)
+                           timeout=timeout, secret=secret, store=store, bind_addr=bind_addr, close_store=close_store)
     _default_group = group
     return group
+
+
+def _job_secret(secret: bytes | str | None) -> bytes:
+    found = secret_from_env(secret)
+    if found is None:
+        raise ConfigurationError(
+            "no job secret: set FERRO_SECRET to the same random string on every rank "
+            "(`ferro run` does this for you), or pass secret=")
+    return found
+
+
+def host_identity() -> str:
+    """Return what ranks compare to know they share a host and its shared memory.
+
+    The hostname and kernel boot id name the machine; the device and inode of
+    ``/dev/shm`` tell containers that share a kernel but not shared memory apart.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    try:
+        info = os.stat("/dev/shm")
+        shm = f"{info.st_dev}:{info.st_ino}"
+    except OSError:
+        return f"no-shm:{os.getpid()}"  # no shared memory here: never counts as shared
+    return f"{socket.gethostname()}|{boot}|{shm}"
+
+
+def _all_on_one_host(store: Any, rank: int, world_size: int, timeout: float) -> bool:
+    generation = store.add(f"ferro/host-joins/{rank}", 1)
+    prefix = f"ferro/hosts/{generation}"
+    store.set(f"{prefix}/{rank}", host_identity())
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    store.wait(keys, timeout=timeout)
+    return len({store.get(key, timeout=timeout) for key in keys}) == 1
 
 
 def destroy_process_group() -> None:

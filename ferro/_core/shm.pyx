@@ -65,6 +65,12 @@ cdef extern from "<signal.h>" nogil:
 cdef extern from "<sched.h>" nogil:
     int sched_yield()
 
+cdef extern from "<time.h>" nogil:
+    struct timespec:
+        long tv_sec
+        long tv_nsec
+    int nanosleep(const timespec* req, timespec* rem)
+
 cdef extern from "Python.h":
     int PyErr_CheckSignals_noexcept "PyErr_CheckSignals" ()
 
@@ -84,6 +90,8 @@ RING_CONTROL_BYTES = RING_CTL_BYTES
 
 cdef int64_t LIVENESS_NS = 1000000      # check the peer every millisecond of waiting
 cdef int64_t SIGNAL_NS = 100000000      # and signals every 100 ms
+cdef int64_t DOZE_AFTER_NS = 1000000    # after a quiet millisecond, sleep between looks
+cdef long DOZE_NS = 20000               # for 20 us: a waiting rank stops competing for the CPU
 
 
 def segment_bytes(int world_size, size_t ring_bytes) -> int:
@@ -263,6 +271,9 @@ cdef int _run(SendState* s, RecvState* r, ferro_rank_ctl* peer_out, ferro_rank_c
     cdef bint s_active = s != NULL, r_active = r != NULL, progressed
     cdef int rc
     cdef int64_t now, last_progress = monotonic_ns(), next_liveness = 0, next_signals = 0
+    cdef timespec doze
+    doze.tv_sec = 0
+    doze.tv_nsec = DOZE_NS
     next_liveness = last_progress + LIVENESS_NS
     next_signals = last_progress + SIGNAL_NS
     while s_active or r_active:
@@ -308,7 +319,9 @@ cdef int _run(SendState* s, RecvState* r, ferro_rank_ctl* peer_out, ferro_rank_c
             next_signals = now + SIGNAL_NS
             if _signal_raised() != 0:
                 return -1
-        if now - last_progress > spin_ns:
+        if now - last_progress > DOZE_AFTER_NS:
+            nanosleep(&doze, NULL)
+        elif now - last_progress > spin_ns:
             sched_yield()
     return 0
 

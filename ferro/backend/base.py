@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import abc
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ferro._core.transport import KIND_DATA
-from ferro.errors import BackendUnavailableError, InvalidRankError, SelfSendError
+from ferro.errors import BackendUnavailableError, ConfigurationError, InvalidRankError, SelfSendError
 
-__all__ = ["Backend", "FramedBackend", "dissemination_barrier"]
+__all__ = ["Backend", "FramedBackend", "default_spin_us", "dissemination_barrier"]
+
+SPIN_ENV = "FERRO_SPIN_US"
+DEFAULT_SPIN_US = 50.0
 
 _Group = TypeVar("_Group", bound="Backend")
 
@@ -278,3 +282,18 @@ def dissemination_barrier(rank: int, world_size: int, exchange: Callable[[int, i
     while distance < world_size:
         exchange((rank + distance) % world_size, (rank - distance) % world_size)
         distance *= 2
+
+
+def default_spin_us(spin_us: float | None, world_size: int) -> float:
+    """Return how long a waiting rank spins before it sleeps, in microseconds."""
+    if spin_us is not None:
+        return float(spin_us)
+    raw = os.environ.get(SPIN_ENV)
+    if raw is not None:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigurationError(f"{SPIN_ENV}={raw!r} is not a number of microseconds") from None
+    # Spinning pays only while every rank has a core of its own; with more ranks
+    # than cores a spinning rank steals the core its peer needs to answer.
+    return DEFAULT_SPIN_US if world_size <= (os.cpu_count() or 1) else 0.0

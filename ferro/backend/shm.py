@@ -11,7 +11,7 @@ from typing import Any
 from ferro._buffers import as_buffer
 from ferro._core.shm import Channel, Segment, segment_bytes
 from ferro._core.transport import KIND_ABORT, KIND_BARRIER
-from ferro.backend.base import FramedBackend, dissemination_barrier
+from ferro.backend.base import FramedBackend, default_spin_us, dissemination_barrier
 from ferro.errors import BackendClosedError, ConfigurationError, DistributedError
 from ferro.rendezvous import RendezvousConfig, default_timeout
 from ferro.store import Store
@@ -78,7 +78,9 @@ class ShmBackend(FramedBackend):
         secret: The job secret (default ``$FERRO_SECRET``).
         store: An existing store client to rendezvous through.
         ring_bytes: Capacity of each rank-to-rank ring (default 4 MiB, ``$FERRO_SHM_RING_BYTES``).
-        spin_us: Microseconds to spin before yielding the CPU while waiting.
+        spin_us: Microseconds to spin before yielding the CPU while waiting (default
+            ``$FERRO_SPIN_US``, else 50, or 0 when ranks outnumber the cores).
+        close_store: Close a given ``store`` with the group (it becomes the group's own).
 
     Raises:
         ConfigurationError, InvalidRankError, InvalidWorldSizeError, DistributedTimeoutError,
@@ -88,17 +90,17 @@ class ShmBackend(FramedBackend):
 
     def __init__(self, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500, *,
                  timeout: float | None = None, secret: bytes | str | None = None, store: Store | None = None,
-                 ring_bytes: int | None = None, spin_us: float | None = None) -> None:
+                 ring_bytes: int | None = None, spin_us: float | None = None, close_store: bool = False) -> None:
         config = RendezvousConfig.resolve(
             rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, secret=secret)
         seconds = default_timeout(timeout)
-        owns_store = store is None
+        owns_store = store is None or close_store
         if store is None:
             store = Store(master_addr, master_port, secret=config.secret, timeout=seconds, serve=(rank == 0))
         try:
             generation = store.add(f"ferro/shm-joins/{rank}", 1)
             self._attach(rank, world_size, store, owns_store, f"ferro/shm/{generation}", seconds,
-                         _ring_bytes(ring_bytes), 50.0 if spin_us is None else spin_us)
+                         _ring_bytes(ring_bytes), default_spin_us(spin_us, world_size))
         except BaseException:
             if owns_store:
                 store.close()

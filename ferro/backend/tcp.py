@@ -11,7 +11,7 @@ from typing import Any
 from ferro._buffers import as_buffer
 from ferro._core import collectives as native
 from ferro._core.transport import KIND_ABORT, Connection, sendrecv
-from ferro.backend.base import FramedBackend
+from ferro.backend.base import FramedBackend, default_spin_us
 from ferro.errors import BackendClosedError, ConfigurationError, DistributedError, DistributedTimeoutError
 from ferro.rendezvous import (
     BIND_ADDR_ENV,
@@ -24,26 +24,10 @@ from ferro.store import Store
 
 __all__ = ["TcpBackend"]
 
-SPIN_ENV = "FERRO_SPIN_US"
-DEFAULT_SPIN_US = 50.0
 SOCKET_BUFFER_ENV = "FERRO_SOCKET_BUFFER_BYTES"
 # Measured on loopback (bench/, DESIGN.md): fixed 4 MiB buffers take a 1 MiB allreduce
 # from ~565 to ~350 us, where autotuning starts too small; 0 restores autotuning.
 DEFAULT_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-
-
-def _spin_us(spin_us: float | None, world_size: int) -> float:
-    if spin_us is not None:
-        return float(spin_us)
-    raw = os.environ.get(SPIN_ENV)
-    if raw is not None:
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigurationError(f"{SPIN_ENV}={raw!r} is not a number of microseconds") from None
-    # Spinning pays only while every rank has a core of its own; with more ranks
-    # than cores a spinning rank steals the core its peer needs to answer.
-    return DEFAULT_SPIN_US if world_size <= (os.cpu_count() or 1) else 0.0
 
 
 def _size_socket_buffers(sock: socket.socket) -> None:
@@ -79,6 +63,7 @@ class TcpBackend(FramedBackend):
             it is not closed with the group.
         spin_us: Microseconds to spin on a quiet socket before sleeping (default
             ``$FERRO_SPIN_US``, else 50, or 0 when ranks outnumber this host's cores).
+        close_store: Close a given ``store`` with the group (it becomes the group's own).
 
     Raises:
         ConfigurationError: No secret, or an address that cannot be used.
@@ -109,11 +94,12 @@ class TcpBackend(FramedBackend):
         bind_addr: str | None = None,
         store: Store | None = None,
         spin_us: float | None = None,
+        close_store: bool = False,
     ) -> None:
         config = RendezvousConfig.resolve(
             rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, secret=secret)
         seconds = default_timeout(timeout)
-        owns_store = store is None
+        owns_store = store is None or close_store
         if store is None:
             store = Store(master_addr, master_port, secret=config.secret, timeout=seconds, serve=(rank == 0))
         try:
@@ -122,7 +108,7 @@ class TcpBackend(FramedBackend):
             generation = store.add(f"ferro/joins/{rank}", 1)
             bind = bind_addr or os.environ.get(BIND_ADDR_ENV) or local_address_towards(master_addr)
             self._connect(rank, world_size, store, owns_store, f"ferro/world/{generation}", config.secret, bind,
-                          seconds, _spin_us(spin_us, world_size))
+                          seconds, default_spin_us(spin_us, world_size))
         except DistributedTimeoutError as exc:
             if owns_store:
                 store.close()

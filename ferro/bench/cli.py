@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ops", nargs="*", default=["allreduce"], help=f"one or more of {', '.join(OPS)}, or all")
     parser.add_argument("-n", "--nproc", type=int, help="start this many local ranks (else: run as a rank)")
-    parser.add_argument("--backend", default="tcp", help="ferro backend (tcp; auto = tcp today)")
+    parser.add_argument("--backend", default="auto",
+                        help="ferro backend: auto (shared memory on one host), tcp or shm")
     parser.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size (default 8)")
     parser.add_argument("-e", "--maxbytes", type=parse_size, default=32 * 1024**2, help="largest size (default 32M)")
     parser.add_argument("-f", "--stepfactor", type=int, default=2, help="size factor between rows (default 2)")
@@ -69,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _worker_args(args: argparse.Namespace, ops: list[str], library: str, out: str) -> list[str]:
     sizes = sizes_from(args.minbytes, args.maxbytes, args.stepfactor)
-    argv = ["--library", library, "--ops", ",".join(ops), "--sizes", ",".join(map(str, sizes)),
-            "--dtype", args.dtype, "--redop", args.op, "--iters", str(args.iters), "--warmup", str(args.warmup),
-            "--out", out]
+    argv = ["--library", library, "--backend", args.backend, "--ops", ",".join(ops),
+            "--sizes", ",".join(map(str, sizes)), "--dtype", args.dtype, "--redop", args.op,
+            "--iters", str(args.iters), "--warmup", str(args.warmup), "--out", out]
     return argv + (["--check"] if args.check else [])
 
 
@@ -99,7 +100,7 @@ def _available(library: str) -> str | None:
 
 
 def _comparison(rows: list[Row], peers: list[str]) -> str:
-    ours = {(r.op, r.size): r for r in rows if r.library == "ferro"}
+    ours = {(r.op, r.size): r for r in rows if r.library.startswith("ferro")}
     lines = ["#", "# ferro beside its peers: time per call (us), in-place where both have it, else out-of-place;",
              "# ratio = peer / ferro (above 1: ferro is faster)"]
     header = f"# {'op':<15}{'size':>12}{'ferro':>11}"
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"ferro bench: unknown op {unknown[0]!r}; choose from {', '.join(OPS)} or all", file=sys.stderr)
         return 2
-    if args.backend not in ("tcp", "auto"):
-        print(f"ferro bench: backend {args.backend!r} is not part of this ferro yet; use tcp", file=sys.stderr)
+    if args.backend not in ("tcp", "shm", "auto"):
+        print(f"ferro bench: backend {args.backend!r} is not available; use auto, tcp or shm", file=sys.stderr)
         return 2
     peers = [p for p in args.compare.split(",") if p]
     bad = [p for p in peers if p not in PEERS]

@@ -30,7 +30,7 @@ def plot(path: str, rows: list[Row]) -> None:
     for (library, op), points in sorted(series.items()):
         points.sort(key=lambda r: r.size)
         label = f"{library} {op}"
-        style = "-" if library == "ferro" else "--"
+        style = "-" if library.startswith("ferro") else "--"
         in_place = all(p.ip_time_us is not None for p in points)
         bandwidth.plot([p.size for p in points], [p.busbw(in_place) or 0 for p in points], style, marker="o", ms=3,
                        label=label)

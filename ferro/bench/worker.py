@@ -78,11 +78,12 @@ def _expected(redop: str, n: int) -> float:
 class _Ferro(_Adapter):
     name = "ferro"
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str = "auto") -> None:
         import ferro
 
         self.ferro = ferro
-        self.group = ferro.init_process_group()
+        self.group = ferro.init_process_group(backend=backend)
+        self.name = f"ferro-{type(self.group).__name__.removesuffix('Backend').lower()}"
         self.rank, self.world_size = self.group.rank, self.group.world_size
 
     def barrier(self) -> None:
@@ -321,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the worker's parser (the orchestrator passes these through)."""
     parser = argparse.ArgumentParser(prog="python -m ferro.bench.worker")
     parser.add_argument("--library", choices=list(ADAPTERS), default="ferro")
+    parser.add_argument("--backend", default="auto", help="ferro's backend: auto, tcp or shm")
     parser.add_argument("--ops", default="allreduce")
     parser.add_argument("--sizes", required=True, help="comma-separated byte sizes")
     parser.add_argument("--dtype", default="float32")
@@ -336,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one rank's sweep."""
     args = build_parser().parse_args(argv)
-    adapter = ADAPTERS[args.library]()
+    adapter = _Ferro(args.backend) if args.library == "ferro" else ADAPTERS[args.library]()
     rows: list[Row] = []
 
     def show(line: str) -> None:

@@ -23,6 +23,7 @@ from ferro.errors import DistributedTimeoutError, RankFailedError
 __all__ = ["RankExit", "free_port", "run_processes"]
 
 STACK_DUMP_GRACE = 1.0
+FAILURE_GATHER_SECONDS = 0.2
 _LOCALHOST = "127.0.0.1"
 
 
@@ -101,7 +102,8 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_s
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             result_pipe.send(("error", f"rank {rank} returned an unpicklable result: {exc!r}"))
     except BaseException:
-        result_pipe.send(("error", traceback.format_exc()))
+        # When one rank's failure makes its peers fail too, the earliest is the cause.
+        result_pipe.send(("error", traceback.format_exc(), time.monotonic()))
     finally:
         result_pipe.close()
 
@@ -223,14 +225,33 @@ def _collect(processes: list[multiprocessing.process.BaseProcess], pipes: list[m
                 results[rank] = message[1]
                 pending.discard(rank)
             else:
-                raise RankFailedError(f"rank {rank} failed:\n{message[1]}", rank, message[1])
+                rank, text = _earliest_failure(pipes, pending, rank, message)
+                raise RankFailedError(f"rank {rank} failed:\n{text}", rank, text)
     return results
 
 
-def _read_result(pipe: multiprocessing.connection.Connection) -> tuple[str, Any] | None:
+def _earliest_failure(pipes: list[multiprocessing.connection.Connection], pending: set[int], rank: int,
+                      message: tuple[Any, ...]) -> tuple[int, str]:
+    """Among the failures reported within a moment of this one, return the earliest (the cause)."""
+    failures = [(message[2] if len(message) > 2 else 0.0, rank, message[1])]
+    deadline = time.monotonic() + FAILURE_GATHER_SECONDS
+    others = [r for r in pending if r != rank]
+    while others and time.monotonic() < deadline:
+        for other in list(others):
+            reported = _read_result(pipes[other])
+            if reported is not None:
+                others.remove(other)
+                if reported[0] == "error":
+                    failures.append((reported[2] if len(reported) > 2 else 0.0, other, reported[1]))
+        time.sleep(0.005)
+    when, first, text = min(failures)
+    return first, text
+
+
+def _read_result(pipe: multiprocessing.connection.Connection) -> tuple[Any, ...] | None:
     try:
         if pipe.poll():
-            message: tuple[str, Any] = pipe.recv()
+            message: tuple[Any, ...] = pipe.recv()
             return message
     except (EOFError, OSError):
         pass
