@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--csv", help="write the rows as CSV")
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--plot", help="draw bus bandwidth and latency against size into this PNG (matplotlib)")
-    parser.add_argument("--compare", default="", help="also run torch-gloo and/or mpi, e.g. torch-gloo,mpi")
+    parser.add_argument("--compare", default="",
+                        help="also run torch-gloo and/or mpi, e.g. torch-gloo,mpi (MPI over TCP beside --backend tcp, "
+                             "else over its default shared-memory transport)")
     return parser
 
 
@@ -83,8 +85,11 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
         if mpirun is None:
             print("# mpi: mpirun not found; skipped (apt-get install openmpi-bin; pip install mpi4py)")
             return 0
-        command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(args.nproc), "--mca", "btl",
-                   "self,tcp", sys.executable, "-m", "ferro.bench.worker", *worker]
+        # Like for like: beside ferro's TCP, Open MPI's TCP path; beside shared memory, its own default
+        # on one host (its shared-memory transport).
+        transport = ["--mca", "btl", "self,tcp"] if args.backend == "tcp" else []
+        command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(args.nproc), *transport,
+                   sys.executable, "-m", "ferro.bench.worker", *worker]
         return subprocess.run(command, check=False).returncode
     return run_job(LaunchConfig(target=["-m", "ferro.bench.worker", *worker], nproc_per_node=args.nproc,
                                 prefix=False))
