@@ -9,6 +9,7 @@ Rank 0 prints the nccl-tests table as rows complete and writes them as JSON.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import sys
 import time
@@ -44,23 +45,26 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-class _Adapter:
+class _Adapter(abc.ABC):
     """What the sweep needs from a library: its ranks, a barrier, a MAX over ranks, and each op."""
 
     name = ""
     rank = 0
     world_size = 1
 
+    @abc.abstractmethod
     def barrier(self) -> None:
-        raise NotImplementedError
+        """Wait for every rank."""
 
+    @abc.abstractmethod
     def max_over_ranks(self, value: float) -> float:
-        raise NotImplementedError
+        """Return the largest ``value`` over the ranks."""
 
+    @abc.abstractmethod
     def plan(self, op: str, count: int, dtype: np.dtype, redop: str) -> Plan | None:
-        raise NotImplementedError
+        """Return the calls that measure and check ``op``, or None where the library lacks it."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: MPI needs no leaving
         """Leave the group."""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable
 
 import numpy as np
@@ -11,7 +12,7 @@ from ferro.nn.module import Parameter
 __all__ = ["SGD", "Adam", "Optimizer"]
 
 
-class Optimizer:
+class Optimizer(abc.ABC):
     """Base: the trainable parameters, :meth:`zero_grad` and :meth:`step`."""
 
     def __init__(self, params: Iterable[Parameter], lr: float) -> None:
@@ -26,9 +27,9 @@ class Optimizer:
             if param.grad is not None:
                 param.grad[...] = 0
 
+    @abc.abstractmethod
     def step(self) -> None:
         """Update every parameter from its gradient."""
-        raise NotImplementedError
 
 
 class SGD(Optimizer):
