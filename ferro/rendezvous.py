@@ -204,8 +204,10 @@ def build_mesh(
         lower = [f"{prefix}/addr/{j}" for j in range(rank)]
         if lower:
             store.wait(lower, timeout=_remaining(deadline, rank, "waiting for the lower ranks' addresses"))
-        for j in range(rank):
-            peer_host, peer_port = store.get(lower[j], timeout=1.0).decode().rsplit(":", 1)
+        # Read every address before the first connection: once connected to rank 0 this rank must
+        # not need the store any more, since rank 0 may then finish and close it.
+        addresses = [store.get(key, timeout=1.0).decode().rsplit(":", 1) for key in lower]
+        for j, (peer_host, peer_port) in enumerate(addresses):
             peers[j] = _connect_peer(
                 peer_host, int(peer_port), secret, _mesh_context(prefix, world_size, rank, j), deadline, rank, j)
         expected = set(range(rank + 1, world_size))

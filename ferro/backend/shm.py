@@ -11,9 +11,10 @@ from typing import Any
 from ferro._buffers import as_buffer
 from ferro._core.shm import Channel, Segment, segment_bytes
 from ferro._core.transport import KIND_ABORT, KIND_BARRIER
-from ferro.backend.base import FramedBackend, default_spin_us, dissemination_barrier
-from ferro.errors import BackendClosedError, ConfigurationError, DistributedError
-from ferro.rendezvous import RendezvousConfig, default_timeout
+from ferro.backend.base import default_spin_us, dissemination_barrier
+from ferro.backend.joined import StoreBackend
+from ferro.errors import ConfigurationError, DistributedError
+from ferro.rendezvous import default_timeout, validate_rank_and_size
 from ferro.store import Store
 
 __all__ = ["ShmBackend"]
@@ -60,7 +61,7 @@ def _ring_bytes(ring_bytes: int | None) -> int:
     return ring_bytes
 
 
-class ShmBackend(FramedBackend):
+class ShmBackend(StoreBackend):
     """A process group whose ranks share one host and talk through shared memory.
 
     Rank 0 creates the segment with owner-only permissions, under a random name
@@ -88,26 +89,20 @@ class ShmBackend(FramedBackend):
 
     """
 
+    store_namespace = "shm"
+
     def __init__(self, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500, *,
                  timeout: float | None = None, secret: bytes | str | None = None, store: Store | None = None,
                  ring_bytes: int | None = None, spin_us: float | None = None, close_store: bool = False) -> None:
-        config = RendezvousConfig.resolve(
-            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, secret=secret)
-        seconds = default_timeout(timeout)
-        owns_store = store is None or close_store
-        if store is None:
-            store = Store(master_addr, master_port, secret=config.secret, timeout=seconds, serve=(rank == 0))
-        try:
-            generation = store.add(f"ferro/shm-joins/{rank}", 1)
-            self._attach(rank, world_size, store, owns_store, f"ferro/shm/{generation}", seconds,
-                         _ring_bytes(ring_bytes), default_spin_us(spin_us, world_size))
-        except BaseException:
-            if owns_store:
-                store.close()
-            raise
+        validate_rank_and_size(rank, world_size)  # before anything uses them
+        ring = _ring_bytes(ring_bytes)
+        spin = default_spin_us(spin_us, world_size)
+        self._join(rank, world_size, master_addr, master_port, timeout, secret, store, close_store,
+                   lambda: self._attach(ring, spin))
 
-    def _attach(self, rank: int, world_size: int, store: Store, owns_store: bool, prefix: str, timeout: float,
-                ring_bytes: int, spin_us: float) -> None:
+    def _attach(self, ring_bytes: int, spin_us: float) -> None:
+        rank, world_size, store, prefix, timeout = (self._rank, self._world_size, self._store, self._prefix,
+                                                    self._timeout)
         size = segment_bytes(world_size, ring_bytes)
         path = None
         if rank == 0:
@@ -131,46 +126,17 @@ class ShmBackend(FramedBackend):
             store.set(f"{prefix}/segment", path)
         segment = Segment(mapping, world_size, ring_bytes)
         segment.register(rank, os.getpid())
+        # A rank's report is its last use of the store: rank 0 waits for every report, so it can
+        # never close the store (with its group) while another rank still needs it.
         store.set(f"{prefix}/mapped/{rank}", b"1")
         if rank == 0:
             try:
                 store.wait([f"{prefix}/mapped/{r}" for r in range(world_size)], timeout=timeout)
             finally:
                 os.unlink(path)  # every rank has it mapped (or the job failed): no name left behind
-            store.set(f"{prefix}/unlinked", b"1")
-        else:
-            store.wait([f"{prefix}/unlinked"], timeout=timeout)
-        self._rank, self._world_size, self._timeout = rank, world_size, timeout
-        self._store, self._owns_store, self._prefix = store, owns_store, prefix
         self._ring_bytes, self._spin_us = ring_bytes, spin_us
         self._mapping, self._segment = mapping, segment
-        self._closed = False
-        self._split_counts: dict[tuple[int, ...], int] = {}
         self._channels = {peer: Channel(segment, rank, peer, spin_us) for peer in range(world_size) if peer != rank}
-
-    @property
-    def rank(self) -> int:
-        """The calling process's rank."""
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks."""
-        return self._world_size
-
-    @property
-    def timeout(self) -> float:
-        """Default seconds for blocking operations."""
-        return self._timeout
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
-
-    def _usable(self, op: str) -> None:
-        if self._closed:
-            raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
 
     def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
         """Write one frame into the ring to ``dst`` (see :meth:`Backend.send_tagged`)."""
@@ -219,24 +185,15 @@ class ShmBackend(FramedBackend):
         """Create a segment of their own for ``ranks`` through this group's store (see :meth:`Backend.split`)."""
         self._usable("new_group")
         members = tuple(ranks)
-        count = self._split_counts.get(members, 0) + 1
-        self._split_counts[members] = count
         child = ShmBackend.__new__(ShmBackend)
-        child._attach(members.index(self._rank), len(members), self._store, False,
-                      f"{self._prefix}/sub/{'-'.join(map(str, members))}/{count}",
-                      self._timeout if timeout is None else default_timeout(timeout), self._ring_bytes,
-                      self._spin_us)
+        child._init_state(members.index(self._rank), len(members), self._store, False, self._split_prefix(members),
+                          self._secret, self._timeout if timeout is None else default_timeout(timeout))
+        child._attach(self._ring_bytes, self._spin_us)
         return child
 
-    def close(self) -> None:
-        """Tell the peers, unmap the segment, and close the store if this rank serves it. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
         self._segment.mark_closed(self._rank)
         for channel in self._channels.values():
             channel.close()
         self._segment.release()
         self._mapping.close()
-        if self._owns_store:
-            self._store.close()

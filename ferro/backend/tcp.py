@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 from collections.abc import Sequence
@@ -11,14 +10,16 @@ from typing import Any
 from ferro._buffers import as_buffer
 from ferro._core import collectives as native
 from ferro._core.transport import KIND_ABORT, Connection, sendrecv
-from ferro.backend.base import FramedBackend, default_spin_us
-from ferro.errors import BackendClosedError, ConfigurationError, DistributedError, DistributedTimeoutError
+from ferro.backend.base import default_spin_us
+from ferro.backend.joined import StoreBackend
+from ferro.errors import ConfigurationError, DistributedError
 from ferro.rendezvous import (
     BIND_ADDR_ENV,
     RendezvousConfig,
     build_mesh,
     default_timeout,
     local_address_towards,
+    validate_rank_and_size,
 )
 from ferro.store import Store
 
@@ -42,7 +43,7 @@ def _size_socket_buffers(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
 
 
-class TcpBackend(FramedBackend):
+class TcpBackend(StoreBackend):
     """A process group whose ranks are connected pairwise by TCP (a full mesh).
 
     Rank 0 serves the rendezvous :class:`~ferro.Store` on ``master_addr:master_port``
@@ -82,6 +83,8 @@ class TcpBackend(FramedBackend):
 
     """
 
+    store_namespace = "tcp"
+
     def __init__(
         self,
         rank: int,
@@ -96,31 +99,11 @@ class TcpBackend(FramedBackend):
         spin_us: float | None = None,
         close_store: bool = False,
     ) -> None:
-        config = RendezvousConfig.resolve(
-            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, secret=secret)
-        seconds = default_timeout(timeout)
-        owns_store = store is None or close_store
-        if store is None:
-            store = Store(master_addr, master_port, secret=config.secret, timeout=seconds, serve=(rank == 0))
-        try:
-            # Every rank counts its own joins, so a job that re-creates its group
-            # on a long-lived store never meets the previous group's addresses.
-            generation = store.add(f"ferro/joins/{rank}", 1)
-            bind = bind_addr or os.environ.get(BIND_ADDR_ENV) or local_address_towards(master_addr)
-            self._connect(rank, world_size, store, owns_store, f"ferro/world/{generation}", config.secret, bind,
-                          seconds, default_spin_us(spin_us, world_size))
-        except DistributedTimeoutError as exc:
-            if owns_store:
-                store.close()
-            refused = store.server.refused if store.server is not None else ()
-            if refused:
-                raise DistributedTimeoutError(
-                    f"{exc}; meanwhile the store refused {len(refused)} connection(s): {refused[-1]}") from exc
-            raise
-        except BaseException:
-            if owns_store:
-                store.close()
-            raise
+        validate_rank_and_size(rank, world_size)  # before anything uses them
+        bind = bind_addr or os.environ.get(BIND_ADDR_ENV) or local_address_towards(master_addr)
+        spin = default_spin_us(spin_us, world_size)
+        self._join(rank, world_size, master_addr, master_port, timeout, secret, store, close_store,
+                   lambda: self._connect(bind, spin))
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> TcpBackend:
@@ -139,60 +122,21 @@ class TcpBackend(FramedBackend):
         return cls(config.rank, config.world_size, config.master_addr, config.master_port, secret=config.secret,
                    **kwargs)
 
-    def _connect(self, rank: int, world_size: int, store: Store, owns_store: bool, prefix: str, secret: bytes,
-                 bind_addr: str, timeout: float, spin_us: float) -> None:
-        sockets = build_mesh(store, rank, world_size, prefix=prefix, secret=secret, bind_addr=bind_addr,
-                             timeout=timeout)
-        self._rank = rank
-        self._world_size = world_size
-        self._timeout = timeout
-        self._store = store
-        self._owns_store = owns_store
-        self._prefix = prefix
-        self._secret = secret
+    def _connect(self, bind_addr: str, spin_us: float) -> None:
+        sockets = build_mesh(self._store, self._rank, self._world_size, prefix=self._prefix, secret=self._secret,
+                             bind_addr=bind_addr, timeout=self._timeout)
         self._bind_addr = bind_addr
         self._spin_us = spin_us
-        self._closed = False
-        self._split_counts: dict[tuple[int, ...], int] = {}
         self._conns: dict[int, Connection] = {}
         for peer, sock in sockets.items():
             _size_socket_buffers(sock)
-            self._conns[peer] = Connection(sock, rank, peer, spin_us=spin_us)
+            self._conns[peer] = Connection(sock, self._rank, peer, spin_us=spin_us)
         # Indexed by rank, for the native collectives (None stands for this rank).
-        self._conn_table = tuple(self._conns.get(peer) for peer in range(world_size))
-
-    @property
-    def rank(self) -> int:
-        """The calling process's rank in the group."""
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks in the group."""
-        return self._world_size
-
-    @property
-    def timeout(self) -> float:
-        """Default seconds for blocking operations."""
-        return self._timeout
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
-
-    @property
-    def store(self) -> Store:
-        """The rendezvous store this group was built through."""
-        return self._store
+        self._conn_table = tuple(self._conns.get(peer) for peer in range(self._world_size))
 
     def connection(self, peer: int) -> Connection:
         """Return the compiled connection to ``peer`` (for ferro's own algorithms)."""
         return self._conns[self.check_peer(peer, "connection")]
-
-    def _usable(self, op: str) -> None:
-        if self._closed:
-            raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
 
     def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
         """Send one frame with ``kind`` and ``fingerprint`` in its header (see :meth:`Backend.send_tagged`)."""
@@ -265,21 +209,12 @@ class TcpBackend(FramedBackend):
         """Connect a new mesh among ``ranks`` through this group's store (see :meth:`Backend.split`)."""
         self._usable("new_group")
         members = tuple(ranks)
-        count = self._split_counts.get(members, 0) + 1
-        self._split_counts[members] = count
-        digest = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
         child = TcpBackend.__new__(TcpBackend)
-        child._connect(members.index(self._rank), len(members), self._store, False,
-                       f"{self._prefix}/sub/{digest}/{count}", self._secret, self._bind_addr,
-                       default_timeout(timeout) if timeout is not None else self._timeout, self._spin_us)
+        child._init_state(members.index(self._rank), len(members), self._store, False, self._split_prefix(members),
+                          self._secret, self._timeout if timeout is None else default_timeout(timeout))
+        child._connect(self._bind_addr, self._spin_us)
         return child
 
-    def close(self) -> None:
-        """Close every connection, and the store if this rank serves it. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
         for conn in self._conns.values():
             conn.close()
-        if self._owns_store:
-            self._store.close()

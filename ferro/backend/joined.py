@@ -1,0 +1,111 @@
+"""What the TCP and shared-memory groups share: joining the job through its rendezvous store."""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from collections.abc import Callable, Sequence
+
+from ferro.backend.base import FramedBackend
+from ferro.errors import BackendClosedError, DistributedTimeoutError
+from ferro.rendezvous import RendezvousConfig, default_timeout
+from ferro.store import Store
+
+__all__ = ["StoreBackend"]
+
+
+class StoreBackend(FramedBackend):
+    """A framed backend whose ranks meet through the job's store.
+
+    Rank 0 serves the store unless one is given. Each rank counts its own joins
+    in the store, so a job that re-creates its group on a long-lived store never
+    meets the previous group's keys. Subclasses attach their transport (a mesh
+    of sockets, a shared segment) under the prefix this class hands them.
+    """
+
+    #: Names this kind of group in the store's keys.
+    store_namespace = ""
+
+    def _join(self, rank: int, world_size: int, master_addr: str, master_port: int, timeout: float | None,
+              secret: bytes | str | None, store: Store | None, close_store: bool,
+              attach: Callable[[], None]) -> None:
+        config = RendezvousConfig.resolve(
+            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, secret=secret)
+        seconds = default_timeout(timeout)
+        owns_store = store is None or close_store
+        if store is None:
+            store = Store(master_addr, master_port, secret=config.secret, timeout=seconds, serve=(rank == 0))
+        try:
+            generation = store.add(f"ferro/{self.store_namespace}-joins/{rank}", 1)
+            self._init_state(rank, world_size, store, owns_store, f"ferro/{self.store_namespace}/{generation}",
+                             config.secret, seconds)
+            attach()
+        except DistributedTimeoutError as exc:
+            if owns_store:
+                store.close()
+            refused = store.server.refused if store.server is not None else ()
+            if refused:
+                raise DistributedTimeoutError(
+                    f"{exc}; meanwhile the store refused {len(refused)} connection(s): {refused[-1]}") from exc
+            raise
+        except BaseException:
+            if owns_store:
+                store.close()
+            raise
+
+    def _init_state(self, rank: int, world_size: int, store: Store, owns_store: bool, prefix: str, secret: bytes,
+                    timeout: float) -> None:
+        self._rank, self._world_size, self._timeout = rank, world_size, timeout
+        self._store, self._owns_store, self._prefix, self._secret = store, owns_store, prefix, secret
+        self._closed = False
+        self._split_counts: dict[tuple[int, ...], int] = {}
+
+    def _split_prefix(self, members: Sequence[int]) -> str:
+        """Return the store prefix of the next sub-group made of ``members`` (the same on every member)."""
+        key = tuple(members)
+        count = self._split_counts.get(key, 0) + 1
+        self._split_counts[key] = count
+        digest = hashlib.sha1(",".join(map(str, key)).encode()).hexdigest()[:16]
+        return f"{self._prefix}/sub/{digest}/{count}"
+
+    @property
+    def rank(self) -> int:
+        """The calling process's rank in the group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the group."""
+        return self._world_size
+
+    @property
+    def timeout(self) -> float:
+        """Default seconds for blocking operations."""
+        return self._timeout
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    @property
+    def store(self) -> Store:
+        """The rendezvous store this group was built through."""
+        return self._store
+
+    def _usable(self, op: str) -> None:
+        if self._closed:
+            raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Let go of the transport (sockets, mappings)."""
+
+    def close(self) -> None:
+        """Release the transport, and the store if this rank serves it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+        if self._owns_store:
+            self._store.close()
