@@ -21,6 +21,7 @@ from ferro.bench.worker import main as worker_main
 from ferro.environment import detect
 from ferro.errors import ConfigurationError
 from ferro.launch.agent import LaunchConfig, run_job
+from ferro.testing.processes import free_port
 
 __all__ = ["build_parser", "main", "parse_size"]
 
@@ -91,8 +92,9 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
         command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(args.nproc), *transport,
                    sys.executable, "-m", "ferro.bench.worker", *worker]
         return subprocess.run(command, check=False).returncode
+    # A free port, as `ferro run` picks on one node: never a fixed one another job may hold.
     return run_job(LaunchConfig(target=["-m", "ferro.bench.worker", *worker], nproc_per_node=args.nproc,
-                                prefix=False))
+                                master_port=free_port(), prefix=False))
 
 
 def _available(library: str) -> str | None:
