@@ -40,6 +40,8 @@ log = logging.getLogger("ferro.store")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_TIMEOUT = 300.0
 HANDSHAKE_TIMEOUT = 10.0
+# How long close() lets requests already being served send their answers.
+DRAIN_SECONDS = 2.0
 # Extra seconds a client waits beyond a server-side wait, so the server's answer wins the race.
 REPLY_MARGIN = 5.0
 
@@ -125,6 +127,7 @@ class StoreServer:
         self._closing = False
         self._clients: set[socket.socket] = set()
         self._refused: list[str] = []
+        self._in_flight = 0  # requests read whose answer is not yet sent
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -146,12 +149,20 @@ class StoreServer:
             return tuple(self._refused)
 
     def close(self) -> None:
-        """Stop serving: wake waiting requests, close every client connection. Idempotent."""
+        """Stop serving: wake waiting requests, let answers in progress go out, close every connection.
+
+        A request the server already applied (the last ``set`` of a rank that is
+        done with the store, say) still gets its answer, so the client sees success
+        rather than a lost connection. Idempotent.
+        """
         with self._cond:
             if self._closing:
                 return
             self._closing = True
             self._cond.notify_all()
+            deadline = time.monotonic() + DRAIN_SECONDS
+            while self._in_flight and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
             clients = list(self._clients)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
@@ -196,9 +207,16 @@ class StoreServer:
                 body = _read_message(sock)
                 if body is None:
                     return
-                code, args = _unpack(body)
-                status, results = self._execute(code, args)
-                sock.sendall(_pack(status, results))
+                with self._cond:
+                    self._in_flight += 1
+                try:
+                    code, args = _unpack(body)
+                    status, results = self._execute(code, args)
+                    sock.sendall(_pack(status, results))
+                finally:
+                    with self._cond:
+                        self._in_flight -= 1
+                        self._cond.notify_all()
         except (OSError, ValueError) as exc:
             if not self._closing:
                 log.debug("store on port %d: dropping %s: %s", self.port, peer, exc)

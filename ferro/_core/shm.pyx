@@ -28,19 +28,17 @@ from ferro._core.transport cimport (
     ST_SIZE_MISMATCH,
     ST_TIMEOUT,
     ST_TOO_LARGE,
+    acquire_buffer,
     monotonic_ns,
 )
 
-from ferro._core.transport import KIND_ABORT, MAX_ABORT_BYTES, abort_error, kind_name
+from ferro._core.transport import KIND_ABORT, MAX_ABORT_BYTES, abort_error, mismatch_error, size_error
 from ferro.errors import (
     BackendClosedError,
-    CollectiveMismatchError,
     ConnectionBrokenError,
     DistributedTimeoutError,
-    InvalidBufferError,
     PeerLostError,
     ProtocolError,
-    SizeMismatchError,
 )
 
 cdef extern from "shm_ring.h" nogil:
@@ -390,7 +388,7 @@ cdef class Channel:
         source._usable(op)
         try:
             if send_buf is not None:
-                _take(send_buf, &out_view, False, op)
+                acquire_buffer(send_buf, &out_view, False, op)
                 has_out = True
                 memset(&s, 0, sizeof(SendState))
                 s.ring = self.segment.ring(self.rank, self.peer)
@@ -398,7 +396,7 @@ cdef class Channel:
                 s.length = <size_t>out_view.len
                 ferro_pack_header(s.header, kind, s.length, self.send_seq, fingerprint)
             if recv_buf is not None:
-                _take(recv_buf, &in_view, True, op)
+                acquire_buffer(recv_buf, &in_view, True, op)
                 has_in = True
                 memset(&r, 0, sizeof(RecvState))
                 r.ring = source.segment.ring(source.peer, source.rank)
@@ -450,26 +448,10 @@ cdef class Channel:
             self.exchange(None, payload, kind=KIND_ABORT, fingerprint=r.seen_fingerprint, timeout=5.0, op="abort")
             raise abort_error(bytes(payload), self.peer, where)
         if status == ST_MISMATCH:
-            raise CollectiveMismatchError(
-                f"{where}: this rank expected a {kind_name(r.kind)} frame (fingerprint 0x{r.fingerprint:x}) but "
-                f"rank {self.peer} sent a {kind_name(r.seen_kind)} frame (fingerprint 0x{r.seen_fingerprint:x}) "
-                f"at seq {r.seen_seq}: the two ranks made different calls; the frame was not consumed",
-                self.peer, (r.kind, r.fingerprint), (r.seen_kind, r.seen_fingerprint))
+            raise mismatch_error(where, self.peer, r.kind, r.fingerprint, r.seen_kind, r.seen_fingerprint,
+                                 r.seen_seq)
         if status == ST_TOO_LARGE or status == ST_SIZE_MISMATCH:
-            raise SizeMismatchError(
-                f"{where}: rank {self.peer} sent a {r.seen_length}-byte payload but the receive buffer expects "
-                f"exactly {r.capacity} bytes (frame seq {r.seen_seq}); the frame was not consumed",
-                expected=r.capacity, actual=r.seen_length)
+            raise size_error(where, self.peer, r.seen_length, r.capacity, status == ST_SIZE_MISMATCH, r.seen_seq)
         raise ProtocolError(f"{where}: a corrupt frame in the shared-memory ring (status {status}); the group is "
                             f"unusable")
 
-
-cdef int _take(object obj, Py_buffer* view, bint writable, str op) except -1:
-    from ferro._core.transport import describe_buffer_problem
-
-    cdef int flags = PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
-    try:
-        PyObject_GetBuffer(obj, view, flags)
-    except (BufferError, TypeError, ValueError) as exc:
-        raise InvalidBufferError(f"{op}: {describe_buffer_problem(obj, writable)}") from exc
-    return 0

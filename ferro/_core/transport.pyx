@@ -404,7 +404,7 @@ cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil:
     return 0
 
 
-cdef int _acquire(object obj, Py_buffer* view, bint writable, str op) except -1:
+cdef int acquire_buffer(object obj, Py_buffer* view, bint writable, str op) except -1:
     cdef int flags = PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
     try:
         PyObject_GetBuffer(obj, view, flags)
@@ -594,7 +594,7 @@ cdef class Connection:
         cdef Py_buffer view
         cdef SendOp s
         self.check_usable(op)
-        _acquire(buf, &view, False, op)
+        acquire_buffer(buf, &view, False, op)
         try:
             self.lock(self.send_lock, timeout, op)
             try:
@@ -630,7 +630,7 @@ cdef class Connection:
         cdef Py_buffer view
         cdef RecvOp r
         self.check_usable(op)
-        _acquire(buf, &view, True, op)
+        acquire_buffer(buf, &view, True, op)
         try:
             self.lock(self.recv_lock, timeout, op)
             try:
@@ -686,9 +686,9 @@ def sendrecv(Connection send_conn, send_buf, Connection recv_conn, recv_buf, *,
     cdef RecvOp r
     send_conn.check_usable(op)
     recv_conn.check_usable(op)
-    _acquire(send_buf, &send_view, False, op)
+    acquire_buffer(send_buf, &send_view, False, op)
     try:
-        _acquire(recv_buf, &recv_view, True, op)
+        acquire_buffer(recv_buf, &recv_view, True, op)
     except BaseException:
         PyBuffer_Release(&send_view)
         raise
@@ -773,20 +773,31 @@ cdef object _recv_error(RecvOp* r, str op, double timeout):
     if status == ST_MISMATCH and r.seen_kind == KIND_ABORT and r.seen_length <= MAX_ABORT_BYTES:
         return _read_abort(r, where)
     if status == ST_MISMATCH:
-        return CollectiveMismatchError(
-            f"{where}: this rank expected a {kind_name(r.kind)} frame (fingerprint 0x{r.fingerprint:x}) but "
-            f"rank {st.peer_rank} sent a {kind_name(r.seen_kind)} frame (fingerprint 0x{r.seen_fingerprint:x}) "
-            f"at seq {r.seen_seq}: the two ranks made different calls; the frame was not consumed",
-            st.peer_rank, (r.kind, r.fingerprint), (r.seen_kind, r.seen_fingerprint))
+        return mismatch_error(where, st.peer_rank, r.kind, r.fingerprint, r.seen_kind, r.seen_fingerprint,
+                              r.seen_seq)
     if status == ST_TOO_LARGE or status == ST_SIZE_MISMATCH:
-        relation = "holds" if status == ST_TOO_LARGE else "expects exactly"
-        return SizeMismatchError(
-            f"{where}: rank {st.peer_rank} sent a {r.seen_length}-byte payload but the receive buffer "
-            f"{relation} {r.capacity} bytes (frame seq {r.seen_seq}); the frame was not consumed",
-            expected=r.capacity, actual=r.seen_length)
+        return size_error(where, st.peer_rank, r.seen_length, r.capacity, status == ST_SIZE_MISMATCH, r.seen_seq)
     if status == ST_INTR:
         return None
     return _generic_error(status, where, st)
+
+
+def mismatch_error(str where, int peer, uint32_t kind, uint64_t fingerprint, uint32_t seen_kind,
+                   uint64_t seen_fingerprint, uint64_t seq) -> Exception:
+    """The error for a frame refused because the peer made another call (it stays unconsumed)."""
+    return CollectiveMismatchError(
+        f"{where}: this rank expected a {kind_name(kind)} frame (fingerprint 0x{fingerprint:x}) but "
+        f"rank {peer} sent a {kind_name(seen_kind)} frame (fingerprint 0x{seen_fingerprint:x}) "
+        f"at seq {seq}: the two ranks made different calls; the frame was not consumed",
+        peer, (kind, fingerprint), (seen_kind, seen_fingerprint))
+
+
+def size_error(str where, int peer, uint64_t length, uint64_t capacity, bint exact, uint64_t seq) -> Exception:
+    """The error for a frame refused for its size (it stays unconsumed)."""
+    relation = "expects exactly" if exact else "holds"
+    return SizeMismatchError(
+        f"{where}: rank {peer} sent a {length}-byte payload but the receive buffer {relation} {capacity} bytes "
+        f"(frame seq {seq}); the frame was not consumed", expected=capacity, actual=length)
 
 
 cdef object _read_abort(RecvOp* refused, str where):

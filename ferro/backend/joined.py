@@ -5,7 +5,9 @@ from __future__ import annotations
 import abc
 import hashlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from ferro._buffers import as_buffer
 from ferro.backend.base import FramedBackend
 from ferro.errors import BackendClosedError, DistributedTimeoutError
 from ferro.rendezvous import RendezvousConfig, default_timeout
@@ -20,8 +22,12 @@ class StoreBackend(FramedBackend):
     Rank 0 serves the store unless one is given. Each rank counts its own joins
     in the store, so a job that re-creates its group on a long-lived store never
     meets the previous group's keys. Subclasses attach their transport (a mesh
-    of sockets, a shared segment) under the prefix this class hands them.
+    of sockets, a shared segment) under the prefix this class hands them, and
+    keep one link per peer in ``_links``: an object with ``send`` and
+    ``recv_into`` taking ``kind``, ``fingerprint``, ``timeout`` and ``op``.
     """
+
+    _links: dict[int, Any]
 
     #: Names this kind of group in the store's keys.
     store_namespace = ""
@@ -96,6 +102,23 @@ class StoreBackend(FramedBackend):
     def _usable(self, op: str) -> None:
         if self._closed:
             raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
+
+    def _seconds(self, timeout: float | None) -> float:
+        return self._timeout if timeout is None else timeout
+
+    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Send one frame with ``kind`` and ``fingerprint`` in its header (see :meth:`Backend.send_tagged`)."""
+        self._usable("send")
+        dst = self.check_peer(dst, "send")
+        self._links[dst].send(as_buffer(buf, "send"), kind=kind, fingerprint=fingerprint,
+                              timeout=self._seconds(timeout), op="send")
+
+    def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Receive one frame, refusing another kind or fingerprint (see :meth:`Backend.recv_tagged`)."""
+        self._usable("recv")
+        src = self.check_peer(src, "recv")
+        self._links[src].recv_into(as_buffer(buf, "recv"), kind=kind, fingerprint=fingerprint,
+                                   timeout=self._seconds(timeout), op="recv")
 
     @abc.abstractmethod
     def _release(self) -> None:

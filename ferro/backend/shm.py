@@ -136,21 +136,7 @@ class ShmBackend(StoreBackend):
                 os.unlink(path)  # every rank has it mapped (or the job failed): no name left behind
         self._ring_bytes, self._spin_us = ring_bytes, spin_us
         self._mapping, self._segment = mapping, segment
-        self._channels = {peer: Channel(segment, rank, peer, spin_us) for peer in range(world_size) if peer != rank}
-
-    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
-        """Write one frame into the ring to ``dst`` (see :meth:`Backend.send_tagged`)."""
-        self._usable("send")
-        dst = self.check_peer(dst, "send")
-        self._channels[dst].send(as_buffer(buf, "send"), kind=kind, fingerprint=fingerprint,
-                                 timeout=self._timeout if timeout is None else timeout, op="send")
-
-    def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
-        """Read one frame from the ring from ``src`` (see :meth:`Backend.recv_tagged`)."""
-        self._usable("recv")
-        src = self.check_peer(src, "recv")
-        self._channels[src].recv_into(as_buffer(buf, "recv"), kind=kind, fingerprint=fingerprint,
-                                      timeout=self._timeout if timeout is None else timeout, op="recv")
+        self._links = {peer: Channel(segment, rank, peer, spin_us) for peer in range(world_size) if peer != rank}
 
     def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
                         timeout: float | None = None) -> None:
@@ -158,24 +144,24 @@ class ShmBackend(StoreBackend):
         self._usable("sendrecv")
         dst = self.check_peer(dst, "sendrecv")
         src = self.check_peer(src, "sendrecv")
-        self._channels[dst].exchange(as_buffer(send_buf, "sendrecv"), as_buffer(recv_buf, "sendrecv"), kind=kind,
-                                     fingerprint=fingerprint, timeout=self._timeout if timeout is None else timeout,
-                                     op="sendrecv", receive_from=self._channels[src])
+        self._links[dst].exchange(as_buffer(send_buf, "sendrecv"), as_buffer(recv_buf, "sendrecv"), kind=kind,
+                                     fingerprint=fingerprint, timeout=self._seconds(timeout),
+                                     op="sendrecv", receive_from=self._links[src])
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Block until every rank has entered the barrier (dissemination algorithm)."""
         self._usable("barrier")
-        seconds = self._timeout if timeout is None else timeout
+        seconds = self._seconds(timeout)
         sink = bytearray(0)
         dissemination_barrier(
             self._rank, self._world_size,
-            lambda dst, src: self._channels[dst].exchange(b"", sink, kind=KIND_BARRIER, fingerprint=0,
+            lambda dst, src: self._links[dst].exchange(b"", sink, kind=KIND_BARRIER, fingerprint=0,
                                                           timeout=seconds, op="barrier",
-                                                          receive_from=self._channels[src]))
+                                                          receive_from=self._links[src]))
 
     def abort_peers(self, payload: bytes) -> None:
         """Leave an abort notice in every peer's ring (one second each at most)."""
-        for channel in self._channels.values():
+        for channel in self._links.values():
             try:
                 channel.send(payload, kind=KIND_ABORT, fingerprint=0, timeout=1.0, op="abort")
             except DistributedError:
@@ -193,7 +179,7 @@ class ShmBackend(StoreBackend):
 
     def _release(self) -> None:
         self._segment.mark_closed(self._rank)
-        for channel in self._channels.values():
+        for channel in self._links.values():
             channel.close()
         self._segment.release()
         self._mapping.close()

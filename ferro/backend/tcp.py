@@ -127,30 +127,16 @@ class TcpBackend(StoreBackend):
                              bind_addr=bind_addr, timeout=self._timeout)
         self._bind_addr = bind_addr
         self._spin_us = spin_us
-        self._conns: dict[int, Connection] = {}
+        self._links = {}
         for peer, sock in sockets.items():
             _size_socket_buffers(sock)
-            self._conns[peer] = Connection(sock, self._rank, peer, spin_us=spin_us)
+            self._links[peer] = Connection(sock, self._rank, peer, spin_us=spin_us)
         # Indexed by rank, for the native collectives (None stands for this rank).
-        self._conn_table = tuple(self._conns.get(peer) for peer in range(self._world_size))
+        self._conn_table = tuple(self._links.get(peer) for peer in range(self._world_size))
 
     def connection(self, peer: int) -> Connection:
         """Return the compiled connection to ``peer`` (for ferro's own algorithms)."""
-        return self._conns[self.check_peer(peer, "connection")]
-
-    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
-        """Send one frame with ``kind`` and ``fingerprint`` in its header (see :meth:`Backend.send_tagged`)."""
-        self._usable("send")
-        dst = self.check_peer(dst, "send")
-        self._conns[dst].send(as_buffer(buf, "send"), kind=kind, fingerprint=fingerprint,
-                              timeout=self._timeout if timeout is None else timeout, op="send")
-
-    def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
-        """Receive one frame, refusing another kind or fingerprint (see :meth:`Backend.recv_tagged`)."""
-        self._usable("recv")
-        src = self.check_peer(src, "recv")
-        self._conns[src].recv_into(as_buffer(buf, "recv"), kind=kind, fingerprint=fingerprint,
-                                   timeout=self._timeout if timeout is None else timeout, op="recv")
+        return self._links[self.check_peer(peer, "connection")]
 
     def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
                         timeout: float | None = None) -> None:
@@ -158,8 +144,8 @@ class TcpBackend(StoreBackend):
         self._usable("sendrecv")
         dst = self.check_peer(dst, "sendrecv")
         src = self.check_peer(src, "sendrecv")
-        sendrecv(self._conns[dst], as_buffer(send_buf, "sendrecv"), self._conns[src], as_buffer(recv_buf, "sendrecv"),
-                 kind=kind, fingerprint=fingerprint, timeout=self._timeout if timeout is None else timeout,
+        sendrecv(self._links[dst], as_buffer(send_buf, "sendrecv"), self._links[src], as_buffer(recv_buf, "sendrecv"),
+                 kind=kind, fingerprint=fingerprint, timeout=self._seconds(timeout),
                  op="sendrecv")
 
     def native_allreduce(self, flat: Any, dtype: Any, op_code: int, fingerprint: int, timeout: float,
@@ -193,7 +179,7 @@ class TcpBackend(StoreBackend):
 
     def abort_peers(self, payload: bytes) -> None:
         """Send an abort notice to every peer whose connection still works (one second each at most)."""
-        for conn in self._conns.values():
+        for conn in self._links.values():
             if conn.broken is None and not conn.closed:
                 try:
                     conn.send(payload, kind=KIND_ABORT, timeout=1.0, op="abort")
@@ -203,7 +189,7 @@ class TcpBackend(StoreBackend):
     def barrier(self, *, timeout: float | None = None) -> None:
         """Block until every rank has entered the barrier (dissemination algorithm)."""
         self._usable("barrier")
-        native.barrier(self._conn_table, self._rank, self._timeout if timeout is None else timeout)
+        native.barrier(self._conn_table, self._rank, self._seconds(timeout))
 
     def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> TcpBackend:
         """Connect a new mesh among ``ranks`` through this group's store (see :meth:`Backend.split`)."""
@@ -216,5 +202,5 @@ class TcpBackend(StoreBackend):
         return child
 
     def _release(self) -> None:
-        for conn in self._conns.values():
+        for conn in self._links.values():
             conn.close()
