@@ -134,16 +134,16 @@ def _start(config: LaunchConfig, restart: int, pump: _OutputPump) -> list[subpro
     command = [sys.executable, "-u", "-m", "ferro.launch.bootstrap", *config.target]
     ranks = []
     for local in range(config.nproc_per_node):
-        pipe = subprocess.PIPE if config.prefix else None
         # A session of its own: the rank and everything it starts can be signalled as one group.
-        process = subprocess.Popen(command, env=_environment(config, local, restart), stdout=pipe, stderr=pipe,
-                                   start_new_session=True)
+        process = subprocess.Popen(command, env=_environment(config, local, restart), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, start_new_session=True)
         ranks.append(process)
-        if config.prefix:
-            rank = config.node_rank * config.nproc_per_node + local
-            assert process.stdout is not None and process.stderr is not None  # piped above
-            pump.follow(process.stdout, sys.stdout.buffer, f"[rank {rank}] ".encode())
-            pump.follow(process.stderr, sys.stderr.buffer, f"[rank {rank}] ".encode())
+        # Output always passes through here line by line, so ranks' lines never interleave mid-line.
+        rank = config.node_rank * config.nproc_per_node + local
+        prefix = f"[rank {rank}] ".encode() if config.prefix else b""
+        assert process.stdout is not None and process.stderr is not None  # piped above
+        pump.follow(process.stdout, sys.stdout.buffer, prefix)
+        pump.follow(process.stderr, sys.stderr.buffer, prefix)
     return ranks
 
 
