@@ -12,6 +12,7 @@ compile_args = ["-O0", "-g", "-fwrapv"] if debug else ["-O3", "-fwrapv"]
 
 
 def core_module(name: str) -> Extension:
+    """One compiled module of ``ferro/_core``, built with the shared flags."""
     return Extension(
         f"ferro._core.{name}",
         [f"ferro/_core/{name}.pyx"],
@@ -22,7 +23,8 @@ def core_module(name: str) -> Extension:
     )
 
 
-extensions = [core_module("transport"), core_module("reduce"), core_module("collectives"), core_module("shm")]
+extensions = [core_module("transport"), core_module("reduce"), core_module("collectives"), core_module("shm"),
+              core_module("arena")]
 
 setup(
     ext_modules=cythonize(

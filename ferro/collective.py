@@ -214,7 +214,12 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend 
         flat = data.array.reshape(-1)
         if g.world_size > 1 and flat.size > 0:
             accumulator = flat if g.rank == root else flat.copy()
-            algo.reduce_tree(link, accumulator, root, data.dtype, reduce_op.kernel_code)
+            native = getattr(g, "native_reduce", None)
+            if native is not None:
+                native(accumulator, root, data.dtype.code, reduce_op.kernel_code, data.dtype.itemsize,
+                       link.fingerprint, link.timeout)
+            else:
+                algo.reduce_tree(link, accumulator, root, data.dtype, reduce_op.kernel_code)
         if g.rank == root:
             _finish_mean(flat, data.dtype, reduce_op, g.world_size)
         return x

@@ -11,6 +11,7 @@ import pytest
 import ferro
 from ferro.backend.shm import SHM_DIR, _sweep_stale_segments
 from ferro.testing import RankExit, run_processes
+from ferro.testing.conformance import check_collectives
 
 
 def ferro_segments():
@@ -126,3 +127,88 @@ def rank_big_exchange(rank, world_size, ring_bytes):
         theirs = np.empty(n)
         group.sendrecv(mine, (rank + 1) % world_size, theirs, (rank - 1) % world_size)
         return bool(np.array_equal(theirs, np.arange(n, dtype=np.float64) + (rank - 1) % world_size))
+
+
+# --- the collective arena ------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_in_many_small_chunks_match_numpy(world_size):
+    # 4 KiB slot buffers cut every message above a few hundred elements into many chunks,
+    # with parts of uneven length: the pipelining and bounds logic, against the NumPy reference.
+    reports = run_processes(check_collectives, world_size, backend="shm", timeout=240,
+                            env={"FERRO_SHM_BUFFER_BYTES": "4096"})
+    assert reports[0].cases > 1500
+    assert [line for report in reports for line in report.failures] == []
+    assert len({report.digest for report in reports}) == 1
+
+
+def rank_arena_mismatch_reaches_a_bystander(group):
+    # Ranks 0 and 1 disagree on the size; rank 2 made the call rank 0 made and is waiting.
+    count = 9 if group.rank == 1 else 8
+    start = time.monotonic()
+    try:
+        ferro.allreduce(np.ones(count, np.float32), group=group, timeout=60)
+        return "no error"
+    except ferro.CollectiveMismatchError as exc:
+        return "mismatch", "8 elements" in str(exc) or "gave up" in str(exc), time.monotonic() - start < 30
+
+
+def test_a_mismatch_in_the_arena_reaches_every_rank_promptly():
+    assert run_processes(rank_arena_mismatch_reaches_a_bystander, 3, backend="shm", timeout=90) == [
+        ("mismatch", True, True)] * 3
+
+
+def rank_killed_in_arena(group):
+    x = np.ones(1 << 20, np.float32)
+    ferro.allreduce(x.copy(), group=group)
+    if group.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for _ in range(100):
+            ferro.allreduce(x, group=group, timeout=60)
+        return "finished"
+    except ferro.PeerLostError as exc:
+        return exc.peer, time.monotonic() - start < 30, ferro_segments()
+
+
+def test_rank_killed_in_an_arena_collective_is_noticed_and_nothing_is_left():
+    before = ferro_segments()
+    results = run_processes(rank_killed_in_arena, 3, backend="shm", allow_exit={1}, timeout=90)
+    assert results[1] == RankExit(None, "SIGKILL")
+    for rank in (0, 2):
+        peer, prompt, during = results[rank]
+        assert peer == 1 and prompt and during == before, results
+    assert ferro_segments() == before
+
+
+def rank_interrupted_in_barrier(group):
+    if group.rank == 1:
+        time.sleep(1.0)  # never enters the barrier while rank 0 waits
+        return "slept"
+    threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT)).start()
+    try:
+        group.barrier(timeout=60)
+        return "no interrupt"
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+
+
+def test_ctrl_c_interrupts_a_rank_waiting_in_the_arena():
+    assert run_processes(rank_interrupted_in_barrier, 2, backend="shm", timeout=60) == ["KeyboardInterrupt",
+                                                                                       "slept"]
+
+
+def rank_arena_timeout(group):
+    if group.rank == 1:
+        time.sleep(1.5)
+        return "late"
+    try:
+        ferro.allreduce(np.ones(4), group=group, timeout=0.3)
+        return "no timeout"
+    except ferro.DistributedTimeoutError as exc:
+        return "rank 1" in str(exc) and isinstance(exc, TimeoutError)
+
+
+def test_a_rank_that_never_arrives_times_out_naming_it():
+    assert run_processes(rank_arena_timeout, 2, backend="shm", timeout=60)[0] is True

@@ -27,7 +27,7 @@ class SubBackend(Backend):
         self._ranks = tuple(ranks)
         self._channel = channel
         # Native collectives of the channel (TCP's compiled ones) serve the sub-group as they are.
-        for name in ("native_allreduce", "native_ring", "native_broadcast", "native_all_to_all"):
+        for name in ("native_allreduce", "native_ring", "native_reduce", "native_broadcast", "native_all_to_all"):
             if hasattr(channel, name):
                 setattr(self, name, getattr(channel, name))
 

@@ -1,0 +1,633 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Collectives through a shared-memory arena: every rank reads its peers' slots directly.
+
+Each rank owns a slot in the segment, split into ``BUFFERS`` buffers used in
+turn, so one chunk is being filled while the previous one is still read.
+A collective is a fixed sequence of *phases*; after each, a rank bumps its
+``step`` counter (``arena.h``). Waiting means "until rank j's step reaches v":
+a bounded spin, then ``sched_yield``, then short naps, checking every
+millisecond that the peers are alive and have not given up, and every 100 ms
+for signals. Everything between taking the buffers and returning runs without
+the GIL.
+
+The algorithms:
+
+* **allreduce, reduce-scatter, all-gather, reduce** (one routine): the message
+  is cut into chunks; in each, every rank copies the parts that other ranks
+  reduce into its slot, reduces its own part in place by reading that part
+  from every peer's slot, publishes the result in its slot, and copies the
+  peers' results out. The reduction order is fixed (this rank's value, then the
+  peers' in rank order), and each part is reduced by one rank only, so every
+  rank gets the same bits.
+* **small allreduce**: one phase; every rank copies its whole input into its
+  slot and reduces all slots in rank order. One synchronisation instead of two.
+* **broadcast**: the root copies chunks into its slot, the others copy them out.
+* **barrier**: one phase with no data.
+"""
+
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.pythread cimport (
+    NOWAIT_LOCK,
+    PyThread_acquire_lock,
+    PyThread_allocate_lock,
+    PyThread_free_lock,
+    PyThread_release_lock,
+    PyThread_type_lock,
+)
+from libc.errno cimport ESRCH, errno
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
+from ferro._core.transport cimport acquire_buffer, monotonic_ns
+
+from ferro._core.transport import KIND_BARRIER, KIND_COLLECTIVE, MAX_ABORT_BYTES, abort_error, mismatch_error
+from ferro.errors import (
+    BackendClosedError,
+    ConnectionBrokenError,
+    DistributedTimeoutError,
+    InvalidBufferError,
+    PeerLostError,
+)
+
+cdef extern from "shm_ring.h" nogil:
+    ctypedef struct ferro_rank_ctl:
+        int32_t pid
+        uint32_t closed
+    uint64_t ferro_load_acquire(const uint64_t* p)
+    void ferro_store_release(uint64_t* p, uint64_t v)
+    uint32_t ferro_load_acquire32(const uint32_t* p)
+    void ferro_store_release32(uint32_t* p, uint32_t v)
+
+cdef extern from "arena.h" nogil:
+    enum:
+        FERRO_ARENA_HISTORY
+        FERRO_ARENA_NOTICE_BYTES
+    ctypedef struct ferro_arena_call:
+        uint64_t call
+        uint64_t kind
+        uint64_t fingerprint
+    ctypedef struct ferro_arena_ctl:
+        uint64_t step
+        uint64_t calls
+        ferro_arena_call history[8]
+        uint32_t abort_len
+        unsigned char notice[4096]
+
+cdef extern from "pythread.h":
+    ctypedef enum PyLockStatus:
+        PY_LOCK_ACQUIRED
+    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds,
+                                             int intr_flag) nogil
+
+cdef extern from "<signal.h>" nogil:
+    int kill(int pid, int sig)
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
+cdef extern from "<time.h>" nogil:
+    struct timespec:
+        long tv_sec
+        long tv_nsec
+    int nanosleep(const timespec* req, timespec* rem)
+
+cdef extern from "Python.h":
+    int PyErr_CheckSignals_noexcept "PyErr_CheckSignals" ()
+
+
+cdef int _signal_raised() noexcept with gil:
+    return PyErr_CheckSignals_noexcept()
+
+
+cdef enum:
+    BUFFERS = 2               # buffers per slot: fill one while the peers still read the other
+    ALIGN = 64                # parts of a buffer start on cache lines
+
+# Outcomes of a wait (besides 0 = reached).
+cdef enum:
+    W_TIMEOUT = 1
+    W_PEER_LOST = 2
+    W_ABORTED = 3
+    W_MISMATCH = 4
+
+cdef int64_t LIVENESS_NS = 1000000      # look at the peers every millisecond of waiting
+cdef int64_t SIGNAL_NS = 100000000      # and at signals every 100 ms
+cdef int64_t DOZE_AFTER_NS = 1000000    # after a quiet millisecond, nap between looks
+cdef long DOZE_NS = 20000               # for 20 us
+
+cdef uint64_t KIND_COLLECTIVE_C = KIND_COLLECTIVE
+cdef uint64_t KIND_BARRIER_C = KIND_BARRIER
+
+CONTROL_BYTES = sizeof(ferro_arena_ctl)
+SLOT_BUFFERS = BUFFERS
+NOTICE_BYTES = FERRO_ARENA_NOTICE_BYTES
+
+
+def arena_bytes(int world_size, size_t buffer_bytes) -> int:
+    """Bytes the arena of ``world_size`` ranks with ``buffer_bytes`` per slot buffer needs."""
+    return world_size * (_round_up(sizeof(ferro_arena_ctl), 4096) + BUFFERS * _round_up(buffer_bytes, 4096))
+
+
+cdef inline size_t _round_up(size_t n, size_t to) noexcept nogil:
+    return (n + to - 1) // to * to
+
+
+cdef inline size_t _min(size_t a, size_t b) noexcept nogil:
+    return a if a < b else b
+
+
+cdef struct WaitResult:
+    int peer                  # the rank that failed the wait (or the first one not there at a timeout)
+    uint64_t seen_kind        # its call, when the calls differ
+    uint64_t seen_fingerprint
+
+
+cdef class Arena:
+    """This rank's view of the arena: every rank's control block and slot.
+
+    Args:
+        mapping: A writable buffer over the whole segment (an ``mmap``).
+        world_size: Ranks sharing it.
+        rank: This rank.
+        ranks_offset: Offset of the segment's per-rank blocks (pid and closed flag), 64 bytes each.
+        arena_offset: Offset of the arena (page-aligned).
+        buffer_bytes: Bytes of each of a slot's buffers.
+        spin_us: Microseconds to spin before yielding the CPU while waiting.
+    """
+
+    cdef object mapping
+    cdef Py_buffer view
+    cdef bint has_view
+    cdef readonly int rank
+    cdef readonly int world_size
+    cdef readonly size_t buffer_bytes
+    cdef int64_t spin_ns
+    cdef ferro_rank_ctl** ranks
+    cdef ferro_arena_ctl** ctl
+    cdef unsigned char** slots
+    cdef uint64_t step                 # this rank's completed phases
+    cdef uint64_t call                 # this rank's calls
+    cdef uint64_t call_start           # step at which the current call began
+    cdef uint64_t* checked             # per peer: the last call whose record matched ours
+    cdef uint64_t free_after[BUFFERS]  # a buffer may be rewritten once every rank reached this step
+    cdef int next_buffer
+    cdef uint64_t kind                 # the current call's kind and fingerprint
+    cdef uint64_t fingerprint
+    cdef PyThread_type_lock lock
+    cdef object broken                 # why the arena is unusable (a call stopped part-way), or None
+    cdef bint closed
+
+    def __cinit__(self, mapping, int world_size, int rank, size_t ranks_offset, size_t arena_offset,
+                  size_t buffer_bytes, double spin_us=50.0):
+        cdef unsigned char* base
+        cdef size_t block = _round_up(sizeof(ferro_arena_ctl), 4096)
+        cdef size_t slot = BUFFERS * _round_up(buffer_bytes, 4096)
+        cdef int j
+        self.has_view = False
+        self.ranks = NULL
+        self.ctl = NULL
+        self.slots = NULL
+        self.checked = NULL
+        self.lock = NULL
+        if buffer_bytes < <size_t>(ALIGN * world_size):
+            raise ValueError(f"arena buffers need at least {ALIGN * world_size} bytes for {world_size} ranks")
+        if len(mapping) < arena_offset + arena_bytes(world_size, buffer_bytes):
+            raise ValueError("the mapping is smaller than the arena layout needs")
+        PyObject_GetBuffer(mapping, &self.view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+        self.has_view = True
+        self.mapping = mapping
+        base = <unsigned char*>self.view.buf
+        self.rank = rank
+        self.world_size = world_size
+        self.buffer_bytes = buffer_bytes
+        self.spin_ns = <int64_t>(spin_us * 1000)
+        self.ranks = <ferro_rank_ctl**>malloc(world_size * sizeof(void*))
+        self.ctl = <ferro_arena_ctl**>malloc(world_size * sizeof(void*))
+        self.slots = <unsigned char**>malloc(world_size * sizeof(void*))
+        self.checked = <uint64_t*>malloc(world_size * sizeof(uint64_t))
+        self.lock = PyThread_allocate_lock()
+        if self.ranks == NULL or self.ctl == NULL or self.slots == NULL or self.checked == NULL or self.lock == NULL:
+            raise MemoryError()
+        for j in range(world_size):
+            self.ranks[j] = <ferro_rank_ctl*>(base + ranks_offset + j * 64)
+            self.ctl[j] = <ferro_arena_ctl*>(base + arena_offset + j * block)
+            self.slots[j] = base + arena_offset + world_size * block + j * slot
+            self.checked[j] = 0
+        # The segment may be reused memory only if it was never used: start from what is there.
+        self.step = self.ctl[rank].step
+        self.call = 0
+        self.call_start = self.step
+        for j in range(BUFFERS):
+            self.free_after[j] = 0
+        self.next_buffer = 0
+        self.broken = None
+        self.closed = False
+
+    def __dealloc__(self):
+        if self.has_view:
+            PyBuffer_Release(&self.view)
+        free(self.ranks)
+        free(self.ctl)
+        free(self.slots)
+        free(self.checked)
+        if self.lock != NULL:
+            PyThread_free_lock(self.lock)
+
+    def release(self) -> None:
+        """Stop using the arena and let go of the mapping (the caller then closes it)."""
+        self.closed = True
+        if PyThread_acquire_lock(self.lock, NOWAIT_LOCK):
+            # No call in progress: the mapping can go now. Otherwise the running call keeps it.
+            if self.has_view:
+                PyBuffer_Release(&self.view)
+                self.has_view = False
+            PyThread_release_lock(self.lock)
+
+    def post_abort(self, bytes payload) -> None:
+        """Tell every peer this rank gave up, and why (an abort notice, at most ``NOTICE_BYTES``)."""
+        cdef ferro_arena_ctl* mine
+        cdef size_t n = _min(len(payload), FERRO_ARENA_NOTICE_BYTES)
+        if not self.has_view:
+            return
+        mine = self.ctl[self.rank]
+        if ferro_load_acquire32(&mine.abort_len) != 0:
+            return  # the first notice stands
+        memcpy(mine.notice, <const unsigned char*>payload, n)
+        ferro_store_release32(&mine.abort_len, <uint32_t>(n if n > 0 else 1))
+
+    def peer_call(self, int peer):
+        """``(kind, fingerprint)`` of the collective ``peer`` started that this rank has not, or None.
+
+        For diagnostics: a receive that times out can say the peer is waiting in a collective.
+        """
+        cdef uint64_t calls
+        cdef ferro_arena_call* entry
+        if not self.has_view or not 0 <= peer < self.world_size:
+            return None
+        calls = ferro_load_acquire(&self.ctl[peer].calls)
+        if calls <= self.call:
+            return None
+        entry = &self.ctl[peer].history[calls % FERRO_ARENA_HISTORY]
+        return (entry.kind, entry.fingerprint) if entry.call == calls else None
+
+    # --- the collectives -------------------------------------------------------
+
+    def allreduce_small(self, flat, int dtype_code, int op_code, uint64_t fingerprint, double timeout,
+                        double divisor=0.0) -> None:
+        """Allreduce a message that fits in one buffer, in one phase: every rank reduces every slot."""
+        cdef Py_buffer view
+        cdef ferro_reduce_fn kernel = ferro_reduce_kernel(dtype_code, op_code)
+        cdef WaitResult w
+        cdef int rc = 0, b, j
+        cdef size_t n, count
+        cdef int64_t deadline
+        if kernel == NULL:
+            raise InvalidBufferError(f"allreduce: no kernel for dtype code {dtype_code} and op code {op_code}")
+        self._enter("allreduce", timeout)
+        try:
+            acquire_buffer(flat, &view, True, "allreduce")
+            try:
+                n = <size_t>view.len
+                if n > self.buffer_bytes:
+                    raise ValueError(f"allreduce_small: {n} bytes do not fit in a {self.buffer_bytes}-byte buffer")
+                count = n // <size_t>view.itemsize if view.itemsize > 0 else n
+                deadline = _deadline(timeout)
+                with nogil:
+                    self._begin(KIND_COLLECTIVE_C, fingerprint)
+                    b = self._take_buffer()
+                    rc = self._wait(self.free_after[b], -1, deadline, &w)
+                    if rc == 0:
+                        memcpy(self.slots[self.rank] + b * self._stride(), view.buf, n)
+                        self._signal()
+                        rc = self._wait(self.step, -1, deadline, &w)
+                    if rc == 0:
+                        memcpy(view.buf, self.slots[0] + b * self._stride(), n)
+                        for j in range(1, self.world_size):
+                            kernel(view.buf, self.slots[j] + b * self._stride(), count)
+                        if divisor != 0.0:
+                            ferro_divide(view.buf, count, dtype_code, divisor)
+                        self.free_after[b] = self.step + 1
+            finally:
+                PyBuffer_Release(&view)
+            self._finish(rc, &w, "allreduce", timeout)
+        finally:
+            PyThread_release_lock(self.lock)
+
+    def ring(self, flat, bounds, int dtype_code, int op_code, size_t itemsize, uint64_t fingerprint, double timeout,
+             bint reduce_scatter, bint all_gather, double divisor=0.0, int gather_root=-1,
+             str op="allreduce") -> None:
+        """Reduce-scatter and/or all-gather ``flat`` (bytes cut at ``bounds``) in place, chunk by chunk.
+
+        With ``reduce_scatter``, part ``i`` of ``flat`` (``bounds[i]:bounds[i+1]``,
+        in elements of ``itemsize`` bytes) ends reduced on rank ``i`` (divided by
+        a non-zero ``divisor``). With ``all_gather``, every rank ends with every
+        rank's part ``i``; ``gather_root >= 0`` gathers on that rank only (a reduce).
+        """
+        cdef Py_buffer view
+        cdef ferro_reduce_fn kernel = NULL
+        cdef WaitResult w
+        cdef int rc = 0, n = self.world_size, j
+        cdef size_t* starts
+        cdef size_t* lengths
+        cdef int64_t deadline
+        if len(bounds) != n + 1:
+            raise ValueError(f"{op}: bounds need {n + 1} entries, got {len(bounds)}")
+        if reduce_scatter:
+            kernel = ferro_reduce_kernel(dtype_code, op_code)
+            if kernel == NULL:
+                raise InvalidBufferError(f"{op}: no kernel for dtype code {dtype_code} and op code {op_code}")
+        self._enter(op, timeout)
+        starts = <size_t*>malloc(n * sizeof(size_t))
+        lengths = <size_t*>malloc(n * sizeof(size_t))
+        try:
+            if starts == NULL or lengths == NULL:
+                raise MemoryError()
+            acquire_buffer(flat, &view, True, op)
+            try:
+                for j in range(n):
+                    starts[j] = <size_t>bounds[j] * itemsize
+                    lengths[j] = (<size_t>bounds[j + 1] - <size_t>bounds[j]) * itemsize
+                    if bounds[j + 1] < bounds[j] or starts[j] + lengths[j] > <size_t>view.len:
+                        raise ValueError(f"{op}: bounds {list(bounds)} do not fit a {view.len}-byte buffer")
+                deadline = _deadline(timeout)
+                with nogil:
+                    rc = self._ring(<unsigned char*>view.buf, starts, lengths, itemsize, kernel, dtype_code,
+                                    reduce_scatter, all_gather, divisor, gather_root, fingerprint, deadline, &w)
+            finally:
+                PyBuffer_Release(&view)
+            self._finish(rc, &w, op, timeout)
+        finally:
+            free(starts)
+            free(lengths)
+            PyThread_release_lock(self.lock)
+
+    def broadcast(self, flat, int root, uint64_t fingerprint, double timeout) -> None:
+        """Copy ``flat`` from rank ``root`` into ``flat`` on every rank, a buffer-sized chunk at a time."""
+        cdef Py_buffer view
+        cdef WaitResult w
+        cdef int rc = 0, b
+        cdef size_t total, done = 0, chunk
+        cdef unsigned char* data
+        cdef int64_t deadline
+        self._enter("broadcast", timeout)
+        try:
+            acquire_buffer(flat, &view, self.rank != root, "broadcast")
+            try:
+                total = <size_t>view.len
+                data = <unsigned char*>view.buf
+                deadline = _deadline(timeout)
+                with nogil:
+                    self._begin(KIND_COLLECTIVE_C, fingerprint)
+                    while rc == 0 and done < total:
+                        chunk = _min(self.buffer_bytes, total - done)
+                        b = self._take_buffer()
+                        if self.rank == root:
+                            rc = self._wait(self.free_after[b], -1, deadline, &w)
+                            if rc != 0:
+                                break
+                            memcpy(self.slots[root] + b * self._stride(), data + done, chunk)
+                        self._signal()
+                        if self.rank != root:
+                            rc = self._wait(self.step, root, deadline, &w)
+                            if rc != 0:
+                                break
+                            memcpy(data + done, self.slots[root] + b * self._stride(), chunk)
+                        self.free_after[b] = self.step + 1
+                        done += chunk
+            finally:
+                PyBuffer_Release(&view)
+            self._finish(rc, &w, "broadcast", timeout)
+        finally:
+            PyThread_release_lock(self.lock)
+
+    def barrier(self, double timeout) -> None:
+        """Block until every rank has entered the barrier."""
+        cdef WaitResult w
+        cdef int rc
+        cdef int64_t deadline
+        self._enter("barrier", timeout)
+        try:
+            deadline = _deadline(timeout)
+            with nogil:
+                self._begin(KIND_BARRIER_C, 0)
+                self._signal()
+                rc = self._wait(self.step, -1, deadline, &w)
+            self._finish(rc, &w, "barrier", timeout)
+        finally:
+            PyThread_release_lock(self.lock)
+
+    # --- the machinery ---------------------------------------------------------
+
+    cdef int _enter(self, str op, double timeout) except -1:
+        cdef long long micros
+        cdef int got
+        if self.closed or not self.has_view:
+            raise BackendClosedError(f"rank {self.rank}: {op}: this process group was closed")
+        if self.broken is not None:
+            raise ConnectionBrokenError(
+                f"rank {self.rank}: {op}: the shared-memory arena is unusable after {self.broken}; "
+                f"create a new group")
+        if not PyThread_acquire_lock(self.lock, NOWAIT_LOCK):
+            micros = -1 if timeout < 0 else <long long>(timeout * 1e6)
+            with nogil:
+                got = PyThread_acquire_lock_timed(self.lock, micros, 0)
+            if got != PY_LOCK_ACQUIRED:
+                raise DistributedTimeoutError(
+                    f"rank {self.rank}: {op} timed out after {timeout:g} s waiting for another thread's "
+                    f"collective on the same group")
+        if self.closed or not self.has_view:
+            PyThread_release_lock(self.lock)
+            raise BackendClosedError(f"rank {self.rank}: {op}: this process group was closed")
+        return 0
+
+    cdef inline size_t _stride(self) noexcept nogil:
+        return _round_up(self.buffer_bytes, 4096)
+
+    cdef inline void _begin(self, uint64_t kind, uint64_t fingerprint) noexcept nogil:
+        # Record the call before this call's first step is published, so a peer that
+        # sees the step also sees the record.
+        cdef ferro_arena_call* entry
+        self.call += 1
+        self.call_start = self.step
+        self.kind = kind
+        self.fingerprint = fingerprint
+        entry = &self.ctl[self.rank].history[self.call % FERRO_ARENA_HISTORY]
+        entry.call = self.call
+        entry.kind = kind
+        entry.fingerprint = fingerprint
+        ferro_store_release(&self.ctl[self.rank].calls, self.call)
+
+    cdef inline int _take_buffer(self) noexcept nogil:
+        cdef int b = self.next_buffer
+        self.next_buffer = (b + 1) % BUFFERS
+        return b
+
+    cdef inline void _signal(self) noexcept nogil:
+        self.step += 1
+        ferro_store_release(&self.ctl[self.rank].step, self.step)
+
+    cdef int _check_call(self, int peer, WaitResult* w) noexcept nogil:
+        # The peer has published a step of this call: its record of the call must match ours.
+        cdef ferro_arena_call* entry = &self.ctl[peer].history[self.call % FERRO_ARENA_HISTORY]
+        if self.checked[peer] == self.call:
+            return 0
+        if entry.call == self.call and (entry.kind != self.kind or entry.fingerprint != self.fingerprint):
+            w.peer = peer
+            w.seen_kind = entry.kind
+            w.seen_fingerprint = entry.fingerprint
+            return W_MISMATCH
+        self.checked[peer] = self.call
+        return 0
+
+    cdef int _look(self, int peer, WaitResult* w) noexcept nogil:
+        # Every millisecond of waiting: has the peer given up, closed, or died?
+        if ferro_load_acquire32(&self.ctl[peer].abort_len) != 0:
+            w.peer = peer
+            return W_ABORTED
+        if ferro_load_acquire32(&self.ranks[peer].closed):
+            w.peer = peer
+            return W_PEER_LOST
+        if self.ranks[peer].pid > 0 and kill(self.ranks[peer].pid, 0) != 0 and errno == ESRCH:
+            w.peer = peer
+            return W_PEER_LOST
+        return 0
+
+    cdef int _wait(self, uint64_t target, int only, int64_t deadline, WaitResult* w) except -1 nogil:
+        """Wait until rank ``only`` (or every peer, for -1) reached ``target``; 0, or a W_ code."""
+        cdef int j, first = 0 if only < 0 else only, last = self.world_size if only < 0 else only + 1
+        cdef int pending, rc, lagging = -1
+        cdef int64_t now, start = -1, next_look = 0, next_signals = 0
+        cdef timespec doze
+        doze.tv_sec = 0
+        doze.tv_nsec = DOZE_NS
+        while True:
+            pending = 0
+            for j in range(first, last):
+                if j == self.rank:
+                    continue
+                if ferro_load_acquire(&self.ctl[j].step) < target:
+                    pending += 1
+                    lagging = j
+                elif target > self.call_start:
+                    rc = self._check_call(j, w)
+                    if rc != 0:
+                        return rc
+            if pending == 0:
+                return 0
+            now = monotonic_ns()
+            if start < 0:
+                start = now
+                next_look = now + LIVENESS_NS
+                next_signals = now + SIGNAL_NS
+                continue
+            if deadline >= 0 and now >= deadline:
+                w.peer = lagging
+                return W_TIMEOUT
+            if now >= next_look:
+                next_look = now + LIVENESS_NS
+                for j in range(self.world_size):
+                    if j != self.rank:
+                        rc = self._look(j, w)
+                        if rc != 0:
+                            return rc
+            if now >= next_signals:
+                next_signals = now + SIGNAL_NS
+                if _signal_raised() != 0:
+                    return -1
+            if now - start > DOZE_AFTER_NS:
+                nanosleep(&doze, NULL)
+            elif now - start > self.spin_ns:
+                sched_yield()
+
+    cdef int _ring(self, unsigned char* data, size_t* starts, size_t* lengths, size_t itemsize,
+                   ferro_reduce_fn kernel, int dtype_code, bint reduce_scatter, bint all_gather, double divisor,
+                   int gather_root, uint64_t fingerprint, int64_t deadline, WaitResult* w) except -1 nogil:
+        cdef int n = self.world_size, me = self.rank, j, b, rc = 0
+        # Each buffer holds one cache-line-aligned part per rank, a whole number of elements.
+        cdef size_t part = (self.buffer_bytes // <size_t>n) // ALIGN * ALIGN
+        cdef size_t longest = 0, offset, length, chunks, k
+        cdef unsigned char* mine
+        part = part // itemsize * itemsize
+        for j in range(n):
+            if lengths[j] > longest:
+                longest = lengths[j]
+        chunks = (longest + part - 1) // part
+        self._begin(KIND_COLLECTIVE_C, fingerprint)
+        for k in range(chunks):
+            offset = k * part
+            b = self._take_buffer()
+            mine = self.slots[me] + b * self._stride()
+            rc = self._wait(self.free_after[b], -1, deadline, w)
+            if rc != 0:
+                return rc
+            if reduce_scatter:
+                # Publish the parts the other ranks reduce, then reduce ours from every slot.
+                for j in range(n):
+                    if j != me and lengths[j] > offset:
+                        memcpy(mine + j * part, data + starts[j] + offset, _min(part, lengths[j] - offset))
+                self._signal()
+                rc = self._wait(self.step, -1, deadline, w)
+                if rc != 0:
+                    return rc
+                if lengths[me] > offset:
+                    length = _min(part, lengths[me] - offset)
+                    for j in range(n):
+                        if j != me:
+                            kernel(data + starts[me] + offset, self.slots[j] + b * self._stride() + me * part,
+                                   length // itemsize)
+                    if divisor != 0.0:
+                        ferro_divide(data + starts[me] + offset, length // itemsize, dtype_code, divisor)
+                    if all_gather:
+                        memcpy(mine + me * part, data + starts[me] + offset, length)
+            elif lengths[me] > offset:
+                memcpy(mine + me * part, data + starts[me] + offset, _min(part, lengths[me] - offset))
+            if all_gather:
+                self._signal()
+                rc = self._wait(self.step, -1, deadline, w)
+                if rc != 0:
+                    return rc
+                if gather_root < 0 or gather_root == me:
+                    for j in range(n):
+                        if j != me and lengths[j] > offset:
+                            memcpy(data + starts[j] + offset, self.slots[j] + b * self._stride() + j * part,
+                                   _min(part, lengths[j] - offset))
+            # Every read of this buffer is done before its reader's next step. Each use of a
+            # buffer publishes a step after its wait, so the next use of the other buffer moves
+            # every rank past this one: waiting for it can never deadlock.
+            self.free_after[b] = self.step + 1
+        return 0
+
+    cdef int _finish(self, int rc, WaitResult* w, str op, double timeout) except -1:
+        cdef ferro_arena_ctl* peer_ctl
+        cdef uint32_t n
+        if rc == 0:
+            return 0
+        where = f"rank {self.rank}: {op}"
+        if rc == -1:
+            self.broken = "an interrupt (Ctrl-C) in the middle of a collective"
+            return -1  # the pending KeyboardInterrupt (or whatever a handler raised) propagates
+        if rc == W_TIMEOUT:
+            self.broken = "a timeout in the middle of a collective"
+            raise DistributedTimeoutError(
+                f"{where} timed out after {timeout:g} s waiting for rank {w.peer} in shared memory (still in an "
+                f"earlier phase of the call, or in another call)")
+        if rc == W_PEER_LOST:
+            self.broken = f"rank {w.peer} was lost"
+            raise PeerLostError(f"{where}: rank {w.peer} exited or closed its group", w.peer)
+        if rc == W_ABORTED:
+            self.broken = f"rank {w.peer} gave up on a collective"
+            peer_ctl = self.ctl[w.peer]
+            n = ferro_load_acquire32(&peer_ctl.abort_len)
+            payload = (<char*>peer_ctl.notice)[:_min(n, FERRO_ARENA_NOTICE_BYTES)]
+            raise abort_error(payload, w.peer, where)
+        if rc == W_MISMATCH:
+            self.broken = "calls that differed between ranks"
+            raise mismatch_error(where, w.peer, <uint32_t>self.kind, self.fingerprint, <uint32_t>w.seen_kind,
+                                 w.seen_fingerprint, self.call)
+        raise ConnectionBrokenError(f"{where}: unexpected arena status {rc}")
+
+
+cdef int64_t _deadline(double timeout):
+    return -1 if timeout < 0 else monotonic_ns() + <int64_t>(timeout * 1e9)
