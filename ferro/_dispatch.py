@@ -7,6 +7,7 @@ Shared by :mod:`ferro.collective` and :mod:`ferro.p2p`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,8 @@ from ferro.errors import (
 from ferro.rendezvous import default_timeout
 from ferro.work import worker_of
 
-__all__ = ["execute", "make_link", "resolve_group", "resolve_root", "resolve_timeout"]
+__all__ = ["execute", "fail_together", "make_link", "make_link_fingerprint", "resolve_group", "resolve_root",
+           "resolve_timeout"]
 
 
 def resolve_group(group: Backend | None, name: str) -> Backend:
@@ -42,9 +44,14 @@ def resolve_group(group: Backend | None, name: str) -> Backend:
         from ferro.process_group import get_default_group  # deferred: process_group builds on this layer's peers
 
         return get_default_group()
-    if not isinstance(group, Backend):
+    if not _is_backend_type(type(group)):
         raise ConfigurationError(f"{name}: group must be a ferro Backend, got {type(group).__name__}")
     return group
+
+
+@functools.cache  # isinstance against an ABC costs 0.2 us per call
+def _is_backend_type(cls: type) -> bool:
+    return issubclass(cls, Backend)
 
 
 def resolve_timeout(group: Backend, timeout: float | None) -> float:
@@ -75,21 +82,29 @@ def _run_guarded(group: Backend, name: str, body: Callable[[], Any]) -> Any:
             f"({group.failure}); create a new group")
     try:
         return body()
-    except CollectiveMismatchError as exc:
+    except BaseException as exc:
+        fail_together(group, name, exc)
+        raise
+
+
+def fail_together(group: Backend, name: str, exc: BaseException) -> None:
+    """Tell the peers why this rank gave up on a collective and mark the group failed.
+
+    Raises the clearer error for a mismatch (both calls decoded); otherwise returns
+    and the caller re-raises ``exc``. Errors that are not a distributed failure
+    (say, a bug in a communication hook) pass untouched.
+    """
+    if isinstance(exc, CollectiveMismatchError):
         message = _describe_mismatch(exc, group)
         _give_up(group, ABORT_MISMATCH, exc.peer, message)
-        if exc.expected is None:
-            raise  # a notice from a peer: already says what differed
-        raise CollectiveMismatchError(message, exc.peer, exc.expected, exc.actual) from exc
-    except PeerLostError as exc:
+        if exc.expected is not None:  # else a notice from a peer: it already says what differed
+            raise CollectiveMismatchError(message, exc.peer, exc.expected, exc.actual) from exc
+    elif isinstance(exc, PeerLostError):
         _give_up(group, ABORT_PEER_LOST, exc.peer, f"rank {exc.peer if exc.peer is not None else '?'} was lost")
-        raise
-    except DistributedTimeoutError as exc:
+    elif isinstance(exc, DistributedTimeoutError):
         _give_up(group, ABORT_TIMEOUT, None, f"rank {group.rank} timed out: {exc}")
-        raise
-    except (DistributedError, KeyboardInterrupt) as exc:
+    elif isinstance(exc, (DistributedError, KeyboardInterrupt)):
         _give_up(group, ABORT_OTHER, None, f"rank {group.rank}: {type(exc).__name__}: {exc}")
-        raise
 
 
 def _give_up(group: Backend, code: int, peer: int | None, message: str) -> None:
@@ -107,5 +122,11 @@ def execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, 
 
 def make_link(group: Backend, name: str, seconds: float, operand_: Operand | None = None, op_code: int = 0,
           root: int = 0, count: int = 0, shape: tuple[int, ...] = ()) -> algo.Link:
+    return algo.Link(group, make_link_fingerprint(name, operand_, op_code, root, count, shape), seconds)
+
+
+def make_link_fingerprint(name: str, operand_: Operand | None = None, op_code: int = 0, root: int = 0,
+                          count: int = 0, shape: tuple[int, ...] = ()) -> int:
+    """Return the fingerprint every frame of this call carries (see :func:`ferro._dtypes.fingerprint`)."""
     code = operand_.dtype.code if operand_ is not None else -1
-    return algo.Link(group, fingerprint(name, code, op_code, root, count, shape), seconds)
+    return fingerprint(name, code, op_code, root, count, shape)

@@ -79,6 +79,16 @@ class GroupWorker:
         self._owner: int | None = None  # the thread running the group's current operation
         self._thread: threading.Thread | None = None
 
+    @property
+    def busy(self) -> bool:
+        """Whether an operation of the group is running (read without the lock: a hint)."""
+        return self._busy
+
+    @property
+    def pending(self) -> int:
+        """How many async operations are queued (read without the lock: a hint)."""
+        return len(self._queue)
+
     def submit(self, fn: Callable[[], Any], description: str, buffers: tuple[Any, ...]) -> PendingCollective:
         """Queue ``fn`` behind the group's earlier calls and return its handle."""
         pending = PendingCollective(description, buffers)

@@ -163,6 +163,7 @@ cdef class Arena:
     cdef readonly int rank
     cdef readonly int world_size
     cdef readonly size_t buffer_bytes
+    cdef public double default_timeout  # seconds, for calls that pass None
     cdef int64_t spin_ns
     cdef ferro_rank_ctl** ranks
     cdef ferro_arena_ctl** ctl
@@ -224,6 +225,7 @@ cdef class Arena:
         self.next_buffer = 0
         self.broken = None
         self.closed = False
+        self.default_timeout = -1.0
 
     def __dealloc__(self):
         if self.has_view:
@@ -274,9 +276,13 @@ cdef class Arena:
 
     # --- the collectives -------------------------------------------------------
 
-    def allreduce_small(self, flat, int dtype_code, int op_code, uint64_t fingerprint, double timeout,
+    def allreduce_small(self, flat, int dtype_code, int op_code, uint64_t fingerprint, object timeout=None,
                         double divisor=0.0) -> None:
-        """Allreduce a message that fits in one buffer, in one phase: every rank reduces every slot."""
+        """Allreduce a message that fits in one buffer, in one phase: every rank reduces every slot.
+
+        ``timeout`` None means the arena's ``default_timeout``.
+        """
+        cdef double seconds = self.default_timeout if timeout is None else timeout
         cdef Py_buffer view
         cdef ferro_reduce_fn kernel = ferro_reduce_kernel(dtype_code, op_code)
         cdef WaitResult w
@@ -285,7 +291,7 @@ cdef class Arena:
         cdef int64_t deadline
         if kernel == NULL:
             raise InvalidBufferError(f"allreduce: no kernel for dtype code {dtype_code} and op code {op_code}")
-        self._enter("allreduce", timeout)
+        self._enter("allreduce", seconds)
         try:
             acquire_buffer(flat, &view, True, "allreduce")
             try:
@@ -293,7 +299,7 @@ cdef class Arena:
                 if n > self.buffer_bytes:
                     raise ValueError(f"allreduce_small: {n} bytes do not fit in a {self.buffer_bytes}-byte buffer")
                 count = n // <size_t>view.itemsize if view.itemsize > 0 else n
-                deadline = _deadline(timeout)
+                deadline = _deadline(seconds)
                 with nogil:
                     self._begin(KIND_COLLECTIVE_C, fingerprint)
                     b = self._take_buffer()
@@ -311,7 +317,7 @@ cdef class Arena:
                         self.free_after[b] = self.step + 1
             finally:
                 PyBuffer_Release(&view)
-            self._finish(rc, &w, "allreduce", timeout)
+            self._finish(rc, &w, "allreduce", seconds)
         finally:
             PyThread_release_lock(self.lock)
 

@@ -165,6 +165,10 @@ class ShmBackend(StoreBackend):
         self._ring_bytes, self._buffer_bytes, self._spin_us = ring_bytes, buffer_bytes, spin_us
         self._mapping, self._segment = mapping, segment
         self._arena = Arena(mapping, world_size, rank, SEGMENT_HEADER_BYTES, arena_offset, buffer_bytes, spin_us)
+        self._arena.default_timeout = timeout
+        # The latency path of ferro.allreduce: one compiled call, no Python in between.
+        self.small_allreduce = self._arena.allreduce_small
+        self.small_allreduce_bytes = min(SMALL_ALLREDUCE_BYTES, buffer_bytes)
         self._links = {peer: Channel(segment, rank, peer, spin_us) for peer in range(world_size) if peer != rank}
 
     # --- native collectives through the arena (used by ferro.collective) ---------------
