@@ -5,7 +5,7 @@ should not be needed.
 """
 
 from ferro import nn, p2p
-from ferro.backend import Backend, ShmBackend, SimulatedBackend, SubBackend, TcpBackend, new_group
+from ferro.backend import Backend, HierarchicalBackend, ShmBackend, SimulatedBackend, SubBackend, TcpBackend, new_group
 from ferro.collective import (
     ReduceOp,
     all_gather,
@@ -105,6 +105,7 @@ __all__ = [
     "SelfSendError",
     "send",
     "sendrecv",
+    "HierarchicalBackend",
     "ShmBackend",
     "SimulatedBackend",
     "SizeMismatchError",

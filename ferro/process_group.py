@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Any
 from urllib.parse import urlparse
 
 from ferro.auth import secret_from_env
 from ferro.backend.base import Backend
+from ferro.backend.hierarchical import HierarchicalBackend, exchange_host_identities
 from ferro.backend.tcp import TcpBackend
 from ferro.environment import DEFAULT_MASTER_PORT, detect
 from ferro.errors import BackendUnavailableError, ConfigurationError
@@ -73,8 +73,10 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     (``FERRO_SECRET``, set by ``ferro run``; with mpirun or srun, export it yourself).
 
     Args:
-        backend: ``"auto"`` picks shared memory when every rank shares this host (and
-            its ``/dev/shm``), else TCP; or ``"tcp"``, or ``"shm"``.
+        backend: ``"auto"`` compares the ranks' hosts (:func:`ferro.backend.hierarchical.host_identity`)
+            and picks shared memory when all share one, TCP when no two do, and
+            ``"hierarchical"`` otherwise (shared memory inside each host, TCP between
+            one leader per host); or name one: ``"tcp"``, ``"shm"``, ``"hierarchical"``.
         init_method: ``"env://"``, ``"tcp://host:port"`` (the master), or
             ``"file:///path"`` (rendezvous through a file every rank can open).
         rank: This rank.
@@ -102,11 +104,11 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     _configure_logging()
     if _default_group is not None:
         raise ConfigurationError("init_process_group: already initialised; call destroy_process_group() first")
-    if backend not in ("auto", "tcp", "shm"):
+    if backend not in ("auto", "tcp", "shm", "hierarchical"):
         if backend in _FUTURE_BACKENDS:
             raise BackendUnavailableError(
                 f"backend {backend!r}: {_FUTURE_BACKENDS[backend]} is not part of this ferro yet; use 'tcp' or 'auto'")
-        raise ConfigurationError(f"unknown backend {backend!r}; use 'auto', 'tcp' or 'shm'")
+        raise ConfigurationError(f"unknown backend {backend!r}; use 'auto', 'tcp', 'shm' or 'hierarchical'")
     master_addr: str | None = None
     master_port: int | None = None
     store: Any = None
@@ -147,16 +149,21 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
             store = Store(master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
                           secret=_job_secret(secret), timeout=default_timeout(timeout), serve=(rank == 0))
             close_store = True
-        backend = "shm" if _all_on_one_host(store, rank, world_size, default_timeout(timeout)) else "tcp"
+        backend = choose_backend(exchange_host_identities(store, rank, world_size, default_timeout(timeout)))
         log.debug("init_process_group: backend auto -> %s", backend)
     group: Backend
-    if backend == "shm":
+    # Listen where the peers can reach us: the route towards the master, unless only a file names the job.
+    bind_addr = None if master_addr else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
+    if backend == "hierarchical":
+        group = HierarchicalBackend(rank, world_size, master_addr or "127.0.0.1",
+                                    master_port or DEFAULT_MASTER_PORT, timeout=timeout, secret=secret, store=store,
+                                    bind_addr=bind_addr, close_store=close_store)
+    elif backend == "shm":
         from ferro.backend.shm import ShmBackend
 
         group = ShmBackend(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
                            timeout=timeout, secret=secret, store=store, close_store=close_store)
     else:
-        bind_addr = None if store is None else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
         group = TcpBackend(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
                            timeout=timeout, secret=secret, store=store, bind_addr=bind_addr, close_store=close_store)
     _default_group = group
@@ -172,32 +179,16 @@ def _job_secret(secret: bytes | str | None) -> bytes:
     return found
 
 
-def host_identity() -> str:
-    """Return what ranks compare to know they share a host and its shared memory.
+def choose_backend(hosts: list[str]) -> str:
+    """Return the backend ``"auto"`` picks for ranks with these host identities (rank order).
 
-    The hostname and kernel boot id name the machine; the device and inode of
-    ``/dev/shm`` tell containers that share a kernel but not shared memory apart.
+    Shared memory when all share one host; TCP when no two do (nothing to share);
+    otherwise hierarchical: shared memory inside each host, TCP between them.
     """
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "unknown-boot"
-    try:
-        info = os.stat("/dev/shm")
-        shm = f"{info.st_dev}:{info.st_ino}"
-    except OSError:
-        return f"no-shm:{os.getpid()}"  # no shared memory here: never counts as shared
-    return f"{socket.gethostname()}|{boot}|{shm}"
-
-
-def _all_on_one_host(store: Any, rank: int, world_size: int, timeout: float) -> bool:
-    generation = store.add(f"ferro/host-joins/{rank}", 1)
-    prefix = f"ferro/hosts/{generation}"
-    store.set(f"{prefix}/{rank}", host_identity())
-    keys = [f"{prefix}/{r}" for r in range(world_size)]
-    store.wait(keys, timeout=timeout)
-    return len({store.get(key, timeout=timeout) for key in keys}) == 1
+    distinct = len(set(hosts))
+    if distinct == 1:
+        return "shm"
+    return "tcp" if distinct == len(hosts) else "hierarchical"
 
 
 def destroy_process_group() -> None:

@@ -76,6 +76,12 @@ def _size_setting(value: int | None, env: str, default: int, what: str) -> int:
     return value
 
 
+def _buffer_bytes(buffer_bytes: int | None, world_size: int) -> int:
+    crowded = world_size > (os.cpu_count() or 1)
+    default = OVERSUBSCRIBED_BUFFER_BYTES if crowded else DEFAULT_BUFFER_BYTES
+    return _size_setting(buffer_bytes, BUFFER_ENV, default, "slot buffers")
+
+
 def _layout(world_size: int, ring_bytes: int, buffer_bytes: int) -> tuple[int, int]:
     """Where the arena starts and how large the segment is."""
     arena_offset = -(-segment_bytes(world_size, ring_bytes) // PAGE) * PAGE
@@ -121,9 +127,7 @@ class ShmBackend(StoreBackend):
                  close_store: bool = False) -> None:
         validate_rank_and_size(rank, world_size)  # before anything uses them
         ring = _size_setting(ring_bytes, RING_ENV, DEFAULT_RING_BYTES, "rings")
-        crowded = world_size > (os.cpu_count() or 1)
-        buffer = _size_setting(buffer_bytes, BUFFER_ENV,
-                               OVERSUBSCRIBED_BUFFER_BYTES if crowded else DEFAULT_BUFFER_BYTES, "slot buffers")
+        buffer = _buffer_bytes(buffer_bytes, world_size)
         spin = default_spin_us(spin_us, world_size)
         self._join(rank, world_size, master_addr, master_port, timeout, secret, store, close_store,
                    lambda: self._attach(ring, buffer, spin))
@@ -259,11 +263,25 @@ class ShmBackend(StoreBackend):
     def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> ShmBackend:
         """Create a segment of their own for ``ranks`` through this group's store (see :meth:`Backend.split`)."""
         self._usable("new_group")
+        return ShmBackend.split_from(self, ranks, timeout=timeout, ring_bytes=self._ring_bytes,
+                                     buffer_bytes=self._buffer_bytes, spin_us=self._spin_us)
+
+    @classmethod
+    def split_from(cls, parent: StoreBackend, ranks: Sequence[int], *, timeout: float | None = None,
+                   ring_bytes: int | None = None, buffer_bytes: int | None = None,
+                   spin_us: float | None = None) -> ShmBackend:
+        """Create a shared-memory group of ``ranks`` (all on this host) through ``parent``'s store.
+
+        Every member calls it with the same ``ranks``; other ranks of ``parent`` need not.
+        Sizes default as in the constructor.
+        """
         members = tuple(ranks)
-        child = ShmBackend.__new__(ShmBackend)
-        child._init_state(members.index(self._rank), len(members), self._store, False, self._split_prefix(members),
-                          self._secret, self._timeout if timeout is None else default_timeout(timeout))
-        child._attach(self._ring_bytes, self._buffer_bytes, self._spin_us)
+        child = cls.__new__(cls)
+        child._init_state(members.index(parent.rank), len(members), parent.store, False,
+                          parent._split_prefix(members), parent._secret,
+                          parent.timeout if timeout is None else default_timeout(timeout))
+        child._attach(_size_setting(ring_bytes, RING_ENV, DEFAULT_RING_BYTES, "rings"),
+                      _buffer_bytes(buffer_bytes, len(members)), default_spin_us(spin_us, len(members)))
         return child
 
     def _release(self) -> None:

@@ -1,0 +1,152 @@
+"""Hierarchical collectives: shared memory inside each host, TCP between host leaders.
+
+Hosts are simulated two ways: by declaring them (``FERRO_HOST_ID``), which runs
+anywhere, and by putting ranks in network namespaces joined by a veth pair,
+which is what separate hosts look like to the network (needs root and ``ip``).
+"""
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import ferro
+from ferro.process_group import choose_backend
+from ferro.testing import RankExit, run_processes
+from ferro.testing.conformance import check_collectives
+
+CLONE_NEWNET = 0x40000000
+
+
+def test_auto_chooses_by_how_ranks_share_hosts():
+    assert choose_backend(["a", "a", "a"]) == "shm"
+    assert choose_backend(["a", "b", "c"]) == "tcp"
+    assert choose_backend(["a", "a", "b"]) == "hierarchical"
+
+
+def host_layout(world_size):
+    """Two hosts: the first takes the extra rank of an odd world."""
+    first = (world_size + 1) // 2
+    return [0 if r < first else 1 for r in range(world_size)]
+
+
+def rank_conformance_on_declared_hosts(rank, world_size):
+    os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
+    group = ferro.init_process_group(timeout=60)
+    try:
+        report = check_collectives(group)
+        return type(group).__name__, group.hosts, report
+    finally:
+        ferro.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 5])
+def test_conformance_on_declared_hosts(world_size):
+    results = run_processes(rank_conformance_on_declared_hosts, world_size, backend=None, timeout=240)
+    layout = host_layout(world_size)
+    expected_hosts = [tuple(r for r in range(world_size) if layout[r] == h) for h in (0, 1)]
+    for name, hosts, _ in results:
+        assert name == "HierarchicalBackend" and hosts == expected_hosts
+    reports = [report for _, _, report in results]
+    assert reports[0].cases > 1500
+    assert [line for report in reports for line in report.failures] == []
+    assert len({report.digest for report in reports}) == 1
+
+
+# --- network namespaces as hosts ------------------------------------------------------------
+
+def _ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two network namespaces joined by a veth pair; yields their names and the first one's address."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("creating network namespaces needs root and iproute2's `ip`")
+    tag = f"{os.getpid() % 100000}"
+    names = [f"ferro-h0-{tag}", f"ferro-h1-{tag}"]
+    subnet = f"10.231.{os.getpid() % 250}"
+    try:
+        for name in names:
+            _ip("netns", "add", name)
+            _ip("-n", name, "link", "set", "lo", "up")
+        _ip("link", "add", f"fv0-{tag}", "netns", names[0], "type", "veth", "peer", "name", f"fv1-{tag}",
+            "netns", names[1])
+        for index, name in enumerate(names):
+            _ip("-n", name, "addr", "add", f"{subnet}.{index + 1}/24", "dev", f"fv{index}-{tag}")
+            _ip("-n", name, "link", "set", f"fv{index}-{tag}", "up")
+        yield names, f"{subnet}.1"
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def enter_namespace(name):
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+    finally:
+        os.close(fd)
+
+
+def rank_conformance_across_namespaces(rank, world_size, names, master):
+    enter_namespace(names[host_layout(world_size)[rank]])
+    os.environ["MASTER_ADDR"] = master
+    group = ferro.init_process_group(timeout=60)  # auto: it must see two hosts
+    try:
+        report = check_collectives(group)
+        x = np.full(1 << 20, float(rank), np.float32)  # 4 MiB: the chunked paths
+        ferro.allreduce(x, op=ferro.ReduceOp.MEAN)
+        mean_ok = bool((x == np.float32(sum(range(world_size)) / world_size)).all())
+        return type(group).__name__, group.hosts, report, mean_ok
+    finally:
+        ferro.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [4, 5])
+def test_conformance_across_network_namespaces(two_hosts, world_size):
+    names, master = two_hosts
+    results = run_processes(rank_conformance_across_namespaces, world_size, args=(names, master), backend=None,
+                            timeout=300)
+    layout = host_layout(world_size)
+    expected_hosts = [tuple(r for r in range(world_size) if layout[r] == h) for h in (0, 1)]
+    for name, hosts, _, mean_ok in results:
+        assert name == "HierarchicalBackend" and hosts == expected_hosts and mean_ok
+    reports = [report for _, _, report, _ in results]
+    assert [line for report in reports for line in report.failures] == []
+    assert len({report.digest for report in reports}) == 1
+
+
+def rank_killed_across_namespaces(rank, world_size, names, master):
+    enter_namespace(names[host_layout(world_size)[rank]])
+    os.environ["MASTER_ADDR"] = master
+    ferro.init_process_group(timeout=60)
+    x = np.ones(1 << 18, np.float32)
+    ferro.allreduce(x.copy())
+    if rank == 3:  # the second host's non-leader
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for _ in range(100):
+            ferro.allreduce(x, timeout=60)
+        return "finished"
+    except ferro.PeerLostError:
+        return "PeerLostError", time.monotonic() - start < 30
+    finally:
+        ferro.destroy_process_group()
+
+
+def test_a_rank_killed_on_one_host_fails_every_host_promptly(two_hosts):
+    names, master = two_hosts
+    results = run_processes(rank_killed_across_namespaces, 4, args=(names, master), backend=None, allow_exit={3},
+                            timeout=120)
+    assert results[3] == RankExit(None, "SIGKILL")
+    assert results[:3] == [("PeerLostError", True)] * 3
