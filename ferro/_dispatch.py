@@ -41,12 +41,17 @@ __all__ = ["execute", "fail_together", "make_link", "make_link_fingerprint", "re
 
 def resolve_group(group: Backend | None, name: str) -> Backend:
     if group is None:
-        from ferro.process_group import get_default_group  # deferred: process_group builds on this layer's peers
-
-        return get_default_group()
+        return _default_group_lookup()()
     if not _is_backend_type(type(group)):
         raise ConfigurationError(f"{name}: group must be a ferro Backend, got {type(group).__name__}")
     return group
+
+
+@functools.cache  # an import statement per call costs ~0.5 us; process_group builds on this layer's peers
+def _default_group_lookup() -> Callable[[], Backend]:
+    from ferro.process_group import get_default_group
+
+    return get_default_group
 
 
 @functools.cache  # isinstance against an ABC costs 0.2 us per call

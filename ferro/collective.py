@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ferro import _algorithms as algo
+from ferro._core.arena import SmallAllreduce
 from ferro._core.reduce import divide, has_kernel
 from ferro._dispatch import (
     execute,
@@ -77,6 +78,7 @@ RECURSIVE_DOUBLING_BYTES = 1024 * 1024
 BROADCAST_SEGMENT_BYTES = 1024 * 1024
 # Signatures (dtype, shape, op) of small allreduces remembered per group.
 SMALL_PLANS_KEPT = 256
+_UNSET = object()
 
 
 class ReduceOp(enum.Enum):
@@ -167,8 +169,13 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
 
     """
     g = resolve_group(group, "allreduce")
-    if type(x) is np.ndarray and not async_op and algorithm is None and _small_allreduce(g, x, op, timeout):
-        return x
+    if not async_op and algorithm is None:
+        # The latency path: one compiled call where the group has one (see _latency_path).
+        fast = g.__dict__.get("_ferro_small_allreduce", _UNSET)
+        if fast is _UNSET:
+            fast = _latency_path(g)
+        if fast is not None and fast(x, op, timeout):
+            return x
     data = operand(x, "allreduce", writable=True)
     reduce_op = _reduce_op(op, data.dtype, "allreduce")
     if algorithm not in (None, "ring", "recursive_doubling"):
@@ -198,62 +205,46 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
     return execute(g, "allreduce", body, async_op, (x,))
 
 
-def _small_plan(numpy_dtype: np.dtype, shape: tuple[int, ...], op: Any, world_size: int
-                ) -> tuple[int, int, int, float] | None:
-    """Return what a small in-place allreduce of this signature needs, or None for the full path."""
+def _small_plan(plans: dict[Any, Any], key: Any, op: Any, world_size: int) -> tuple[int, int, int, float] | bool:
+    """Return what a small in-place allreduce needs (and remember it under ``key``), or False for the full path.
+
+    ``key`` is ``(dtype, shape, op or op's identity)``.
+    """
+    numpy_dtype, shape = key[0], key[1]
+    plan: tuple[int, int, int, float] | bool = False
     try:
         data = operand(np.empty(0, numpy_dtype), "allreduce", writable=True)
         reduce_op = _reduce_op(op, data.dtype, "allreduce")
     except (InvalidBufferError, ValueError):
-        return None  # the full path raises the error, with the caller's array in the message
-    if data.array.dtype != numpy_dtype:
-        return None  # viewed as another dtype (ml_dtypes' bfloat16): the full path handles the view
-    count = int(np.prod(shape, dtype=np.int64))
-    link_fingerprint = make_link_fingerprint("allreduce", data, _OP_VALUES[reduce_op], 0, count, shape)
-    divisor = float(world_size) if reduce_op is ReduceOp.MEAN else 0.0
-    return data.dtype.code, _KERNEL_CODES[reduce_op], link_fingerprint, divisor
+        data = None  # the full path raises the error, with the caller's array in the message
+    if data is not None and data.array.dtype == numpy_dtype:  # not viewed as another dtype (ml_dtypes' bfloat16)
+        count = int(np.prod(shape, dtype=np.int64))
+        divisor = float(world_size) if reduce_op is ReduceOp.MEAN else 0.0
+        plan = (data.dtype.code, _KERNEL_CODES[reduce_op],
+                make_link_fingerprint("allreduce", data, _OP_VALUES[reduce_op], 0, count, shape), divisor)
+    if len(plans) >= SMALL_PLANS_KEPT:
+        plans.clear()
+    plans[key] = plan
+    return plan
 
 
-def _small_allreduce(g: Backend, x: np.ndarray, op: Any, timeout: float | None) -> bool:
-    """Run a small synchronous allreduce in one compiled call where the group offers one; False if not.
+def _latency_path(g: Backend) -> Any:
+    """Return the group's compiled small-allreduce call, or None if its backend has no arena.
 
-    This is the latency path: it skips the closure, the worker hand-off and the
-    operand object, and keeps every guarantee of the full path. It applies only
-    when nothing else is queued on the group and the call is well-formed; any
-    other case (and every error message) is the full path's.
+    A backend offers the path with two instance attributes, ``small_allreduce_arena``
+    and ``small_allreduce_bytes`` (ShmBackend does). The call is built on first use
+    and kept on the group.
     """
-    # A backend offers the path with two instance attributes: ``small_allreduce`` (a compiled
-    # call taking the array, dtype and kernel codes, fingerprint, timeout or None, divisor) and
-    # ``small_allreduce_bytes`` (the largest message it takes). ShmBackend does.
     state = g.__dict__
-    limit = state.get("small_allreduce_bytes", 0)
-    if limit == 0 or x.nbytes > limit or x.size == 0:
-        return False
-    worker = state.get("_ferro_worker")
-    if state.get("_ferro_failure") is not None or (worker is not None and (worker.busy or worker.pending)):
-        return False
-    # Plans are memoised per group in a plain dict: an lru_cache lookup costs 0.4 us, a fifth of the call.
-    plans = state.get("_ferro_small_plans")
-    if plans is None:
-        plans = state.setdefault("_ferro_small_plans", {})
-    key = (x.dtype, x.shape, op)
-    plan = plans.get(key, False)
-    if plan is False:
-        if len(plans) >= SMALL_PLANS_KEPT:
-            plans.clear()
-        plan = plans[key] = _small_plan(x.dtype, x.shape, op, g.world_size)
-    if plan is None:
-        return False
-    dtype_code, kernel_code, fingerprint_, divisor = plan
-    try:
-        seconds = None if timeout is None else default_timeout(timeout)
-        state["small_allreduce"](x, dtype_code, kernel_code, fingerprint_, seconds, divisor)
-    except InvalidBufferError:
-        return False  # refused before any communication (read-only, not contiguous): the full path explains
-    except BaseException as exc:
-        fail_together(g, "allreduce", exc)
-        raise
-    return True
+    arena = state.get("small_allreduce_arena")
+    fast = None
+    if arena is not None:
+        world_size = g.world_size
+        fast = SmallAllreduce(arena, state, lambda plans, key, op: _small_plan(plans, key, op, world_size),
+                              lambda exc: fail_together(g, "allreduce", exc), state["small_allreduce_bytes"],
+                              np.ndarray, default_timeout, ReduceOp)
+    state["_ferro_small_allreduce"] = fast
+    return fast
 
 
 def _allreduce_algorithm(nbytes: int, world_size: int) -> str:

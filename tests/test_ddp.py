@@ -73,8 +73,14 @@ def test_ferro_nn_ddp_equals_single_process_training(run, world_size, options):
 def torch_model(seed):
     import torch
 
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3)).double()
+    # Parameters from a NumPy generator of our own: torch's global RNG is shared by the threads
+    # of a simulated group, so seeding it per rank would race.
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3)).double()
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.from_numpy(rng.uniform(-0.4, 0.4, tuple(param.shape))))
+    return model
 
 
 def train_torch(model, batches, shard=None, wrap=None):

@@ -1,5 +1,6 @@
 """Type stub for the shared-memory collective arena (ferro/_core/arena.pyx)."""
 
+from collections.abc import Callable
 from typing import Any
 
 CONTROL_BYTES: int
@@ -25,3 +26,10 @@ class Arena:
              op: str = "allreduce") -> None: ...
     def broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> None: ...
     def barrier(self, timeout: float) -> None: ...
+
+class SmallAllreduce:
+    limit: int
+    def __init__(self, arena: Arena, group_state: dict[str, Any],
+                 make_plan: Callable[[dict[Any, Any], Any, Any], Any], on_failure: Callable[[BaseException], None],
+                 limit: int, ndarray: type, resolve_timeout: Callable[[float], float], op_type: type) -> None: ...
+    def __call__(self, x: Any, op: Any, timeout: float | None) -> bool: ...

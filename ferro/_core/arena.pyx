@@ -284,42 +284,46 @@ cdef class Arena:
         """
         cdef double seconds = self.default_timeout if timeout is None else timeout
         cdef Py_buffer view
+        acquire_buffer(flat, &view, True, "allreduce")
+        try:
+            self._allreduce_small(&view, dtype_code, op_code, fingerprint, seconds, divisor)
+        finally:
+            PyBuffer_Release(&view)
+
+    cdef int _allreduce_small(self, Py_buffer* view, int dtype_code, int op_code, uint64_t fingerprint,
+                              double seconds, double divisor) except -1:
         cdef ferro_reduce_fn kernel = ferro_reduce_kernel(dtype_code, op_code)
         cdef WaitResult w
         cdef int rc = 0, b, j
-        cdef size_t n, count
+        cdef size_t n = <size_t>view.len, count
         cdef int64_t deadline
         if kernel == NULL:
             raise InvalidBufferError(f"allreduce: no kernel for dtype code {dtype_code} and op code {op_code}")
+        if n > self.buffer_bytes:
+            raise ValueError(f"allreduce_small: {n} bytes do not fit in a {self.buffer_bytes}-byte buffer")
+        count = n // <size_t>view.itemsize if view.itemsize > 0 else n
         self._enter("allreduce", seconds)
         try:
-            acquire_buffer(flat, &view, True, "allreduce")
-            try:
-                n = <size_t>view.len
-                if n > self.buffer_bytes:
-                    raise ValueError(f"allreduce_small: {n} bytes do not fit in a {self.buffer_bytes}-byte buffer")
-                count = n // <size_t>view.itemsize if view.itemsize > 0 else n
-                deadline = _deadline(seconds)
-                with nogil:
-                    self._begin(KIND_COLLECTIVE_C, fingerprint)
-                    b = self._take_buffer()
-                    rc = self._wait(self.free_after[b], -1, deadline, &w)
-                    if rc == 0:
-                        memcpy(self.slots[self.rank] + b * self._stride(), view.buf, n)
-                        self._signal()
-                        rc = self._wait(self.step, -1, deadline, &w)
-                    if rc == 0:
-                        memcpy(view.buf, self.slots[0] + b * self._stride(), n)
-                        for j in range(1, self.world_size):
-                            kernel(view.buf, self.slots[j] + b * self._stride(), count)
-                        if divisor != 0.0:
-                            ferro_divide(view.buf, count, dtype_code, divisor)
-                        self.free_after[b] = self.step + 1
-            finally:
-                PyBuffer_Release(&view)
+            deadline = _deadline(seconds)
+            with nogil:
+                self._begin(KIND_COLLECTIVE_C, fingerprint)
+                b = self._take_buffer()
+                rc = self._wait(self.free_after[b], -1, deadline, &w)
+                if rc == 0:
+                    memcpy(self.slots[self.rank] + b * self._stride(), view.buf, n)
+                    self._signal()
+                    rc = self._wait(self.step, -1, deadline, &w)
+                if rc == 0:
+                    memcpy(view.buf, self.slots[0] + b * self._stride(), n)
+                    for j in range(1, self.world_size):
+                        kernel(view.buf, self.slots[j] + b * self._stride(), count)
+                    if divisor != 0.0:
+                        ferro_divide(view.buf, count, dtype_code, divisor)
+                    self.free_after[b] = self.step + 1
             self._finish(rc, &w, "allreduce", seconds)
         finally:
             PyThread_release_lock(self.lock)
+        return 0
 
     def ring(self, flat, bounds, int dtype_code, int op_code, size_t itemsize, uint64_t fingerprint, double timeout,
              bint reduce_scatter, bint all_gather, double divisor=0.0, int gather_root=-1,
@@ -637,3 +641,86 @@ cdef class Arena:
 
 cdef int64_t _deadline(double timeout):
     return -1 if timeout < 0 else monotonic_ns() + <int64_t>(timeout * 1e9)
+
+
+cdef class SmallAllreduce:
+    """The latency path of ``ferro.allreduce`` on a shared-memory group: validation, plan and call in C.
+
+    Calling it with ``(x, op, timeout)`` runs the allreduce and returns True, or
+    returns False, having done nothing, when the full path must take the call:
+    not a writable C-contiguous NumPy array, empty or too large, an async
+    operation queued on the group, a failed group, or a signature the plan
+    function refuses. Errors of the collective itself go through ``on_failure``
+    (the fail-together guard) and propagate.
+
+    Args:
+        arena: The group's arena.
+        group_state: The group's ``__dict__``, where ferro keeps its worker and failure.
+        make_plan: ``make_plan(plans, key, op)`` returns ``(dtype code, kernel code,
+            fingerprint, divisor)`` or False for ``(dtype, shape, op)`` and remembers it in ``plans``
+            under ``key``.
+        on_failure: ``on_failure(exc)``, called before an error of the collective propagates.
+        limit: Largest message in bytes.
+        ndarray: ``numpy.ndarray``.
+        resolve_timeout: Turns a caller's timeout into seconds (validating it).
+        op_type: The ``ReduceOp`` enum: its members are keyed by identity.
+    """
+
+    cdef Arena arena
+    cdef dict group_state
+    cdef dict plans
+    cdef object make_plan
+    cdef object on_failure
+    cdef readonly Py_ssize_t limit
+    cdef object ndarray
+    cdef object resolve_timeout
+    cdef object op_type
+
+    def __cinit__(self, Arena arena, dict group_state, make_plan, on_failure, Py_ssize_t limit, ndarray,
+                  resolve_timeout, op_type):
+        self.arena = arena
+        self.group_state = group_state
+        self.plans = {}
+        self.make_plan = make_plan
+        self.on_failure = on_failure
+        self.limit = limit
+        self.ndarray = ndarray
+        self.resolve_timeout = resolve_timeout
+        self.op_type = op_type
+
+    def __call__(self, x, op, timeout) -> bool:
+        cdef Py_buffer view
+        cdef double seconds
+        cdef tuple plan
+        if type(x) is not self.ndarray:
+            return False
+        state = self.group_state
+        if state.get("_ferro_failure") is not None:
+            return False
+        worker = state.get("_ferro_worker")
+        if worker is not None and (worker.busy or worker.pending):
+            return False
+        # ReduceOp members live forever, so their address is a safe key (and cheaper than their hash).
+        key = (x.dtype, x.shape, <Py_ssize_t><void*>op if type(op) is self.op_type else op)
+        found = self.plans.get(key)
+        if found is None:
+            found = self.make_plan(self.plans, key, op)
+        if found is False:
+            return False
+        plan = <tuple>found
+        try:
+            PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+        except (BufferError, ValueError, TypeError):
+            return False  # read-only or not contiguous: the full path explains
+        try:
+            if view.len == 0 or view.len > self.limit:
+                return False
+            seconds = self.arena.default_timeout if timeout is None else self.resolve_timeout(timeout)
+            try:
+                self.arena._allreduce_small(&view, plan[0], plan[1], plan[2], seconds, plan[3])
+            except BaseException as exc:
+                self.on_failure(exc)
+                raise
+            return True
+        finally:
+            PyBuffer_Release(&view)

@@ -2,8 +2,10 @@
 
 With ``-n N`` it starts N local ranks itself (through ``ferro run``); inside a
 launcher (``ferro run``, torchrun, mpirun) it is one of the ranks. ``--compare
-torch-gloo,mpi`` runs the same sweep on torch.distributed's gloo and on Open
-MPI (mpi4py) and prints ferro's ratio to each per size.
+torch-gloo,mpi,ferro-tcp`` runs the same sweep on torch.distributed's gloo, on
+Open MPI (mpi4py) and on another ferro backend, and prints ferro's ratio to each
+per size, beside the time one core takes to copy that many bytes (the physical
+reference: a collective moves every byte at least once).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from ferro.errors import ConfigurationError
 from ferro.launch.agent import LaunchConfig, run_job
 from ferro.testing.processes import free_port
 
-__all__ = ["build_parser", "main", "parse_size"]
+__all__ = ["build_parser", "main", "memcpy_us", "parse_size"]
 
-PEERS = ("torch-gloo", "mpi")
+PEERS = ("torch-gloo", "mpi", "ferro-tcp", "ferro-shm")
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 
 
@@ -66,14 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--plot", help="draw bus bandwidth and latency against size into this PNG (matplotlib)")
     parser.add_argument("--compare", default="",
-                        help="also run torch-gloo and/or mpi, e.g. torch-gloo,mpi (MPI over TCP beside --backend tcp, "
-                             "else over its default shared-memory transport)")
+                        help="also run torch-gloo, mpi, ferro-tcp and/or ferro-shm, e.g. mpi,ferro-tcp (MPI over "
+                             "TCP beside --backend tcp, else with its default settings: shared memory on one host)")
     return parser
 
 
 def _worker_args(args: argparse.Namespace, ops: list[str], library: str, out: str) -> list[str]:
     sizes = sizes_from(args.minbytes, args.maxbytes, args.stepfactor)
-    argv = ["--library", library, "--backend", args.backend, "--ops", ",".join(ops),
+    backend = args.backend
+    if library.startswith("ferro-"):  # a ferro backend as the peer
+        library, backend = "ferro", library.removeprefix("ferro-")
+    argv = ["--library", library, "--backend", backend, "--ops", ",".join(ops),
             "--sizes", ",".join(map(str, sizes)), "--dtype", args.dtype, "--redop", args.op,
             "--iters", str(args.iters), "--warmup", str(args.warmup), "--out", out]
     return argv + (["--check"] if args.check else [])
@@ -98,6 +103,8 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
 
 
 def _available(library: str) -> str | None:
+    if library.startswith("ferro"):
+        return None
     module = {"torch-gloo": "torch.distributed", "mpi": "mpi4py"}[library]
     try:
         __import__(module)
@@ -106,16 +113,34 @@ def _available(library: str) -> str | None:
     return None
 
 
-def _comparison(rows: list[Row], peers: list[str]) -> str:
-    ours = {(r.op, r.size): r for r in rows if r.library.startswith("ferro")}
-    lines = ["#", "# ferro beside its peers: time per call (us), in-place where both have it, else out-of-place;",
-             "# ratio = peer / ferro (above 1: ferro is faster)"]
-    header = f"# {'op':<15}{'size':>12}{'ferro':>11}"
+def memcpy_us(size: int, repeats: int = 5) -> float:
+    """Median time for one core to copy ``size`` bytes (NumPy ``copyto``), in microseconds."""
+    import time
+
+    import numpy as np
+
+    src = np.ones(max(size, 1), np.uint8)
+    dst = np.empty_like(src)
+    calls = max(1, min(1000, (64 << 20) // max(size, 1)))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            np.copyto(dst, src)
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[int, float]) -> str:
+    ours = {(r.op, r.size): r for r in rows if r.library == primary}
+    lines = ["#", f"# {primary} beside its peers: time per call (us), in-place where both have it, else out-of-place;",
+             "# ratio = peer / ferro (above 1: ferro is faster); memcpy = one core copying the same bytes once"]
+    header = f"# {'op':<15}{'size':>12}{'memcpy':>9}{primary:>11}"
     for peer in peers:
         header += f"{peer:>12}{'ratio':>8}"
     lines.append(header)
     for (op, size), mine in sorted(ours.items()):
-        line = f"  {op:<15}{size:>12}{mine.time_us():>11.1f}"
+        line = f"  {op:<15}{size:>12}{copy_us.get(size, float('nan')):>9.1f}{mine.time_us():>11.1f}"
         for peer in peers:
             theirs = next((r for r in rows if r.library == peer and r.op == op and r.size == size), None)
             if theirs is None:
@@ -145,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"ferro bench: --compare takes {', '.join(PEERS)}; got {bad[0]!r}", file=sys.stderr)
         return 2
+    if any(p == f"ferro-{args.backend}" for p in peers):
+        print(f"ferro bench: --compare ferro-{args.backend} is the backend being measured", file=sys.stderr)
+        return 2
     if args.nproc is None:
         if peers:
             print("ferro bench: --compare starts its own ranks; give -n", file=sys.stderr)
@@ -155,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _as_rank(args, ops)
     rows: list[Row] = []
+    primary = ""
     status = 0
     with tempfile.TemporaryDirectory(prefix="ferro-bench-") as tmp:
         for library in ["ferro", *peers]:
-            reason = _available(library) if library != "ferro" else None
+            reason = _available(library)
             if reason:
                 print(f"# {library}: {reason}; skipped")
                 continue
@@ -169,13 +198,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ferro bench: {exc}", file=sys.stderr)
                 return 2
             if os.path.exists(out):
-                rows += read_json(out)
+                measured = read_json(out)
+                if library == "ferro" and measured:
+                    primary = measured[0].library  # ferro-shm or ferro-tcp, as auto decided
+                rows += measured
             if code != 0:
                 status = status or code
                 if code == 130:
                     break  # interrupted: keep what was measured and stop
-    if peers:
-        print(_comparison(rows, peers))
+    if peers and primary:
+        copy_us = {size: memcpy_us(size) for size in sorted({r.size for r in rows})}
+        print(_comparison(rows, primary, peers, copy_us))
     _write_outputs(args, rows)
     return status
 
