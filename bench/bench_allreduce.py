@@ -1,17 +1,24 @@
-"""Allreduce: ferro (TCP) beside torch.distributed's gloo and Open MPI (mpi4py over TCP), in one run.
+"""Allreduce: ferro beside torch.distributed's gloo and Open MPI (mpi4py), in one run.
 
-Each peer runs as its own pair of processes on loopback; the sweeps are
-interleaved (ferro, gloo, MPI, ferro, ...) for ``--repeats`` rounds so the noisy
-shared machine affects them alike, and the table reports the median of the
-rounds. Open MPI is restricted to its TCP path (``--mca btl self,tcp``), the
-fair comparison for a socket transport.
+Each library runs as its own set of processes on this host; the sweeps are
+interleaved (subject, peer, peer, subject, ...) for ``--repeats`` rounds so the
+noisy shared machine affects them alike, and the table reports the median of the
+rounds, per world size. The first library named in ``--peers`` is the subject;
+every other column's ratio is against it.
+
+Libraries: ``ferro-tcp`` (alias ``ferro``) and ``ferro-shm``, ferro's TCP and
+shared-memory backends; ``gloo``; ``mpi``, Open MPI restricted to its TCP path
+(``--mca btl self,tcp``, the fair peer for a socket transport); ``mpi-sm``, Open
+MPI with its default settings (its shared-memory transport on one host).
 
 Time is per allreduce on rank 0 (float32, SUM, in place), averaged over many
 calls per size. Bus bandwidth uses nccl-tests' factor for allreduce,
-2(n-1)/n, with GB = 1e9 bytes.
+2(n-1)/n, with GB = 1e9 bytes. ``memcpy`` is one core copying the same number of
+bytes once (NumPy ``copyto``, median of 5): the physical reference.
 
-Run: ``python bench/bench_allreduce.py [--repeats 3] [--max-bytes 268435456] [--json out.json]``.
-Needs torch (for gloo) and mpi4py with ``mpirun`` for the peers; missing peers are skipped and said so.
+Run: ``python bench/bench_allreduce.py [--peers ferro,gloo,mpi] [--worlds 2] [--repeats 3]
+[--max-bytes 268435456] [--json out.json]``. ``bench/bench_shm.py`` runs the shared-memory
+comparison. Missing peers are skipped and said so.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import time
 
 import numpy as np
 
-PEERS = ["ferro", "gloo", "mpi"]
+from ferro.bench.reference import memcpy_seconds
+
+PEERS = ["ferro", "ferro-tcp", "ferro-shm", "gloo", "mpi", "mpi-sm"]
 
 
 def sizes(max_bytes: int) -> list[int]:
@@ -63,10 +72,11 @@ def _measure(allreduce, barrier, rank: int, max_bytes: int) -> dict[int, float]:
     return results
 
 
-def worker_ferro(rank: int, world: int, port: int, max_bytes: int) -> dict[int, float]:
+def worker_ferro(rank: int, world: int, port: int, max_bytes: int, backend: str = "tcp") -> dict[int, float]:
     import ferro
 
-    with ferro.TcpBackend(rank, world, "127.0.0.1", port, secret="bench", timeout=300) as group:
+    kind = ferro.ShmBackend if backend == "shm" else ferro.TcpBackend
+    with kind(rank, world, "127.0.0.1", port, secret="bench", timeout=300) as group:
         return _measure(lambda b: ferro.allreduce(b, group=group), group.barrier, rank, max_bytes)
 
 
@@ -97,11 +107,12 @@ def _free_port() -> int:
 
 def run_peer(peer: str, world: int, max_bytes: int, out: str) -> bool:
     script = os.path.abspath(__file__)
-    if peer == "mpi":
+    if peer in ("mpi", "mpi-sm"):
         mpirun = shutil.which("mpirun")
         if mpirun is None:
             return False
-        command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(world), "--mca", "btl", "self,tcp",
+        transport = ["--mca", "btl", "self,tcp"] if peer == "mpi" else []
+        command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(world), *transport,
                    sys.executable, script, "--worker", "mpi", "--max-bytes", str(max_bytes), "--out", out]
         done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
@@ -119,7 +130,7 @@ def available(peer: str) -> bool:
     try:
         if peer == "gloo":
             import torch.distributed  # noqa: F401
-        if peer == "mpi":
+        if peer in ("mpi", "mpi-sm"):
             import mpi4py  # noqa: F401
 
             return shutil.which("mpirun") is not None
@@ -128,69 +139,88 @@ def available(peer: str) -> bool:
     return True
 
 
+def _worker(args: argparse.Namespace) -> int:
+    if args.worker == "mpi":
+        rank, results = worker_mpi(args.max_bytes)
+    elif args.worker == "gloo":
+        rank, results = args.rank, worker_gloo(args.rank, args.world, args.port, args.max_bytes)
+    else:
+        backend = "shm" if args.worker == "ferro-shm" else "tcp"
+        rank, results = args.rank, worker_ferro(args.rank, args.world, args.port, args.max_bytes, backend)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({str(k): v for k, v in results.items()}, f)
+    return 0
+
+
+def _table(world: int, peers: list[str], table: dict[str, dict[int, float]], copy: dict[int, float],
+           max_bytes: int) -> None:
+    subject = peers[0]
+    factor = 2 * (world - 1) / world
+    header = f"{'bytes':>11}{'memcpy us':>11}"
+    for p in table:
+        header += f"{p + ' us':>15}{'busbw':>8}"
+    for p in table:
+        if p != subject:
+            header += f"{'vs ' + p:>13}"
+    print(header)
+    for n in sizes(max_bytes):
+        row = f"{n:>11}{copy[n] * 1e6:>11.1f}"
+        for p in table:
+            t = table[p][n]
+            row += f"{t * 1e6:>15.1f}{n * factor / t / 1e9:>8.2f}"
+        for p in table:
+            if p != subject and subject in table:
+                row += f"{table[p][n] / table[subject][n]:>12.2f}x"
+        print(row)
+    print(f"# 'vs X' = X's time / {subject}'s time (above 1: {subject} is faster); busbw in GB/s")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", choices=PEERS)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--worlds", default="", help="comma-separated world sizes (default: --world)")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--out")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-bytes", type=int, default=256 * 1024 * 1024)
-    parser.add_argument("--peers", default="ferro,gloo,mpi")
+    parser.add_argument("--peers", default="ferro,gloo,mpi", help="the subject first, then its peers")
     parser.add_argument("--json", help="write every round's raw times here")
     args = parser.parse_args(argv)
-
     if args.worker:
-        if args.worker == "mpi":
-            rank, results = worker_mpi(args.max_bytes)
-        else:
-            rank = args.rank
-            fn = worker_ferro if args.worker == "ferro" else worker_gloo
-            results = fn(args.rank, args.world, args.port, args.max_bytes)
-        if rank == 0:
-            with open(args.out, "w") as f:
-                json.dump({str(k): v for k, v in results.items()}, f)
-        return 0
+        return _worker(args)
 
+    worlds = [int(w) for w in args.worlds.split(",") if w] or [args.world]
     peers = [p for p in args.peers.split(",") if p]
     skipped = [p for p in peers if not available(p)]
     peers = [p for p in peers if p not in skipped]
-    rounds: dict[str, list[dict[int, float]]] = {p: [] for p in peers}
+    rounds: dict[tuple[int, str], list[dict[int, float]]] = {(w, p): [] for w in worlds for p in peers}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            for peer in peers:
-                out = os.path.join(tmp, f"{peer}-{repeat}.json")
-                if run_peer(peer, args.world, args.max_bytes, out):
-                    with open(out) as f:
-                        rounds[peer].append({int(k): v for k, v in json.load(f).items()})
-                print(f"# round {repeat + 1}/{args.repeats}: {peer} done", file=sys.stderr, flush=True)
-    table = {p: {n: statistics.median(r[n] for r in rounds[p]) for n in sizes(args.max_bytes)}
-             for p in peers if rounds[p]}
-    factor = 2 * (args.world - 1) / args.world
-    print(f"# allreduce, float32 SUM in place, world size {args.world}, loopback, median of {args.repeats} rounds")
+            for world in worlds:
+                for peer in peers:
+                    out = os.path.join(tmp, f"{peer}-{world}-{repeat}.json")
+                    if run_peer(peer, world, args.max_bytes, out):
+                        with open(out) as f:
+                            rounds[world, peer].append({int(k): v for k, v in json.load(f).items()})
+                    print(f"# round {repeat + 1}/{args.repeats}: {peer} x{world} done", file=sys.stderr, flush=True)
+    copy = {n: memcpy_seconds(n) for n in sizes(args.max_bytes)}
+    print(f"# allreduce, float32 SUM in place, median of {args.repeats} rounds; "
+          f"one core's memcpy at {sizes(args.max_bytes)[-1]} B: "
+          f"{sizes(args.max_bytes)[-1] / copy[sizes(args.max_bytes)[-1]] / 1e9:.2f} GB/s")
     if skipped:
         print(f"# skipped (not installed): {', '.join(skipped)}")
-    header = f"{'bytes':>11}"
-    for p in table:
-        header += f"{p + ' us':>13}{p + ' busbw':>12}"
-    for p in table:
-        if p != "ferro":
-            header += f"{'vs ' + p:>10}"
-    print(header)
-    for n in sizes(args.max_bytes):
-        row = f"{n:>11}"
-        for p in table:
-            t = table[p][n]
-            row += f"{t * 1e6:>13.1f}{n * factor / t / 1e9:>12.3f}"
-        for p in table:
-            if p != "ferro" and "ferro" in table:
-                row += f"{table[p][n] / table['ferro'][n]:>9.2f}x"
-        print(row)
-    print("# 'vs X' = X's time / ferro's time (above 1: ferro is faster)")
+    for world in worlds:
+        table = {p: {n: statistics.median(r[n] for r in rounds[world, p]) for n in sizes(args.max_bytes)}
+                 for p in peers if rounds[world, p]}
+        print(f"#\n# world size {world}")
+        _table(world, peers, table, copy, args.max_bytes)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({p: [{str(k): v for k, v in r.items()} for r in rounds[p]] for p in rounds}, f, indent=1)
+            json.dump({f"{p}@{w}": [{str(k): v for k, v in r.items()} for r in rs] for (w, p), rs in rounds.items()},
+                      f, indent=1)
     return 0
 
 

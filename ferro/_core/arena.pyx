@@ -37,7 +37,6 @@ from cpython.pythread cimport (
 from libc.errno cimport ESRCH, errno
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
 
 from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
 from ferro._core.transport cimport acquire_buffer, monotonic_ns
@@ -59,6 +58,9 @@ cdef extern from "shm_ring.h" nogil:
     void ferro_store_release(uint64_t* p, uint64_t v)
     uint32_t ferro_load_acquire32(const uint32_t* p)
     void ferro_store_release32(uint32_t* p, uint32_t v)
+
+cdef extern from "copy.h" nogil:
+    void ferro_copy(void* dst, const void* src, size_t n)
 
 cdef extern from "arena.h" nogil:
     enum:
@@ -256,7 +258,7 @@ cdef class Arena:
         mine = self.ctl[self.rank]
         if ferro_load_acquire32(&mine.abort_len) != 0:
             return  # the first notice stands
-        memcpy(mine.notice, <const unsigned char*>payload, n)
+        ferro_copy(mine.notice, <const unsigned char*>payload, n)
         ferro_store_release32(&mine.abort_len, <uint32_t>(n if n > 0 else 1))
 
     def peer_call(self, int peer):
@@ -310,11 +312,11 @@ cdef class Arena:
                 b = self._take_buffer()
                 rc = self._wait(self.free_after[b], -1, deadline, &w)
                 if rc == 0:
-                    memcpy(self.slots[self.rank] + b * self._stride(), view.buf, n)
+                    ferro_copy(self.slots[self.rank] + b * self._stride(), view.buf, n)
                     self._signal()
                     rc = self._wait(self.step, -1, deadline, &w)
                 if rc == 0:
-                    memcpy(view.buf, self.slots[0] + b * self._stride(), n)
+                    ferro_copy(view.buf, self.slots[0] + b * self._stride(), n)
                     for j in range(1, self.world_size):
                         kernel(view.buf, self.slots[j] + b * self._stride(), count)
                     if divisor != 0.0:
@@ -397,13 +399,13 @@ cdef class Arena:
                             rc = self._wait(self.free_after[b], -1, deadline, &w)
                             if rc != 0:
                                 break
-                            memcpy(self.slots[root] + b * self._stride(), data + done, chunk)
+                            ferro_copy(self.slots[root] + b * self._stride(), data + done, chunk)
                         self._signal()
                         if self.rank != root:
                             rc = self._wait(self.step, root, deadline, &w)
                             if rc != 0:
                                 break
-                            memcpy(data + done, self.slots[root] + b * self._stride(), chunk)
+                            ferro_copy(data + done, self.slots[root] + b * self._stride(), chunk)
                         self.free_after[b] = self.step + 1
                         done += chunk
             finally:
@@ -576,7 +578,7 @@ cdef class Arena:
                 # Publish the parts the other ranks reduce, then reduce ours from every slot.
                 for j in range(n):
                     if j != me and lengths[j] > offset:
-                        memcpy(mine + j * part, data + starts[j] + offset, _min(part, lengths[j] - offset))
+                        ferro_copy(mine + j * part, data + starts[j] + offset, _min(part, lengths[j] - offset))
                 self._signal()
                 rc = self._wait(self.step, -1, deadline, w)
                 if rc != 0:
@@ -590,9 +592,9 @@ cdef class Arena:
                     if divisor != 0.0:
                         ferro_divide(data + starts[me] + offset, length // itemsize, dtype_code, divisor)
                     if all_gather:
-                        memcpy(mine + me * part, data + starts[me] + offset, length)
+                        ferro_copy(mine + me * part, data + starts[me] + offset, length)
             elif lengths[me] > offset:
-                memcpy(mine + me * part, data + starts[me] + offset, _min(part, lengths[me] - offset))
+                ferro_copy(mine + me * part, data + starts[me] + offset, _min(part, lengths[me] - offset))
             if all_gather:
                 self._signal()
                 rc = self._wait(self.step, -1, deadline, w)
@@ -601,7 +603,7 @@ cdef class Arena:
                 if gather_root < 0 or gather_root == me:
                     for j in range(n):
                         if j != me and lengths[j] > offset:
-                            memcpy(data + starts[j] + offset, self.slots[j] + b * self._stride() + j * part,
+                            ferro_copy(data + starts[j] + offset, self.slots[j] + b * self._stride() + j * part,
                                    _min(part, lengths[j] - offset))
             # Every read of this buffer is done before its reader's next step. Each use of a
             # buffer publishes a step after its wait, so the next use of the other buffer moves

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "copy.h"
+
 #define FERRO_CACHE_LINE 64
 
 typedef struct {
@@ -46,8 +48,8 @@ static inline size_t ferro_ring_write(ferro_ring_ctl *ctl, unsigned char *data, 
     if (n == 0) return 0;
     size_t at = (size_t)(head % capacity);
     size_t first = capacity - at < n ? capacity - at : n;
-    memcpy(data + at, src, first);
-    memcpy(data, src + first, n - first);
+    ferro_copy(data + at, src, first);
+    ferro_copy(data, src + first, n - first);
     ferro_store_release(&ctl->head, head + n);
     return n;
 }
@@ -62,8 +64,8 @@ static inline void ferro_ring_peek(ferro_ring_ctl *ctl, const unsigned char *dat
                                    unsigned char *dst, size_t len) {
     size_t at = (size_t)((ctl->tail + skip) % capacity);
     size_t first = capacity - at < len ? capacity - at : len;
-    memcpy(dst, data + at, first);
-    memcpy(dst + first, data, len - first);
+    ferro_copy(dst, data + at, first);
+    ferro_copy(dst + first, data, len - first);
 }
 
 /* Mark `len` bytes as read, freeing their space for the producer. */

@@ -26,11 +26,11 @@ RING_ENV = "FERRO_SHM_RING_BYTES"
 DEFAULT_RING_BYTES = 4 * 1024 * 1024
 BUFFER_ENV = "FERRO_SHM_BUFFER_BYTES"
 # Each rank's slot holds two buffers of this size: the chunk of large collectives. Measured on a
-# 2-core EPYC VM (DESIGN.md, "Shared memory"): 1 MiB beat 256 KiB by 1.8x and 4 MiB by 1.6x at
-# 16-64 MiB with 2 ranks. When ranks outnumber cores every phase costs a context switch, and
-# 2 MiB (fewer, longer phases) beat 1 MiB by 1.3x at 64 MiB with 4 ranks on 2 cores.
-DEFAULT_BUFFER_BYTES = 1024 * 1024
-OVERSUBSCRIBED_BUFFER_BYTES = 2 * 1024 * 1024
+# 2-core EPYC VM (DESIGN.md, "Shared memory"): with 2 ranks, 64 KiB to 512 KiB perform alike (256 KiB:
+# 16 MiB in ~2.0 ms, 64 MiB in ~8.2 ms). When ranks outnumber cores every phase costs a context
+# switch, so fewer, longer phases pay: with 4 ranks on 2 cores 1 MiB beat 256 KiB by ~10% at 64 MiB.
+DEFAULT_BUFFER_BYTES = 256 * 1024
+OVERSUBSCRIBED_BUFFER_BYTES = 1024 * 1024
 # Up to this size an allreduce takes one phase (every rank reduces every slot) instead of two.
 SMALL_ALLREDUCE_BYTES = 16 * 1024
 PAGE = 4096
@@ -106,8 +106,8 @@ class ShmBackend(StoreBackend):
         secret: The job secret (default ``$FERRO_SECRET``).
         store: An existing store client to rendezvous through.
         ring_bytes: Capacity of each rank-to-rank ring (default 4 MiB, ``$FERRO_SHM_RING_BYTES``).
-        buffer_bytes: Size of each of the two buffers in a rank's collective slot (default 1 MiB, or
-            2 MiB when ranks outnumber the cores; ``$FERRO_SHM_BUFFER_BYTES``): the chunk size of large
+        buffer_bytes: Size of each of the two buffers in a rank's collective slot (default 256 KiB, or
+            1 MiB when ranks outnumber the cores; ``$FERRO_SHM_BUFFER_BYTES``): the chunk size of large
             collectives.
         spin_us: Microseconds to spin before yielding the CPU while waiting (default
             ``$FERRO_SPIN_US``, else 50, or 0 when ranks outnumber the cores).

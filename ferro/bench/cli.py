@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 
+from ferro.bench.reference import memcpy_seconds
 from ferro.bench.table import Row, read_json, write_csv, write_json
 from ferro.bench.worker import OPS, sizes_from
 from ferro.bench.worker import main as worker_main
@@ -25,7 +26,7 @@ from ferro.errors import ConfigurationError
 from ferro.launch.agent import LaunchConfig, run_job
 from ferro.testing.processes import free_port
 
-__all__ = ["build_parser", "main", "memcpy_us", "parse_size"]
+__all__ = ["build_parser", "main", "parse_size"]
 
 PEERS = ("torch-gloo", "mpi", "ferro-tcp", "ferro-shm")
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
@@ -113,24 +114,6 @@ def _available(library: str) -> str | None:
     return None
 
 
-def memcpy_us(size: int, repeats: int = 5) -> float:
-    """Median time for one core to copy ``size`` bytes (NumPy ``copyto``), in microseconds."""
-    import time
-
-    import numpy as np
-
-    src = np.ones(max(size, 1), np.uint8)
-    dst = np.empty_like(src)
-    calls = max(1, min(1000, (64 << 20) // max(size, 1)))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            np.copyto(dst, src)
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return sorted(times)[len(times) // 2]
-
-
 def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[int, float]) -> str:
     ours = {(r.op, r.size): r for r in rows if r.library == primary}
     lines = ["#", f"# {primary} beside its peers: time per call (us), in-place where both have it, else out-of-place;",
@@ -207,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 if code == 130:
                     break  # interrupted: keep what was measured and stop
     if peers and primary:
-        copy_us = {size: memcpy_us(size) for size in sorted({r.size for r in rows})}
+        copy_us = {size: memcpy_seconds(size) * 1e6 for size in sorted({r.size for r in rows})}
         print(_comparison(rows, primary, peers, copy_us))
     _write_outputs(args, rows)
     return status
