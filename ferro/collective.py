@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ferro import _algorithms as algo
-from ferro._core.arena import SmallAllreduce
+from ferro._core.arena import DirectAllreduce
 from ferro._core.reduce import divide, has_kernel
 from ferro._dispatch import (
     execute,
@@ -76,7 +76,7 @@ SMALL_MESSAGE_BYTES = 64 * 1024
 # 2(n-1) rounds: below this many bytes x log2(n), fewer rounds win (measured: bench/).
 RECURSIVE_DOUBLING_BYTES = 1024 * 1024
 BROADCAST_SEGMENT_BYTES = 1024 * 1024
-# Signatures (dtype, shape, op) of small allreduces remembered per group.
+# Signatures (dtype, shape, op) of direct allreduces remembered per group.
 SMALL_PLANS_KEPT = 256
 _UNSET = object()
 
@@ -170,11 +170,11 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
     """
     g = resolve_group(group, "allreduce")
     if not async_op and algorithm is None:
-        # The latency path: one compiled call where the group has one (see _latency_path).
-        fast = g.__dict__.get("_ferro_small_allreduce", _UNSET)
-        if fast is _UNSET:
-            fast = _latency_path(g)
-        if fast is not None and fast(x, op, timeout):
+        # The direct path: one compiled call where the group has one (see _direct_path).
+        direct = g.__dict__.get("_ferro_direct_allreduce", _UNSET)
+        if direct is _UNSET:
+            direct = _direct_path(g)
+        if direct is not None and direct(x, op, timeout):
             return x
     data = operand(x, "allreduce", writable=True)
     reduce_op = _reduce_op(op, data.dtype, "allreduce")
@@ -205,13 +205,14 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
     return execute(g, "allreduce", body, async_op, (x,))
 
 
-def _small_plan(plans: dict[Any, Any], key: Any, op: Any, world_size: int) -> tuple[int, int, int, float] | bool:
-    """Return what a small in-place allreduce needs (and remember it under ``key``), or False for the full path.
+def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, world_size: int
+                 ) -> tuple[int, int, int, float, int] | bool:
+    """Return what a direct in-place allreduce needs (and remember it under ``key``), or False for the full path.
 
     ``key`` is ``(dtype, shape, op or op's identity)``.
     """
     numpy_dtype, shape = key[0], key[1]
-    plan: tuple[int, int, int, float] | bool = False
+    plan: tuple[int, int, int, float, int] | bool = False
     try:
         data = operand(np.empty(0, numpy_dtype), "allreduce", writable=True)
         reduce_op = _reduce_op(op, data.dtype, "allreduce")
@@ -221,30 +222,31 @@ def _small_plan(plans: dict[Any, Any], key: Any, op: Any, world_size: int) -> tu
         count = int(np.prod(shape, dtype=np.int64))
         divisor = float(world_size) if reduce_op is ReduceOp.MEAN else 0.0
         plan = (data.dtype.code, _KERNEL_CODES[reduce_op],
-                make_link_fingerprint("allreduce", data, _OP_VALUES[reduce_op], 0, count, shape), divisor)
+                make_link_fingerprint("allreduce", data, _OP_VALUES[reduce_op], 0, count, shape), divisor,
+                data.dtype.itemsize)
     if len(plans) >= SMALL_PLANS_KEPT:
         plans.clear()
     plans[key] = plan
     return plan
 
 
-def _latency_path(g: Backend) -> Any:
-    """Return the group's compiled small-allreduce call, or None if its backend has no arena.
+def _direct_path(g: Backend) -> Any:
+    """Return the group's compiled allreduce call, or None if its backend has no arena.
 
-    A backend offers the path with two instance attributes, ``small_allreduce_arena``
+    A backend offers the path with two instance attributes, ``direct_allreduce_arena``
     and ``small_allreduce_bytes`` (ShmBackend does). The call is built on first use
     and kept on the group.
     """
     state = g.__dict__
-    arena = state.get("small_allreduce_arena")
-    fast = None
+    arena = state.get("direct_allreduce_arena")
+    direct = None
     if arena is not None:
         world_size = g.world_size
-        fast = SmallAllreduce(arena, state, lambda plans, key, op: _small_plan(plans, key, op, world_size),
-                              lambda exc: fail_together(g, "allreduce", exc), state["small_allreduce_bytes"],
-                              np.ndarray, default_timeout, ReduceOp)
-    state["_ferro_small_allreduce"] = fast
-    return fast
+        direct = DirectAllreduce(arena, state, lambda plans, key, op: _direct_plan(plans, key, op, world_size),
+                                 lambda exc: fail_together(g, "allreduce", exc), state["small_allreduce_bytes"],
+                                 np.ndarray, default_timeout, ReduceOp)
+    state["_ferro_direct_allreduce"] = direct
+    return direct
 
 
 def _allreduce_algorithm(nbytes: int, world_size: int) -> str:

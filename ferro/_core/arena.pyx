@@ -375,6 +375,42 @@ cdef class Arena:
             free(lengths)
             PyThread_release_lock(self.lock)
 
+    cdef int _allreduce_parts(self, Py_buffer* view, size_t itemsize, int dtype_code, int op_code,
+                              uint64_t fingerprint, double seconds, double divisor) except -1:
+        # Allreduce as reduce-scatter plus all-gather over parts split as numpy.array_split splits.
+        cdef ferro_reduce_fn kernel = ferro_reduce_kernel(dtype_code, op_code)
+        cdef WaitResult w
+        cdef int rc = 0, n = self.world_size, j
+        cdef size_t count = <size_t>view.len // itemsize, base, extra, first
+        cdef size_t* starts
+        cdef size_t* lengths
+        cdef int64_t deadline
+        if kernel == NULL:
+            raise InvalidBufferError(f"allreduce: no kernel for dtype code {dtype_code} and op code {op_code}")
+        starts = <size_t*>malloc(n * sizeof(size_t))
+        lengths = <size_t*>malloc(n * sizeof(size_t))
+        try:
+            if starts == NULL or lengths == NULL:
+                raise MemoryError()
+            base, extra = count // <size_t>n, count % <size_t>n
+            for j in range(n):
+                first = <size_t>j * base + (<size_t>j if <size_t>j < extra else extra)
+                starts[j] = first * itemsize
+                lengths[j] = (base + (1 if <size_t>j < extra else 0)) * itemsize
+            self._enter("allreduce", seconds)
+            try:
+                deadline = _deadline(seconds)
+                with nogil:
+                    rc = self._ring(<unsigned char*>view.buf, starts, lengths, itemsize, kernel, dtype_code, True,
+                                    True, divisor, -1, fingerprint, deadline, &w)
+                self._finish(rc, &w, "allreduce", seconds)
+            finally:
+                PyThread_release_lock(self.lock)
+        finally:
+            free(starts)
+            free(lengths)
+        return 0
+
     def broadcast(self, flat, int root, uint64_t fingerprint, double timeout) -> None:
         """Copy ``flat`` from rank ``root`` into ``flat`` on every rank, a buffer-sized chunk at a time."""
         cdef Py_buffer view
@@ -645,24 +681,25 @@ cdef int64_t _deadline(double timeout):
     return -1 if timeout < 0 else monotonic_ns() + <int64_t>(timeout * 1e9)
 
 
-cdef class SmallAllreduce:
-    """The latency path of ``ferro.allreduce`` on a shared-memory group: validation, plan and call in C.
+cdef class DirectAllreduce:
+    """The direct path of ``ferro.allreduce`` on a shared-memory group: validation, plan and call in C.
 
     Calling it with ``(x, op, timeout)`` runs the allreduce and returns True, or
     returns False, having done nothing, when the full path must take the call:
-    not a writable C-contiguous NumPy array, empty or too large, an async
-    operation queued on the group, a failed group, or a signature the plan
-    function refuses. Errors of the collective itself go through ``on_failure``
-    (the fail-together guard) and propagate.
+    not a writable C-contiguous NumPy array, empty, an async operation queued on
+    the group, a failed group, or a signature the plan function refuses. Errors
+    of the collective itself go through ``on_failure`` (the fail-together guard)
+    and propagate. Messages up to ``small_limit`` bytes take the one-phase
+    algorithm, larger ones the chunked reduce-scatter and all-gather.
 
     Args:
         arena: The group's arena.
         group_state: The group's ``__dict__``, where ferro keeps its worker and failure.
         make_plan: ``make_plan(plans, key, op)`` returns ``(dtype code, kernel code,
-            fingerprint, divisor)`` or False for ``(dtype, shape, op)`` and remembers it in ``plans``
-            under ``key``.
+            fingerprint, divisor, itemsize)`` or False for ``(dtype, shape, op)`` and remembers it in
+            ``plans`` under ``key``.
         on_failure: ``on_failure(exc)``, called before an error of the collective propagates.
-        limit: Largest message in bytes.
+        small_limit: Largest message in bytes for the one-phase algorithm.
         ndarray: ``numpy.ndarray``.
         resolve_timeout: Turns a caller's timeout into seconds (validating it).
         op_type: The ``ReduceOp`` enum: its members are keyed by identity.
@@ -673,19 +710,19 @@ cdef class SmallAllreduce:
     cdef dict plans
     cdef object make_plan
     cdef object on_failure
-    cdef readonly Py_ssize_t limit
+    cdef readonly Py_ssize_t small_limit
     cdef object ndarray
     cdef object resolve_timeout
     cdef object op_type
 
-    def __cinit__(self, Arena arena, dict group_state, make_plan, on_failure, Py_ssize_t limit, ndarray,
+    def __cinit__(self, Arena arena, dict group_state, make_plan, on_failure, Py_ssize_t small_limit, ndarray,
                   resolve_timeout, op_type):
         self.arena = arena
         self.group_state = group_state
         self.plans = {}
         self.make_plan = make_plan
         self.on_failure = on_failure
-        self.limit = limit
+        self.small_limit = small_limit
         self.ndarray = ndarray
         self.resolve_timeout = resolve_timeout
         self.op_type = op_type
@@ -715,11 +752,14 @@ cdef class SmallAllreduce:
         except (BufferError, ValueError, TypeError):
             return False  # read-only or not contiguous: the full path explains
         try:
-            if view.len == 0 or view.len > self.limit:
+            if view.len == 0:
                 return False
             seconds = self.arena.default_timeout if timeout is None else self.resolve_timeout(timeout)
             try:
-                self.arena._allreduce_small(&view, plan[0], plan[1], plan[2], seconds, plan[3])
+                if view.len <= self.small_limit:
+                    self.arena._allreduce_small(&view, plan[0], plan[1], plan[2], seconds, plan[3])
+                else:
+                    self.arena._allreduce_parts(&view, plan[4], plan[0], plan[1], plan[2], seconds, plan[3])
             except BaseException as exc:
                 self.on_failure(exc)
                 raise

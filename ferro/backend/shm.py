@@ -170,8 +170,8 @@ class ShmBackend(StoreBackend):
         self._mapping, self._segment = mapping, segment
         self._arena = Arena(mapping, world_size, rank, SEGMENT_HEADER_BYTES, arena_offset, buffer_bytes, spin_us)
         self._arena.default_timeout = timeout
-        # The latency path of ferro.allreduce (ferro.collective._latency_path): one compiled call.
-        self.small_allreduce_arena = self._arena
+        # The direct path of ferro.allreduce (ferro.collective._direct_path): one compiled call.
+        self.direct_allreduce_arena = self._arena
         self.small_allreduce_bytes = min(SMALL_ALLREDUCE_BYTES, buffer_bytes)
         self._links = {peer: Channel(segment, rank, peer, spin_us) for peer in range(world_size) if peer != rank}
 

@@ -48,12 +48,23 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use 8, 64K, 128M, 1G)") from None
 
 
+def _world_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"not a rank count or a list of them: {text!r} (use 4, or 2,4)")
+    return sizes
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of ``ferro bench``."""
     parser = argparse.ArgumentParser(prog="ferro bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ops", nargs="*", default=["allreduce"], help=f"one or more of {', '.join(OPS)}, or all")
-    parser.add_argument("-n", "--nproc", type=int, help="start this many local ranks (else: run as a rank)")
+    parser.add_argument("-n", "--nproc", type=_world_sizes,
+                        help="start this many local ranks, or several sweeps: 2,4 (else: run as a rank)")
     parser.add_argument("--backend", default="auto",
                         help="ferro backend: auto (shared memory on one host), tcp or shm")
     parser.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size (default 8)")
@@ -114,9 +125,10 @@ def _available(library: str) -> str | None:
     return None
 
 
-def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[int, float]) -> str:
+def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[int, float], world_size: int) -> str:
     ours = {(r.op, r.size): r for r in rows if r.library == primary}
-    lines = ["#", f"# {primary} beside its peers: time per call (us), in-place where both have it, else out-of-place;",
+    lines = ["#", f"# {primary} beside its peers, {world_size} ranks: time per call (us), in-place where both have "
+             "it, else out-of-place;",
              "# ratio = peer / ferro (above 1: ferro is faster); memcpy = one core copying the same bytes once"]
     header = f"# {'op':<15}{'size':>12}{'memcpy':>9}{primary:>11}"
     for peer in peers:
@@ -166,32 +178,39 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _as_rank(args, ops)
     rows: list[Row] = []
-    primary = ""
+    primaries: dict[int, str] = {}
     status = 0
+    world_sizes = args.nproc
     with tempfile.TemporaryDirectory(prefix="ferro-bench-") as tmp:
-        for library in ["ferro", *peers]:
-            reason = _available(library)
-            if reason:
-                print(f"# {library}: {reason}; skipped")
-                continue
-            out = os.path.join(tmp, f"{library}.json")
-            try:
-                code = _run_library(library, args, ops, out)
-            except ConfigurationError as exc:
-                print(f"ferro bench: {exc}", file=sys.stderr)
-                return 2
-            if os.path.exists(out):
-                measured = read_json(out)
-                if library == "ferro" and measured:
-                    primary = measured[0].library  # ferro-shm or ferro-tcp, as auto decided
-                rows += measured
-            if code != 0:
-                status = status or code
-                if code == 130:
-                    break  # interrupted: keep what was measured and stop
-    if peers and primary:
+        for world_size in world_sizes:
+            args.nproc = world_size
+            for library in ["ferro", *peers]:
+                reason = _available(library)
+                if reason:
+                    print(f"# {library}: {reason}; skipped")
+                    continue
+                out = os.path.join(tmp, f"{library}-{world_size}.json")
+                try:
+                    code = _run_library(library, args, ops, out)
+                except ConfigurationError as exc:
+                    print(f"ferro bench: {exc}", file=sys.stderr)
+                    return 2
+                if os.path.exists(out):
+                    measured = read_json(out)
+                    if library == "ferro" and measured:
+                        primaries[world_size] = measured[0].library  # ferro-shm or ferro-tcp, as auto decided
+                    rows += measured
+                if code != 0:
+                    status = status or code
+                    if code == 130:
+                        break  # interrupted: keep what was measured and stop
+            if status == 130:
+                break
+    if peers and primaries:
         copy_us = {size: memcpy_seconds(size) * 1e6 for size in sorted({r.size for r in rows})}
-        print(_comparison(rows, primary, peers, copy_us))
+        for world_size, primary in primaries.items():
+            print(_comparison([r for r in rows if r.world_size == world_size], primary, peers, copy_us,
+                              world_size))
     _write_outputs(args, rows)
     return status
 
