@@ -104,7 +104,7 @@ cdef int _signal_raised() noexcept with gil:
 
 
 cdef enum:
-    BUFFERS = 2               # buffers per slot: fill one while the peers still read the other
+    BUFFERS = 2               # buffers per slot: fill the next chunk while the peers still read the last
     ALIGN = 64                # parts of a buffer start on cache lines
 
 # Outcomes of a wait (besides 0 = reached).
@@ -138,6 +138,18 @@ cdef inline size_t _round_up(size_t n, size_t to) noexcept nogil:
 
 cdef inline size_t _min(size_t a, size_t b) noexcept nogil:
     return a if a < b else b
+
+
+cdef struct Parts:
+    unsigned char* data       # the caller's buffer
+    size_t* starts            # each rank's part: byte offset
+    size_t* lengths           # and byte length
+    size_t itemsize
+    ferro_reduce_fn kernel
+    int dtype_code
+    double divisor            # non-zero: divide each reduced part (MEAN)
+    size_t part               # bytes of each rank's part per chunk
+    size_t longest            # the longest part
 
 
 cdef struct WaitResult:
@@ -529,15 +541,20 @@ cdef class Arena:
         self.checked[peer] = self.call
         return 0
 
-    cdef int _look(self, int peer, WaitResult* w) noexcept nogil:
-        # Every millisecond of waiting: has the peer given up, closed, or died?
+    cdef int _look(self, int peer, WaitResult* w, uint64_t target) noexcept nogil:
+        # Every millisecond of waiting: has the peer given up, or has a peer this wait still
+        # needs (its step below ``target``) closed or died? A peer that already got there may
+        # close and exit at once (its last barrier done): that is no loss to this wait.
+        cdef bint gone
         if ferro_load_acquire32(&self.ctl[peer].abort_len) != 0:
             w.peer = peer
             return W_ABORTED
-        if ferro_load_acquire32(&self.ranks[peer].closed):
-            w.peer = peer
-            return W_PEER_LOST
-        if self.ranks[peer].pid > 0 and kill(self.ranks[peer].pid, 0) != 0 and errno == ESRCH:
+        if ferro_load_acquire(&self.ctl[peer].step) >= target:
+            return 0
+        gone = ferro_load_acquire32(&self.ranks[peer].closed) != 0 or (
+            self.ranks[peer].pid > 0 and kill(self.ranks[peer].pid, 0) != 0 and errno == ESRCH)
+        # Read the step again: the peer may have reached the target just before it left.
+        if gone and ferro_load_acquire(&self.ctl[peer].step) < target:
             w.peer = peer
             return W_PEER_LOST
         return 0
@@ -577,7 +594,7 @@ cdef class Arena:
                 next_look = now + LIVENESS_NS
                 for j in range(self.world_size):
                     if j != self.rank:
-                        rc = self._look(j, w)
+                        rc = self._look(j, w, target if first <= j < last else 0)
                         if rc != 0:
                             return rc
             if now >= next_signals:
@@ -592,60 +609,137 @@ cdef class Arena:
     cdef int _ring(self, unsigned char* data, size_t* starts, size_t* lengths, size_t itemsize,
                    ferro_reduce_fn kernel, int dtype_code, bint reduce_scatter, bint all_gather, double divisor,
                    int gather_root, uint64_t fingerprint, int64_t deadline, WaitResult* w) except -1 nogil:
-        cdef int n = self.world_size, me = self.rank, j, b, rc = 0
+        cdef Parts p
+        cdef int j
+        p.data = data
+        p.starts = starts
+        p.lengths = lengths
+        p.itemsize = itemsize
+        p.kernel = kernel
+        p.dtype_code = dtype_code
+        p.divisor = divisor
         # Each buffer holds one cache-line-aligned part per rank, a whole number of elements.
-        cdef size_t part = (self.buffer_bytes // <size_t>n) // ALIGN * ALIGN
-        cdef size_t longest = 0, offset, length, chunks, k
-        cdef unsigned char* mine
-        part = part // itemsize * itemsize
-        for j in range(n):
-            if lengths[j] > longest:
-                longest = lengths[j]
-        chunks = (longest + part - 1) // part
+        p.part = (self.buffer_bytes // <size_t>self.world_size) // ALIGN * ALIGN // itemsize * itemsize
+        p.longest = 0
+        for j in range(self.world_size):
+            if lengths[j] > p.longest:
+                p.longest = lengths[j]
         self._begin(KIND_COLLECTIVE_C, fingerprint)
+        if reduce_scatter and all_gather:
+            return self._ring_pipelined(&p, gather_root, deadline, w)
+        return self._ring_one_way(&p, reduce_scatter, deadline, w)
+
+    cdef int _ring_pipelined(self, Parts* p, int gather_root, int64_t deadline, WaitResult* w) except -1 nogil:
+        """Reduce-scatter then all-gather, chunk by chunk, each wait placed after independent work.
+
+        Per chunk k: wait for every rank's copy-in of k, reduce this rank's part
+        and publish it; copy in chunk k+1 (into the next buffer); then wait for
+        every rank's part of k and copy them out. The phases (and step values)
+        are those of the plain loop, A_k then B_k; only the work between them
+        moves, so each wait has the other ranks' matching work to hide behind.
+        """
+        cdef size_t chunks = (p.longest + p.part - 1) // p.part, k
+        cdef int b, b_next = -1, rc
+        cdef uint64_t copied_in, reduced
+        b = self._take_buffer()
+        rc = self._wait(self.free_after[b], -1, deadline, w)
+        if rc != 0:
+            return rc
+        self._copy_in(p, 0, b)
+        self._signal()
+        copied_in = self.step
         for k in range(chunks):
-            offset = k * part
+            rc = self._wait(copied_in, -1, deadline, w)
+            if rc != 0:
+                return rc
+            self._reduce_own(p, k, b, True)
+            self._signal()
+            reduced = self.step
+            if k + 1 < chunks:
+                b_next = self._take_buffer()
+                rc = self._wait(self.free_after[b_next], -1, deadline, w)
+                if rc != 0:
+                    return rc
+                self._copy_in(p, k + 1, b_next)
+                self._signal()
+                copied_in = self.step
+            rc = self._wait(reduced, -1, deadline, w)
+            if rc != 0:
+                return rc
+            if gather_root < 0 or gather_root == self.rank:
+                self._copy_out(p, k, b)
+            # Every read of this buffer is done before its reader's next step; a wait's target
+            # never exceeds the waiter's own step, so the slowest rank can always go on.
+            self.free_after[b] = self.step + 1
+            b = b_next
+        return 0
+
+    cdef int _ring_one_way(self, Parts* p, bint reduce_scatter, int64_t deadline, WaitResult* w) except -1 nogil:
+        """Reduce-scatter alone (each rank's part ends reduced in place) or all-gather alone."""
+        cdef size_t chunks = (p.longest + p.part - 1) // p.part, k, offset
+        cdef int b, rc, me = self.rank
+        for k in range(chunks):
+            offset = k * p.part
             b = self._take_buffer()
-            mine = self.slots[me] + b * self._stride()
             rc = self._wait(self.free_after[b], -1, deadline, w)
             if rc != 0:
                 return rc
             if reduce_scatter:
-                # Publish the parts the other ranks reduce, then reduce ours from every slot.
-                for j in range(n):
-                    if j != me and lengths[j] > offset:
-                        ferro_copy(mine + j * part, data + starts[j] + offset, _min(part, lengths[j] - offset))
-                self._signal()
-                rc = self._wait(self.step, -1, deadline, w)
-                if rc != 0:
-                    return rc
-                if lengths[me] > offset:
-                    length = _min(part, lengths[me] - offset)
-                    for j in range(n):
-                        if j != me:
-                            kernel(data + starts[me] + offset, self.slots[j] + b * self._stride() + me * part,
-                                   length // itemsize)
-                    if divisor != 0.0:
-                        ferro_divide(data + starts[me] + offset, length // itemsize, dtype_code, divisor)
-                    if all_gather:
-                        ferro_copy(mine + me * part, data + starts[me] + offset, length)
-            elif lengths[me] > offset:
-                ferro_copy(mine + me * part, data + starts[me] + offset, _min(part, lengths[me] - offset))
-            if all_gather:
-                self._signal()
-                rc = self._wait(self.step, -1, deadline, w)
-                if rc != 0:
-                    return rc
-                if gather_root < 0 or gather_root == me:
-                    for j in range(n):
-                        if j != me and lengths[j] > offset:
-                            ferro_copy(data + starts[j] + offset, self.slots[j] + b * self._stride() + j * part,
-                                   _min(part, lengths[j] - offset))
-            # Every read of this buffer is done before its reader's next step. Each use of a
-            # buffer publishes a step after its wait, so the next use of the other buffer moves
-            # every rank past this one: waiting for it can never deadlock.
+                self._copy_in(p, k, b)
+            elif p.lengths[me] > offset:
+                ferro_copy(self._part_of(me, b, me, p), p.data + p.starts[me] + offset,
+                           _min(p.part, p.lengths[me] - offset))
+            self._signal()
+            rc = self._wait(self.step, -1, deadline, w)
+            if rc != 0:
+                return rc
+            if reduce_scatter:
+                self._reduce_own(p, k, b, False)
+            else:
+                self._copy_out(p, k, b)
             self.free_after[b] = self.step + 1
         return 0
+
+    cdef inline unsigned char* _part_of(self, int owner, int b, int index, Parts* p) noexcept nogil:
+        # Part ``index`` of buffer ``b`` in ``owner``'s slot.
+        return self.slots[owner] + b * self._stride() + index * p.part
+
+    cdef void _copy_in(self, Parts* p, size_t k, int b) noexcept nogil:
+        # Publish chunk k of the parts the other ranks reduce.
+        cdef size_t offset = k * p.part
+        cdef int j
+        for j in range(self.world_size):
+            if j != self.rank and p.lengths[j] > offset:
+                ferro_copy(self._part_of(self.rank, b, j, p), p.data + p.starts[j] + offset,
+                           _min(p.part, p.lengths[j] - offset))
+
+    cdef void _reduce_own(self, Parts* p, size_t k, int b, bint publish) noexcept nogil:
+        # Reduce chunk k of this rank's part in place, reading it from every peer's slot;
+        # with ``publish``, copy the result into this rank's slot for the others.
+        cdef size_t offset = k * p.part, length, count
+        cdef int j, me = self.rank
+        cdef unsigned char* own
+        if p.lengths[me] <= offset:
+            return
+        length = _min(p.part, p.lengths[me] - offset)
+        count = length // p.itemsize
+        own = p.data + p.starts[me] + offset
+        for j in range(self.world_size):
+            if j != me:
+                p.kernel(own, self._part_of(j, b, me, p), count)
+        if p.divisor != 0.0:
+            ferro_divide(own, count, p.dtype_code, p.divisor)
+        if publish:
+            ferro_copy(self._part_of(me, b, me, p), own, length)
+
+    cdef void _copy_out(self, Parts* p, size_t k, int b) noexcept nogil:
+        # Copy chunk k of every other rank's part out of its slot.
+        cdef size_t offset = k * p.part
+        cdef int j
+        for j in range(self.world_size):
+            if j != self.rank and p.lengths[j] > offset:
+                ferro_copy(p.data + p.starts[j] + offset, self._part_of(j, b, j, p),
+                           _min(p.part, p.lengths[j] - offset))
 
     cdef int _finish(self, int rc, WaitResult* w, str op, double timeout) except -1:
         cdef ferro_arena_ctl* peer_ctl
