@@ -168,14 +168,22 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
         # rank 0: x = [11., 22.]  rank 1: x = [11., 22.]
 
     """
-    g = resolve_group(group, "allreduce")
-    if not async_op and algorithm is None:
-        # The direct path: one compiled call where the group has one (see _direct_path).
-        direct = g.__dict__.get("_ferro_direct_allreduce", _UNSET)
-        if direct is _UNSET:
-            direct = _direct_path(g)
-        if direct is not None and direct(x, op, timeout):
+    # The direct path: one compiled call where the group has one (see _direct_path). Only a
+    # Backend ever holds the attribute, so finding it also validates ``group``.
+    g: Backend
+    direct = getattr(group, "_ferro_direct_allreduce", None) if group is not None else None
+    if direct is not None and group is not None:
+        if not async_op and algorithm is None and direct(x, op, timeout):
             return x
+        g = group
+    else:
+        g = resolve_group(group, "allreduce")
+        if not async_op and algorithm is None:
+            direct = g.__dict__.get("_ferro_direct_allreduce", _UNSET)
+            if direct is _UNSET:
+                direct = _direct_path(g)
+            if direct is not None and direct(x, op, timeout):
+                return x
     data = operand(x, "allreduce", writable=True)
     reduce_op = _reduce_op(op, data.dtype, "allreduce")
     if algorithm not in (None, "ring", "recursive_doubling"):

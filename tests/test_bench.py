@@ -74,6 +74,21 @@ def test_compare_prints_ferros_ratio_to_gloo(tmp_path):
         assert re.search(r"\d+\.\d+x$", line)
 
 
+def test_compare_sweeps_several_world_sizes_beside_another_ferro_backend(tmp_path):
+    done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "1,2", "--backend", "shm", "-b", "8", "-e", "64",
+                           "-f", "8", "--iters", "2", "--warmup", "1", "--compare", "ferro-tcp"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for world_size in (1, 2):
+        assert f"ferro-shm beside its peers, {world_size} ranks" in done.stdout
+        assert f"allreduce on ferro-tcp, {world_size} ranks" in done.stdout
+    lines = [line for line in done.stdout.splitlines() if re.match(r"^\s+allreduce\s+\d+\s", line)]
+    assert len(lines) == 4  # two sizes, two world sizes
+    for line in lines:
+        memcpy, ferro_us, peer_us = (float(v) for v in line.split()[2:5])
+        assert memcpy > 0 and ferro_us > 0 and peer_us > 0 and re.search(r"\d+\.\d+x$", line)
+
+
 def test_bench_runs_as_the_ranks_of_ferro_run(tmp_path):
     done = subprocess.run([*FERRO, "run", "--nproc-per-node", "2", "--no-prefix", "-m", "ferro", "bench", "allreduce",
                            "-b", "8", "-e", "64", "-f", "8", "--iters", "2", "--check"], capture_output=True, text=True,
@@ -85,6 +100,8 @@ def test_bench_runs_as_the_ranks_of_ferro_run(tmp_path):
 
 def test_bad_arguments_get_clear_errors(tmp_path):
     for args, words in ((["frobnicate", "-n", "2"], "unknown op"), (["-n", "2", "--compare", "nccl"], "--compare"),
+                        (["-n", "2,x"], "rank count"), (["-n", "2", "--backend", "tcp", "--compare", "ferro-tcp"],
+                                                         "being measured"),
                         (["allreduce"], "give -n")):
         done = subprocess.run([*FERRO, "bench", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                               env={k: v for k, v in __import__("os").environ.items()

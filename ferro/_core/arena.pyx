@@ -831,8 +831,8 @@ cdef class DirectAllreduce:
         if state.get("_ferro_failure") is not None:
             return False
         worker = state.get("_ferro_worker")
-        if worker is not None and (worker.busy or worker.pending):
-            return False
+        if worker is not None and (worker._busy or worker._queue):
+            return False  # read without the worker's lock: a hint, as ordering across threads is the caller's
         # ReduceOp members live forever, so their address is a safe key (and cheaper than their hash).
         key = (x.dtype, x.shape, <Py_ssize_t><void*>op if type(op) is self.op_type else op)
         found = self.plans.get(key)
