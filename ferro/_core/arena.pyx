@@ -39,7 +39,8 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
 from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
-from ferro._core.transport cimport acquire_buffer, monotonic_ns
+from ferro._core.posix cimport PY_LOCK_ACQUIRED, PyThread_acquire_lock_timed, kill, nanosleep, sched_yield, timespec
+from ferro._core.transport cimport acquire_buffer, monotonic_ns, signal_raised
 
 from ferro._core.transport import KIND_BARRIER, KIND_COLLECTIVE, MAX_ABORT_BYTES, abort_error, mismatch_error
 from ferro.errors import (
@@ -76,32 +77,6 @@ cdef extern from "arena.h" nogil:
         ferro_arena_call history[8]
         uint32_t abort_len
         unsigned char notice[4096]
-
-cdef extern from "pythread.h":
-    ctypedef enum PyLockStatus:
-        PY_LOCK_ACQUIRED
-    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds,
-                                             int intr_flag) nogil
-
-cdef extern from "<signal.h>" nogil:
-    int kill(int pid, int sig)
-
-cdef extern from "<sched.h>" nogil:
-    int sched_yield()
-
-cdef extern from "<time.h>" nogil:
-    struct timespec:
-        long tv_sec
-        long tv_nsec
-    int nanosleep(const timespec* req, timespec* rem)
-
-cdef extern from "Python.h":
-    int PyErr_CheckSignals_noexcept "PyErr_CheckSignals" ()
-
-
-cdef int _signal_raised() noexcept with gil:
-    return PyErr_CheckSignals_noexcept()
-
 
 cdef enum:
     BUFFERS = 2               # buffers per slot: fill the next chunk while the peers still read the last
@@ -599,7 +574,7 @@ cdef class Arena:
                             return rc
             if now >= next_signals:
                 next_signals = now + SIGNAL_NS
-                if _signal_raised() != 0:
+                if signal_raised() != 0:
                     return -1
             if now - start > DOZE_AFTER_NS:
                 nanosleep(&doze, NULL)

@@ -1,6 +1,7 @@
 # C declarations for the system calls the transport uses, declared once and all
 # usable without the GIL.
 
+from cpython.pythread cimport PyThread_type_lock
 from libc.stdint cimport int64_t
 
 cdef extern from "<errno.h>" nogil:
@@ -51,8 +52,18 @@ cdef extern from "<time.h>" nogil:
         long tv_sec
         long tv_nsec
     int clock_gettime(clockid_t clk_id, timespec* tp)
+    int nanosleep(const timespec* req, timespec* rem)
     enum:
         CLOCK_MONOTONIC
+
+cdef extern from "<signal.h>" nogil:
+    int kill(int pid, int sig)
+
+cdef extern from "pythread.h":
+    ctypedef enum PyLockStatus:
+        PY_LOCK_ACQUIRED
+    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds,
+                                             int intr_flag) nogil
 
 cdef extern from "<sched.h>" nogil:
     int sched_yield()

@@ -17,7 +17,17 @@ from libc.errno cimport ESRCH, errno
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memset
 
-from ferro._core.posix cimport FERRO_FRAME_MAGIC, FERRO_HEADER_SIZE, ferro_get_u32, ferro_get_u64, ferro_pack_header
+from ferro._core.posix cimport (
+    FERRO_FRAME_MAGIC,
+    FERRO_HEADER_SIZE,
+    ferro_get_u32,
+    ferro_get_u64,
+    ferro_pack_header,
+    kill,
+    nanosleep,
+    sched_yield,
+    timespec,
+)
 from ferro._core.transport cimport (
     ST_ABORTED,
     ST_BAD_MAGIC,
@@ -30,6 +40,7 @@ from ferro._core.transport cimport (
     ST_TOO_LARGE,
     acquire_buffer,
     monotonic_ns,
+    signal_raised,
 )
 
 from ferro._core.transport import KIND_ABORT, MAX_ABORT_BYTES, abort_error, mismatch_error, size_error
@@ -56,26 +67,6 @@ cdef extern from "shm_ring.h" nogil:
     void ferro_ring_consume(ferro_ring_ctl* ctl, size_t length)
     uint32_t ferro_load_acquire32(const uint32_t* p)
     void ferro_store_release32(uint32_t* p, uint32_t v)
-
-cdef extern from "<signal.h>" nogil:
-    int kill(int pid, int sig)
-
-cdef extern from "<sched.h>" nogil:
-    int sched_yield()
-
-cdef extern from "<time.h>" nogil:
-    struct timespec:
-        long tv_sec
-        long tv_nsec
-    int nanosleep(const timespec* req, timespec* rem)
-
-cdef extern from "Python.h":
-    int PyErr_CheckSignals_noexcept "PyErr_CheckSignals" ()
-
-
-cdef int _signal_raised() noexcept with gil:
-    return PyErr_CheckSignals_noexcept()
-
 
 cdef enum:
     HEADER_BYTES = 64         # the segment's own header
@@ -315,7 +306,7 @@ cdef int _run(SendState* s, RecvState* r, ferro_rank_ctl* peer_out, ferro_rank_c
                 break
         if now >= next_signals:
             next_signals = now + SIGNAL_NS
-            if _signal_raised() != 0:
+            if signal_raised() != 0:
                 return -1
         if now - last_progress > DOZE_AFTER_NS:
             nanosleep(&doze, NULL)

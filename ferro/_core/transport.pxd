@@ -78,6 +78,7 @@ cdef class Connection:
 
 
 cdef int64_t monotonic_ns() noexcept nogil
+cdef int signal_raised() noexcept with gil
 cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil
 cdef int raise_failure(SendOp* s, RecvOp* r, str op, double timeout) except -1
 cdef int acquire_buffer(object obj, Py_buffer* view, bint writable, str op) except -1

@@ -42,6 +42,8 @@ from ferro._core.posix cimport (
     MSG_NOSIGNAL,
     POLLIN,
     POLLOUT,
+    PY_LOCK_ACQUIRED,
+    PyThread_acquire_lock_timed,
     clock_gettime,
     ferro_get_u32,
     ferro_get_u64,
@@ -76,14 +78,7 @@ cdef extern from "Python.h":
     int PyErr_CheckSignals_noexcept "PyErr_CheckSignals" ()
 
 
-cdef extern from "pythread.h":
-    ctypedef enum PyLockStatus:
-        PY_LOCK_ACQUIRED
-    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds,
-                                             int intr_flag) nogil
-
-
-cdef int _signal_raised() noexcept with gil:
+cdef int signal_raised() noexcept with gil:
     # Runs the Python-level signal handlers; nonzero when one raised (the
     # exception stays set for run_ops' caller to propagate).
     return PyErr_CheckSignals_noexcept()
@@ -395,7 +390,7 @@ cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil:
                 break
             # Look for signals after EINTR and after every full slice of sleep.
             check_signals = rc == ST_INTR or monotonic_ns() - now >= (POLL_SLICE_MS - 1) * 1000000
-        if check_signals and _signal_raised() != 0:
+        if check_signals and signal_raised() != 0:
             if s_active:
                 _finish_send(s, ST_INTR)
             if r_active:
