@@ -212,3 +212,33 @@ def rank_arena_timeout(group):
 
 def test_a_rank_that_never_arrives_times_out_naming_it():
     assert run_processes(rank_arena_timeout, 2, backend="shm", timeout=60)[0] is True
+
+
+def rank_closed_while_another_thread_waits(group):
+    if group.rank == 1:
+        time.sleep(1.5)  # neither sends nor enters the barrier
+        return "idle"
+    outcomes = {}
+
+    def wait(name, call):
+        start = time.monotonic()
+        try:
+            call()
+            outcomes[name] = "returned"
+        except ferro.BackendClosedError:
+            outcomes[name] = time.monotonic() - start < 5
+
+    threads = [threading.Thread(target=wait, args=("recv", lambda: group.recv(np.empty(4), 1, timeout=30))),
+               threading.Thread(target=wait, args=("barrier", lambda: group._arena.barrier(30.0)))]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    group.close()
+    for thread in threads:
+        thread.join(10)
+    return outcomes
+
+
+def test_closing_a_group_wakes_threads_waiting_on_it():
+    results = run_processes(rank_closed_while_another_thread_waits, 2, backend="shm", timeout=60)
+    assert results == [{"recv": True, "barrier": True}, "idle"]

@@ -88,6 +88,7 @@ cdef enum:
     W_PEER_LOST = 2
     W_ABORTED = 3
     W_MISMATCH = 4
+    W_CLOSED = 5
 
 cdef int64_t LIVENESS_NS = 1000000      # look at the peers every millisecond of waiting
 cdef int64_t SIGNAL_NS = 100000000      # and at signals every 100 ms
@@ -567,6 +568,8 @@ cdef class Arena:
                 return W_TIMEOUT
             if now >= next_look:
                 next_look = now + LIVENESS_NS
+                if ferro_load_acquire32(&self.ranks[self.rank].closed):
+                    return W_CLOSED  # this rank closed the group from another thread
                 for j in range(self.world_size):
                     if j != self.rank:
                         rc = self._look(j, w, target if first <= j < last else 0)
@@ -725,6 +728,9 @@ cdef class Arena:
         if rc == -1:
             self.broken = "an interrupt (Ctrl-C) in the middle of a collective"
             return -1  # the pending KeyboardInterrupt (or whatever a handler raised) propagates
+        if rc == W_CLOSED:
+            self.broken = "closing the group during a collective"
+            raise BackendClosedError(f"{where}: the group was closed while the collective waited")
         if rc == W_TIMEOUT:
             self.broken = "a timeout in the middle of a collective"
             raise DistributedTimeoutError(

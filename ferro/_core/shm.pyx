@@ -32,6 +32,7 @@ from ferro._core.transport cimport (
     ST_ABORTED,
     ST_BAD_MAGIC,
     ST_BAD_SEQ,
+    ST_BROKEN,
     ST_MISMATCH,
     ST_OK,
     ST_PEER_CLOSED,
@@ -254,9 +255,9 @@ cdef bint _peer_gone(ferro_rank_ctl* peer) noexcept nogil:
     return peer.pid > 0 and kill(peer.pid, 0) != 0 and errno == ESRCH
 
 
-cdef int _run(SendState* s, RecvState* r, ferro_rank_ctl* peer_out, ferro_rank_ctl* peer_in, int64_t deadline,
-              int64_t spin_ns) except -1 nogil:
-    """Drive a send and/or a receive to completion, refusal, a lost peer or the deadline."""
+cdef int _run(SendState* s, RecvState* r, ferro_rank_ctl* peer_out, ferro_rank_ctl* peer_in, ferro_rank_ctl* own,
+              int64_t deadline, int64_t spin_ns) except -1 nogil:
+    """Drive a send and/or a receive to completion, refusal, a lost peer, this rank's close, or the deadline."""
     cdef bint s_active = s != NULL, r_active = r != NULL, progressed
     cdef int rc
     cdef int64_t now, last_progress = monotonic_ns(), next_liveness = 0, next_signals = 0
@@ -292,6 +293,14 @@ cdef int _run(SendState* s, RecvState* r, ferro_rank_ctl* peer_out, ferro_rank_c
             break
         if now >= next_liveness:
             next_liveness = now + LIVENESS_NS
+            if ferro_load_acquire32(&own.closed):
+                # This rank closed the group from another thread: stop waiting. A frame may be
+                # half-done, but the channel is closed for good anyway.
+                if s_active:
+                    s.status = ST_BROKEN
+                if r_active:
+                    r.status = ST_BROKEN
+                break
             # A closed peer may still have left data for us: only an empty ring means it is gone.
             if r_active and _peer_gone(peer_in) and ferro_ring_available(r.ring.ctl) == 0:
                 r.status = ST_PEER_CLOSED
@@ -374,6 +383,7 @@ cdef class Channel:
         cdef RecvState r
         cdef ferro_rank_ctl* peer_out
         cdef ferro_rank_ctl* peer_in
+        cdef ferro_rank_ctl* own
         cdef int64_t deadline = -1 if timeout < 0 else monotonic_ns() + <int64_t>(timeout * 1e9)
         self._usable(op)
         source._usable(op)
@@ -397,10 +407,12 @@ cdef class Channel:
                 r.kind = kind
                 r.fingerprint = fingerprint
                 r.expected_seq = source.recv_seq
+            own = self.segment.rank_ctl(self.rank)
             peer_out = self.segment.rank_ctl(self.peer)
             peer_in = source.segment.rank_ctl(source.peer)
             with nogil:
-                _run(&s if has_out else NULL, &r if has_in else NULL, peer_out, peer_in, deadline, self.spin_ns)
+                _run(&s if has_out else NULL, &r if has_in else NULL, peer_out, peer_in, own, deadline,
+                     self.spin_ns)
         finally:
             if has_out:
                 PyBuffer_Release(&out_view)
@@ -421,6 +433,8 @@ cdef class Channel:
 
     cdef int _fail_send(self, SendState* s, str op, double timeout) except -1:
         where = f"rank {self.rank}: {op} to rank {self.peer}"
+        if s.status == ST_BROKEN:
+            raise BackendClosedError(f"{where}: the group was closed while the send waited")
         if s.status == ST_TIMEOUT:
             raise DistributedTimeoutError(f"{where} timed out after {timeout:g} s: the shared-memory ring stayed "
                                           f"full (is rank {self.peer} receiving?)")
@@ -429,6 +443,8 @@ cdef class Channel:
     cdef int _fail_recv(self, RecvState* r, str op, double timeout) except -1:
         where = f"rank {self.rank}: {op} from rank {self.peer}"
         status = r.status
+        if status == ST_BROKEN:
+            raise BackendClosedError(f"{where}: the group was closed while the receive waited")
         if status == ST_TIMEOUT:
             raise DistributedTimeoutError(f"{where} timed out after {timeout:g} s waiting for frame seq "
                                           f"{self.recv_seq}")

@@ -289,8 +289,7 @@ class ShmBackend(StoreBackend):
         for channel in self._links.values():
             channel.close()
         self._arena.release()
-        self._segment.release()
-        try:
-            self._mapping.close()
-        except BufferError:
-            pass  # another thread's call still holds it; the mapping goes when that call returns
+        # Let go of the mapping rather than unmap it here: a call still running on another thread
+        # holds the channel, segment or arena it uses, and the last of them to go unmaps it.
+        self._links = {}
+        del self._mapping, self._segment
