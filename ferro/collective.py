@@ -184,6 +184,12 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
                 direct = _direct_path(g)
             if direct is not None and direct(x, op, timeout):
                 return x
+    return _allreduce(g, x, op, timeout, async_op, algorithm)
+
+
+def _allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: bool, algorithm: str | None) -> Any:
+    # The full path, kept out of allreduce() itself: its closure would make every call, the
+    # direct ones too, allocate cells for the captured variables.
     data = operand(x, "allreduce", writable=True)
     reduce_op = _reduce_op(op, data.dtype, "allreduce")
     if algorithm not in (None, "ring", "recursive_doubling"):

@@ -242,3 +242,27 @@ def rank_closed_while_another_thread_waits(group):
 def test_closing_a_group_wakes_threads_waiting_on_it():
     results = run_processes(rank_closed_while_another_thread_waits, 2, backend="shm", timeout=60)
     assert results == [{"recv": True, "barrier": True}, "idle"]
+
+
+def rank_alternating_signatures(group):
+    # The direct path remembers the last call's plan: every change of dtype, shape or op must be seen.
+    n, r = group.world_size, group.rank
+    wrong = []
+    cases = [(np.float32, (6,), ferro.ReduceOp.SUM), (np.float32, (2, 3), ferro.ReduceOp.SUM),
+             (np.float32, (3, 2), "max"), (np.float64, (3, 2), "max"), (np.int32, (3, 2), ferro.ReduceOp.PRODUCT),
+             (np.float32, (6,), ferro.ReduceOp.MEAN), (np.float32, (5000,), ferro.ReduceOp.SUM)]
+    for step in range(3 * len(cases)):
+        dtype, shape, op = cases[(step * 5) % len(cases)]
+        values = [np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape) + k + 1 for k in range(n)]
+        x = values[r].copy()
+        ferro.allreduce(x, op, group=group)
+        name = op if isinstance(op, str) else op.name.lower()
+        reference = {"sum": sum(values), "max": np.maximum.reduce(values), "product": np.multiply.reduce(values),
+                     "mean": sum(values) / n}[name]
+        if x.dtype != dtype or x.shape != shape or not np.allclose(x, reference.astype(dtype)):
+            wrong.append((step, str(dtype), shape, name))
+    return wrong
+
+
+def test_the_direct_path_follows_every_change_of_signature():
+    assert run_processes(rank_alternating_signatures, 3, backend="shm") == [[], [], []]

@@ -79,6 +79,7 @@ cdef extern from "arena.h" nogil:
         unsigned char notice[4096]
 
 cdef enum:
+    MAX_DIMS = 64             # NumPy's limit; the direct path remembers the last call's shape
     BUFFERS = 2               # buffers per slot: fill the next chunk while the peers still read the last
     ALIGN = 64                # parts of a buffer start on cache lines
 
@@ -90,6 +91,7 @@ cdef enum:
     W_MISMATCH = 4
     W_CLOSED = 5
 
+cdef int64_t DEADLINE_AT_FIRST_WAIT = -2   # set the deadline when a wait first has to wait
 cdef int64_t LIVENESS_NS = 1000000      # look at the peers every millisecond of waiting
 cdef int64_t SIGNAL_NS = 100000000      # and at signals every 100 ms
 cdef int64_t DOZE_AFTER_NS = 1000000    # after a quiet millisecond, nap between looks
@@ -154,6 +156,8 @@ cdef class Arena:
     cdef readonly int world_size
     cdef readonly size_t buffer_bytes
     cdef public double default_timeout  # seconds, for calls that pass None
+    cdef int64_t deadline              # the running call's deadline (monotonic ns), -1 for none
+    cdef int64_t timeout_ns            # its timeout, for a deadline set at the first wait
     cdef int64_t spin_ns
     cdef ferro_rank_ctl** ranks
     cdef ferro_arena_ctl** ctl
@@ -286,7 +290,6 @@ cdef class Arena:
         cdef WaitResult w
         cdef int rc = 0, b, j
         cdef size_t n = <size_t>view.len, count
-        cdef int64_t deadline
         if kernel == NULL:
             raise InvalidBufferError(f"allreduce: no kernel for dtype code {dtype_code} and op code {op_code}")
         if n > self.buffer_bytes:
@@ -294,15 +297,16 @@ cdef class Arena:
         count = n // <size_t>view.itemsize if view.itemsize > 0 else n
         self._enter("allreduce", seconds)
         try:
-            deadline = _deadline(seconds)
+            self.deadline = DEADLINE_AT_FIRST_WAIT
+            self.timeout_ns = -1 if seconds < 0 else <int64_t>(seconds * 1e9)
             with nogil:
                 self._begin(KIND_COLLECTIVE_C, fingerprint)
                 b = self._take_buffer()
-                rc = self._wait(self.free_after[b], -1, deadline, &w)
+                rc = self._wait(self.free_after[b], -1, &w)
                 if rc == 0:
                     ferro_copy(self.slots[self.rank] + b * self._stride(), view.buf, n)
                     self._signal()
-                    rc = self._wait(self.step, -1, deadline, &w)
+                    rc = self._wait(self.step, -1, &w)
                 if rc == 0:
                     ferro_copy(view.buf, self.slots[0] + b * self._stride(), n)
                     for j in range(1, self.world_size):
@@ -331,7 +335,6 @@ cdef class Arena:
         cdef int rc = 0, n = self.world_size, j
         cdef size_t* starts
         cdef size_t* lengths
-        cdef int64_t deadline
         if len(bounds) != n + 1:
             raise ValueError(f"{op}: bounds need {n + 1} entries, got {len(bounds)}")
         if reduce_scatter:
@@ -351,10 +354,10 @@ cdef class Arena:
                     lengths[j] = (<size_t>bounds[j + 1] - <size_t>bounds[j]) * itemsize
                     if bounds[j + 1] < bounds[j] or starts[j] + lengths[j] > <size_t>view.len:
                         raise ValueError(f"{op}: bounds {list(bounds)} do not fit a {view.len}-byte buffer")
-                deadline = _deadline(timeout)
+                self.deadline = _deadline(timeout)
                 with nogil:
                     rc = self._ring(<unsigned char*>view.buf, starts, lengths, itemsize, kernel, dtype_code,
-                                    reduce_scatter, all_gather, divisor, gather_root, fingerprint, deadline, &w)
+                                    reduce_scatter, all_gather, divisor, gather_root, fingerprint, &w)
             finally:
                 PyBuffer_Release(&view)
             self._finish(rc, &w, op, timeout)
@@ -372,7 +375,6 @@ cdef class Arena:
         cdef size_t count = <size_t>view.len // itemsize, base, extra, first
         cdef size_t* starts
         cdef size_t* lengths
-        cdef int64_t deadline
         if kernel == NULL:
             raise InvalidBufferError(f"allreduce: no kernel for dtype code {dtype_code} and op code {op_code}")
         starts = <size_t*>malloc(n * sizeof(size_t))
@@ -387,10 +389,10 @@ cdef class Arena:
                 lengths[j] = (base + (1 if <size_t>j < extra else 0)) * itemsize
             self._enter("allreduce", seconds)
             try:
-                deadline = _deadline(seconds)
+                self.deadline = _deadline(seconds)
                 with nogil:
                     rc = self._ring(<unsigned char*>view.buf, starts, lengths, itemsize, kernel, dtype_code, True,
-                                    True, divisor, -1, fingerprint, deadline, &w)
+                                    True, divisor, -1, fingerprint, &w)
                 self._finish(rc, &w, "allreduce", seconds)
             finally:
                 PyThread_release_lock(self.lock)
@@ -406,27 +408,26 @@ cdef class Arena:
         cdef int rc = 0, b
         cdef size_t total, done = 0, chunk
         cdef unsigned char* data
-        cdef int64_t deadline
         self._enter("broadcast", timeout)
         try:
             acquire_buffer(flat, &view, self.rank != root, "broadcast")
             try:
                 total = <size_t>view.len
                 data = <unsigned char*>view.buf
-                deadline = _deadline(timeout)
+                self.deadline = _deadline(timeout)
                 with nogil:
                     self._begin(KIND_COLLECTIVE_C, fingerprint)
                     while rc == 0 and done < total:
                         chunk = _min(self.buffer_bytes, total - done)
                         b = self._take_buffer()
                         if self.rank == root:
-                            rc = self._wait(self.free_after[b], -1, deadline, &w)
+                            rc = self._wait(self.free_after[b], -1, &w)
                             if rc != 0:
                                 break
                             ferro_copy(self.slots[root] + b * self._stride(), data + done, chunk)
                         self._signal()
                         if self.rank != root:
-                            rc = self._wait(self.step, root, deadline, &w)
+                            rc = self._wait(self.step, root, &w)
                             if rc != 0:
                                 break
                             ferro_copy(data + done, self.slots[root] + b * self._stride(), chunk)
@@ -442,14 +443,13 @@ cdef class Arena:
         """Block until every rank has entered the barrier."""
         cdef WaitResult w
         cdef int rc
-        cdef int64_t deadline
         self._enter("barrier", timeout)
         try:
-            deadline = _deadline(timeout)
+            self.deadline = _deadline(timeout)
             with nogil:
                 self._begin(KIND_BARRIER_C, 0)
                 self._signal()
-                rc = self._wait(self.step, -1, deadline, &w)
+                rc = self._wait(self.step, -1, &w)
             self._finish(rc, &w, "barrier", timeout)
         finally:
             PyThread_release_lock(self.lock)
@@ -535,7 +535,7 @@ cdef class Arena:
             return W_PEER_LOST
         return 0
 
-    cdef int _wait(self, uint64_t target, int only, int64_t deadline, WaitResult* w) except -1 nogil:
+    cdef int _wait(self, uint64_t target, int only, WaitResult* w) except -1 nogil:
         """Wait until rank ``only`` (or every peer, for -1) reached ``target``; 0, or a W_ code."""
         cdef int j, first = 0 if only < 0 else only, last = self.world_size if only < 0 else only + 1
         cdef int pending, rc, lagging = -1
@@ -560,10 +560,13 @@ cdef class Arena:
             now = monotonic_ns()
             if start < 0:
                 start = now
+                if self.deadline == DEADLINE_AT_FIRST_WAIT:
+                    # A call that never has to wait never reads the clock for its deadline.
+                    self.deadline = -1 if self.timeout_ns < 0 else now + self.timeout_ns
                 next_look = now + LIVENESS_NS
                 next_signals = now + SIGNAL_NS
                 continue
-            if deadline >= 0 and now >= deadline:
+            if self.deadline >= 0 and now >= self.deadline:
                 w.peer = lagging
                 return W_TIMEOUT
             if now >= next_look:
@@ -586,7 +589,7 @@ cdef class Arena:
 
     cdef int _ring(self, unsigned char* data, size_t* starts, size_t* lengths, size_t itemsize,
                    ferro_reduce_fn kernel, int dtype_code, bint reduce_scatter, bint all_gather, double divisor,
-                   int gather_root, uint64_t fingerprint, int64_t deadline, WaitResult* w) except -1 nogil:
+                   int gather_root, uint64_t fingerprint, WaitResult* w) except -1 nogil:
         cdef Parts p
         cdef int j
         p.data = data
@@ -604,10 +607,10 @@ cdef class Arena:
                 p.longest = lengths[j]
         self._begin(KIND_COLLECTIVE_C, fingerprint)
         if reduce_scatter and all_gather:
-            return self._ring_pipelined(&p, gather_root, deadline, w)
-        return self._ring_one_way(&p, reduce_scatter, deadline, w)
+            return self._ring_pipelined(&p, gather_root, w)
+        return self._ring_one_way(&p, reduce_scatter, w)
 
-    cdef int _ring_pipelined(self, Parts* p, int gather_root, int64_t deadline, WaitResult* w) except -1 nogil:
+    cdef int _ring_pipelined(self, Parts* p, int gather_root, WaitResult* w) except -1 nogil:
         """Reduce-scatter then all-gather, chunk by chunk, each wait placed after independent work.
 
         Per chunk k: wait for every rank's copy-in of k, reduce this rank's part
@@ -620,14 +623,14 @@ cdef class Arena:
         cdef int b, b_next = -1, rc
         cdef uint64_t copied_in, reduced
         b = self._take_buffer()
-        rc = self._wait(self.free_after[b], -1, deadline, w)
+        rc = self._wait(self.free_after[b], -1, w)
         if rc != 0:
             return rc
         self._copy_in(p, 0, b)
         self._signal()
         copied_in = self.step
         for k in range(chunks):
-            rc = self._wait(copied_in, -1, deadline, w)
+            rc = self._wait(copied_in, -1, w)
             if rc != 0:
                 return rc
             self._reduce_own(p, k, b, True)
@@ -635,13 +638,13 @@ cdef class Arena:
             reduced = self.step
             if k + 1 < chunks:
                 b_next = self._take_buffer()
-                rc = self._wait(self.free_after[b_next], -1, deadline, w)
+                rc = self._wait(self.free_after[b_next], -1, w)
                 if rc != 0:
                     return rc
                 self._copy_in(p, k + 1, b_next)
                 self._signal()
                 copied_in = self.step
-            rc = self._wait(reduced, -1, deadline, w)
+            rc = self._wait(reduced, -1, w)
             if rc != 0:
                 return rc
             if gather_root < 0 or gather_root == self.rank:
@@ -652,14 +655,14 @@ cdef class Arena:
             b = b_next
         return 0
 
-    cdef int _ring_one_way(self, Parts* p, bint reduce_scatter, int64_t deadline, WaitResult* w) except -1 nogil:
+    cdef int _ring_one_way(self, Parts* p, bint reduce_scatter, WaitResult* w) except -1 nogil:
         """Reduce-scatter alone (each rank's part ends reduced in place) or all-gather alone."""
         cdef size_t chunks = (p.longest + p.part - 1) // p.part, k, offset
         cdef int b, rc, me = self.rank
         for k in range(chunks):
             offset = k * p.part
             b = self._take_buffer()
-            rc = self._wait(self.free_after[b], -1, deadline, w)
+            rc = self._wait(self.free_after[b], -1, w)
             if rc != 0:
                 return rc
             if reduce_scatter:
@@ -668,7 +671,7 @@ cdef class Arena:
                 ferro_copy(self._part_of(me, b, me, p), p.data + p.starts[me] + offset,
                            _min(p.part, p.lengths[me] - offset))
             self._signal()
-            rc = self._wait(self.step, -1, deadline, w)
+            rc = self._wait(self.step, -1, w)
             if rc != 0:
                 return rc
             if reduce_scatter:
@@ -789,6 +792,16 @@ cdef class DirectAllreduce:
     cdef object ndarray
     cdef object resolve_timeout
     cdef object op_type
+    # The last call's signature and plan.
+    cdef object last_dtype
+    cdef object last_op
+    cdef int last_ndim
+    cdef Py_ssize_t last_shape[MAX_DIMS]
+    cdef int dtype_code
+    cdef int kernel_code
+    cdef uint64_t fingerprint
+    cdef double divisor
+    cdef size_t itemsize
 
     def __cinit__(self, Arena arena, dict group_state, make_plan, on_failure, Py_ssize_t small_limit, ndarray,
                   resolve_timeout, op_type):
@@ -801,11 +814,17 @@ cdef class DirectAllreduce:
         self.ndarray = ndarray
         self.resolve_timeout = resolve_timeout
         self.op_type = op_type
+        self.last_dtype = None
+        self.last_op = None
+        self.last_ndim = -1
 
     def __call__(self, x, op, timeout) -> bool:
         cdef Py_buffer view
-        cdef double seconds
-        cdef tuple plan
+        cdef double seconds, divisor
+        cdef int i, dtype_code, kernel_code
+        cdef uint64_t fingerprint
+        cdef size_t itemsize
+        cdef bint same
         if type(x) is not self.ndarray:
             return False
         state = self.group_state
@@ -814,14 +833,6 @@ cdef class DirectAllreduce:
         worker = state.get("_ferro_worker")
         if worker is not None and (worker._busy or worker._queue):
             return False  # read without the worker's lock: a hint, as ordering across threads is the caller's
-        # ReduceOp members live forever, so their address is a safe key (and cheaper than their hash).
-        key = (x.dtype, x.shape, <Py_ssize_t><void*>op if type(op) is self.op_type else op)
-        found = self.plans.get(key)
-        if found is None:
-            found = self.make_plan(self.plans, key, op)
-        if found is False:
-            return False
-        plan = <tuple>found
         try:
             PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
         except (BufferError, ValueError, TypeError):
@@ -829,15 +840,49 @@ cdef class DirectAllreduce:
         try:
             if view.len == 0:
                 return False
+            dtype = x.dtype
+            # The plan of the previous call, if this one has the same signature: no key, no lookup.
+            same = dtype is self.last_dtype and op is self.last_op and view.ndim == self.last_ndim
+            i = 0
+            while same and i < view.ndim:
+                same = view.shape[i] == self.last_shape[i]
+                i += 1
+            if not same and not self._load_plan(x, dtype, op, &view):
+                return False
+            # Into locals before anything can let another thread in to change the plan.
+            dtype_code, kernel_code, fingerprint = self.dtype_code, self.kernel_code, self.fingerprint
+            divisor, itemsize = self.divisor, self.itemsize
             seconds = self.arena.default_timeout if timeout is None else self.resolve_timeout(timeout)
             try:
                 if view.len <= self.small_limit:
-                    self.arena._allreduce_small(&view, plan[0], plan[1], plan[2], seconds, plan[3])
+                    self.arena._allreduce_small(&view, dtype_code, kernel_code, fingerprint, seconds, divisor)
                 else:
-                    self.arena._allreduce_parts(&view, plan[4], plan[0], plan[1], plan[2], seconds, plan[3])
+                    self.arena._allreduce_parts(&view, itemsize, dtype_code, kernel_code, fingerprint, seconds,
+                                                divisor)
             except BaseException as exc:
                 self.on_failure(exc)
                 raise
             return True
         finally:
             PyBuffer_Release(&view)
+
+    cdef bint _load_plan(self, x, dtype, op, Py_buffer* view) except -1:
+        # Find (or make) the plan of this signature and remember it as the last one.
+        cdef int i
+        # ReduceOp members live forever, so their address is a safe key (and cheaper than their hash).
+        key = (dtype, x.shape, <Py_ssize_t><void*>op if type(op) is self.op_type else op)
+        found = self.plans.get(key)
+        if found is None:
+            found = self.make_plan(self.plans, key, op)
+        self.last_dtype = None  # until the new plan is complete
+        if found is False or view.ndim > MAX_DIMS:
+            return False
+        plan = <tuple>found
+        self.dtype_code, self.kernel_code, self.fingerprint = plan[0], plan[1], plan[2]
+        self.divisor, self.itemsize = plan[3], plan[4]
+        for i in range(view.ndim):
+            self.last_shape[i] = view.shape[i]
+        self.last_ndim = view.ndim
+        self.last_op = op
+        self.last_dtype = dtype
+        return True
