@@ -266,3 +266,26 @@ def rank_alternating_signatures(group):
 
 def test_the_direct_path_follows_every_change_of_signature():
     assert run_processes(rank_alternating_signatures, 3, backend="shm") == [[], [], []]
+
+
+def rank_segment_properties(group):
+    # The mapping outlives the name: find it in /proc/self/maps and stat the mapped file itself.
+    with open("/proc/self/maps") as maps:
+        lines = [line.split() for line in maps if "/dev/shm/ferro-" in line]
+    found = []
+    for fields in lines:
+        info = os.stat(f"/proc/self/map_files/{fields[0]}")
+        found.append((oct(info.st_mode & 0o777), info.st_uid == os.getuid(), fields[-1] == "(deleted)",
+                      os.path.basename(fields[5])))
+    return found
+
+
+def test_segments_are_owner_only_and_already_unlinked():
+    results = run_processes(rank_segment_properties, 2, backend="shm")
+    names = set()
+    for found in results:
+        assert found, "no shared-memory segment mapped"
+        for mode, owned, deleted, name in found:
+            assert (mode, owned, deleted) == ("0o600", True, True)
+            names.add(name)
+    assert len(names) == 1  # one segment for the group, the same on both ranks
