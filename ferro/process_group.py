@@ -149,7 +149,8 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
             store = Store(master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
                           secret=_job_secret(secret), timeout=default_timeout(timeout), serve=(rank == 0))
             close_store = True
-        backend = choose_backend(exchange_host_identities(store, rank, world_size, default_timeout(timeout)))
+        identities = exchange_host_identities(store, rank, world_size, default_timeout(timeout))
+        backend = choose_backend([host for host, _ in identities])
         log.debug("init_process_group: backend auto -> %s", backend)
     group: Backend
     # Listen where the peers can reach us: the route towards the master, unless only a file names the job.

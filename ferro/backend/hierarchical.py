@@ -17,7 +17,7 @@ from ferro.errors import DistributedError
 from ferro.rendezvous import RendezvousConfig, default_timeout, validate_rank_and_size
 from ferro.store import Store
 
-__all__ = ["HOST_ID_ENV", "HierarchicalBackend", "exchange_host_identities", "host_identity"]
+__all__ = ["HOST_ID_ENV", "HierarchicalBackend", "exchange_host_identities", "host_identity", "machine_identity"]
 
 HOST_ID_ENV = "FERRO_HOST_ID"
 
@@ -52,19 +52,32 @@ def host_identity() -> str:
     return f"{socket.gethostname()}|{boot}|{shm}|{net}"
 
 
-def exchange_host_identities(store: Any, rank: int, world_size: int, timeout: float, identity: str | None = None
-                             ) -> list[str]:
-    """Publish this rank's host identity through ``store`` and return every rank's, in rank order.
+def machine_identity() -> str:
+    """Return what ranks compare to know they share one machine's cores: the kernel's boot id.
+
+    Unlike :func:`host_identity` it ignores namespaces and ``$FERRO_HOST_ID``:
+    ranks in separate network namespaces of one machine compete for its cores.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return f"unknown-machine:{socket.gethostname()}"
+
+
+def exchange_host_identities(store: Any, rank: int, world_size: int, timeout: float) -> list[tuple[str, str]]:
+    """Publish this rank's host and machine identities through ``store``; return every rank's, in rank order.
 
     Each rank counts its own exchanges in the store, so a job that does this more
     than once (a launcher's store, a re-created group) never reads stale answers.
     """
     generation = store.add(f"ferro/host-joins/{rank}", 1)
     prefix = f"ferro/hosts/{generation}"
-    store.set(f"{prefix}/{rank}", identity if identity is not None else host_identity())
+    store.set(f"{prefix}/{rank}", f"{host_identity()}\n{machine_identity()}")
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     store.wait(keys, timeout=timeout)
-    return [store.get(key, timeout=timeout).decode() for key in keys]
+    found = [store.get(key, timeout=timeout).decode().split("\n", 1) for key in keys]
+    return [(parts[0], parts[1] if len(parts) > 1 else parts[0]) for parts in found]
 
 
 class HierarchicalBackend(FramedBackend):
@@ -121,15 +134,17 @@ class HierarchicalBackend(FramedBackend):
         self._local: ShmBackend | None = None
         self._leaders: TcpBackend | None = None
         try:
-            hosts = exchange_host_identities(store, rank, world_size, seconds)
-            self._plan(rank, hosts)
-            # Spinning pays only while this host's ranks each have a core.
-            spin = default_spin_us(None, len(self._members))
+            identities = exchange_host_identities(store, rank, world_size, seconds)
+            self._plan(rank, [host for host, _ in identities])
+            # Spinning pays only while the ranks on this machine each have a core. Count the machine's
+            # ranks, not the host's: namespaces or declared hosts may share one machine's cores.
+            machine = identities[rank][1]
+            spin = default_spin_us(None, sum(1 for _, other in identities if other == machine))
             self._world = TcpBackend(rank, world_size, master_addr, master_port, timeout=seconds,
                                      secret=config.secret, store=store, bind_addr=bind_addr, spin_us=spin,
                                      close_store=close_store)
             if len(self._members) > 1:
-                self._local = ShmBackend.split_from(self._world, self._members)
+                self._local = ShmBackend.split_from(self._world, self._members, spin_us=spin)
             if len(self._leader_ranks) > 1 and rank in self._leader_ranks:
                 self._leaders = self._world.split(self._leader_ranks)
         except BaseException:
