@@ -269,7 +269,10 @@ def test_the_direct_path_follows_every_change_of_signature():
 
 
 def rank_segment_properties(group):
-    # The mapping outlives the name: find it in /proc/self/maps and stat the mapped file itself.
+    # Rank 0 unlinks the name at the end of its set-up, once every rank has mapped the segment;
+    # after a barrier every rank's set-up is over. The mapping outlives the name: find it in
+    # /proc/self/maps and stat the mapped file itself.
+    group.barrier()
     with open("/proc/self/maps") as maps:
         lines = [line.split() for line in maps if "/dev/shm/ferro-" in line]
     found = []
