@@ -13,16 +13,12 @@ Run: ``python bench/bench_hierarchical.py [--ranks 4] [--repeats 3] [--max-bytes
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
-
-CLONE_NEWNET = 0x40000000
 
 
 def sizes(max_bytes: int) -> list[int]:
@@ -33,37 +29,10 @@ def sizes(max_bytes: int) -> list[int]:
     return out
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def create_hosts(tag: str) -> tuple[list[str], str]:
-    names = [f"ferro-bh0-{tag}", f"ferro-bh1-{tag}"]
-    subnet = f"10.232.{int(tag) % 250}"
-    for name in names:
-        _ip("netns", "add", name)
-        _ip("-n", name, "link", "set", "lo", "up")
-    _ip("link", "add", f"bv0-{tag}", "netns", names[0], "type", "veth", "peer", "name", f"bv1-{tag}", "netns",
-        names[1])
-    for index, name in enumerate(names):
-        _ip("-n", name, "addr", "add", f"{subnet}.{index + 1}/24", "dev", f"bv{index}-{tag}")
-        _ip("-n", name, "link", "set", f"bv{index}-{tag}", "up")
-    return names, f"{subnet}.1"
-
-
-def enter_namespace(name: str) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {name}")
-    finally:
-        os.close(fd)
-
-
 def rank_main(rank: int, world_size: int, names: list[str], master: str, backend: str,
               max_bytes: int) -> dict[int, float]:
     import ferro
+    from ferro.testing.netns import enter_namespace
 
     enter_namespace(names[0 if rank < world_size // 2 else 1])
     os.environ["MASTER_ADDR"] = master
@@ -95,19 +64,15 @@ def main() -> int:
         print("bench_hierarchical: creating network namespaces needs root", file=sys.stderr)
         return 2
     from ferro.testing import run_processes
+    from ferro.testing.netns import two_hosts
 
-    tag = str(os.getpid() % 100000)
-    names, master = create_hosts(tag)
     rounds: dict[str, list[dict[int, float]]] = {"hierarchical": [], "tcp": []}
-    try:
+    with two_hosts() as (names, master):
         for _ in range(args.repeats):
             for backend in rounds:
                 results = run_processes(rank_main, args.ranks, args=(names, master, backend, args.max_bytes),
                                         backend=None, timeout=1800)
                 rounds[backend].append(results[0])
-    finally:
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
     factor = 2 * (args.ranks - 1) / args.ranks
     print(f"# allreduce, {args.ranks} ranks on 2 namespace-hosts, float32 SUM in place, median of {args.repeats}")
     print(f"{'bytes':>11}{'hierarchical us':>17}{'busbw':>8}{'flat tcp us':>13}{'busbw':>8}{'tcp / hier':>12}")

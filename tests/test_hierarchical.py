@@ -5,11 +5,8 @@ anywhere, and by putting ranks in network namespaces joined by a veth pair,
 which is what separate hosts look like to the network (needs root and ``ip``).
 """
 
-import ctypes
 import os
-import shutil
 import signal
-import subprocess
 import time
 
 import numpy as np
@@ -17,10 +14,8 @@ import pytest
 
 import ferro
 from ferro.process_group import choose_backend
-from ferro.testing import RankExit, run_processes
+from ferro.testing import RankExit, netns, run_processes
 from ferro.testing.conformance import check_collectives
-
-CLONE_NEWNET = 0x40000000
 
 
 def test_auto_chooses_by_how_ranks_share_hosts():
@@ -60,41 +55,16 @@ def test_conformance_on_declared_hosts(world_size):
 
 # --- network namespaces as hosts ------------------------------------------------------------
 
-def _ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def two_hosts():
     """Two network namespaces joined by a veth pair; yields their names and the first one's address."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
+    if not netns.can_create_namespaces():
         pytest.skip("creating network namespaces needs root and iproute2's `ip`")
-    tag = f"{os.getpid() % 100000}"
-    names = [f"ferro-h0-{tag}", f"ferro-h1-{tag}"]
-    subnet = f"10.231.{os.getpid() % 250}"
-    try:
-        for name in names:
-            _ip("netns", "add", name)
-            _ip("-n", name, "link", "set", "lo", "up")
-        _ip("link", "add", f"fv0-{tag}", "netns", names[0], "type", "veth", "peer", "name", f"fv1-{tag}",
-            "netns", names[1])
-        for index, name in enumerate(names):
-            _ip("-n", name, "addr", "add", f"{subnet}.{index + 1}/24", "dev", f"fv{index}-{tag}")
-            _ip("-n", name, "link", "set", f"fv{index}-{tag}", "up")
-        yield names, f"{subnet}.1"
-    finally:
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    with netns.two_hosts() as hosts:
+        yield hosts
 
 
-def enter_namespace(name):
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {name}")
-    finally:
-        os.close(fd)
+enter_namespace = netns.enter_namespace
 
 
 def rank_conformance_across_namespaces(rank, world_size, names, master):
