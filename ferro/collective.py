@@ -169,21 +169,15 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
 
     """
     # The direct path: one compiled call where the group has one (see _direct_path). Only a
-    # Backend ever holds the attribute, so finding it also validates ``group``.
-    g: Backend
-    direct = getattr(group, "_ferro_direct_allreduce", None) if group is not None else None
-    if direct is not None and group is not None:
-        if not async_op and algorithm is None and direct(x, op, timeout):
-            return x
-        g = group
-    else:
-        g = resolve_group(group, "allreduce")
-        if not async_op and algorithm is None:
-            direct = g.__dict__.get("_ferro_direct_allreduce", _UNSET)
-            if direct is _UNSET:
-                direct = _direct_path(g)
-            if direct is not None and direct(x, op, timeout):
-                return x
+    # Backend holds the attribute, so finding it also validates ``group``.
+    direct: Any = getattr(group, "_ferro_direct_allreduce", _UNSET) if group is not None else _UNSET
+    g: Backend = group if direct is not _UNSET else resolve_group(group, "allreduce")  # type: ignore[assignment]
+    if direct is _UNSET:
+        direct = g.__dict__.get("_ferro_direct_allreduce", _UNSET)
+        if direct is _UNSET:
+            direct = _direct_path(g)
+    if direct is not None and not async_op and algorithm is None and direct(x, op, timeout):
+        return x
     return _allreduce(g, x, op, timeout, async_op, algorithm)
 
 
@@ -247,9 +241,8 @@ def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, world_size: int
 def _direct_path(g: Backend) -> Any:
     """Return the group's compiled allreduce call, or None if its backend has no arena.
 
-    A backend offers the path with two instance attributes, ``direct_allreduce_arena``
-    and ``small_allreduce_bytes`` (ShmBackend does). The call is built on first use
-    and kept on the group.
+    A backend offers the path with an instance attribute, ``direct_allreduce_arena``
+    (ShmBackend does). The call is built on first use and kept on the group.
     """
     state = g.__dict__
     arena = state.get("direct_allreduce_arena")
@@ -257,8 +250,8 @@ def _direct_path(g: Backend) -> Any:
     if arena is not None:
         world_size = g.world_size
         direct = DirectAllreduce(arena, state, lambda plans, key, op: _direct_plan(plans, key, op, world_size),
-                                 lambda exc: fail_together(g, "allreduce", exc), state["small_allreduce_bytes"],
-                                 np.ndarray, default_timeout, ReduceOp)
+                                 lambda exc: fail_together(g, "allreduce", exc), np.ndarray, default_timeout,
+                                 ReduceOp)
     state["_ferro_direct_allreduce"] = direct
     return direct
 

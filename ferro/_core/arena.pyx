@@ -156,6 +156,7 @@ cdef class Arena:
     cdef readonly int world_size
     cdef readonly size_t buffer_bytes
     cdef public double default_timeout  # seconds, for calls that pass None
+    cdef public Py_ssize_t small_limit  # largest allreduce taking the one-phase algorithm
     cdef int64_t deadline              # the running call's deadline (monotonic ns), -1 for none
     cdef int64_t timeout_ns            # its timeout, for a deadline set at the first wait
     cdef int64_t spin_ns
@@ -220,6 +221,7 @@ cdef class Arena:
         self.broken = None
         self.closed = False
         self.default_timeout = -1.0
+        self.small_limit = 0
 
     def __dealloc__(self):
         if self.has_view:
@@ -270,19 +272,28 @@ cdef class Arena:
 
     # --- the collectives -------------------------------------------------------
 
-    def allreduce_small(self, flat, int dtype_code, int op_code, uint64_t fingerprint, object timeout=None,
-                        double divisor=0.0) -> None:
-        """Allreduce a message that fits in one buffer, in one phase: every rank reduces every slot.
+    def allreduce(self, flat, int dtype_code, int op_code, size_t itemsize, uint64_t fingerprint,
+                  object timeout=None, double divisor=0.0, int root=-1) -> None:
+        """Allreduce ``flat`` in place (or reduce it onto ``root`` when ``root >= 0``).
 
+        Up to ``small_limit`` bytes an allreduce takes one phase in which every rank
+        reduces every slot; larger messages (and every reduce) are cut into parts as
+        ``numpy.array_split`` cuts them, each reduced by one rank chunk by chunk.
         ``timeout`` None means the arena's ``default_timeout``.
         """
         cdef double seconds = self.default_timeout if timeout is None else timeout
         cdef Py_buffer view
-        acquire_buffer(flat, &view, True, "allreduce")
+        acquire_buffer(flat, &view, True, "allreduce" if root < 0 else "reduce")
         try:
-            self._allreduce_small(&view, dtype_code, op_code, fingerprint, seconds, divisor)
+            self._allreduce(&view, itemsize, dtype_code, op_code, fingerprint, seconds, divisor, root)
         finally:
             PyBuffer_Release(&view)
+
+    cdef int _allreduce(self, Py_buffer* view, size_t itemsize, int dtype_code, int op_code, uint64_t fingerprint,
+                        double seconds, double divisor, int root) except -1:
+        if root < 0 and view.len <= self.small_limit:
+            return self._allreduce_small(view, dtype_code, op_code, fingerprint, seconds, divisor)
+        return self._allreduce_parts(view, itemsize, dtype_code, op_code, fingerprint, seconds, divisor, root)
 
     cdef int _allreduce_small(self, Py_buffer* view, int dtype_code, int op_code, uint64_t fingerprint,
                               double seconds, double divisor) except -1:
@@ -320,14 +331,13 @@ cdef class Arena:
         return 0
 
     def ring(self, flat, bounds, int dtype_code, int op_code, size_t itemsize, uint64_t fingerprint, double timeout,
-             bint reduce_scatter, bint all_gather, double divisor=0.0, int gather_root=-1,
-             str op="allreduce") -> None:
-        """Reduce-scatter and/or all-gather ``flat`` (bytes cut at ``bounds``) in place, chunk by chunk.
+             bint reduce_scatter, bint all_gather) -> None:
+        """Reduce-scatter or all-gather ``flat`` (cut at ``bounds``) in place, chunk by chunk.
 
         With ``reduce_scatter``, part ``i`` of ``flat`` (``bounds[i]:bounds[i+1]``,
-        in elements of ``itemsize`` bytes) ends reduced on rank ``i`` (divided by
-        a non-zero ``divisor``). With ``all_gather``, every rank ends with every
-        rank's part ``i``; ``gather_root >= 0`` gathers on that rank only (a reduce).
+        in elements of ``itemsize`` bytes) ends reduced on rank ``i``. With
+        ``all_gather``, every rank ends with every rank's part ``i``; with both, an
+        allreduce over these bounds.
         """
         cdef Py_buffer view
         cdef ferro_reduce_fn kernel = NULL
@@ -335,6 +345,7 @@ cdef class Arena:
         cdef int rc = 0, n = self.world_size, j
         cdef size_t* starts
         cdef size_t* lengths
+        op = "reduce_scatter" if reduce_scatter else "all_gather"
         if len(bounds) != n + 1:
             raise ValueError(f"{op}: bounds need {n + 1} entries, got {len(bounds)}")
         if reduce_scatter:
@@ -357,7 +368,7 @@ cdef class Arena:
                 self.deadline = _deadline(timeout)
                 with nogil:
                     rc = self._ring(<unsigned char*>view.buf, starts, lengths, itemsize, kernel, dtype_code,
-                                    reduce_scatter, all_gather, divisor, gather_root, fingerprint, &w)
+                                    reduce_scatter, all_gather, 0.0, -1, fingerprint, &w)
             finally:
                 PyBuffer_Release(&view)
             self._finish(rc, &w, op, timeout)
@@ -367,8 +378,9 @@ cdef class Arena:
             PyThread_release_lock(self.lock)
 
     cdef int _allreduce_parts(self, Py_buffer* view, size_t itemsize, int dtype_code, int op_code,
-                              uint64_t fingerprint, double seconds, double divisor) except -1:
-        # Allreduce as reduce-scatter plus all-gather over parts split as numpy.array_split splits.
+                              uint64_t fingerprint, double seconds, double divisor, int root) except -1:
+        # Reduce-scatter plus all-gather (onto ``root`` only, if >= 0) over parts split as
+        # numpy.array_split splits.
         cdef ferro_reduce_fn kernel = ferro_reduce_kernel(dtype_code, op_code)
         cdef WaitResult w
         cdef int rc = 0, n = self.world_size, j
@@ -387,13 +399,14 @@ cdef class Arena:
                 first = <size_t>j * base + (<size_t>j if <size_t>j < extra else extra)
                 starts[j] = first * itemsize
                 lengths[j] = (base + (1 if <size_t>j < extra else 0)) * itemsize
-            self._enter("allreduce", seconds)
+            op = "allreduce" if root < 0 else "reduce"
+            self._enter(op, seconds)
             try:
                 self.deadline = _deadline(seconds)
                 with nogil:
                     rc = self._ring(<unsigned char*>view.buf, starts, lengths, itemsize, kernel, dtype_code, True,
-                                    True, divisor, -1, fingerprint, &w)
-                self._finish(rc, &w, "allreduce", seconds)
+                                    True, divisor, root, fingerprint, &w)
+                self._finish(rc, &w, op, seconds)
             finally:
                 PyThread_release_lock(self.lock)
         finally:
@@ -767,8 +780,7 @@ cdef class DirectAllreduce:
     not a writable C-contiguous NumPy array, empty, an async operation queued on
     the group, a failed group, or a signature the plan function refuses. Errors
     of the collective itself go through ``on_failure`` (the fail-together guard)
-    and propagate. Messages up to ``small_limit`` bytes take the one-phase
-    algorithm, larger ones the chunked reduce-scatter and all-gather.
+    and propagate. The arena chooses the algorithm by size (:meth:`Arena.allreduce`).
 
     Args:
         arena: The group's arena.
@@ -777,7 +789,6 @@ cdef class DirectAllreduce:
             fingerprint, divisor, itemsize)`` or False for ``(dtype, shape, op)`` and remembers it in
             ``plans`` under ``key``.
         on_failure: ``on_failure(exc)``, called before an error of the collective propagates.
-        small_limit: Largest message in bytes for the one-phase algorithm.
         ndarray: ``numpy.ndarray``.
         resolve_timeout: Turns a caller's timeout into seconds (validating it).
         op_type: The ``ReduceOp`` enum: its members are keyed by identity.
@@ -788,7 +799,6 @@ cdef class DirectAllreduce:
     cdef dict plans
     cdef object make_plan
     cdef object on_failure
-    cdef readonly Py_ssize_t small_limit
     cdef object ndarray
     cdef object resolve_timeout
     cdef object op_type
@@ -803,14 +813,13 @@ cdef class DirectAllreduce:
     cdef double divisor
     cdef size_t itemsize
 
-    def __cinit__(self, Arena arena, dict group_state, make_plan, on_failure, Py_ssize_t small_limit, ndarray,
+    def __cinit__(self, Arena arena, dict group_state, make_plan, on_failure, ndarray,
                   resolve_timeout, op_type):
         self.arena = arena
         self.group_state = group_state
         self.plans = {}
         self.make_plan = make_plan
         self.on_failure = on_failure
-        self.small_limit = small_limit
         self.ndarray = ndarray
         self.resolve_timeout = resolve_timeout
         self.op_type = op_type
@@ -856,11 +865,7 @@ cdef class DirectAllreduce:
             if self.arena.world_size == 1:
                 return True  # every op of one rank is the identity (MEAN divides by 1): nothing to move
             try:
-                if view.len <= self.small_limit:
-                    self.arena._allreduce_small(&view, dtype_code, kernel_code, fingerprint, seconds, divisor)
-                else:
-                    self.arena._allreduce_parts(&view, itemsize, dtype_code, kernel_code, fingerprint, seconds,
-                                                divisor)
+                self.arena._allreduce(&view, itemsize, dtype_code, kernel_code, fingerprint, seconds, divisor, -1)
             except BaseException as exc:
                 self.on_failure(exc)
                 raise

@@ -170,47 +170,34 @@ class ShmBackend(StoreBackend):
         self._mapping, self._segment = mapping, segment
         self._arena = Arena(mapping, world_size, rank, SEGMENT_HEADER_BYTES, arena_offset, buffer_bytes, spin_us)
         self._arena.default_timeout = timeout
+        self._arena.small_limit = min(SMALL_ALLREDUCE_BYTES, buffer_bytes)
         # The direct path of ferro.allreduce (ferro.collective._direct_path): one compiled call.
         self.direct_allreduce_arena = self._arena
-        self.small_allreduce_bytes = min(SMALL_ALLREDUCE_BYTES, buffer_bytes)
         self._links = {peer: Channel(segment, rank, peer, spin_us) for peer in range(world_size) if peer != rank}
 
     # --- native collectives through the arena (used by ferro.collective) ---------------
 
     def native_allreduce(self, flat: Any, dtype: Any, op_code: int, fingerprint: int, timeout: float,
                          algorithm: str, divisor: float = 0.0) -> None:
-        """Allreduce ``flat`` in place through the arena.
+        """Allreduce ``flat`` in place through the arena (see :meth:`Arena.allreduce`).
 
-        Shared memory chooses by size alone (``algorithm`` is the TCP hint): one
-        phase in which every rank reduces every slot up to 16 KiB, else each rank
-        reduces its own part of each chunk and the others copy it.
+        Shared memory chooses by size alone; ``algorithm`` is the TCP hint.
         """
         self._usable("allreduce")
-        if flat.nbytes <= min(SMALL_ALLREDUCE_BYTES, self._buffer_bytes):
-            self._arena.allreduce_small(flat, dtype.code, op_code, fingerprint, timeout, divisor)
-            return
-        size = flat.size
-        n = self._world_size
-        bounds = [i * (size // n) + min(i, size % n) for i in range(n + 1)]
-        self._arena.ring(flat, bounds, dtype.code, op_code, dtype.itemsize, fingerprint, timeout, True, True,
-                         divisor)
+        self._arena.allreduce(flat, dtype.code, op_code, dtype.itemsize, fingerprint, timeout, divisor)
 
     def native_ring(self, flat: Any, bounds: list[int], dtype_code: int, op_code: int, itemsize: int,
                     fingerprint: int, timeout: float, reduce_scatter: bool, all_gather: bool) -> None:
         """Reduce-scatter and/or all-gather through the arena (see :meth:`Arena.ring`)."""
         self._usable("ring")
         self._arena.ring(flat, bounds, dtype_code, op_code, itemsize, fingerprint, timeout, reduce_scatter,
-                         all_gather, 0.0, -1, "reduce_scatter" if reduce_scatter else "all_gather")
+                         all_gather)
 
     def native_reduce(self, flat: Any, root: int, dtype_code: int, op_code: int, itemsize: int, fingerprint: int,
                       timeout: float) -> None:
         """Reduce into ``flat`` on ``root``: each rank reduces a part, the root gathers the parts."""
         self._usable("reduce")
-        size = flat.size
-        n = self._world_size
-        bounds = [i * (size // n) + min(i, size % n) for i in range(n + 1)]
-        self._arena.ring(flat, bounds, dtype_code, op_code, itemsize, fingerprint, timeout, True, True, 0.0, root,
-                         "reduce")
+        self._arena.allreduce(flat, dtype_code, op_code, itemsize, fingerprint, timeout, 0.0, root)
 
     def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float, chain: bool) -> None:
         """Broadcast bytes through the root's slot (``chain`` is the TCP hint; not needed here)."""
