@@ -130,9 +130,6 @@ class HierarchicalBackend(FramedBackend):
         if store is None:
             store = Store(master_addr, master_port, secret=config.secret, timeout=seconds, serve=(rank == 0))
             close_store = True
-        self._world: TcpBackend | None = None
-        self._local: ShmBackend | None = None
-        self._leaders: TcpBackend | None = None
         try:
             identities = exchange_host_identities(store, rank, world_size, seconds)
             self._plan(rank, [host for host, _ in identities])
@@ -143,14 +140,19 @@ class HierarchicalBackend(FramedBackend):
             self._world = TcpBackend(rank, world_size, master_addr, master_port, timeout=seconds,
                                      secret=config.secret, store=store, bind_addr=bind_addr, spin_us=spin,
                                      close_store=close_store)
+        except BaseException:
+            if close_store:
+                store.close()  # idempotent: the TCP group may have closed it already
+            raise
+        self._local: ShmBackend | None = None
+        self._leaders: TcpBackend | None = None
+        try:
             if len(self._members) > 1:
                 self._local = ShmBackend.split_from(self._world, self._members, spin_us=spin)
             if len(self._leader_ranks) > 1 and rank in self._leader_ranks:
                 self._leaders = self._world.split(self._leader_ranks)
         except BaseException:
-            self._close_parts()
-            if self._world is None and close_store:
-                store.close()
+            self.close()
             raise
 
     def _plan(self, rank: int, hosts: Sequence[str]) -> None:
@@ -168,22 +170,22 @@ class HierarchicalBackend(FramedBackend):
     @property
     def rank(self) -> int:
         """The calling process's rank."""
-        return self._require_world().rank
+        return self._world.rank
 
     @property
     def world_size(self) -> int:
         """The number of ranks, on all hosts."""
-        return self._require_world().world_size
+        return self._world.world_size
 
     @property
     def timeout(self) -> float:
         """Default seconds for blocking operations."""
-        return self._require_world().timeout
+        return self._world.timeout
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return self._world is None or self._world.closed
+        return self._world.closed
 
     @property
     def hosts(self) -> list[tuple[int, ...]]:
@@ -195,34 +197,28 @@ class HierarchicalBackend(FramedBackend):
         """Whether this rank speaks for its host among the leaders."""
         return self.rank == self._members[0]
 
-    def _require_world(self) -> TcpBackend:
-        if self._world is None:
-            raise DistributedError("the hierarchical group was never fully created")
-        return self._world
-
     # --- point-to-point: the TCP mesh ------------------------------------------------------
 
     def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
         """Send one frame to ``dst`` over the TCP mesh (see :meth:`Backend.send_tagged`)."""
-        self._require_world().send_tagged(buf, dst, kind=kind, fingerprint=fingerprint, timeout=timeout)
+        self._world.send_tagged(buf, dst, kind=kind, fingerprint=fingerprint, timeout=timeout)
 
     def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
         """Receive one frame from ``src`` over the TCP mesh (see :meth:`Backend.recv_tagged`)."""
-        self._require_world().recv_tagged(buf, src, kind=kind, fingerprint=fingerprint, timeout=timeout)
+        self._world.recv_tagged(buf, src, kind=kind, fingerprint=fingerprint, timeout=timeout)
 
     def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
                         timeout: float | None = None) -> None:
         """Exchange frames over the TCP mesh (see :meth:`Backend.sendrecv_tagged`)."""
-        self._require_world().sendrecv_tagged(send_buf, dst, recv_buf, src, kind=kind, fingerprint=fingerprint,
-                                              timeout=timeout)
+        self._world.sendrecv_tagged(send_buf, dst, recv_buf, src, kind=kind, fingerprint=fingerprint,
+                                    timeout=timeout)
 
     # --- collectives: host, leaders, host ----------------------------------------------
 
     def native_allreduce(self, flat: Any, dtype: Any, op_code: int, fingerprint: int, timeout: float,
                          algorithm: str, divisor: float = 0.0) -> None:
         """Reduce onto each host's leader (shared memory), allreduce among leaders (TCP), broadcast back."""
-        world = self._require_world()
-        world._usable("allreduce")
+        self._world._usable("allreduce")
         if self._local is not None:
             self._local.native_reduce(flat, 0, dtype.code, op_code, dtype.itemsize, fingerprint, timeout)
         if self._leaders is not None:
@@ -235,10 +231,9 @@ class HierarchicalBackend(FramedBackend):
 
     def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float, chain: bool) -> None:
         """Broadcast inside the root's host, then among leaders, then inside every other host."""
-        world = self._require_world()
-        world._usable("broadcast")
+        self._world._usable("broadcast")
         root_host = self._host_of[root]
-        mine = self._host_of[world.rank]
+        mine = self._host_of[self._world.rank]
         if mine == root_host and self._local is not None:
             self._local.native_broadcast(flat, self._members.index(root), fingerprint, timeout, chain)
         if self._leaders is not None:
@@ -249,18 +244,17 @@ class HierarchicalBackend(FramedBackend):
     def native_ring(self, flat: Any, bounds: list[int], dtype_code: int, op_code: int, itemsize: int,
                     fingerprint: int, timeout: float, reduce_scatter: bool, all_gather: bool) -> None:
         """Reduce-scatter and/or all-gather over the TCP mesh's ring (every rank's part crosses hosts anyway)."""
-        self._require_world().native_ring(flat, bounds, dtype_code, op_code, itemsize, fingerprint, timeout,
-                                          reduce_scatter, all_gather)
+        self._world.native_ring(flat, bounds, dtype_code, op_code, itemsize, fingerprint, timeout,
+                                reduce_scatter, all_gather)
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
                           fingerprint: int, timeout: float) -> None:
         """All-to-all over the TCP mesh."""
-        self._require_world().native_all_to_all(send, send_offsets, recv, recv_offsets, fingerprint, timeout)
+        self._world.native_all_to_all(send, send_offsets, recv, recv_offsets, fingerprint, timeout)
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Block until every rank on every host has entered the barrier."""
-        world = self._require_world()
-        world._usable("barrier")
+        self._world._usable("barrier")
         if self._local is not None:
             self._local.barrier(timeout=timeout)
         if self._leaders is not None:
@@ -279,13 +273,10 @@ class HierarchicalBackend(FramedBackend):
 
     def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> TcpBackend:
         """Sub-groups of a hierarchical group are TCP meshes among their members (see :meth:`Backend.split`)."""
-        return self._require_world().split(ranks, timeout=timeout)
-
-    def _close_parts(self) -> None:
-        for part in (self._leaders, self._local, self._world):
-            if part is not None:
-                part.close()
+        return self._world.split(ranks, timeout=timeout)
 
     def close(self) -> None:
         """Close the three groups (and the store if this rank serves it). Idempotent."""
-        self._close_parts()
+        for part in (self._leaders, self._local, self._world):
+            if part is not None:
+                part.close()
