@@ -18,10 +18,7 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memset
 
 from ferro._core.posix cimport (
-    FERRO_FRAME_MAGIC,
     FERRO_HEADER_SIZE,
-    ferro_get_u32,
-    ferro_get_u64,
     ferro_pack_header,
     kill,
     nanosleep,
@@ -30,8 +27,6 @@ from ferro._core.posix cimport (
 )
 from ferro._core.transport cimport (
     ST_ABORTED,
-    ST_BAD_MAGIC,
-    ST_BAD_SEQ,
     ST_BROKEN,
     ST_MISMATCH,
     ST_OK,
@@ -39,7 +34,9 @@ from ferro._core.transport cimport (
     ST_SIZE_MISMATCH,
     ST_TIMEOUT,
     ST_TOO_LARGE,
+    SeenHeader,
     acquire_buffer,
+    check_header,
     monotonic_ns,
     signal_raised,
 )
@@ -176,11 +173,7 @@ cdef struct RecvState:
     size_t length
     size_t done
     int status
-    uint32_t seen_magic
-    uint32_t seen_kind
-    uint64_t seen_length
-    uint64_t seen_seq
-    uint64_t seen_fingerprint
+    SeenHeader seen
 
 
 cdef bint _send_step(SendState* s) noexcept nogil:
@@ -199,25 +192,6 @@ cdef bint _send_step(SendState* s) noexcept nogil:
     return s.done != before
 
 
-cdef int _check_header(RecvState* r, const unsigned char* h) noexcept nogil:
-    r.seen_magic = ferro_get_u32(h)
-    r.seen_kind = ferro_get_u32(h + 4)
-    r.seen_length = ferro_get_u64(h + 8)
-    r.seen_seq = ferro_get_u64(h + 16)
-    r.seen_fingerprint = ferro_get_u64(h + 24)
-    if r.seen_magic != FERRO_FRAME_MAGIC:
-        return ST_BAD_MAGIC
-    if r.seen_seq != r.expected_seq:
-        return ST_BAD_SEQ
-    if r.seen_kind != r.kind or r.seen_fingerprint != r.fingerprint:
-        return ST_MISMATCH
-    if r.seen_length > r.capacity:
-        return ST_TOO_LARGE
-    if r.exact and r.seen_length != r.capacity:
-        return ST_SIZE_MISMATCH
-    return ST_OK
-
-
 cdef int _recv_step(RecvState* r, bint* progressed) noexcept nogil:
     """Read what has arrived; ST_OK when the frame is complete, -1 to keep waiting, else a refusal."""
     cdef unsigned char header[32]
@@ -227,11 +201,11 @@ cdef int _recv_step(RecvState* r, bint* progressed) noexcept nogil:
         if ferro_ring_available(r.ring.ctl) < FERRO_HEADER_SIZE:
             return -1
         ferro_ring_peek(r.ring.ctl, r.ring.data, r.ring.capacity, 0, header, FERRO_HEADER_SIZE)
-        rc = _check_header(r, header)
+        rc = check_header(header, r.kind, r.fingerprint, r.expected_seq, r.capacity, r.exact, &r.seen)
         if rc != ST_OK:
             return rc  # refused: the header stays in the ring
         ferro_ring_consume(r.ring.ctl, FERRO_HEADER_SIZE)
-        r.length = <size_t>r.seen_length
+        r.length = <size_t>r.seen.length
         r.phase = 1
         progressed[0] = True
     while r.done < r.length:
@@ -450,15 +424,15 @@ cdef class Channel:
                                           f"{self.recv_seq}")
         if status == ST_PEER_CLOSED:
             raise PeerLostError(f"{where}: rank {self.peer} exited or closed its group", self.peer)
-        if status == ST_MISMATCH and r.seen_kind == KIND_ABORT and r.seen_length <= MAX_ABORT_BYTES:
-            payload = bytearray(<size_t>r.seen_length)
-            self.exchange(None, payload, kind=KIND_ABORT, fingerprint=r.seen_fingerprint, timeout=5.0, op="abort")
+        if status == ST_MISMATCH and r.seen.kind == KIND_ABORT and r.seen.length <= MAX_ABORT_BYTES:
+            payload = bytearray(<size_t>r.seen.length)
+            self.exchange(None, payload, kind=KIND_ABORT, fingerprint=r.seen.fingerprint, timeout=5.0, op="abort")
             raise abort_error(bytes(payload), self.peer, where)
         if status == ST_MISMATCH:
-            raise mismatch_error(where, self.peer, r.kind, r.fingerprint, r.seen_kind, r.seen_fingerprint,
-                                 r.seen_seq)
+            raise mismatch_error(where, self.peer, r.kind, r.fingerprint, r.seen.kind, r.seen.fingerprint,
+                                 r.seen.seq)
         if status == ST_TOO_LARGE or status == ST_SIZE_MISMATCH:
-            raise size_error(where, self.peer, r.seen_length, r.capacity, status == ST_SIZE_MISMATCH, r.seen_seq)
+            raise size_error(where, self.peer, r.seen.length, r.capacity, status == ST_SIZE_MISMATCH, r.seen.seq)
         raise ProtocolError(f"{where}: a corrupt frame in the shared-memory ring (status {status}); the group is "
                             f"unusable")
 

@@ -36,6 +36,14 @@ cdef struct ConnState:
     int64_t spin_ns        # how long to spin on a quiet socket before sleeping in poll
 
 
+cdef struct SeenHeader:
+    uint32_t magic             # a frame header's fields as received
+    uint32_t kind
+    uint64_t length
+    uint64_t seq
+    uint64_t fingerprint
+
+
 cdef struct SendOp:
     ConnState* conn                 # where the frame goes
     unsigned char header[32]        # the packed header (FERRO_HEADER_SIZE bytes)
@@ -58,11 +66,7 @@ cdef struct RecvOp:
     size_t done                # payload bytes written so far
     int status                 # final Status of this op
     int os_errno               # errno behind ST_OS_ERROR
-    uint32_t seen_magic        # the offending header's fields, for error messages
-    uint32_t seen_kind
-    uint64_t seen_length
-    uint64_t seen_seq
-    uint64_t seen_fingerprint
+    SeenHeader seen            # the last header looked at, for error messages
 
 
 cdef class Connection:
@@ -78,6 +82,8 @@ cdef class Connection:
 
 
 cdef int64_t monotonic_ns() noexcept nogil
+cdef int check_header(const unsigned char* h, uint32_t kind, uint64_t fingerprint, uint64_t expected_seq,
+                      uint64_t capacity, bint exact, SeenHeader* seen) noexcept nogil
 cdef int signal_raised() noexcept with gil
 cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil
 cdef int raise_failure(SendOp* s, RecvOp* r, str op, double timeout) except -1

@@ -178,21 +178,23 @@ cdef int _send_step(SendOp* s) noexcept nogil:
     return ST_OK
 
 
-cdef int _check_header(RecvOp* r, const unsigned char* h) noexcept nogil:
-    r.seen_magic = ferro_get_u32(h)
-    r.seen_kind = ferro_get_u32(h + 4)
-    r.seen_length = ferro_get_u64(h + 8)
-    r.seen_seq = ferro_get_u64(h + 16)
-    r.seen_fingerprint = ferro_get_u64(h + 24)
-    if r.seen_magic != FERRO_FRAME_MAGIC:
+cdef int check_header(const unsigned char* h, uint32_t kind, uint64_t fingerprint, uint64_t expected_seq,
+                      uint64_t capacity, bint exact, SeenHeader* seen) noexcept nogil:
+    """Decode a frame header into ``seen`` and judge it against the receive (shared with shared memory)."""
+    seen.magic = ferro_get_u32(h)
+    seen.kind = ferro_get_u32(h + 4)
+    seen.length = ferro_get_u64(h + 8)
+    seen.seq = ferro_get_u64(h + 16)
+    seen.fingerprint = ferro_get_u64(h + 24)
+    if seen.magic != FERRO_FRAME_MAGIC:
         return ST_BAD_MAGIC
-    if r.seen_seq != r.conn.recv_seq:
+    if seen.seq != expected_seq:
         return ST_BAD_SEQ
-    if r.seen_kind != r.kind or r.seen_fingerprint != r.fingerprint:
+    if seen.kind != kind or seen.fingerprint != fingerprint:
         return ST_MISMATCH
-    if r.seen_length > r.capacity:
+    if seen.length > capacity:
         return ST_TOO_LARGE
-    if r.exact and r.seen_length != r.capacity:
+    if exact and seen.length != capacity:
         return ST_SIZE_MISMATCH
     return ST_OK
 
@@ -207,12 +209,13 @@ cdef int _recv_step(RecvOp* r) noexcept nogil:
         if r.phase == PHASE_HEADER:
             available = st.stage_end - st.stage_begin
             if available >= FERRO_HEADER_SIZE:
-                rc = _check_header(r, st.stage + st.stage_begin)
+                rc = check_header(st.stage + st.stage_begin, r.kind, r.fingerprint, st.recv_seq, r.capacity, r.exact,
+                                  &r.seen)
                 if rc != ST_OK:
                     return rc
                 st.stage_begin += FERRO_HEADER_SIZE
                 st.recv_seq += 1
-                r.length = <size_t>r.seen_length
+                r.length = <size_t>r.seen.length
                 r.phase = PHASE_PAYLOAD
                 # Bytes that arrived together with the header belong to this payload first.
                 n_copy = available - FERRO_HEADER_SIZE
@@ -758,20 +761,20 @@ cdef object _recv_error(RecvOp* r, str op, double timeout):
         return TransportError(f"{where} failed: {os.strerror(r.os_errno)} (errno {r.os_errno})")
     if status == ST_BAD_MAGIC:
         return ProtocolError(
-            f"{where}: the frame starts with 0x{r.seen_magic:08x}, not ferro protocol {FERRO_PROTOCOL_VERSION}'s "
+            f"{where}: the frame starts with 0x{r.seen.magic:08x}, not ferro protocol {FERRO_PROTOCOL_VERSION}'s "
             f"0x{FERRO_FRAME_MAGIC:08x}: another program or another ferro version is on the other end; "
             f"the connection is now unusable")
     if status == ST_BAD_SEQ:
         return ProtocolError(
-            f"{where}: frame seq {r.seen_seq} arrived where seq {st.recv_seq} was due: the stream is corrupt; "
+            f"{where}: frame seq {r.seen.seq} arrived where seq {st.recv_seq} was due: the stream is corrupt; "
             f"the connection is now unusable")
-    if status == ST_MISMATCH and r.seen_kind == KIND_ABORT and r.seen_length <= MAX_ABORT_BYTES:
+    if status == ST_MISMATCH and r.seen.kind == KIND_ABORT and r.seen.length <= MAX_ABORT_BYTES:
         return _read_abort(r, where)
     if status == ST_MISMATCH:
-        return mismatch_error(where, st.peer_rank, r.kind, r.fingerprint, r.seen_kind, r.seen_fingerprint,
-                              r.seen_seq)
+        return mismatch_error(where, st.peer_rank, r.kind, r.fingerprint, r.seen.kind, r.seen.fingerprint,
+                              r.seen.seq)
     if status == ST_TOO_LARGE or status == ST_SIZE_MISMATCH:
-        return size_error(where, st.peer_rank, r.seen_length, r.capacity, status == ST_SIZE_MISMATCH, r.seen_seq)
+        return size_error(where, st.peer_rank, r.seen.length, r.capacity, status == ST_SIZE_MISMATCH, r.seen.seq)
     if status == ST_INTR:
         return None
     return _generic_error(status, where, st)
@@ -799,12 +802,12 @@ cdef object _read_abort(RecvOp* refused, str where):
     """Consume the abort frame that ``refused`` ran into and turn it into the error it reports."""
     cdef RecvOp r
     cdef ConnState* st = refused.conn
-    cdef bytearray payload = bytearray(<size_t>refused.seen_length)
+    cdef bytearray payload = bytearray(<size_t>refused.seen.length)
     cdef Py_buffer view
     cdef int64_t deadline = monotonic_ns() + ABORT_READ_NS
     PyObject_GetBuffer(payload, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
     try:
-        _init_recv(&r, st, &view, KIND_ABORT, refused.seen_fingerprint, True)
+        _init_recv(&r, st, &view, KIND_ABORT, refused.seen.fingerprint, True)
         with nogil:
             run_ops(NULL, &r, deadline)
     finally:
