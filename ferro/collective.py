@@ -77,7 +77,7 @@ SMALL_MESSAGE_BYTES = 64 * 1024
 RECURSIVE_DOUBLING_BYTES = 1024 * 1024
 BROADCAST_SEGMENT_BYTES = 1024 * 1024
 # Signatures (dtype, shape, op) of direct allreduces remembered per group.
-SMALL_PLANS_KEPT = 256
+DIRECT_PLANS_KEPT = 256
 _UNSET = object()
 
 
@@ -232,7 +232,7 @@ def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, world_size: int
         plan = (data.dtype.code, _KERNEL_CODES[reduce_op],
                 make_link_fingerprint("allreduce", data, _OP_VALUES[reduce_op], 0, count, shape), divisor,
                 data.dtype.itemsize)
-    if len(plans) >= SMALL_PLANS_KEPT:
+    if len(plans) >= DIRECT_PLANS_KEPT:
         plans.clear()
     plans[key] = plan
     return plan

@@ -74,20 +74,12 @@ class GroupWorker:
     def __init__(self, name: str) -> None:
         self._name = name
         self._cond = threading.Condition(threading.Lock())  # not the default RLock: cheaper, never re-entered
+        # _queue and _busy are also read, without the lock, by the direct allreduce path
+        # (ferro._core.arena.DirectAllreduce), which steps aside while either is set.
         self._queue: deque[tuple[Callable[[], Any], PendingCollective]] = deque()
         self._busy = False
         self._owner: int | None = None  # the thread running the group's current operation
         self._thread: threading.Thread | None = None
-
-    @property
-    def busy(self) -> bool:
-        """Whether an operation of the group is running (read without the lock: a hint)."""
-        return self._busy
-
-    @property
-    def pending(self) -> int:
-        """How many async operations are queued (read without the lock: a hint)."""
-        return len(self._queue)
 
     def submit(self, fn: Callable[[], Any], description: str, buffers: tuple[Any, ...]) -> PendingCollective:
         """Queue ``fn`` behind the group's earlier calls and return its handle."""

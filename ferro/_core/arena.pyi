@@ -3,10 +3,6 @@
 from collections.abc import Callable
 from typing import Any
 
-CONTROL_BYTES: int
-SLOT_BUFFERS: int
-NOTICE_BYTES: int
-
 def arena_bytes(world_size: int, buffer_bytes: int) -> int: ...
 
 class Arena:

@@ -100,9 +100,6 @@ cdef long DOZE_NS = 20000               # for 20 us
 cdef uint64_t KIND_COLLECTIVE_C = KIND_COLLECTIVE
 cdef uint64_t KIND_BARRIER_C = KIND_BARRIER
 
-CONTROL_BYTES = sizeof(ferro_arena_ctl)
-SLOT_BUFFERS = BUFFERS
-NOTICE_BYTES = FERRO_ARENA_NOTICE_BYTES
 
 
 def arena_bytes(int world_size, size_t buffer_bytes) -> int:
@@ -244,7 +241,7 @@ cdef class Arena:
             PyThread_release_lock(self.lock)
 
     def post_abort(self, bytes payload) -> None:
-        """Tell every peer this rank gave up, and why (an abort notice, at most ``NOTICE_BYTES``)."""
+        """Tell every peer this rank gave up, and why (an abort notice, at most 4096 bytes)."""
         cdef ferro_arena_ctl* mine
         cdef size_t n = _min(len(payload), FERRO_ARENA_NOTICE_BYTES)
         if not self.has_view:
