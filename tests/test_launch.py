@@ -181,3 +181,59 @@ def test_python_dash_m_ferro_run_is_the_same_command(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ferro.run", "--nproc-per-node", "2", "hello.py"],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.count("hello") == 2
+
+
+SHADOW_SCRIPT = """
+    import json, os, sys
+    import ferro
+    import helper  # beside the script: sys.path[0] is the script's folder, as `python script.py` gives
+    ferro.init_process_group(timeout=30)
+    print("PATH " + json.dumps({"ferro": ferro.__file__, "path0": sys.path[0], "helper": helper.WHERE}))
+    ferro.destroy_process_group()
+"""
+
+
+# The console script, as a user types it: `python -m ferro` would itself import the working directory's ferro/.
+FERRO_SCRIPT = [os.path.join(os.path.dirname(sys.executable), "ferro")]
+
+
+def _shadowing_tree(root):
+    """A working directory holding a ferro source tree that must never be imported (a clone's root)."""
+    (root / "ferro").mkdir()
+    write(root / "ferro" / "__init__.py", "raise ImportError('the source tree in the working directory was imported')\n")
+    (root / "job").mkdir()
+    write(root / "job" / "helper.py", "WHERE = 'script folder'\n")
+    write(root / "helper.py", "WHERE = 'working directory'\n")
+    return write(root / "job" / "train.py", SHADOW_SCRIPT)
+
+
+def _paths(stdout):
+    return [json.loads(line.split("PATH ", 1)[1]) for line in stdout.splitlines() if "PATH " in line]
+
+
+def test_ranks_import_the_installed_ferro_from_a_source_tree_root(tmp_path):
+    # The README's first command runs in a clone's root, where ferro/ is the uncompiled source.
+    script = _shadowing_tree(tmp_path)
+    done = subprocess.run([*FERRO_SCRIPT, "run", "--nproc-per-node", "2", "job/train.py"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    seen = _paths(done.stdout)
+    assert len(seen) == 2
+    for info in seen:
+        assert not info["ferro"].startswith(str(tmp_path))
+        assert info["path0"] == os.path.dirname(script)
+        assert info["helper"] == "script folder"
+
+
+def test_module_target_sees_the_working_directory_first(tmp_path):
+    _shadowing_tree(tmp_path)
+    write(tmp_path / "entry.py", SHADOW_SCRIPT)
+    done = subprocess.run([*FERRO_SCRIPT, "run", "--nproc-per-node", "2", "-m", "entry"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    seen = _paths(done.stdout)
+    assert len(seen) == 2
+    for info in seen:
+        assert not info["ferro"].startswith(str(tmp_path))
+        assert info["path0"] == str(tmp_path)  # as `python -m entry` would
+        assert info["helper"] == "working directory"

@@ -1,7 +1,7 @@
 """The job launcher behind ``ferro run`` (also ``python -m ferro.run``).
 
 ``ferro.launch.agent`` runs a node's ranks; ``ferro.launch.cli`` parses the
-command line; ``ferro.launch.bootstrap`` is what each rank runs first. This
-package imports none of them itself, so ``python -m ferro.launch.bootstrap``
-starts cleanly.
+command line; ``ferro.launch.bootstrap`` is what each rank runs first (by its
+file path, so that nothing in the launcher's working directory can shadow the
+installed ferro). This package imports none of them itself.
 """

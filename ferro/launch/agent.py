@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from ferro.errors import ConfigurationError
+from ferro.launch import bootstrap
 from ferro.launch.bootstrap import LAUNCHER_PID_ENV
 
 __all__ = ["LaunchConfig", "RankFailure", "run_job"]
@@ -131,7 +132,9 @@ class _Interrupted(Exception):
 
 
 def _start(config: LaunchConfig, restart: int, pump: _OutputPump) -> list[subprocess.Popen[bytes]]:
-    command = [sys.executable, "-u", "-m", "ferro.launch.bootstrap", *config.target]
+    # The bootstrap runs by its path, not with -m: -m would put our working directory first on
+    # sys.path, where a ferro source tree (a clone's root) would shadow the installed package.
+    command = [sys.executable, "-u", os.path.abspath(bootstrap.__file__), *config.target]
     ranks = []
     for local in range(config.nproc_per_node):
         # A session of its own: the rank and everything it starts can be signalled as one group.

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferro.errors import DistributedTimeoutError, RankFailedError
+from ferro.launch.bootstrap import die_with_parent
 
 __all__ = ["RankExit", "free_port", "run_processes"]
 
@@ -61,20 +62,10 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with status {code} without returning a result"
 
 
-def _die_with_parent() -> None:
-    # The kernel kills this rank if the process that started it dies first, so no
-    # rank outlives a crashed or killed test run.
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, mode: str | None,
                store_port: int, secret: str, env: Mapping[str, str], stack_path: str, group_timeout: float | None,
                result_pipe: multiprocessing.connection.Connection) -> None:
-    _die_with_parent()
+    die_with_parent()  # no rank outlives a crashed or killed test run
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": _LOCALHOST, "MASTER_PORT": str(store_port), "FERRO_SECRET": secret})
