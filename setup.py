@@ -23,8 +23,7 @@ def core_module(name: str) -> Extension:
     )
 
 
-extensions = [core_module("transport"), core_module("reduce"), core_module("collectives"), core_module("shm"),
-              core_module("arena")]
+extensions = [core_module(name) for name in ("state", "status", "transport", "reduce", "collectives", "shm", "arena")]
 
 setup(
     ext_modules=cythonize(

@@ -5,9 +5,8 @@ should not be needed.
 """
 
 from ferro import nn, p2p
-from ferro.backend import Backend, HierarchicalBackend, ShmBackend, SimulatedBackend, SubBackend, TcpBackend, new_group
+from ferro.backend import Backend, HierarchicalBackend, ShmBackend, SimulatedBackend, SubBackend, TcpBackend
 from ferro.collective import (
-    ReduceOp,
     all_gather,
     all_gather_object,
     all_to_all,
@@ -23,7 +22,6 @@ from ferro.collective import (
     reduce_scatter,
     scatter,
 )
-from ferro.ddp import DDP
 from ferro.errors import (
     AuthenticationError,
     BackendClosedError,
@@ -45,6 +43,7 @@ from ferro.errors import (
     TransportError,
 )
 from ferro.p2p import recv, recv_into, send, sendrecv
+from ferro.parallel import DDP
 from ferro.process_group import (
     destroy_process_group,
     get_default_group,
@@ -52,8 +51,10 @@ from ferro.process_group import (
     get_world_size,
     init_process_group,
     is_initialized,
+    new_group,
 )
-from ferro.store import Store, StoreServer
+from ferro.rendezvous.store import Store, StoreServer
+from ferro.types import ReduceOp
 from ferro.work import PendingCollective
 
 __version__ = "0.1.0"

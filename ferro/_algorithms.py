@@ -16,8 +16,8 @@ import numpy as np
 
 from ferro._core.reduce import reduce_into
 from ferro._core.transport import KIND_COLLECTIVE
-from ferro._dtypes import DType
 from ferro.backend.base import Backend
+from ferro.types import DType
 
 __all__ = [
     "Link",

@@ -1,55 +1,78 @@
-"""Turn what users pass (NumPy arrays, bytes, PyTorch CPU tensors) into buffers the core takes.
+"""What users pass (NumPy arrays, bytes, PyTorch CPU tensors) turned into what the core takes.
 
 The compiled core accepts any C-contiguous buffer-protocol object and diagnoses
 the rest itself. PyTorch tensors do not export the buffer protocol, so they are
-viewed through NumPy here, zero-copy; tensors of dtypes NumPy lacks (bfloat16)
-are viewed as same-width integers, since the wire carries bytes.
+viewed through NumPy here, zero-copy (:func:`torch_view`, the one place that
+does it); tensors of dtypes NumPy lacks (bfloat16) are viewed as same-width
+integers, since the wire carries bytes. Collectives go further and describe
+their input as an :class:`Operand`: the array plus how its elements reduce and
+how to hand results back in the caller's type.
+
+This module belongs to the bottom layer: it imports :mod:`ferro.types`,
+:mod:`ferro.errors` and the compiled core only.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
 from ferro.errors import InvalidBufferError
+from ferro.types import DType, dtype_by_name
+
+__all__ = ["Operand", "as_buffer", "byte_view", "is_torch_tensor", "operand", "torch_view", "wrap_like"]
 
 _PASS_THROUGH = (np.ndarray, bytes, bytearray, memoryview)
+# Extension dtypes whose arrays NumPy cannot export through the buffer protocol.
+_NOT_EXPORTABLE = {"bfloat16"}
 
 
-def as_buffer(obj: Any, op: str) -> Any:
-    """Return ``obj``, or a zero-copy NumPy view of it when it is a PyTorch tensor.
+def is_torch_tensor(obj: Any) -> bool:
+    """Whether ``obj`` is a PyTorch tensor (without importing torch)."""
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "numpy")
 
-    Args:
-        obj: The user's buffer.
-        op: Operation name for error messages.
+
+def torch_view(tensor: Any, op: str) -> tuple[np.ndarray, Any]:
+    """Return a zero-copy NumPy view of a CPU tensor and the tensor's dtype.
+
+    Tensors of dtypes NumPy lacks (bfloat16, float8) are viewed as same-width
+    integers: the wire and the byte-moving collectives carry bytes, and the
+    reduction kernels are told the real dtype separately.
 
     Raises:
-        InvalidBufferError: A tensor that lives off the CPU.
+        InvalidBufferError: A tensor off the CPU, or not contiguous.
 
     """
-    if isinstance(obj, _PASS_THROUGH):
-        return obj
-    if type(obj).__module__.startswith("torch") and hasattr(obj, "numpy"):
-        return _torch_view(obj, op)
-    return obj
-
-
-def _torch_view(tensor: Any, op: str) -> np.ndarray:
     if tensor.device.type != "cpu":
         raise InvalidBufferError(
             f"{op}: the tensor lives on {tensor.device}; this backend moves host memory only "
             f"(use a GPU backend, or .cpu() first)")
     tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        raise InvalidBufferError(f"{op}: the tensor is not contiguous; pass tensor.contiguous()")
     try:
-        return tensor.numpy()
+        return tensor.numpy(), tensor.dtype
     except TypeError:
-        # NumPy has no bfloat16 (or float8): carry the same bytes as integers.
-        width = tensor.element_size()
         import torch
 
-        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
-        return tensor.view(as_int).numpy()
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+        return tensor.view(width).numpy(), tensor.dtype
+
+
+def as_buffer(obj: Any, op: str) -> Any:
+    """Return ``obj``, or a zero-copy NumPy view of it when it is a PyTorch tensor.
+
+    Raises:
+        InvalidBufferError: A tensor off the CPU or not contiguous.
+
+    """
+    if isinstance(obj, _PASS_THROUGH):
+        return obj
+    if is_torch_tensor(obj):
+        return torch_view(obj, op)[0]
+    return obj
 
 
 def byte_view(obj: Any, op: str, writable: bool) -> memoryview:
@@ -69,3 +92,75 @@ def byte_view(obj: Any, op: str, writable: bool) -> memoryview:
     if not view.c_contiguous or (writable and view.readonly):
         raise InvalidBufferError(f"{op}: {describe_buffer_problem(data, writable)}")
     return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+class Operand(NamedTuple):
+    """A collective's input as a NumPy array, with what is needed to reduce it and to return results.
+
+    Attributes:
+        array: The data, C-contiguous (a zero-copy view of a tensor when the input is one).
+        dtype: How its elements reduce.
+        torch_dtype: The tensor dtype when the input was a PyTorch tensor, else None.
+        numpy_dtype: The caller's NumPy dtype when ``array`` is a same-width integer view
+            of it (dtypes such as ml_dtypes' bfloat16 cannot export the buffer protocol).
+
+    """
+
+    array: np.ndarray
+    dtype: DType
+    torch_dtype: Any = None
+    numpy_dtype: Any = None
+
+
+def operand(x: Any, op: str, *, writable: bool) -> Operand:
+    """Check a collective's input and view it as an :class:`Operand`.
+
+    Raises:
+        InvalidBufferError: Not an array or tensor; not C-contiguous; read-only
+            where the collective writes; or a tensor off the CPU.
+
+    """
+    torch_dtype = None
+    if isinstance(x, np.ndarray):
+        array = x
+    elif isinstance(x, np.generic) and not writable:
+        array = np.asarray(x)  # a NumPy scalar reads as a 0-d array (it cannot be written into)
+    elif is_torch_tensor(x):
+        array, torch_dtype = torch_view(x, op)
+    else:
+        raise InvalidBufferError(f"{op}: expected a NumPy array or a PyTorch CPU tensor, got {type(x).__name__}")
+    if not array.flags.c_contiguous:
+        raise InvalidBufferError(
+            f"{op}: the array is not C-contiguous (shape {array.shape}, strides {array.strides}); "
+            f"pass numpy.ascontiguousarray(x) (or tensor.contiguous())")
+    if writable and not array.flags.writeable:
+        raise InvalidBufferError(f"{op} writes its result into the input, but the array is read-only")
+    if torch_dtype is not None and str(torch_dtype) == "torch.bfloat16":
+        return Operand(array, _BFLOAT16, torch_dtype)
+    dtype, exportable = _classify(array.dtype)
+    if not exportable:
+        return Operand(array.view(f"u{array.dtype.itemsize}"), dtype, None, array.dtype)
+    return Operand(array, dtype, torch_dtype)
+
+
+_BFLOAT16 = cast(DType, dtype_by_name("bfloat16"))  # always in the table
+
+
+@functools.cache  # one entry per distinct dtype; dtype.name costs microseconds
+def _classify(numpy_dtype: np.dtype) -> tuple[DType, bool]:
+    name = numpy_dtype.name
+    found = dtype_by_name(name)
+    dtype = found if found is not None else DType(-1, name, numpy_dtype.itemsize, "o")
+    return dtype, name not in _NOT_EXPORTABLE
+
+
+def wrap_like(array: np.ndarray, like: Operand) -> Any:
+    """Return a new result array in the caller's type (a tensor when the input was one)."""
+    if like.numpy_dtype is not None:
+        return array.view(like.numpy_dtype)
+    if like.torch_dtype is None:
+        return array
+    import torch
+
+    tensor = torch.from_numpy(array)
+    return tensor.view(like.torch_dtype) if tensor.dtype != like.torch_dtype else tensor

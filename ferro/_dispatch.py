@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ferro import _algorithms as algo
+from ferro._buffers import Operand
 from ferro._core.transport import (
     ABORT_MISMATCH,
     ABORT_OTHER,
@@ -21,7 +22,6 @@ from ferro._core.transport import (
     abort_payload,
     kind_name,
 )
-from ferro._dtypes import Operand, describe_fingerprint, fingerprint
 from ferro.backend.base import Backend
 from ferro.errors import (
     CollectiveMismatchError,
@@ -32,30 +32,26 @@ from ferro.errors import (
     InvalidRankError,
     PeerLostError,
 )
-from ferro.rendezvous import default_timeout
+from ferro.process_group import get_default_group
+from ferro.rendezvous.settings import default_timeout
+from ferro.types import COLLECTIVE_IDS, describe_fingerprint, fingerprint
 from ferro.work import worker_of
 
-__all__ = ["execute", "fail_together", "make_link", "make_link_fingerprint", "resolve_group", "resolve_root",
-           "resolve_timeout"]
+__all__ = ["execute", "fail_together", "is_backend_type", "make_link", "make_link_fingerprint", "resolve_group",
+           "resolve_root", "resolve_timeout"]
 
 
 def resolve_group(group: Backend | None, name: str) -> Backend:
     if group is None:
-        return _default_group_lookup()()
-    if not _is_backend_type(type(group)):
+        return get_default_group()
+    if not is_backend_type(type(group)):
         raise ConfigurationError(f"{name}: group must be a ferro Backend, got {type(group).__name__}")
     return group
 
 
-@functools.cache  # an import statement per call costs ~0.5 us; process_group builds on this layer's peers
-def _default_group_lookup() -> Callable[[], Backend]:
-    from ferro.process_group import get_default_group
-
-    return get_default_group
-
-
 @functools.cache  # isinstance against an ABC costs 0.2 us per call
-def _is_backend_type(cls: type) -> bool:
+def is_backend_type(cls: type) -> bool:
+    """Whether instances of ``cls`` are process groups (memoised per class)."""
     return issubclass(cls, Backend)
 
 
@@ -118,6 +114,8 @@ def _give_up(group: Backend, code: int, peer: int | None, message: str) -> None:
 
 
 def execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, buffers: tuple[Any, ...]) -> Any:
+    """Run (or queue, with ``async_op``) one operation of the group, counted in its stats, in call order."""
+    group.state.count_call(COLLECTIVE_IDS[name])
     worker = worker_of(group)
     guarded = lambda: _run_guarded(group, name, body)  # noqa: E731 - a closure over this call's arguments
     if async_op:
@@ -132,6 +130,6 @@ def make_link(group: Backend, name: str, seconds: float, operand_: Operand | Non
 
 def make_link_fingerprint(name: str, operand_: Operand | None = None, op_code: int = 0, root: int = 0,
                           count: int = 0, shape: tuple[int, ...] = ()) -> int:
-    """Return the fingerprint every frame of this call carries (see :func:`ferro._dtypes.fingerprint`)."""
+    """Return the fingerprint every frame of this call carries (see :func:`ferro.types.fingerprint`)."""
     code = operand_.dtype.code if operand_ is not None else -1
     return fingerprint(name, code, op_code, root, count, shape)

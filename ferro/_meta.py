@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from ferro._dtypes import DType, Operand
+from ferro._buffers import Operand
 from ferro.errors import InvalidBufferError, SizeMismatchError
+from ferro.types import DType
 
 __all__ = ["META_BYTES", "array_from_meta", "decode_meta", "encode_meta"]
 

@@ -24,7 +24,6 @@ Semantics, the same on every backend:
 
 from __future__ import annotations
 
-import enum
 import functools
 import pickle
 from collections.abc import Sequence
@@ -33,22 +32,25 @@ from typing import Any
 import numpy as np
 
 from ferro import _algorithms as algo
+from ferro._buffers import Operand, operand, wrap_like
 from ferro._core.arena import DirectAllreduce
 from ferro._core.reduce import divide, has_kernel
+from ferro._core.state import UNSET
 from ferro._dispatch import (
     execute,
     fail_together,
+    is_backend_type,
     make_link,
     make_link_fingerprint,
     resolve_group,
     resolve_root,
     resolve_timeout,
 )
-from ferro._dtypes import DType, Operand, operand, wrap_like
 from ferro._meta import META_BYTES, array_from_meta, decode_meta, encode_meta
 from ferro.backend.base import Backend
 from ferro.errors import InvalidBufferError, SizeMismatchError
-from ferro.rendezvous import default_timeout
+from ferro.rendezvous.settings import default_timeout
+from ferro.types import KERNEL_CODES, DType, ReduceOp
 from ferro.work import PendingCollective
 
 __all__ = [
@@ -69,8 +71,8 @@ __all__ = [
     "scatter",
 ]
 
-# Messages up to this size use latency-optimal algorithms (binomial trees);
-# larger ones bandwidth-optimal chains.
+# Generic broadcasts up to this size use a binomial tree (latency-optimal); larger ones a
+# pipelined chain (bandwidth-optimal).
 SMALL_MESSAGE_BYTES = 64 * 1024
 # Recursive doubling moves the whole message log2(n) times, the ring 2(n-1)/n times in
 # 2(n-1) rounds: below this many bytes x log2(n), fewer rounds win (measured: bench/).
@@ -78,38 +80,9 @@ RECURSIVE_DOUBLING_BYTES = 1024 * 1024
 BROADCAST_SEGMENT_BYTES = 1024 * 1024
 # Signatures (dtype, shape, op) of direct allreduces remembered per group.
 DIRECT_PLANS_KEPT = 256
-_UNSET = object()
-
-
-class ReduceOp(enum.Enum):
-    """How :func:`allreduce`, :func:`reduce` and :func:`reduce_scatter` combine values.
-
-    ``BAND``, ``BOR`` and ``BXOR`` apply to integer dtypes; ``MEAN`` (also named
-    ``AVG``) to floating-point ones; the rest to both.
-    """
-
-    SUM = 0
-    PRODUCT = 1
-    MIN = 2
-    MAX = 3
-    BAND = 4
-    BOR = 5
-    BXOR = 6
-    MEAN = 7
-    AVG = 7  # an alias of MEAN, as in torch.distributed
-
-    # Members are singletons compared by identity; Enum's default hash (of the name, in Python)
-    # costs 0.2 us, and ops are looked up in dictionaries on every call.
-    __hash__ = object.__hash__
-
-    @property
-    def kernel_code(self) -> int:
-        """The C kernel's op code (MEAN reduces as SUM, then divides)."""
-        return _KERNEL_CODES[self]
 
 
 # Looked up on every call: plain dictionaries beat enum attribute access.
-_KERNEL_CODES = {op: (0 if op is ReduceOp.MEAN else op.value) for op in ReduceOp}
 _OP_VALUES = {op: op.value for op in ReduceOp}
 
 
@@ -168,14 +141,11 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
         # rank 0: x = [11., 22.]  rank 1: x = [11., 22.]
 
     """
-    # The direct path: one compiled call where the group has one (see _direct_path). Only a
-    # Backend holds the attribute, so finding it also validates ``group``.
-    direct: Any = getattr(group, "_ferro_direct_allreduce", _UNSET) if group is not None else _UNSET
-    g: Backend = group if direct is not _UNSET else resolve_group(group, "allreduce")  # type: ignore[assignment]
-    if direct is _UNSET:
-        direct = g.__dict__.get("_ferro_direct_allreduce", _UNSET)
-        if direct is _UNSET:
-            direct = _direct_path(g)
+    # The direct path: one compiled call where the group has one (see _direct_path).
+    g = group if group is not None and is_backend_type(type(group)) else resolve_group(group, "allreduce")
+    direct = g.state.direct_allreduce
+    if direct is UNSET:
+        direct = _direct_path(g)
     if direct is not None and not async_op and algorithm is None and direct(x, op, timeout):
         return x
     return _allreduce(g, x, op, timeout, async_op, algorithm)
@@ -190,18 +160,16 @@ def _allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: boo
         raise ValueError(f"allreduce: unknown algorithm {algorithm!r}; use 'ring' or 'recursive_doubling'")
     link = make_link(g, "allreduce", resolve_timeout(g, timeout), data, _OP_VALUES[reduce_op], 0, data.array.size,
                  data.array.shape)
-    kernel_code = _KERNEL_CODES[reduce_op]
+    kernel_code = KERNEL_CODES[reduce_op]
 
     def body() -> Any:
         flat = data.array.reshape(-1)
         if g.world_size > 1 and flat.size > 0:
-            native = getattr(g, "native_allreduce", None)
+            native = g.native
             chosen = algorithm or _allreduce_algorithm(flat.nbytes, g.world_size)
-            if native is not None:
-                # The native ring divides for MEAN itself, each chunk once, while it is in cache.
-                native(flat, data.dtype, kernel_code, link.fingerprint, link.timeout, chosen,
-                       float(g.world_size) if reduce_op is ReduceOp.MEAN else 0.0)
-                return x
+            if native is not None and native.native_allreduce(flat, data.dtype, reduce_op, link.fingerprint,
+                                                              link.timeout, chosen):
+                return x  # the backend finished MEAN itself
             if chosen == "ring" and flat.size >= g.world_size:
                 algo.allreduce_ring(link, flat, data.dtype, kernel_code)
             else:
@@ -229,7 +197,7 @@ def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, world_size: int
     if data is not None and data.array.dtype == numpy_dtype:  # not viewed as another dtype (ml_dtypes' bfloat16)
         count = int(np.prod(shape, dtype=np.int64))
         divisor = float(world_size) if reduce_op is ReduceOp.MEAN else 0.0
-        plan = (data.dtype.code, _KERNEL_CODES[reduce_op],
+        plan = (data.dtype.code, KERNEL_CODES[reduce_op],
                 make_link_fingerprint("allreduce", data, _OP_VALUES[reduce_op], 0, count, shape), divisor,
                 data.dtype.itemsize)
     if len(plans) >= DIRECT_PLANS_KEPT:
@@ -239,20 +207,21 @@ def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, world_size: int
 
 
 def _direct_path(g: Backend) -> Any:
-    """Return the group's compiled allreduce call, or None if its backend has no arena.
+    """Return the group's compiled allreduce call, or None if its backend offers no arena.
 
-    A backend offers the path with an instance attribute, ``direct_allreduce_arena``
-    (ShmBackend does). The call is built on first use and kept on the group.
+    A backend offers the path through :attr:`NativeCollectives.direct_arena
+    <ferro.backend.native.NativeCollectives.direct_arena>` (shared memory does). The
+    call is built on first use and kept in the group's state.
     """
-    state = g.__dict__
-    arena = state.get("direct_allreduce_arena")
+    native = g.native
+    arena = native.direct_arena if native is not None else None
     direct = None
     if arena is not None:
         world_size = g.world_size
-        direct = DirectAllreduce(arena, state, lambda plans, key, op: _direct_plan(plans, key, op, world_size),
+        direct = DirectAllreduce(arena, g.state, lambda plans, key, op: _direct_plan(plans, key, op, world_size),
                                  lambda exc: fail_together(g, "allreduce", exc), np.ndarray, default_timeout,
                                  ReduceOp)
-    state["_ferro_direct_allreduce"] = direct
+    g.state.direct_allreduce = direct
     return direct
 
 
@@ -289,12 +258,11 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend 
         flat = data.array.reshape(-1)
         if g.world_size > 1 and flat.size > 0:
             accumulator = flat if g.rank == root else flat.copy()
-            native = getattr(g, "native_reduce", None)
-            if native is not None:
-                native(accumulator, root, data.dtype.code, reduce_op.kernel_code, data.dtype.itemsize,
-                       link.fingerprint, link.timeout)
-            else:
-                algo.reduce_tree(link, accumulator, root, data.dtype, reduce_op.kernel_code)
+            native = g.native
+            if native is not None and native.native_reduce(accumulator, root, data.dtype, reduce_op,
+                                                           link.fingerprint, link.timeout):
+                return x  # the backend finished MEAN itself
+            algo.reduce_tree(link, accumulator, root, data.dtype, reduce_op.kernel_code)
         if g.rank == root:
             _finish_mean(flat, data.dtype, reduce_op, g.world_size)
         return x
@@ -336,15 +304,14 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
 
     def body() -> Any:
         scratch = data.array.reshape(-1).copy()
-        if g.world_size > 1 and scratch.size > 0:
-            native = getattr(g, "native_ring", None)
-            if native is not None:
-                native(scratch, bounds, data.dtype.code, reduce_op.kernel_code, data.dtype.itemsize, link.fingerprint,
-                       link.timeout, True, False)
-            else:
-                algo.reduce_scatter_ring(link, scratch, bounds, data.dtype, reduce_op.kernel_code)
         mine = scratch[bounds[g.rank]:bounds[g.rank + 1]]
-        _finish_mean(mine, data.dtype, reduce_op, g.world_size)
+        native = g.native
+        if g.world_size == 1 or scratch.size == 0:
+            _finish_mean(mine, data.dtype, reduce_op, g.world_size)
+        elif native is None or not native.native_reduce_scatter(scratch, bounds, data.dtype, reduce_op,
+                                                                link.fingerprint, link.timeout):
+            algo.reduce_scatter_ring(link, scratch, bounds, data.dtype, reduce_op.kernel_code)
+            _finish_mean(mine, data.dtype, reduce_op, g.world_size)
         part = mine.reshape((row_bounds[g.rank + 1] - row_bounds[g.rank],) + data.array.shape[1:])
         return wrap_like(part, data)
 
@@ -380,11 +347,10 @@ def broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeout: f
     def body() -> Any:
         flat = data.array.reshape(-1).view(np.uint8)
         if g.world_size > 1 and flat.size > 0:
-            chain = flat.nbytes > SMALL_MESSAGE_BYTES and g.world_size > 2
-            native = getattr(g, "native_broadcast", None)
-            if native is not None:
-                native(flat, root_rank, link.fingerprint, link.timeout, chain)
-            elif chain:
+            native = g.native
+            if native is not None and native.native_broadcast(flat, root_rank, link.fingerprint, link.timeout):
+                return x
+            if flat.nbytes > SMALL_MESSAGE_BYTES and g.world_size > 2:
                 algo.broadcast_chain(link, flat, root_rank, BROADCAST_SEGMENT_BYTES)
             else:
                 algo.broadcast_tree(link, flat, root_rank)
@@ -440,11 +406,10 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
         flat_out[bounds[g.rank]:bounds[g.rank + 1]] = data.array.reshape(-1)
         if g.world_size > 1 and size > 0:
             byte_bounds = [b * data.dtype.itemsize for b in bounds]
-            native = getattr(g, "native_ring", None)
-            if native is not None:
-                native(flat_out.view(np.uint8), byte_bounds, -1, 0, 1, link.fingerprint, link.timeout, False, True)
-            else:
-                algo.all_gather_ring(link, flat_out.view(np.uint8).reshape(-1), byte_bounds)
+            out_bytes = flat_out.view(np.uint8).reshape(-1)
+            native = g.native
+            if native is None or not native.native_all_gather(out_bytes, byte_bounds, link.fingerprint, link.timeout):
+                algo.all_gather_ring(link, out_bytes, byte_bounds)
         return out if out is not None else wrap_like(result.array, data)
 
     return execute(g, "all_gather", body, async_op, (x, result.array))
@@ -649,9 +614,9 @@ def _exchange_blocks(group: Backend, link: algo.Link, send: np.ndarray, send_off
     if group.world_size == 1:
         recv_bytes[:] = send_bytes
         return
-    native = getattr(group, "native_all_to_all", None)
-    if native is not None:
-        native(send_bytes, send_offsets, recv_bytes, recv_offsets, link.fingerprint, link.timeout)
+    native = group.native
+    if native is not None and native.native_all_to_all(send_bytes, send_offsets, recv_bytes, recv_offsets,
+                                                       link.fingerprint, link.timeout):
         return
     n = group.world_size
     algo.all_to_all_pairwise(link, [send_bytes[send_offsets[i]:send_offsets[i + 1]] for i in range(n)],

@@ -18,7 +18,7 @@ import numpy as np
 
 from ferro.backend.tcp import TcpBackend
 from ferro.errors import ConfigurationError
-from ferro.testing import free_port
+from ferro.rendezvous.settings import free_port
 
 __all__ = ["launch", "rank_main"]
 

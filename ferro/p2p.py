@@ -18,12 +18,13 @@ from typing import Any
 
 import numpy as np
 
+from ferro._buffers import Operand, operand, wrap_like
 from ferro._core.transport import KIND_DATA
 from ferro._dispatch import resolve_group, resolve_timeout
-from ferro._dtypes import Operand, fingerprint, operand, wrap_like
 from ferro._meta import META_BYTES, array_from_meta, decode_meta, encode_meta
 from ferro.backend.base import Backend
 from ferro.errors import SizeMismatchError
+from ferro.types import fingerprint
 from ferro.work import worker_of
 
 __all__ = ["recv", "recv_into", "send", "sendrecv"]
@@ -41,8 +42,8 @@ def _tag(tag: Any) -> int:
 
 def _state(group: Backend) -> tuple[dict[tuple[int, int], deque[Operand]], dict[int, dict[str, Any]]]:
     """Per-group receive state: messages set aside by (source, tag), and descriptions whose data is still due."""
-    state = group.__dict__.setdefault("_ferro_p2p", ({}, {}))
-    return state
+    state = group.state.p2p
+    return state if state is not None else group.state.adopt_p2p(({}, {}))
 
 
 def send(x: Any, dst: int, *, tag: int = 0, group: Backend | None = None, timeout: float | None = None) -> None:
@@ -70,6 +71,7 @@ def send(x: Any, dst: int, *, tag: int = 0, group: Backend | None = None, timeou
         g.send_tagged(data.array.reshape(-1).view(np.uint8), dst, kind=KIND_DATA, fingerprint=_DATA_FP,
                       timeout=seconds)
 
+    g.count_call("p2p")
     worker_of(g).run(body, "send", (x,))
 
 
@@ -135,6 +137,7 @@ def recv(src: int, *, tag: int = 0, group: Backend | None = None, timeout: float
         message = _take(g, src, wanted, seconds, max_bytes)
         return wrap_like(message.array, message)
 
+    g.count_call("p2p")
     return worker_of(g).run(body, "recv", ())
 
 
@@ -167,6 +170,7 @@ def recv_into(out: Any, src: int, *, tag: int = 0, group: Backend | None = None,
         target.array.reshape(-1)[:] = array.reshape(-1)
         return out
 
+    g.count_call("p2p")
     return worker_of(g).run(body, "recv_into", (out,))
 
 
@@ -216,4 +220,5 @@ def sendrecv(x: Any, peer: int, *, tag: int = 0, group: Backend | None = None, t
                 message = _take(g, peer, wanted, seconds, max_bytes)
         return wrap_like(message.array, message)
 
+    g.count_call("p2p")
     return worker_of(g).run(body, "sendrecv", (x,))

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlparse
 
-from ferro.auth import secret_from_env
+from ferro.backend import JoinSpec, backend_entry, join_backend
 from ferro.backend.base import Backend
-from ferro.backend.hierarchical import HierarchicalBackend, exchange_host_identities
-from ferro.backend.tcp import TcpBackend
-from ferro.environment import DEFAULT_MASTER_PORT, detect
-from ferro.errors import BackendUnavailableError, ConfigurationError
-from ferro.file_store import FileStore
-from ferro.rendezvous import default_timeout
-from ferro.store import Store
+from ferro.backend.sub import SubBackend, sub_group
+from ferro.errors import ConfigurationError
+from ferro.rendezvous.env import detect
+from ferro.rendezvous.file_store import FileStore
+from ferro.rendezvous.hosts import exchange_host_identities
+from ferro.rendezvous.settings import DEFAULT_MASTER_PORT, default_timeout, job_secret, parse_port
+from ferro.rendezvous.store import Store
 
 __all__ = [
     "destroy_process_group",
@@ -28,16 +29,12 @@ __all__ = [
     "get_world_size",
     "init_process_group",
     "is_initialized",
+    "new_group",
 ]
 
 log = logging.getLogger("ferro.process_group")
 
 LOG_LEVEL_ENV = "FERRO_LOG_LEVEL"
-_FUTURE_BACKENDS = {
-    "mpi": "the MPI backend",
-    "nccl": "the NCCL backend",
-    "hybrid": "the TCP+NCCL hybrid backend",
-}
 
 _default_group: Backend | None = None  # the documented default group; see the module docstring
 
@@ -73,10 +70,11 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     (``FERRO_SECRET``, set by ``ferro run``; with mpirun or srun, export it yourself).
 
     Args:
-        backend: ``"auto"`` compares the ranks' hosts (:func:`ferro.backend.hierarchical.host_identity`)
+        backend: ``"auto"`` compares the ranks' hosts (:func:`ferro.rendezvous.hosts.host_identity`)
             and picks shared memory when all share one, TCP when no two do, and
             ``"hierarchical"`` otherwise (shared memory inside each host, TCP between
-            one leader per host); or name one: ``"tcp"``, ``"shm"``, ``"hierarchical"``.
+            one leader per host); or name one of :data:`ferro.backend.BACKENDS`:
+            ``"tcp"``, ``"shm"``, ``"hierarchical"``.
         init_method: ``"env://"``, ``"tcp://host:port"`` (the master), or
             ``"file:///path"`` (rendezvous through a file every rank can open).
         rank: This rank.
@@ -104,11 +102,8 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     _configure_logging()
     if _default_group is not None:
         raise ConfigurationError("init_process_group: already initialised; call destroy_process_group() first")
-    if backend not in ("auto", "tcp", "shm", "hierarchical"):
-        if backend in _FUTURE_BACKENDS:
-            raise BackendUnavailableError(
-                f"backend {backend!r}: {_FUTURE_BACKENDS[backend]} is not part of this ferro yet; use 'tcp' or 'auto'")
-        raise ConfigurationError(f"unknown backend {backend!r}; use 'auto', 'tcp', 'shm' or 'hierarchical'")
+    if backend != "auto":
+        backend_entry(backend)  # an unknown or unavailable backend is refused before any rendezvous
     master_addr: str | None = None
     master_port: int | None = None
     store: Any = None
@@ -140,44 +135,27 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
             raise ConfigurationError(
                 "init_process_group: no master address: set MASTER_ADDR (the host of rank 0), or pass "
                 "init_method='tcp://host:port'")
-        master_port = master_port or (found.master_port if found else DEFAULT_MASTER_PORT)
+        if not master_port:
+            env_port = os.environ.get("MASTER_PORT")
+            master_port = found.master_port if found else parse_port(env_port) if env_port else DEFAULT_MASTER_PORT
     log.debug("init_process_group: rank %s of %s from %s; master %s", rank, world_size, via,
               f"{master_addr}:{master_port}" if store is None else init_method)
     close_store = False  # a store made here for choosing the backend is handed over to the group
     if backend == "auto":
         if store is None:
             store = Store(master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
-                          secret=_job_secret(secret), timeout=default_timeout(timeout), serve=(rank == 0))
+                          secret=job_secret(secret), timeout=default_timeout(timeout), serve=(rank == 0))
             close_store = True
         identities = exchange_host_identities(store, rank, world_size, default_timeout(timeout))
         backend = choose_backend([host for host, _ in identities])
         log.debug("init_process_group: backend auto -> %s", backend)
-    group: Backend
     # Listen where the peers can reach us: the route towards the master, unless only a file names the job.
     bind_addr = None if master_addr else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
-    if backend == "hierarchical":
-        group = HierarchicalBackend(rank, world_size, master_addr or "127.0.0.1",
-                                    master_port or DEFAULT_MASTER_PORT, timeout=timeout, secret=secret, store=store,
-                                    bind_addr=bind_addr, close_store=close_store)
-    elif backend == "shm":
-        from ferro.backend.shm import ShmBackend
-
-        group = ShmBackend(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
-                           timeout=timeout, secret=secret, store=store, close_store=close_store)
-    else:
-        group = TcpBackend(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
-                           timeout=timeout, secret=secret, store=store, bind_addr=bind_addr, close_store=close_store)
+    spec = JoinSpec(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT, timeout=timeout,
+                    secret=secret, store=store, bind_addr=bind_addr, close_store=close_store)
+    group = join_backend(backend, spec)
     _default_group = group
     return group
-
-
-def _job_secret(secret: bytes | str | None) -> bytes:
-    found = secret_from_env(secret)
-    if found is None:
-        raise ConfigurationError(
-            "no job secret: set FERRO_SECRET to the same random string on every rank "
-            "(`ferro run` does this for you), or pass secret=")
-    return found
 
 
 def choose_backend(hosts: list[str]) -> str:
@@ -215,6 +193,37 @@ def get_default_group() -> Backend:
     if _default_group is None:
         raise ConfigurationError("no default process group: call ferro.init_process_group() first, or pass group=")
     return _default_group
+
+
+def new_group(ranks: Iterable[int], group: Backend | None = None, *, timeout: float | None = None
+              ) -> SubBackend | None:
+    """Create a sub-group of ``group`` (default: the default group) made of ``ranks``.
+
+    Every member must call it, with the same ranks, in the same order as its
+    other ``new_group`` calls on that group. Non-members may call it too and get
+    ``None`` without communicating. Local ranks follow the sorted order of ``ranks``.
+    The sub-group's traffic travels on channels of its own.
+
+    Args:
+        ranks: Ranks of ``group`` that form the sub-group.
+        group: The parent group (default: the default group of ``init_process_group``).
+        timeout: Seconds for connecting the sub-group (default: the parent's).
+
+    Returns:
+        The sub-group, or ``None`` on a rank that is not a member.
+
+    Raises:
+        InvalidRankError: Empty, duplicate or out-of-range ranks.
+        ConfigurationError: No parent group given and no default group exists.
+
+    Example::
+
+        # world of 4 ranks
+        evens = ferro.new_group([0, 2], group=world)
+        # rank 0: evens.rank == 0; rank 2: evens.rank == 1; ranks 1 and 3: evens is None
+
+    """
+    return sub_group(group if group is not None else get_default_group(), ranks, timeout=timeout)
 
 
 def get_rank(group: Backend | None = None) -> int:

@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from ferro._core.state import GroupState
 from ferro.errors import DistributedTimeoutError
 
 __all__ = ["GroupWorker", "PendingCollective", "worker_of"]
@@ -69,15 +70,18 @@ class PendingCollective:
 
 
 class GroupWorker:
-    """Runs one group's collectives in call order; synchronous calls wait behind pending async ones."""
+    """Runs one group's collectives in call order; synchronous calls wait behind pending async ones.
 
-    def __init__(self, name: str) -> None:
+    It keeps the group state's ``busy`` and ``queued`` up to date (under its lock):
+    the direct allreduce path (:class:`ferro._core.arena.DirectAllreduce`) reads
+    them without a lock and steps aside while either is set.
+    """
+
+    def __init__(self, name: str, state: GroupState) -> None:
         self._name = name
+        self._state = state
         self._cond = threading.Condition(threading.Lock())  # not the default RLock: cheaper, never re-entered
-        # _queue and _busy are also read, without the lock, by the direct allreduce path
-        # (ferro._core.arena.DirectAllreduce), which steps aside while either is set.
         self._queue: deque[tuple[Callable[[], Any], PendingCollective]] = deque()
-        self._busy = False
         self._owner: int | None = None  # the thread running the group's current operation
         self._thread: threading.Thread | None = None
 
@@ -86,6 +90,7 @@ class GroupWorker:
         pending = PendingCollective(description, buffers)
         with self._cond:
             self._queue.append((fn, pending))
+            self._state.queued = len(self._queue)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"ferro-worker-{self._name}", daemon=True)
                 self._thread.start()
@@ -103,11 +108,12 @@ class GroupWorker:
         me = threading.get_ident()
         if self._owner == me:
             return fn()
+        state = self._state
         with self._cond:
-            if self._queue or self._busy:
+            if self._queue or state.busy:
                 inline = False
             else:
-                self._busy = True
+                state.busy = True
                 self._owner = me
                 inline = True
         if not inline:
@@ -116,20 +122,23 @@ class GroupWorker:
             return fn()
         finally:
             with self._cond:
-                self._busy = False
+                state.busy = False
                 self._owner = None
                 if self._thread is not None:  # only the worker ever waits on the condition
                     self._cond.notify_all()
 
     def _loop(self) -> None:
+        state = self._state
         while True:
             with self._cond:
-                while not self._queue or self._busy:
-                    if not self._cond.wait(IDLE_SECONDS) and not self._queue and not self._busy:
+                while not self._queue or state.busy:
+                    if not self._cond.wait(IDLE_SECONDS) and not self._queue and not state.busy:
                         self._thread = None
                         return
                 fn, pending = self._queue.popleft()
-                self._busy = True
+                # Busy before the queue looks shorter: the direct path must never see both clear.
+                state.busy = True
+                state.queued = len(self._queue)
                 self._owner = threading.get_ident()
             try:
                 result, error = fn(), None
@@ -137,17 +146,17 @@ class GroupWorker:
                 result, error = None, exc
             finally:
                 with self._cond:
-                    self._busy = False
+                    state.busy = False
                     self._owner = None
                     self._cond.notify_all()
             pending._finish(result, error)
 
 
 def worker_of(group: Any) -> GroupWorker:
-    """Return the group's worker, created on first use and kept on the group object itself."""
-    worker = group.__dict__.get("_ferro_worker")
+    """Return the group's worker, created on first use and kept in the group's state."""
+    state = group.state
+    worker = state.worker
     if worker is None:
-        # setdefault is atomic under the GIL: racing first calls agree on one worker
-        # (a losing candidate has started no thread and is simply dropped).
-        worker = group.__dict__.setdefault("_ferro_worker", GroupWorker(f"rank{group.rank}"))
+        # A losing candidate of a race has started no thread and is simply dropped.
+        worker = state.adopt_worker(GroupWorker(f"rank{group.rank}", state))
     return worker

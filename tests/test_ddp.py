@@ -163,7 +163,7 @@ def test_broadcast_parameters_keeps_an_existing_optimizer_working(run):
 
 
 def rank_compression(group, hook_name):
-    hook = {"fp16": ferro.ddp.fp16_compress_hook, "bf16": ferro.ddp.bf16_compress_hook}[hook_name]
+    hook = {"fp16": ferro.parallel.fp16_compress_hook, "bf16": ferro.parallel.bf16_compress_hook}[hook_name]
     model = numpy_model(seed=100, dtype=np.float32)
     ddp = ferro.DDP(model, group=group, comm_hook=hook)
     grads = [np.random.default_rng([group.rank, i]).standard_normal(p.shape).astype(np.float32)
@@ -208,7 +208,7 @@ def rank_custom_hook_and_overlap(group):
 
     def counting_hook(g, bucket):
         seen.append(bucket.index)
-        ferro.ddp.allreduce_hook(g, bucket)
+        ferro.parallel.allreduce_hook(g, bucket)
 
     ddp = ferro.DDP(wrapped, group=group, bucket_cap_mb=8 * 9 * 8 / 2**20, first_bucket_mb=8 * 9 * 8 / 2**20,
                     comm_hook=counting_hook)

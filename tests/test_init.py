@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ferro
-from ferro.environment import detect, first_slurm_host
+from ferro.rendezvous.env import detect, first_slurm_host
 from ferro.testing import run_processes
 
 LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"]

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-from ferro._core.reduce import divide, has_kernel, reduce_into
 
-from ferro._dtypes import _BY_NAME
+from ferro._core.reduce import divide, has_kernel, reduce_into
+from ferro.types import dtype_by_name
 
 # The references overflow and produce NaN on purpose (inf - inf, 65520 -> inf).
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -15,7 +15,7 @@ NUMPY_OPS = {"SUM": np.add, "PRODUCT": np.multiply, "MIN": np.minimum, "MAX": np
 
 
 def combine(a, b, op):
-    dtype = _BY_NAME["bfloat16" if a.dtype.name == "bfloat16" else a.dtype.name]
+    dtype = dtype_by_name(a.dtype.name)
     out = a.copy()
     view = (lambda x: x.view(np.uint16)) if a.dtype.name == "bfloat16" else (lambda x: x)
     reduce_into(view(out), view(b), dtype.code, OPS[op], dtype.itemsize)
@@ -53,9 +53,9 @@ def test_min_max_are_symmetric_for_signed_zeros(op):
 
 
 def test_bitwise_ops_do_not_apply_to_floats():
-    assert not has_kernel(_BY_NAME["float32"].code, OPS["BAND"])
+    assert not has_kernel(dtype_by_name("float32").code, OPS["BAND"])
     with pytest.raises(ValueError):
-        reduce_into(np.zeros(2), np.zeros(2), _BY_NAME["float64"].code, OPS["BXOR"], 8)
+        reduce_into(np.zeros(2), np.zeros(2), dtype_by_name("float64").code, OPS["BXOR"], 8)
 
 
 def test_float16_sum_rounds_like_numpy_for_every_pair_class():
@@ -95,7 +95,7 @@ def test_bfloat16_matches_ml_dtypes():
 
 def test_divide_is_for_floats_only():
     x = np.array([2.0, 4.0], np.float32)
-    divide(x, _BY_NAME["float32"].code, 2.0, 4)
+    divide(x, dtype_by_name("float32").code, 2.0, 4)
     assert x.tolist() == [1.0, 2.0]
     with pytest.raises(ValueError):
-        divide(np.zeros(2, np.int32), _BY_NAME["int32"].code, 2.0, 4)
+        divide(np.zeros(2, np.int32), dtype_by_name("int32").code, 2.0, 4)

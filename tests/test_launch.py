@@ -200,7 +200,7 @@ FERRO_SCRIPT = [os.path.join(os.path.dirname(sys.executable), "ferro")]
 def _shadowing_tree(root):
     """A working directory holding a ferro source tree that must never be imported (a clone's root)."""
     (root / "ferro").mkdir()
-    write(root / "ferro" / "__init__.py", "raise ImportError('the source tree in the working directory was imported')\n")
+    write(root / "ferro" / "__init__.py", "raise ImportError('the working directory\'s source tree was imported')\n")
     (root / "job").mkdir()
     write(root / "job" / "helper.py", "WHERE = 'script folder'\n")
     write(root / "helper.py", "WHERE = 'working directory'\n")
@@ -214,8 +214,8 @@ def _paths(stdout):
 def test_ranks_import_the_installed_ferro_from_a_source_tree_root(tmp_path):
     # The README's first command runs in a clone's root, where ferro/ is the uncompiled source.
     script = _shadowing_tree(tmp_path)
-    done = subprocess.run([*FERRO_SCRIPT, "run", "--nproc-per-node", "2", "job/train.py"], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    done = subprocess.run([*FERRO_SCRIPT, "run", "--nproc-per-node", "2", "job/train.py"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     seen = _paths(done.stdout)
     assert len(seen) == 2
@@ -228,8 +228,8 @@ def test_ranks_import_the_installed_ferro_from_a_source_tree_root(tmp_path):
 def test_module_target_sees_the_working_directory_first(tmp_path):
     _shadowing_tree(tmp_path)
     write(tmp_path / "entry.py", SHADOW_SCRIPT)
-    done = subprocess.run([*FERRO_SCRIPT, "run", "--nproc-per-node", "2", "-m", "entry"], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    done = subprocess.run([*FERRO_SCRIPT, "run", "--nproc-per-node", "2", "-m", "entry"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     seen = _paths(done.stdout)
     assert len(seen) == 2

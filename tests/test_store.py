@@ -6,7 +6,7 @@ import time
 import pytest
 
 import ferro
-from ferro.store import MAX_MESSAGE_BYTES, Store
+from ferro.rendezvous.store import MAX_MESSAGE_BYTES, Store
 
 SECRET = b"store-test-secret"
 
@@ -95,7 +95,7 @@ def test_delete_check_and_num_keys(store):
 
 
 def test_client_started_before_the_server_connects_with_backoff():
-    from ferro.testing import free_port
+    from ferro.rendezvous.settings import free_port
 
     port = free_port()
     servers = []
@@ -107,7 +107,7 @@ def test_client_started_before_the_server_connects_with_backoff():
 
 
 def test_unreachable_store_times_out_with_advice():
-    from ferro.testing import free_port
+    from ferro.rendezvous.settings import free_port
 
     with pytest.raises(ferro.DistributedTimeoutError, match="MASTER_ADDR and MASTER_PORT"):
         Store("127.0.0.1", free_port(), secret=SECRET, timeout=0.3)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import ferro
-from ferro.auth import connect_handshake
-from ferro.rendezvous import RendezvousConfig, build_mesh
-from ferro.store import Store
+from ferro.rendezvous.auth import connect_handshake
+from ferro.rendezvous.connect import build_mesh
+from ferro.rendezvous.settings import RendezvousConfig
+from ferro.rendezvous.store import Store
 from ferro.testing import RankExit, run_processes
 
 

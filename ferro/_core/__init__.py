@@ -5,7 +5,7 @@ decide policy and this package moves bytes.
 """
 
 try:
-    from ferro._core import collectives, reduce, shm, transport
+    from ferro._core import arena, collectives, reduce, shm, state, status, transport
 except ImportError as exc:  # pragma: no cover - only hit on a broken install
     raise ImportError(
         "ferro's compiled core is not built. Install the package with "
@@ -13,4 +13,4 @@ except ImportError as exc:  # pragma: no cover - only hit on a broken install
         "it with Cython and a C compiler."
     ) from exc
 
-__all__ = ["collectives", "reduce", "shm", "transport"]
+__all__ = ["arena", "collectives", "reduce", "shm", "state", "status", "transport"]

@@ -38,18 +38,40 @@ from libc.errno cimport ESRCH, errno
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
+from libc.string cimport memset
+
+from ferro._core.posix cimport (
+    PY_LOCK_ACQUIRED,
+    PyThread_acquire_lock_timed,
+    ferro_pace,
+    ferro_pace_look_due,
+    ferro_pace_rest,
+    ferro_pace_signals_due,
+    ferro_pace_start,
+    kill,
+)
 from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
-from ferro._core.posix cimport PY_LOCK_ACQUIRED, PyThread_acquire_lock_timed, kill, nanosleep, sched_yield, timespec
+from ferro._core.state cimport (
+    GroupState,
+    ferro_count_call,
+    ferro_count_received,
+    ferro_count_sent,
+    ferro_stat_slot,
+    ferro_stats,
+)
+from ferro._core.status cimport (
+    ST_CLOSED,
+    ST_INTR,
+    ST_MISMATCH,
+    ST_PEER_CLOSED,
+    ST_TIMEOUT,
+    Failure,
+    failure_error,
+)
 from ferro._core.transport cimport acquire_buffer, monotonic_ns, signal_raised
 
-from ferro._core.transport import KIND_BARRIER, KIND_COLLECTIVE, MAX_ABORT_BYTES, abort_error, mismatch_error
-from ferro.errors import (
-    BackendClosedError,
-    ConnectionBrokenError,
-    DistributedTimeoutError,
-    InvalidBufferError,
-    PeerLostError,
-)
+from ferro._core.status import KIND_BARRIER, KIND_COLLECTIVE, abort_error
+from ferro.errors import BackendClosedError, ConnectionBrokenError, DistributedTimeoutError, InvalidBufferError
 
 cdef extern from "shm_ring.h" nogil:
     ctypedef struct ferro_rank_ctl:
@@ -83,21 +105,15 @@ cdef enum:
     BUFFERS = 2               # buffers per slot: fill the next chunk while the peers still read the last
     ALIGN = 64                # parts of a buffer start on cache lines
 
-# Outcomes of a wait (besides 0 = reached).
+# Outcomes of a wait besides 0 (reached), -1 (a signal handler raised) and the Status codes
+# ST_TIMEOUT, ST_PEER_CLOSED, ST_MISMATCH and ST_CLOSED: a peer's abort notice.
 cdef enum:
-    W_TIMEOUT = 1
-    W_PEER_LOST = 2
-    W_ABORTED = 3
-    W_MISMATCH = 4
-    W_CLOSED = 5
+    W_ABORTED = 100
 
 cdef int64_t DEADLINE_AT_FIRST_WAIT = -2   # set the deadline when a wait first has to wait
-cdef int64_t LIVENESS_NS = 1000000      # look at the peers every millisecond of waiting
-cdef int64_t SIGNAL_NS = 100000000      # and at signals every 100 ms
-cdef int64_t DOZE_AFTER_NS = 1000000    # after a quiet millisecond, nap between looks
-cdef long DOZE_NS = 20000               # for 20 us
 
 cdef uint64_t KIND_COLLECTIVE_C = KIND_COLLECTIVE
+cdef int ALLREDUCE_SLOT = 1  # ferro.types.COLLECTIVE_IDS["allreduce"]
 cdef uint64_t KIND_BARRIER_C = KIND_BARRIER
 
 
@@ -144,6 +160,8 @@ cdef class Arena:
         arena_offset: Offset of the arena (page-aligned).
         buffer_bytes: Bytes of each of a slot's buffers.
         spin_us: Microseconds to spin before yielding the CPU while waiting.
+        group_state: The group's state, whose counters the arena adds the bytes it publishes
+            (copies into this rank's slot) and reads (copies from peers' slots) to.
     """
 
     cdef object mapping
@@ -171,9 +189,12 @@ cdef class Arena:
     cdef PyThread_type_lock lock
     cdef object broken                 # why the arena is unusable (a call stopped part-way), or None
     cdef bint closed
+    cdef GroupState group_state        # whose counters ``stats`` points into (kept alive here)
+    cdef ferro_stats* stats
+    cdef int slot                      # the running call's counter slot
 
     def __cinit__(self, mapping, int world_size, int rank, size_t ranks_offset, size_t arena_offset,
-                  size_t buffer_bytes, double spin_us=50.0):
+                  size_t buffer_bytes, double spin_us=50.0, GroupState group_state=None):
         cdef unsigned char* base
         cdef size_t block = _round_up(sizeof(ferro_arena_ctl), 4096)
         cdef size_t slot = BUFFERS * _round_up(buffer_bytes, 4096)
@@ -219,6 +240,9 @@ cdef class Arena:
         self.closed = False
         self.default_timeout = -1.0
         self.small_limit = 0
+        self.group_state = group_state
+        self.stats = &group_state.stats if group_state is not None else NULL
+        self.slot = -1
 
     def __dealloc__(self):
         if self.has_view:
@@ -322,19 +346,21 @@ cdef class Arena:
                     if divisor != 0.0:
                         ferro_divide(view.buf, count, dtype_code, divisor)
                     self.free_after[b] = self.step + 1
+                    ferro_count_sent(self.stats, self.slot, n)
+                    ferro_count_received(self.stats, self.slot, n * <size_t>(self.world_size - 1))
             self._finish(rc, &w, "allreduce", seconds)
         finally:
             PyThread_release_lock(self.lock)
         return 0
 
     def ring(self, flat, bounds, int dtype_code, int op_code, size_t itemsize, uint64_t fingerprint, double timeout,
-             bint reduce_scatter, bint all_gather) -> None:
+             bint reduce_scatter, bint all_gather, double divisor=0.0) -> None:
         """Reduce-scatter or all-gather ``flat`` (cut at ``bounds``) in place, chunk by chunk.
 
         With ``reduce_scatter``, part ``i`` of ``flat`` (``bounds[i]:bounds[i+1]``,
         in elements of ``itemsize`` bytes) ends reduced on rank ``i``. With
         ``all_gather``, every rank ends with every rank's part ``i``; with both, an
-        allreduce over these bounds.
+        allreduce over these bounds. A non-zero ``divisor`` (MEAN) divides each reduced part.
         """
         cdef Py_buffer view
         cdef ferro_reduce_fn kernel = NULL
@@ -365,7 +391,7 @@ cdef class Arena:
                 self.deadline = _deadline(timeout)
                 with nogil:
                     rc = self._ring(<unsigned char*>view.buf, starts, lengths, itemsize, kernel, dtype_code,
-                                    reduce_scatter, all_gather, 0.0, -1, fingerprint, &w)
+                                    reduce_scatter, all_gather, divisor, -1, fingerprint, &w)
             finally:
                 PyBuffer_Release(&view)
             self._finish(rc, &w, op, timeout)
@@ -435,12 +461,14 @@ cdef class Arena:
                             if rc != 0:
                                 break
                             ferro_copy(self.slots[root] + b * self._stride(), data + done, chunk)
+                            ferro_count_sent(self.stats, self.slot, chunk)
                         self._signal()
                         if self.rank != root:
                             rc = self._wait(self.step, root, &w)
                             if rc != 0:
                                 break
                             ferro_copy(data + done, self.slots[root] + b * self._stride(), chunk)
+                            ferro_count_received(self.stats, self.slot, chunk)
                         self.free_after[b] = self.step + 1
                         done += chunk
             finally:
@@ -499,6 +527,7 @@ cdef class Arena:
         self.call_start = self.step
         self.kind = kind
         self.fingerprint = fingerprint
+        self.slot = ferro_stat_slot(<uint32_t>kind, fingerprint)
         entry = &self.ctl[self.rank].history[self.call % FERRO_ARENA_HISTORY]
         entry.call = self.call
         entry.kind = kind
@@ -523,7 +552,7 @@ cdef class Arena:
             w.peer = peer
             w.seen_kind = entry.kind
             w.seen_fingerprint = entry.fingerprint
-            return W_MISMATCH
+            return ST_MISMATCH
         self.checked[peer] = self.call
         return 0
 
@@ -542,17 +571,16 @@ cdef class Arena:
         # Read the step again: the peer may have reached the target just before it left.
         if gone and ferro_load_acquire(&self.ctl[peer].step) < target:
             w.peer = peer
-            return W_PEER_LOST
+            return ST_PEER_CLOSED
         return 0
 
     cdef int _wait(self, uint64_t target, int only, WaitResult* w) except -1 nogil:
         """Wait until rank ``only`` (or every peer, for -1) reached ``target``; 0, or a W_ code."""
         cdef int j, first = 0 if only < 0 else only, last = self.world_size if only < 0 else only + 1
         cdef int pending, rc, lagging = -1
-        cdef int64_t now, start = -1, next_look = 0, next_signals = 0
-        cdef timespec doze
-        doze.tv_sec = 0
-        doze.tv_nsec = DOZE_NS
+        cdef int64_t now
+        cdef bint started = False
+        cdef ferro_pace pace
         while True:
             pending = 0
             for j in range(first, last):
@@ -568,34 +596,27 @@ cdef class Arena:
             if pending == 0:
                 return 0
             now = monotonic_ns()
-            if start < 0:
-                start = now
+            if not started:
+                started = True
                 if self.deadline == DEADLINE_AT_FIRST_WAIT:
                     # A call that never has to wait never reads the clock for its deadline.
                     self.deadline = -1 if self.timeout_ns < 0 else now + self.timeout_ns
-                next_look = now + LIVENESS_NS
-                next_signals = now + SIGNAL_NS
+                ferro_pace_start(&pace, now, self.spin_ns)
                 continue
             if self.deadline >= 0 and now >= self.deadline:
                 w.peer = lagging
-                return W_TIMEOUT
-            if now >= next_look:
-                next_look = now + LIVENESS_NS
+                return ST_TIMEOUT
+            if ferro_pace_look_due(&pace, now):
                 if ferro_load_acquire32(&self.ranks[self.rank].closed):
-                    return W_CLOSED  # this rank closed the group from another thread
+                    return ST_CLOSED  # this rank closed the group from another thread
                 for j in range(self.world_size):
                     if j != self.rank:
                         rc = self._look(j, w, target if first <= j < last else 0)
                         if rc != 0:
                             return rc
-            if now >= next_signals:
-                next_signals = now + SIGNAL_NS
-                if signal_raised() != 0:
-                    return -1
-            if now - start > DOZE_AFTER_NS:
-                nanosleep(&doze, NULL)
-            elif now - start > self.spin_ns:
-                sched_yield()
+            if ferro_pace_signals_due(&pace, now) and signal_raised() != 0:
+                return -1
+            ferro_pace_rest(&pace, now)
 
     cdef int _ring(self, unsigned char* data, size_t* starts, size_t* lengths, size_t itemsize,
                    ferro_reduce_fn kernel, int dtype_code, bint reduce_scatter, bint all_gather, double divisor,
@@ -680,6 +701,7 @@ cdef class Arena:
             elif p.lengths[me] > offset:
                 ferro_copy(self._part_of(me, b, me, p), p.data + p.starts[me] + offset,
                            _min(p.part, p.lengths[me] - offset))
+                ferro_count_sent(self.stats, self.slot, _min(p.part, p.lengths[me] - offset))
             self._signal()
             rc = self._wait(self.step, -1, w)
             if rc != 0:
@@ -697,12 +719,13 @@ cdef class Arena:
 
     cdef void _copy_in(self, Parts* p, size_t k, int b) noexcept nogil:
         # Publish chunk k of the parts the other ranks reduce.
-        cdef size_t offset = k * p.part
+        cdef size_t offset = k * p.part, length
         cdef int j
         for j in range(self.world_size):
             if j != self.rank and p.lengths[j] > offset:
-                ferro_copy(self._part_of(self.rank, b, j, p), p.data + p.starts[j] + offset,
-                           _min(p.part, p.lengths[j] - offset))
+                length = _min(p.part, p.lengths[j] - offset)
+                ferro_copy(self._part_of(self.rank, b, j, p), p.data + p.starts[j] + offset, length)
+                ferro_count_sent(self.stats, self.slot, length)
 
     cdef void _reduce_own(self, Parts* p, size_t k, int b, bint publish) noexcept nogil:
         # Reduce chunk k of this rank's part in place, reading it from every peer's slot;
@@ -718,51 +741,63 @@ cdef class Arena:
         for j in range(self.world_size):
             if j != me:
                 p.kernel(own, self._part_of(j, b, me, p), count)
+        ferro_count_received(self.stats, self.slot, length * <size_t>(self.world_size - 1))
         if p.divisor != 0.0:
             ferro_divide(own, count, p.dtype_code, p.divisor)
         if publish:
             ferro_copy(self._part_of(me, b, me, p), own, length)
+            ferro_count_sent(self.stats, self.slot, length)
 
     cdef void _copy_out(self, Parts* p, size_t k, int b) noexcept nogil:
         # Copy chunk k of every other rank's part out of its slot.
-        cdef size_t offset = k * p.part
+        cdef size_t offset = k * p.part, length
         cdef int j
         for j in range(self.world_size):
             if j != self.rank and p.lengths[j] > offset:
-                ferro_copy(p.data + p.starts[j] + offset, self._part_of(j, b, j, p),
-                           _min(p.part, p.lengths[j] - offset))
+                length = _min(p.part, p.lengths[j] - offset)
+                ferro_copy(p.data + p.starts[j] + offset, self._part_of(j, b, j, p), length)
+                ferro_count_received(self.stats, self.slot, length)
 
     cdef int _finish(self, int rc, WaitResult* w, str op, double timeout) except -1:
+        # A call that stopped part-way leaves the arena unusable: the peers' steps no longer line up.
         cdef ferro_arena_ctl* peer_ctl
         cdef uint32_t n
+        cdef Failure f
         if rc == 0:
             return 0
         where = f"rank {self.rank}: {op}"
+        self.broken = _BROKEN_BY.get(rc, f"status {rc}").format(peer=w.peer)
         if rc == -1:
-            self.broken = "an interrupt (Ctrl-C) in the middle of a collective"
             return -1  # the pending KeyboardInterrupt (or whatever a handler raised) propagates
-        if rc == W_CLOSED:
-            self.broken = "closing the group during a collective"
-            raise BackendClosedError(f"{where}: the group was closed while the collective waited")
-        if rc == W_TIMEOUT:
-            self.broken = "a timeout in the middle of a collective"
-            raise DistributedTimeoutError(
-                f"{where} timed out after {timeout:g} s waiting for rank {w.peer} in shared memory (still in an "
-                f"earlier phase of the call, or in another call)")
-        if rc == W_PEER_LOST:
-            self.broken = f"rank {w.peer} was lost"
-            raise PeerLostError(f"{where}: rank {w.peer} exited or closed its group", w.peer)
         if rc == W_ABORTED:
-            self.broken = f"rank {w.peer} gave up on a collective"
             peer_ctl = self.ctl[w.peer]
             n = ferro_load_acquire32(&peer_ctl.abort_len)
-            payload = (<char*>peer_ctl.notice)[:_min(n, FERRO_ARENA_NOTICE_BYTES)]
-            raise abort_error(payload, w.peer, where)
-        if rc == W_MISMATCH:
-            self.broken = "calls that differed between ranks"
-            raise mismatch_error(where, w.peer, <uint32_t>self.kind, self.fingerprint, <uint32_t>w.seen_kind,
-                                 w.seen_fingerprint, self.call)
-        raise ConnectionBrokenError(f"{where}: unexpected arena status {rc}")
+            raise abort_error((<char*>peer_ctl.notice)[:_min(n, FERRO_ARENA_NOTICE_BYTES)], w.peer, where)
+        memset(&f, 0, sizeof(Failure))
+        f.status = rc
+        f.peer = w.peer
+        f.kind = <uint32_t>self.kind
+        f.fingerprint = self.fingerprint
+        f.seq = self.call
+        f.seen.kind = <uint32_t>w.seen_kind
+        f.seen.fingerprint = w.seen_fingerprint
+        f.seen.seq = self.call
+        detail = ""
+        if rc == ST_TIMEOUT:
+            detail = (f" waiting for rank {w.peer} in shared memory (still in an earlier phase of the call, "
+                      f"or in another call)")
+        raise failure_error(&f, where, timeout, detail)
+
+
+# Why the arena became unusable, by the outcome of the wait that stopped a call.
+_BROKEN_BY = {
+    -1: "an interrupt (Ctrl-C) in the middle of a collective",
+    ST_CLOSED: "closing the group during a collective",
+    ST_TIMEOUT: "a timeout in the middle of a collective",
+    ST_PEER_CLOSED: "rank {peer} was lost",
+    W_ABORTED: "rank {peer} gave up on a collective",
+    ST_MISMATCH: "calls that differed between ranks",
+}
 
 
 cdef int64_t _deadline(double timeout):
@@ -781,7 +816,8 @@ cdef class DirectAllreduce:
 
     Args:
         arena: The group's arena.
-        group_state: The group's ``__dict__``, where ferro keeps its worker and failure.
+        group_state: The group's state: the path steps aside while it records a failure, a
+            running operation or queued async ones, and counts its calls there.
         make_plan: ``make_plan(plans, key, op)`` returns ``(dtype code, kernel code,
             fingerprint, divisor, itemsize)`` or False for ``(dtype, shape, op)`` and remembers it in
             ``plans`` under ``key``.
@@ -792,7 +828,7 @@ cdef class DirectAllreduce:
     """
 
     cdef Arena arena
-    cdef dict group_state
+    cdef GroupState group_state
     cdef dict plans
     cdef object make_plan
     cdef object on_failure
@@ -810,7 +846,7 @@ cdef class DirectAllreduce:
     cdef double divisor
     cdef size_t itemsize
 
-    def __cinit__(self, Arena arena, dict group_state, make_plan, on_failure, ndarray,
+    def __cinit__(self, Arena arena, GroupState group_state, make_plan, on_failure, ndarray,
                   resolve_timeout, op_type):
         self.arena = arena
         self.group_state = group_state
@@ -834,10 +870,7 @@ cdef class DirectAllreduce:
         if type(x) is not self.ndarray:
             return False
         state = self.group_state
-        if state.get("_ferro_failure") is not None:
-            return False
-        worker = state.get("_ferro_worker")
-        if worker is not None and (worker._busy or worker._queue):
+        if state.failure is not None or state.busy or state.queued:
             return False  # read without the worker's lock: a hint, as ordering across threads is the caller's
         try:
             PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
@@ -859,6 +892,7 @@ cdef class DirectAllreduce:
             dtype_code, kernel_code, fingerprint = self.dtype_code, self.kernel_code, self.fingerprint
             divisor, itemsize = self.divisor, self.itemsize
             seconds = self.arena.default_timeout if timeout is None else self.resolve_timeout(timeout)
+            ferro_count_call(&state.stats, ALLREDUCE_SLOT)
             if self.arena.world_size == 1:
                 return True  # every op of one rank is the identity (MEAN divides by 1): nothing to move
             try:

@@ -34,6 +34,7 @@ def ring(
     reduce_scatter: bool,
     all_gather: bool,
     segment_bytes: int = ...,
+    divisor: float = ...,
 ) -> None: ...
 def broadcast(
     connections: tuple[Connection | None, ...],

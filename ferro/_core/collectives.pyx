@@ -17,8 +17,9 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
 from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
+from ferro._core.state cimport ferro_stat_slot
+from ferro._core.status cimport ST_OK
 from ferro._core.transport cimport (
-    ST_OK,
     ConnState,
     Connection,
     RecvOp,
@@ -50,6 +51,7 @@ cdef inline void _prepare_send(SendOp* s, ConnState* st, const unsigned char* da
     s.conn = st
     s.payload = data
     s.length = length
+    s.stat_slot = ferro_stat_slot(kind, fingerprint)
     ferro_pack_header(s.header, kind, length, st.send_seq, fingerprint)
 
 
@@ -349,7 +351,7 @@ def allreduce(tuple connections, int rank, buf, int dtype, int op, Py_ssize_t it
 
 def ring(tuple connections, int rank, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
          uint64_t fingerprint, double timeout, bint reduce_scatter, bint all_gather,
-         Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES) -> None:
+         Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES, double divisor=0) -> None:
     """Run a ring reduce-scatter and/or all-gather in place on ``buf``.
 
     Args:
@@ -365,6 +367,7 @@ def ring(tuple connections, int rank, buf, object bounds, int dtype, int op, Py_
         reduce_scatter: Reduce so that chunk ``rank`` ends complete here.
         all_gather: Then (or only) circulate every rank's chunk ``i`` to all.
         segment_bytes: Segment size; every rank must use the same.
+        divisor: When not 0 (MEAN), divide chunk ``rank`` by it once it is reduced.
     """
     cdef _Call call = _Call()
     cdef SendOp s
@@ -395,7 +398,7 @@ def ring(tuple connections, int rank, buf, object bounds, int dtype, int op, Py_
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
             rc = _ring(call.states, rank, n, <unsigned char*>call.view.buf, call.bounds, itemsize, kernel,
-                       call.scratch, segment, fingerprint, deadline, &s, &r, phases)
+                       call.scratch, segment, fingerprint, deadline, &s, &r, phases, dtype, divisor)
     finally:
         call.release()
     if rc:

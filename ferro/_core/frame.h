@@ -18,6 +18,12 @@
 #define FERRO_PROTOCOL_VERSION 1u
 #define FERRO_FRAME_MAGIC (0x4F5246u | (FERRO_PROTOCOL_VERSION << 24)) /* "FRO\x01" */
 
+/* Frame kinds (mirrored as KIND_* in transport.pyx). */
+#define FERRO_KIND_DATA 1u
+#define FERRO_KIND_BARRIER 2u
+#define FERRO_KIND_COLLECTIVE 3u
+#define FERRO_KIND_ABORT 4u
+
 static inline void ferro_put_u32(unsigned char *p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
 }

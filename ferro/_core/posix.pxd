@@ -77,3 +77,12 @@ cdef extern from "frame.h" nogil:
                            unsigned long long seq, unsigned long long fingerprint)
     unsigned int ferro_get_u32(const unsigned char* p)
     unsigned long long ferro_get_u64(const unsigned char* p)
+
+cdef extern from "pace.h" nogil:
+    ctypedef struct ferro_pace:
+        int64_t last_progress
+    void ferro_pace_start(ferro_pace* p, int64_t now, int64_t spin_ns)
+    void ferro_pace_progress(ferro_pace* p, int64_t now)
+    int ferro_pace_look_due(ferro_pace* p, int64_t now)
+    int ferro_pace_signals_due(ferro_pace* p, int64_t now)
+    void ferro_pace_rest(ferro_pace* p, int64_t now)

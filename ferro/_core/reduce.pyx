@@ -2,7 +2,7 @@
 """Element-wise reduction of one buffer into another, per dtype and op, without the GIL.
 
 Dtype and op codes are the ``FERRO_*`` enums of ``reduce_kernels.h``, mirrored
-in :mod:`ferro._dtypes` and :class:`ferro.ReduceOp`.
+in :mod:`ferro.types` and :class:`ferro.ReduceOp`.
 """
 
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer

@@ -2,6 +2,8 @@
 
 from typing import Any
 
+from ferro._core.state import GroupState
+
 SEGMENT_HEADER_BYTES: int
 RANK_BLOCK_BYTES: int
 RING_CONTROL_BYTES: int
@@ -19,7 +21,8 @@ class Segment:
 class Channel:
     rank: int
     peer: int
-    def __init__(self, segment: Segment, rank: int, peer: int, spin_us: float = 50.0) -> None: ...
+    def __init__(self, segment: Segment, rank: int, peer: int, spin_us: float = 50.0,
+                 group_state: GroupState | None = None) -> None: ...
     def close(self) -> None: ...
     def send(self, buf: Any, *, kind: int, fingerprint: int, timeout: float, op: str = "send") -> None: ...
     def recv_into(self, buf: Any, *, kind: int, fingerprint: int, timeout: float, op: str = "recv") -> None: ...

@@ -7,9 +7,10 @@ header (magic and version, kind, length, sequence number, fingerprint), then
 the payload. A receiver validates each header before it copies a byte into
 the caller's buffer; a refused header stays in the ring, unconsumed.
 
-Waiting spins for a bounded time, then yields the CPU. Every millisecond of
-waiting checks that the peer is alive (its pid, its closed flag), and every
-100 ms checks for signals, so Ctrl-C interrupts a blocked receive.
+Waiting follows the schedule of ``pace.h`` (spin, yield, nap): every
+millisecond of waiting checks that the peer is alive (its pid, its closed
+flag), and every 100 ms checks for signals, so Ctrl-C interrupts a blocked
+receive.
 """
 
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
@@ -19,36 +20,31 @@ from libc.string cimport memset
 
 from ferro._core.posix cimport (
     FERRO_HEADER_SIZE,
+    ferro_pace,
+    ferro_pace_look_due,
+    ferro_pace_progress,
+    ferro_pace_rest,
+    ferro_pace_signals_due,
+    ferro_pace_start,
     ferro_pack_header,
     kill,
-    nanosleep,
-    sched_yield,
-    timespec,
 )
-from ferro._core.transport cimport (
+from ferro._core.state cimport GroupState, ferro_count_received, ferro_count_sent, ferro_stat_slot, ferro_stats
+from ferro._core.status cimport (
     ST_ABORTED,
-    ST_BROKEN,
+    ST_CLOSED,
     ST_MISMATCH,
     ST_OK,
     ST_PEER_CLOSED,
-    ST_SIZE_MISMATCH,
     ST_TIMEOUT,
-    ST_TOO_LARGE,
+    Failure,
     SeenHeader,
-    acquire_buffer,
-    check_header,
-    monotonic_ns,
-    signal_raised,
+    failure_error,
 )
+from ferro._core.transport cimport acquire_buffer, check_header, monotonic_ns, signal_raised
 
-from ferro._core.transport import KIND_ABORT, MAX_ABORT_BYTES, abort_error, mismatch_error, size_error
-from ferro.errors import (
-    BackendClosedError,
-    ConnectionBrokenError,
-    DistributedTimeoutError,
-    PeerLostError,
-    ProtocolError,
-)
+from ferro._core.status import KIND_ABORT, MAX_ABORT_BYTES, abort_error
+from ferro.errors import BackendClosedError, ConnectionBrokenError
 
 cdef extern from "shm_ring.h" nogil:
     ctypedef struct ferro_ring_ctl:
@@ -75,10 +71,6 @@ SEGMENT_HEADER_BYTES = HEADER_BYTES
 RANK_BLOCK_BYTES = RANK_BYTES
 RING_CONTROL_BYTES = RING_CTL_BYTES
 
-cdef int64_t LIVENESS_NS = 1000000      # check the peer every millisecond of waiting
-cdef int64_t SIGNAL_NS = 100000000      # and signals every 100 ms
-cdef int64_t DOZE_AFTER_NS = 1000000    # after a quiet millisecond, sleep between looks
-cdef long DOZE_NS = 20000               # for 20 us: a waiting rank stops competing for the CPU
 
 
 def segment_bytes(int world_size, size_t ring_bytes) -> int:
@@ -234,12 +226,9 @@ cdef int _run(SendState* s, RecvState* r, ferro_rank_ctl* peer_out, ferro_rank_c
     """Drive a send and/or a receive to completion, refusal, a lost peer, this rank's close, or the deadline."""
     cdef bint s_active = s != NULL, r_active = r != NULL, progressed
     cdef int rc
-    cdef int64_t now, last_progress = monotonic_ns(), next_liveness = 0, next_signals = 0
-    cdef timespec doze
-    doze.tv_sec = 0
-    doze.tv_nsec = DOZE_NS
-    next_liveness = last_progress + LIVENESS_NS
-    next_signals = last_progress + SIGNAL_NS
+    cdef int64_t now
+    cdef ferro_pace pace
+    ferro_pace_start(&pace, monotonic_ns(), spin_ns)
     while s_active or r_active:
         progressed = False
         if s_active:
@@ -257,7 +246,7 @@ cdef int _run(SendState* s, RecvState* r, ferro_rank_ctl* peer_out, ferro_rank_c
             break
         now = monotonic_ns()
         if progressed:
-            last_progress = now
+            ferro_pace_progress(&pace, now)
             continue
         if deadline >= 0 and now >= deadline:
             if s_active:
@@ -265,15 +254,14 @@ cdef int _run(SendState* s, RecvState* r, ferro_rank_ctl* peer_out, ferro_rank_c
             if r_active:
                 r.status = ST_TIMEOUT
             break
-        if now >= next_liveness:
-            next_liveness = now + LIVENESS_NS
+        if ferro_pace_look_due(&pace, now):
             if ferro_load_acquire32(&own.closed):
                 # This rank closed the group from another thread: stop waiting. A frame may be
                 # half-done, but the channel is closed for good anyway.
                 if s_active:
-                    s.status = ST_BROKEN
+                    s.status = ST_CLOSED
                 if r_active:
-                    r.status = ST_BROKEN
+                    r.status = ST_CLOSED
                 break
             # A closed peer may still have left data for us: only an empty ring means it is gone.
             if r_active and _peer_gone(peer_in) and ferro_ring_available(r.ring.ctl) == 0:
@@ -287,14 +275,9 @@ cdef int _run(SendState* s, RecvState* r, ferro_rank_ctl* peer_out, ferro_rank_c
                 s.status = ST_PEER_CLOSED
                 s_active = False
                 break
-        if now >= next_signals:
-            next_signals = now + SIGNAL_NS
-            if signal_raised() != 0:
-                return -1
-        if now - last_progress > DOZE_AFTER_NS:
-            nanosleep(&doze, NULL)
-        elif now - last_progress > spin_ns:
-            sched_yield()
+        if ferro_pace_signals_due(&pace, now) and signal_raised() != 0:
+            return -1
+        ferro_pace_rest(&pace, now)
     return 0
 
 
@@ -306,6 +289,7 @@ cdef class Channel:
         rank: This rank.
         peer: The other rank.
         spin_us: Microseconds to spin before yielding the CPU while waiting.
+        group_state: The group's state, whose counters the channel adds its frames' bytes to.
     """
 
     cdef Segment segment
@@ -316,8 +300,10 @@ cdef class Channel:
     cdef int64_t spin_ns
     cdef bint closed
     cdef object broken  # why the rings are unusable (a frame stopped half-way), or None
+    cdef GroupState group_state  # whose counters ``stats`` points into (kept alive here)
+    cdef ferro_stats* stats
 
-    def __cinit__(self, Segment segment, int rank, int peer, double spin_us=50.0):
+    def __cinit__(self, Segment segment, int rank, int peer, double spin_us=50.0, GroupState group_state=None):
         self.segment = segment
         self.rank = rank
         self.peer = peer
@@ -326,6 +312,8 @@ cdef class Channel:
         self.spin_ns = <int64_t>(spin_us * 1000)
         self.closed = False
         self.broken = None
+        self.group_state = group_state
+        self.stats = &group_state.stats if group_state is not None else NULL
 
     def close(self) -> None:
         """Stop using the channel; later operations raise BackendClosedError."""
@@ -394,6 +382,9 @@ cdef class Channel:
                 PyBuffer_Release(&in_view)
         if has_out and s.status == ST_OK:
             self.send_seq += 1
+            ferro_count_sent(self.stats, ferro_stat_slot(kind, fingerprint), s.length)
+        if has_in and r.status == ST_OK:
+            ferro_count_received(self.stats, ferro_stat_slot(kind, fingerprint), r.length)
         elif has_out and 0 < s.done < FERRO_HEADER_SIZE + s.length:
             self.broken = "a send that stopped in the middle of a frame"
         if has_in and r.phase >= 1:
@@ -406,33 +397,30 @@ cdef class Channel:
             self._fail_send(&s, op, timeout)
 
     cdef int _fail_send(self, SendState* s, str op, double timeout) except -1:
-        where = f"rank {self.rank}: {op} to rank {self.peer}"
-        if s.status == ST_BROKEN:
-            raise BackendClosedError(f"{where}: the group was closed while the send waited")
-        if s.status == ST_TIMEOUT:
-            raise DistributedTimeoutError(f"{where} timed out after {timeout:g} s: the shared-memory ring stayed "
-                                          f"full (is rank {self.peer} receiving?)")
-        raise PeerLostError(f"{where}: rank {self.peer} exited or closed its group", self.peer)
+        cdef Failure f
+        memset(&f, 0, sizeof(Failure))
+        f.status = s.status if s.status != ST_ABORTED else ST_PEER_CLOSED
+        f.peer = self.peer
+        f.mid_frame = 0 < s.done < FERRO_HEADER_SIZE + s.length
+        detail = f": the shared-memory ring stayed full (is rank {self.peer} receiving?)" if f.status == ST_TIMEOUT else ""
+        raise failure_error(&f, f"rank {self.rank}: {op} to rank {self.peer}", timeout, detail)
 
     cdef int _fail_recv(self, RecvState* r, str op, double timeout) except -1:
+        cdef Failure f
         where = f"rank {self.rank}: {op} from rank {self.peer}"
-        status = r.status
-        if status == ST_BROKEN:
-            raise BackendClosedError(f"{where}: the group was closed while the receive waited")
-        if status == ST_TIMEOUT:
-            raise DistributedTimeoutError(f"{where} timed out after {timeout:g} s waiting for frame seq "
-                                          f"{self.recv_seq}")
-        if status == ST_PEER_CLOSED:
-            raise PeerLostError(f"{where}: rank {self.peer} exited or closed its group", self.peer)
-        if status == ST_MISMATCH and r.seen.kind == KIND_ABORT and r.seen.length <= MAX_ABORT_BYTES:
+        if r.status == ST_MISMATCH and r.seen.kind == KIND_ABORT and r.seen.length <= MAX_ABORT_BYTES:
             payload = bytearray(<size_t>r.seen.length)
             self.exchange(None, payload, kind=KIND_ABORT, fingerprint=r.seen.fingerprint, timeout=5.0, op="abort")
             raise abort_error(bytes(payload), self.peer, where)
-        if status == ST_MISMATCH:
-            raise mismatch_error(where, self.peer, r.kind, r.fingerprint, r.seen.kind, r.seen.fingerprint,
-                                 r.seen.seq)
-        if status == ST_TOO_LARGE or status == ST_SIZE_MISMATCH:
-            raise size_error(where, self.peer, r.seen.length, r.capacity, status == ST_SIZE_MISMATCH, r.seen.seq)
-        raise ProtocolError(f"{where}: a corrupt frame in the shared-memory ring (status {status}); the group is "
-                            f"unusable")
-
+        memset(&f, 0, sizeof(Failure))
+        f.status = r.status
+        f.peer = self.peer
+        f.mid_frame = r.phase == 1
+        f.kind = r.kind
+        f.fingerprint = r.fingerprint
+        f.capacity = r.capacity
+        f.exact = r.exact
+        f.seq = self.recv_seq
+        f.seen = r.seen
+        detail = f" waiting for frame seq {self.recv_seq}" if r.status == ST_TIMEOUT else ""
+        raise failure_error(&f, where, timeout, detail)

@@ -4,21 +4,8 @@
 from cpython.pythread cimport PyThread_type_lock
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 
-
-cdef enum Status:
-    ST_OK = 0              # the operation finished
-    ST_AGAIN = 1           # internal: the socket would block
-    ST_INTR = 2            # internal: a system call saw EINTR; check for signals
-    ST_TIMEOUT = 3         # the deadline passed
-    ST_PEER_CLOSED = 4     # orderly close or reset by the peer
-    ST_OS_ERROR = 5        # any other errno (kept in the op's os_errno)
-    ST_BAD_MAGIC = 6       # the header does not start with ferro's magic and version
-    ST_BAD_SEQ = 7         # a frame out of order: the stream is corrupt
-    ST_MISMATCH = 8        # kind or fingerprint differ from the receiver's call
-    ST_TOO_LARGE = 9       # the payload is larger than the posted buffer
-    ST_SIZE_MISMATCH = 10  # an exact-size receive got a different length
-    ST_BROKEN = 11         # the connection was broken by an earlier error
-    ST_ABORTED = 12        # stopped because the other half of a sendrecv failed
+from ferro._core.state cimport ferro_stats
+from ferro._core.status cimport SeenHeader
 
 
 cdef struct ConnState:
@@ -34,14 +21,7 @@ cdef struct ConnState:
     int broken             # 0, or the Status that left the stream unusable
     int closing            # close() was called, possibly while another thread waits here
     int64_t spin_ns        # how long to spin on a quiet socket before sleeping in poll
-
-
-cdef struct SeenHeader:
-    uint32_t magic             # a frame header's fields as received
-    uint32_t kind
-    uint64_t length
-    uint64_t seq
-    uint64_t fingerprint
+    ferro_stats* stats     # the group's counters (its GroupState's), or NULL
 
 
 cdef struct SendOp:
@@ -52,6 +32,7 @@ cdef struct SendOp:
     size_t done                     # bytes of header + payload already sent
     int status                      # final Status of this op
     int os_errno                    # errno behind ST_OS_ERROR
+    int stat_slot                   # the counter slot of the frame's operation (stats.h)
 
 
 cdef struct RecvOp:
@@ -76,6 +57,7 @@ cdef class Connection:
     cdef bint is_closed        # close() was called
     cdef PyThread_type_lock send_lock  # one sending thread at a time: frames must not interleave
     cdef PyThread_type_lock recv_lock  # one receiving thread at a time
+    cdef object group_state    # the GroupState whose counters st.stats points into (kept alive here)
 
     cdef int check_usable(self, str op) except -1
     cdef int lock(self, PyThread_type_lock which, double timeout, str op) except -1

@@ -3,6 +3,8 @@
 import socket
 from typing import Any
 
+from ferro._core.state import GroupState
+
 HEADER_SIZE: int
 PROTOCOL_VERSION: int
 KIND_DATA: int
@@ -16,6 +18,7 @@ ABORT_TIMEOUT: int
 ABORT_OTHER: int
 
 def kind_name(kind: int) -> str: ...
+def broken_by(status: int) -> str: ...
 def describe_buffer_problem(obj: object, writable: bool) -> str: ...
 def abort_payload(code: int, peer: int, message: str) -> bytes: ...
 def abort_error(payload: bytes, sender: int, where: str) -> Exception: ...
@@ -31,6 +34,7 @@ class Connection:
         peer_rank: int,
         spin_us: float = 50.0,
         stage_bytes: int = 65536,
+        group_state: GroupState | None = None,
     ) -> None: ...
     @property
     def peer(self) -> int: ...

@@ -58,19 +58,44 @@ from ferro._core.posix cimport (
     timespec,
 )
 
-import os
-
-from ferro.errors import (
-    BackendClosedError,
-    CollectiveMismatchError,
-    ConnectionBrokenError,
-    DistributedTimeoutError,
-    InvalidBufferError,
-    PeerLostError,
-    ProtocolError,
-    SizeMismatchError,
-    TransportError,
+from ferro._core.state cimport GroupState, ferro_count_received, ferro_count_sent, ferro_stat_slot
+from ferro._core.status cimport (
+    ST_ABORTED,
+    ST_AGAIN,
+    ST_BAD_MAGIC,
+    ST_BAD_SEQ,
+    ST_BROKEN,
+    ST_CLOSED,
+    ST_INTR,
+    ST_MISMATCH,
+    ST_OK,
+    ST_OS_ERROR,
+    ST_PEER_CLOSED,
+    ST_SIZE_MISMATCH,
+    ST_TIMEOUT,
+    ST_TOO_LARGE,
+    Failure,
+    failure_error,
 )
+
+from ferro._core.status import (  # re-exported: the frame kinds and abort notices belong to the wire format
+    ABORT_MISMATCH,
+    ABORT_OTHER,
+    ABORT_PEER_LOST,
+    ABORT_TIMEOUT,
+    KIND_ABORT,
+    KIND_BARRIER,
+    KIND_COLLECTIVE,
+    KIND_DATA,
+    MAX_ABORT_BYTES,
+    abort_error,
+    abort_payload,
+    broken_by,
+    kind_name,
+    mismatch_error,
+    size_error,
+)
+from ferro.errors import BackendClosedError, DistributedTimeoutError, InvalidBufferError
 
 cdef extern from "Python.h":
     # Declared without Cython's ``except -1`` so the loop can decide what to
@@ -86,23 +111,6 @@ cdef int signal_raised() noexcept with gil:
 HEADER_SIZE = FERRO_HEADER_SIZE
 PROTOCOL_VERSION = FERRO_PROTOCOL_VERSION
 
-# Frame kinds. A receiver states the kind it expects; a frame of another kind is
-# a mismatch between the two ranks' calls, reported with both names.
-KIND_DATA = 1
-KIND_BARRIER = 2
-KIND_COLLECTIVE = 3
-KIND_ABORT = 4
-_KIND_NAMES = {KIND_DATA: "point-to-point data", KIND_BARRIER: "barrier", KIND_COLLECTIVE: "collective",
-               KIND_ABORT: "abort"}
-
-# An abort frame tells the peers why this rank gave up on a collective; it is
-# small, so the receiver can read it whatever buffer it had posted.
-MAX_ABORT_BYTES = 4096
-ABORT_PEER_LOST = 1
-ABORT_MISMATCH = 2
-ABORT_TIMEOUT = 3
-ABORT_OTHER = 4
-
 # Longest sleep in poll before the loop looks at the deadline and at signals again.
 cdef int POLL_SLICE_MS = 100
 cdef size_t DEFAULT_STAGE_BYTES = 64 * 1024
@@ -115,11 +123,6 @@ cdef enum Phase:
     PHASE_HEADER = 0
     PHASE_PAYLOAD = 1
     PHASE_DONE = 2
-
-
-def kind_name(int kind) -> str:
-    """Return the human-readable name of a frame kind."""
-    return _KIND_NAMES.get(kind, f"kind {kind}")
 
 
 cdef int64_t monotonic_ns() noexcept nogil:
@@ -175,6 +178,7 @@ cdef int _send_step(SendOp* s) noexcept nogil:
             return _errno_status(s.os_errno)
         s.done += <size_t>n
     s.conn.send_seq += 1
+    ferro_count_sent(s.conn.stats, s.stat_slot, s.length)
     return ST_OK
 
 
@@ -241,6 +245,7 @@ cdef int _recv_step(RecvOp* r) noexcept nogil:
         elif r.phase == PHASE_PAYLOAD:
             if r.done == r.length:
                 r.phase = PHASE_DONE
+                ferro_count_received(st.stats, ferro_stat_slot(r.kind, r.fingerprint), r.length)
                 return ST_OK
             # Straight into the caller's buffer, never past this frame's end.
             n = recv(st.fd, r.buffer + r.done, r.length - r.done, MSG_DONTWAIT)
@@ -441,10 +446,12 @@ cdef class Connection:
         spin_us: Microseconds to spin on a quiet socket before sleeping in
             ``poll``; 0 sleeps at once (best when ranks outnumber cores).
         stage_bytes: Size of the receive staging buffer for headers.
+        group_state: The group's :class:`~ferro._core.state.GroupState`, whose counters
+            this connection adds the payload bytes of its frames to (none counted without one).
     """
 
     def __cinit__(self, sock, int local_rank, int peer_rank, double spin_us=50.0,
-                  size_t stage_bytes=DEFAULT_STAGE_BYTES):
+                  size_t stage_bytes=DEFAULT_STAGE_BYTES, GroupState group_state=None):
         self.st.stage = NULL
         self.send_lock = PyThread_allocate_lock()
         self.recv_lock = PyThread_allocate_lock()
@@ -469,6 +476,8 @@ cdef class Connection:
         self.st.broken = 0
         self.st.closing = 0
         self.st.spin_ns = <int64_t>(spin_us * 1000.0)
+        self.group_state = group_state
+        self.st.stats = &group_state.stats if group_state is not None else NULL
         self.broken_reason = None
         self.is_closed = False
 
@@ -650,6 +659,7 @@ cdef void _init_send(SendOp* s, ConnState* st, Py_buffer* view, uint32_t kind, u
     s.conn = st
     s.payload = <const unsigned char*>view.buf
     s.length = <size_t>view.len
+    s.stat_slot = ferro_stat_slot(kind, fingerprint)
     ferro_pack_header(s.header, kind, s.length, st.send_seq, fingerprint)
 
 
@@ -714,88 +724,50 @@ def sendrecv(Connection send_conn, send_buf, Connection recv_conn, recv_buf, *,
 
 
 # ---------------------------------------------------------------------------
-# The one place where statuses become exceptions.
-
-cdef object _closed_error(ConnState* st, str where):
-    return BackendClosedError(f"{where}: the connection was closed by this process while the operation waited")
-
+# Failures, described for ferro._core.status (the one place statuses become exceptions).
 
 cdef object _send_error(SendOp* s, str op, double timeout):
     cdef ConnState* st = s.conn
+    cdef Failure f
+    memset(&f, 0, sizeof(Failure))
+    f.status = ST_CLOSED if st.closing else s.status
+    f.peer = st.peer_rank
+    f.os_errno = s.os_errno
+    f.mid_frame = _send_mid_frame(s)
     where = f"rank {st.local_rank}: {op} to rank {st.peer_rank}"
-    if st.closing:
-        return _closed_error(st, where)
-    seq = f"frame seq {st.send_seq}"
-    status = s.status
-    if status == ST_TIMEOUT:
-        tail = ("; it stopped in the middle of a frame, so the connection is now unusable"
-                if _send_mid_frame(s) else "; nothing was sent")
-        return DistributedTimeoutError(f"{where} timed out after {timeout:g} s ({seq}){tail}")
-    if status == ST_PEER_CLOSED:
-        return PeerLostError(
-            f"{where}: rank {st.peer_rank} closed the connection (it exited, crashed or closed its group) ({seq})",
-            st.peer_rank)
-    if status == ST_OS_ERROR:
-        return TransportError(f"{where} failed: {os.strerror(s.os_errno)} (errno {s.os_errno}, {seq})")
-    if status == ST_INTR:
-        return None
-    return _generic_error(status, where, st)
+    detail = f" (frame seq {st.send_seq})"
+    if f.status == ST_TIMEOUT and not f.mid_frame:
+        detail += "; nothing was sent"
+    elif f.status == ST_BROKEN or f.status == ST_ABORTED:
+        detail = _broken_text(st)
+    return failure_error(&f, where, timeout, detail)
 
 
 cdef object _recv_error(RecvOp* r, str op, double timeout):
     cdef ConnState* st = r.conn
+    cdef Failure f
+    if r.status == ST_MISMATCH and r.seen.kind == KIND_ABORT and r.seen.length <= MAX_ABORT_BYTES and not st.closing:
+        return _read_abort(r, f"rank {st.local_rank}: {op} from rank {st.peer_rank}")
+    memset(&f, 0, sizeof(Failure))
+    f.status = ST_CLOSED if st.closing else r.status
+    f.peer = st.peer_rank
+    f.os_errno = r.os_errno
+    f.mid_frame = _recv_mid_frame(r)
+    f.kind = r.kind
+    f.fingerprint = r.fingerprint
+    f.capacity = r.capacity
+    f.exact = r.exact
+    f.seq = st.recv_seq
+    f.seen = r.seen
     where = f"rank {st.local_rank}: {op} from rank {st.peer_rank}"
-    if st.closing:
-        return _closed_error(st, where)
-    status = r.status
-    if status == ST_TIMEOUT:
-        tail = ("; it stopped in the middle of a frame, so the connection is now unusable"
-                if _recv_mid_frame(r) else "; no frame was consumed")
-        return DistributedTimeoutError(
-            f"{where} timed out after {timeout:g} s waiting for frame seq {st.recv_seq}{tail}")
-    if status == ST_PEER_CLOSED:
-        return PeerLostError(
-            f"{where}: rank {st.peer_rank} closed the connection (it exited, crashed or closed its group) "
-            f"while frame seq {st.recv_seq} was due", st.peer_rank)
-    if status == ST_OS_ERROR:
-        return TransportError(f"{where} failed: {os.strerror(r.os_errno)} (errno {r.os_errno})")
-    if status == ST_BAD_MAGIC:
-        return ProtocolError(
-            f"{where}: the frame starts with 0x{r.seen.magic:08x}, not ferro protocol {FERRO_PROTOCOL_VERSION}'s "
-            f"0x{FERRO_FRAME_MAGIC:08x}: another program or another ferro version is on the other end; "
-            f"the connection is now unusable")
-    if status == ST_BAD_SEQ:
-        return ProtocolError(
-            f"{where}: frame seq {r.seen.seq} arrived where seq {st.recv_seq} was due: the stream is corrupt; "
-            f"the connection is now unusable")
-    if status == ST_MISMATCH and r.seen.kind == KIND_ABORT and r.seen.length <= MAX_ABORT_BYTES:
-        return _read_abort(r, where)
-    if status == ST_MISMATCH:
-        return mismatch_error(where, st.peer_rank, r.kind, r.fingerprint, r.seen.kind, r.seen.fingerprint,
-                              r.seen.seq)
-    if status == ST_TOO_LARGE or status == ST_SIZE_MISMATCH:
-        return size_error(where, st.peer_rank, r.seen.length, r.capacity, status == ST_SIZE_MISMATCH, r.seen.seq)
-    if status == ST_INTR:
-        return None
-    return _generic_error(status, where, st)
-
-
-def mismatch_error(str where, int peer, uint32_t kind, uint64_t fingerprint, uint32_t seen_kind,
-                   uint64_t seen_fingerprint, uint64_t seq) -> Exception:
-    """The error for a frame refused because the peer made another call (it stays unconsumed)."""
-    return CollectiveMismatchError(
-        f"{where}: this rank expected a {kind_name(kind)} frame (fingerprint 0x{fingerprint:x}) but "
-        f"rank {peer} sent a {kind_name(seen_kind)} frame (fingerprint 0x{seen_fingerprint:x}) "
-        f"at seq {seq}: the two ranks made different calls; the frame was not consumed",
-        peer, (kind, fingerprint), (seen_kind, seen_fingerprint))
-
-
-def size_error(str where, int peer, uint64_t length, uint64_t capacity, bint exact, uint64_t seq) -> Exception:
-    """The error for a frame refused for its size (it stays unconsumed)."""
-    relation = "expects exactly" if exact else "holds"
-    return SizeMismatchError(
-        f"{where}: rank {peer} sent a {length}-byte payload but the receive buffer {relation} {capacity} bytes "
-        f"(frame seq {seq}); the frame was not consumed", expected=capacity, actual=length)
+    detail = ""
+    if f.status == ST_TIMEOUT:
+        detail = f" waiting for frame seq {st.recv_seq}" + ("" if f.mid_frame else "; no frame was consumed")
+    elif f.status == ST_PEER_CLOSED:
+        detail = f" while frame seq {st.recv_seq} was due"
+    elif f.status == ST_BROKEN or f.status == ST_ABORTED:
+        detail = _broken_text(st)
+    return failure_error(&f, where, timeout, detail)
 
 
 cdef object _read_abort(RecvOp* refused, str where):
@@ -817,47 +789,8 @@ cdef object _read_abort(RecvOp* refused, str where):
     return abort_error(bytes(payload), st.peer_rank, where)
 
 
-def abort_payload(int code, int peer, str message) -> bytes:
-    """Encode an abort notice: a code, the rank it concerns (-1 for none) and a message."""
-    text = message.encode("utf-8", "replace")[: MAX_ABORT_BYTES - 5]
-    return bytes([code]) + peer.to_bytes(4, "little", signed=True) + text
-
-
-def abort_error(bytes payload, int sender, str where) -> Exception:
-    """The exception an abort notice from rank ``sender`` stands for."""
-    if len(payload) < 5:
-        return ProtocolError(f"{where}: rank {sender} sent a malformed abort notice")
-    code = payload[0]
-    peer = int.from_bytes(payload[1:5], "little", signed=True)
-    text = payload[5:].decode("utf-8", "replace")
-    message = f"{where}: rank {sender} gave up on the collective: {text}"
-    if code == ABORT_PEER_LOST:
-        return PeerLostError(message, peer if peer >= 0 else sender)
-    if code == ABORT_MISMATCH:
-        return CollectiveMismatchError(message, sender)
-    if code == ABORT_TIMEOUT:
-        return DistributedTimeoutError(message)
-    return ConnectionBrokenError(message)
-
-
-cdef object _generic_error(int status, str where, ConnState* st):
-    if status == ST_BROKEN or status == ST_ABORTED:
-        return ConnectionBrokenError(
-            f"{where}: the connection is unusable after an earlier error ({_broken_text(st)})")
-    return TransportError(f"{where}: unexpected transport status {status}")
-
-
 cdef str _broken_text(ConnState* st):
-    names = {
-        ST_TIMEOUT: "a timeout in the middle of a frame",
-        ST_PEER_CLOSED: "the peer closed the connection",
-        ST_OS_ERROR: "an operating-system error",
-        ST_BAD_MAGIC: "a frame with a foreign header",
-        ST_BAD_SEQ: "a frame out of sequence",
-        ST_INTR: "an interrupt (Ctrl-C) in the middle of a frame",
-        ST_ABORTED: "the other half of an exchange failed in the middle of a frame",
-    }
-    return names.get(st.broken, f"status {st.broken}")
+    return broken_by(st.broken)
 
 
 cdef int raise_failure(SendOp* s, RecvOp* r, str op, double timeout) except -1:

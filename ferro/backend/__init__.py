@@ -1,19 +1,108 @@
-"""Process groups: the Backend interface and its implementations."""
+"""Process groups: the Backend interface, its implementations, and the one list of them by name.
+
+:data:`BACKENDS` maps a backend's name to how a rank joins a job with it.
+``init_process_group(backend=...)``, ``ferro bench --backend`` and the test
+harness (``run_processes(backend=...)``) all read this list, so a backend added
+here is usable everywhere at once. ``"auto"`` is not a backend but a choice
+among them (:func:`ferro.process_group.init_process_group`). Backends that are
+planned but not part of this ferro are listed too, and joining one raises
+:class:`~ferro.BackendUnavailableError` saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from ferro.backend.base import Backend, FramedBackend
 from ferro.backend.hierarchical import HierarchicalBackend
+from ferro.backend.joined import JoinSpec
+from ferro.backend.native import NativeCollectives
 from ferro.backend.shm import ShmBackend
 from ferro.backend.simulated import SimulatedBackend
-from ferro.backend.sub import SubBackend, new_group
+from ferro.backend.sub import SubBackend, sub_group
 from ferro.backend.tcp import TcpBackend
+from ferro.errors import BackendUnavailableError, ConfigurationError
 
 __all__ = [
+    "BACKENDS",
     "Backend",
+    "BackendEntry",
     "FramedBackend",
     "HierarchicalBackend",
+    "JoinSpec",
+    "NativeCollectives",
     "ShmBackend",
     "SimulatedBackend",
     "SubBackend",
     "TcpBackend",
-    "new_group",
+    "available_backends",
+    "backend_entry",
+    "join_backend",
+    "sub_group",
 ]
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One backend of the registry.
+
+    Attributes:
+        name: What users pass as ``backend=``.
+        description: One line for help texts.
+        join: ``join(spec)`` returns this rank's group, or None when the backend is not available.
+        unavailable: Why it is not available (and what would make it so), when ``join`` is None.
+
+    """
+
+    name: str
+    description: str
+    join: Callable[[JoinSpec], Backend] | None
+    unavailable: str = ""
+
+
+#: Every backend by name, in the order help texts list them. Read-only.
+BACKENDS = MappingProxyType({entry.name: entry for entry in (
+    BackendEntry("tcp", "a full mesh of authenticated TCP connections, any hosts", TcpBackend.join),
+    BackendEntry("shm", "shared memory, every rank on one host", ShmBackend.join),
+    BackendEntry("hierarchical", "shared memory inside each host, TCP between one leader per host",
+                 HierarchicalBackend.join),
+    BackendEntry("mpi", "MPI through mpi4py", None, "the MPI backend is not part of this ferro yet; use 'tcp'"),
+    BackendEntry("nccl", "NCCL on GPUs", None, "the NCCL backend is not part of this ferro yet; use 'tcp'"),
+    BackendEntry("hybrid", "TCP for the CPU, NCCL for GPUs", None,
+                 "the TCP+NCCL hybrid backend is not part of this ferro yet; use 'tcp'"),
+)})
+
+
+def available_backends() -> list[str]:
+    """Names of the backends a rank can join with here, in registry order."""
+    return [name for name, entry in BACKENDS.items() if entry.join is not None]
+
+
+def backend_entry(name: str) -> BackendEntry:
+    """Return the registry's entry for ``name``, checked to be available here.
+
+    Raises:
+        ConfigurationError: No backend has that name.
+        BackendUnavailableError: The backend exists but cannot run here (the message says why).
+
+    """
+    entry = BACKENDS.get(name)
+    if entry is None:
+        raise ConfigurationError(f"unknown backend {name!r}; use 'auto' or one of {', '.join(available_backends())}")
+    if entry.join is None:
+        raise BackendUnavailableError(f"backend {name!r}: {entry.unavailable}")
+    return entry
+
+
+def join_backend(name: str, spec: JoinSpec) -> Backend:
+    """Join the job described by ``spec`` with the backend called ``name``.
+
+    Raises:
+        ConfigurationError, BackendUnavailableError: As :func:`backend_entry`.
+
+    """
+    join = backend_entry(name).join
+    assert join is not None  # backend_entry checked it
+    return join(spec)

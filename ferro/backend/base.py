@@ -8,12 +8,16 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ferro._core.state import GroupState
 from ferro._core.transport import KIND_DATA
+from ferro.backend.native import NativeCollectives
 from ferro.errors import BackendUnavailableError, ConfigurationError, InvalidRankError, SelfSendError
+from ferro.types import COLLECTIVE_IDS, collective_name
 
-__all__ = ["Backend", "FramedBackend", "default_spin_us", "dissemination_barrier"]
+__all__ = ["Backend", "FramedBackend", "add_counters", "default_spin_us", "dissemination_barrier"]
 
 SPIN_ENV = "FERRO_SPIN_US"
+_P2P = COLLECTIVE_IDS["p2p"]
 DEFAULT_SPIN_US = 50.0
 
 _Group = TypeVar("_Group", bound="Backend")
@@ -43,7 +47,65 @@ class Backend(abc.ABC):
 
     Backends are context managers: ``with TcpBackend(...) as group: ...`` closes
     the group on exit.
+
+    Every group owns one :class:`~ferro._core.state.GroupState` (:attr:`state`):
+    its failure, the worker that orders its operations, and the counters behind
+    :meth:`stats`. A backend that runs some collectives in its own engine mixes
+    in :class:`~ferro.backend.native.NativeCollectives` (see :attr:`native`).
     """
+
+    _group_state: GroupState  # created on first use of ``state``: subclasses need not call an __init__
+    _is_native: bool = False  # set per class: does it implement NativeCollectives?
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._is_native = issubclass(cls, NativeCollectives)
+
+    @property
+    def state(self) -> GroupState:
+        """The group's shared state (failure, worker, counters), read by the compiled core too."""
+        try:
+            return self._group_state
+        except AttributeError:
+            # setdefault is atomic under the GIL: racing first uses agree on one state.
+            return self.__dict__.setdefault("_group_state", GroupState())
+
+    @property
+    def native(self) -> NativeCollectives | None:
+        """The group's native collectives (usually the group itself), or None when it has none."""
+        return self if self._is_native else None  # type: ignore[return-value]
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Communication counters of this rank: per operation, its calls and the payload bytes moved.
+
+        Counted where the bytes move (in C on TCP and shared memory). Frame headers
+        are not counted. On shared memory a rank "sends" what it copies into its
+        own slot for the others and "receives" what it reads from theirs. Point-to-point
+        messages count under ``"p2p"``.
+
+        Returns:
+            ``{"allreduce": {"calls": 3, "bytes_sent": 96, "bytes_received": 96}, ...}``,
+            only for operations that ran since the group began or since :meth:`reset_stats`.
+
+        Example::
+
+            ferro.allreduce(np.ones(256, np.float32), group=g)   # 2 ranks over TCP, a ring
+            g.stats()["allreduce"]   # {"calls": 1, "bytes_sent": 1024, "bytes_received": 1024}
+
+        """
+        return _stats_by_name(self._counters())
+
+    def reset_stats(self) -> None:
+        """Zero this rank's communication counters."""
+        self.state.reset_counters()
+
+    def _counters(self) -> dict[int, tuple[int, int, int]]:
+        """Counters by collective id; groups built from several groups add theirs up."""
+        return self.state.counters()
+
+    def count_call(self, operation: str) -> None:
+        """Count one call of ``operation`` (a name of :data:`ferro.types.COLLECTIVE_IDS`) in :meth:`stats`."""
+        self.state.count_call(COLLECTIVE_IDS[operation])
 
     @property
     @abc.abstractmethod
@@ -163,7 +225,7 @@ class Backend(abc.ABC):
     @property
     def failure(self) -> str | None:
         """Why the group is unusable after a failed collective, or None while it is healthy."""
-        return getattr(self, "_ferro_failure", None)
+        return self.state.failure
 
     def mark_failed(self, reason: str) -> None:
         """Record that a collective failed part-way.
@@ -171,8 +233,9 @@ class Backend(abc.ABC):
         Its frames may still be in flight, so every later collective on this
         group raises instead of risking reading them.
         """
-        if getattr(self, "_ferro_failure", None) is None:
-            self._ferro_failure = reason
+        state = self.state
+        if state.failure is None:
+            state.failure = reason
 
     @abc.abstractmethod
     def barrier(self, *, timeout: float | None = None) -> None:
@@ -241,14 +304,17 @@ class FramedBackend(Backend):
 
     def send(self, buf: Any, dst: int, *, timeout: float | None = None) -> None:
         """Send ``buf``'s bytes to ``dst`` as a data frame (see :meth:`Backend.send`)."""
+        self.state.count_call(_P2P)
         self.send_tagged(buf, dst, kind=KIND_DATA, fingerprint=0, timeout=timeout)
 
     def recv(self, buf: Any, src: int, *, timeout: float | None = None) -> None:
         """Receive the next data frame from ``src`` into ``buf`` (see :meth:`Backend.recv`)."""
+        self.state.count_call(_P2P)
         self.recv_tagged(buf, src, kind=KIND_DATA, fingerprint=0, timeout=timeout)
 
     def sendrecv(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, timeout: float | None = None) -> None:
         """Exchange data frames, both directions at once (see :meth:`Backend.sendrecv`)."""
+        self.state.count_call(_P2P)
         self.sendrecv_tagged(send_buf, dst, recv_buf, src, kind=KIND_DATA, fingerprint=0, timeout=timeout)
 
     @abc.abstractmethod
@@ -263,6 +329,26 @@ class FramedBackend(Backend):
     def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
                         timeout: float | None = None) -> None:
         """Exchange tagged frames, both directions at once (see :meth:`Backend.sendrecv_tagged`)."""
+
+
+def _stats_by_name(counters: dict[int, tuple[int, int, int]]) -> dict[str, dict[str, int]]:
+    found: dict[str, dict[str, int]] = {}
+    for ident, (calls, sent, received) in sorted(counters.items()):
+        entry = found.setdefault(collective_name(ident), {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
+        entry["calls"] += calls
+        entry["bytes_sent"] += sent
+        entry["bytes_received"] += received
+    return found
+
+
+def add_counters(*parts: dict[int, tuple[int, int, int]]) -> dict[int, tuple[int, int, int]]:
+    """Add up counters by collective id (for groups built from several groups)."""
+    total: dict[int, tuple[int, int, int]] = {}
+    for part in parts:
+        for ident, values in part.items():
+            before = total.get(ident, (0, 0, 0))
+            total[ident] = (before[0] + values[0], before[1] + values[1], before[2] + values[2])
+    return total
 
 
 def dissemination_barrier(rank: int, world_size: int, exchange: Callable[[int, int], object]) -> None:

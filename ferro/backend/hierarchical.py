@@ -2,85 +2,27 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ferro._core.reduce import divide
-from ferro.backend.base import FramedBackend, default_spin_us
+from ferro.backend.base import FramedBackend, add_counters, default_spin_us
+from ferro.backend.joined import JoinSpec
+from ferro.backend.native import NativeCollectives
 from ferro.backend.shm import ShmBackend
 from ferro.backend.tcp import TcpBackend
 from ferro.errors import DistributedError
-from ferro.rendezvous import RendezvousConfig, default_timeout, validate_rank_and_size
-from ferro.store import Store
+from ferro.rendezvous.hosts import exchange_host_identities
+from ferro.rendezvous.settings import RendezvousConfig, default_timeout, validate_rank_and_size
+from ferro.rendezvous.store import Store
+from ferro.types import DType, ReduceOp
 
-__all__ = ["HOST_ID_ENV", "HierarchicalBackend", "exchange_host_identities", "host_identity", "machine_identity"]
-
-HOST_ID_ENV = "FERRO_HOST_ID"
-
-
-def host_identity() -> str:
-    """Return what ranks compare to know they share a host and its shared memory.
-
-    The hostname and kernel boot id name the machine. The device and inode of
-    ``/dev/shm`` tell containers that share a kernel but not shared memory
-    apart, and the inode of the network namespace tells apart ranks that cannot
-    reach each other over loopback (separate network namespaces are separate
-    hosts to the network, so ferro treats them as such). ``$FERRO_HOST_ID``
-    replaces all of it, to declare hosts explicitly.
-    """
-    explicit = os.environ.get(HOST_ID_ENV)
-    if explicit:
-        return f"explicit:{explicit}"
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "unknown-boot"
-    try:
-        info = os.stat("/dev/shm")
-        shm = f"{info.st_dev}:{info.st_ino}"
-    except OSError:
-        return f"no-shm:{os.getpid()}"  # no shared memory here: never counts as shared
-    try:
-        net = str(os.stat("/proc/self/ns/net").st_ino)
-    except OSError:
-        net = "unknown-netns"
-    return f"{socket.gethostname()}|{boot}|{shm}|{net}"
+__all__ = ["HierarchicalBackend"]
 
 
-def machine_identity() -> str:
-    """Return what ranks compare to know they share one machine's cores: the kernel's boot id.
-
-    Unlike :func:`host_identity` it ignores namespaces and ``$FERRO_HOST_ID``:
-    ranks in separate network namespaces of one machine compete for its cores.
-    """
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return f"unknown-machine:{socket.gethostname()}"
-
-
-def exchange_host_identities(store: Any, rank: int, world_size: int, timeout: float) -> list[tuple[str, str]]:
-    """Publish this rank's host and machine identities through ``store``; return every rank's, in rank order.
-
-    Each rank counts its own exchanges in the store, so a job that does this more
-    than once (a launcher's store, a re-created group) never reads stale answers.
-    """
-    generation = store.add(f"ferro/host-joins/{rank}", 1)
-    prefix = f"ferro/hosts/{generation}"
-    store.set(f"{prefix}/{rank}", f"{host_identity()}\n{machine_identity()}")
-    keys = [f"{prefix}/{r}" for r in range(world_size)]
-    store.wait(keys, timeout=timeout)
-    found = [store.get(key, timeout=timeout).decode().split("\n", 1) for key in keys]
-    return [(parts[0], parts[1] if len(parts) > 1 else parts[0]) for parts in found]
-
-
-class HierarchicalBackend(FramedBackend):
+class HierarchicalBackend(FramedBackend, NativeCollectives):
     """A process group over several hosts, each with one or more ranks.
 
     Three groups work together:
@@ -94,7 +36,7 @@ class HierarchicalBackend(FramedBackend):
     ``allreduce`` reduces inside each host through shared memory onto the
     leader, allreduces among the leaders over TCP, and broadcasts back inside
     each host; ``broadcast`` and ``barrier`` take the same three steps. Every
-    rank gets the same bits. Hosts are told apart by :func:`host_identity`
+    rank gets the same bits. Hosts are told apart by :func:`~ferro.rendezvous.hosts.host_identity`
     (``$FERRO_HOST_ID`` to declare them).
 
     Args:
@@ -154,6 +96,12 @@ class HierarchicalBackend(FramedBackend):
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def join(cls, spec: JoinSpec) -> HierarchicalBackend:
+        """Join the job described by ``spec`` (the backend registry's entry point)."""
+        return cls(spec.rank, spec.world_size, spec.master_addr, spec.master_port, timeout=spec.timeout,
+                   secret=spec.secret, store=spec.store, bind_addr=spec.bind_addr, close_store=spec.close_store)
 
     def _plan(self, rank: int, hosts: Sequence[str]) -> None:
         by_host: dict[str, list[int]] = {}
@@ -215,42 +163,59 @@ class HierarchicalBackend(FramedBackend):
 
     # --- collectives: host, leaders, host ----------------------------------------------
 
-    def native_allreduce(self, flat: Any, dtype: Any, op_code: int, fingerprint: int, timeout: float,
-                         algorithm: str, divisor: float = 0.0) -> None:
+    def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,
+                         algorithm: str) -> bool:
         """Reduce onto each host's leader (shared memory), allreduce among leaders (TCP), broadcast back."""
         self._world._usable("allreduce")
+        combine = ReduceOp.SUM if op is ReduceOp.MEAN else op
         if self._local is not None:
-            self._local.native_reduce(flat, 0, dtype.code, op_code, dtype.itemsize, fingerprint, timeout)
+            self._local.native_reduce(flat, 0, dtype, combine, fingerprint, timeout)
         if self._leaders is not None:
-            self._leaders.native_allreduce(flat, dtype, op_code, fingerprint, timeout, algorithm)
+            self._leaders.native_allreduce(flat, dtype, combine, fingerprint, timeout, algorithm)
         if self._local is not None:
-            self._local.native_broadcast(flat.view(np.uint8), 0, fingerprint, timeout, False)
-        if divisor:
+            self._local.native_broadcast(flat.view(np.uint8), 0, fingerprint, timeout)
+        if op is ReduceOp.MEAN:
             # Every rank divides the same bits the same way, so the results stay identical.
-            divide(flat, dtype.code, divisor, dtype.itemsize)
+            divide(flat, dtype.code, float(self.world_size), dtype.itemsize)
+        return True
 
-    def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float, chain: bool) -> None:
+    def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:
         """Broadcast inside the root's host, then among leaders, then inside every other host."""
         self._world._usable("broadcast")
         root_host = self._host_of[root]
         mine = self._host_of[self._world.rank]
         if mine == root_host and self._local is not None:
-            self._local.native_broadcast(flat, self._members.index(root), fingerprint, timeout, chain)
+            self._local.native_broadcast(flat, self._members.index(root), fingerprint, timeout)
         if self._leaders is not None:
-            self._leaders.native_broadcast(flat, root_host, fingerprint, timeout, chain)
+            self._leaders.native_broadcast(flat, root_host, fingerprint, timeout)
         if mine != root_host and self._local is not None:
-            self._local.native_broadcast(flat, 0, fingerprint, timeout, chain)
+            self._local.native_broadcast(flat, 0, fingerprint, timeout)
+        return True
 
-    def native_ring(self, flat: Any, bounds: list[int], dtype_code: int, op_code: int, itemsize: int,
-                    fingerprint: int, timeout: float, reduce_scatter: bool, all_gather: bool) -> None:
-        """Reduce-scatter and/or all-gather over the TCP mesh's ring (every rank's part crosses hosts anyway)."""
-        self._world.native_ring(flat, bounds, dtype_code, op_code, itemsize, fingerprint, timeout,
-                                reduce_scatter, all_gather)
+    def native_reduce_scatter(self, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp, fingerprint: int,
+                              timeout: float) -> bool:
+        """Over the TCP mesh's ring: every rank's part crosses hosts anyway."""
+        return self._world.native_reduce_scatter(flat, bounds, dtype, op, fingerprint, timeout)
+
+    def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
+        """Over the TCP mesh's ring."""
+        return self._world.native_all_gather(flat, bounds, fingerprint, timeout)
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
-                          fingerprint: int, timeout: float) -> None:
+                          fingerprint: int, timeout: float) -> bool:
         """All-to-all over the TCP mesh."""
-        self._world.native_all_to_all(send, send_offsets, recv, recv_offsets, fingerprint, timeout)
+        return self._world.native_all_to_all(send, send_offsets, recv, recv_offsets, fingerprint, timeout)
+
+    def _counters(self) -> dict[int, tuple[int, int, int]]:
+        # Calls are counted on this group; the bytes by the three groups that move them.
+        parts = [part.state.counters() for part in (self._world, self._local, self._leaders) if part is not None]
+        return add_counters(self.state.counters(), *parts)
+
+    def reset_stats(self) -> None:
+        """Zero this rank's communication counters (and those of the groups inside)."""
+        for part in (self, self._world, self._local, self._leaders):
+            if part is not None:
+                part.state.reset_counters()
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Block until every rank on every host has entered the barrier."""

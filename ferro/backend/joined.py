@@ -5,15 +5,45 @@ from __future__ import annotations
 import abc
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ferro._buffers import as_buffer
 from ferro.backend.base import FramedBackend
 from ferro.errors import BackendClosedError, DistributedTimeoutError
-from ferro.rendezvous import RendezvousConfig, default_timeout
-from ferro.store import Store
+from ferro.rendezvous.settings import RendezvousConfig, default_timeout
+from ferro.rendezvous.store import Store
 
-__all__ = ["StoreBackend"]
+__all__ = ["JoinSpec", "StoreBackend"]
+
+
+@dataclass(frozen=True)
+class JoinSpec:
+    """How a rank joins a job: what every backend of the registry is created from.
+
+    Attributes:
+        rank: This process's rank.
+        world_size: Number of ranks.
+        master_addr: Address of the rendezvous store.
+        master_port: Port of the rendezvous store.
+        timeout: Default seconds for blocking operations (None: ``$FERRO_TIMEOUT`` or 60).
+        secret: The job secret (None: ``$FERRO_SECRET``).
+        store: An existing store to rendezvous through (a :class:`~ferro.rendezvous.store.Store`
+            or :class:`~ferro.rendezvous.file_store.FileStore`), or None to use rank 0's.
+        bind_addr: Address TCP listeners bind (None: the route towards the master).
+        close_store: Close ``store`` with the group (it becomes the group's own).
+
+    """
+
+    rank: int
+    world_size: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    timeout: float | None = None
+    secret: bytes | str | None = None
+    store: Any = None
+    bind_addr: str | None = None
+    close_store: bool = False
 
 
 class StoreBackend(FramedBackend):
@@ -49,7 +79,7 @@ class StoreBackend(FramedBackend):
         except DistributedTimeoutError as exc:
             if owns_store:
                 store.close()
-            refused = store.server.refused if store.server is not None else ()
+            refused = store.refused
             if refused:
                 raise DistributedTimeoutError(
                     f"{exc}; meanwhile the store refused {len(refused)} connection(s): {refused[-1]}") from exc

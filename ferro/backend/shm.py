@@ -12,12 +12,13 @@ from ferro._buffers import as_buffer
 from ferro._core.arena import Arena, arena_bytes
 from ferro._core.shm import SEGMENT_HEADER_BYTES, Channel, Segment, segment_bytes
 from ferro._core.transport import KIND_ABORT, KIND_BARRIER
-from ferro._dtypes import describe_fingerprint
 from ferro.backend.base import default_spin_us
-from ferro.backend.joined import StoreBackend
+from ferro.backend.joined import JoinSpec, StoreBackend
+from ferro.backend.native import NativeCollectives
 from ferro.errors import ConfigurationError, DistributedError, DistributedTimeoutError
-from ferro.rendezvous import default_timeout, validate_rank_and_size
-from ferro.store import Store
+from ferro.rendezvous.settings import default_timeout, validate_rank_and_size
+from ferro.rendezvous.store import Store
+from ferro.types import DType, ReduceOp, describe_fingerprint
 
 __all__ = ["ShmBackend"]
 
@@ -88,7 +89,7 @@ def _layout(world_size: int, ring_bytes: int, buffer_bytes: int) -> tuple[int, i
     return arena_offset, arena_offset + arena_bytes(world_size, buffer_bytes)
 
 
-class ShmBackend(StoreBackend):
+class ShmBackend(StoreBackend, NativeCollectives):
     """A process group whose ranks share one host and talk through shared memory.
 
     Rank 0 creates the segment with owner-only permissions, under a random name
@@ -132,6 +133,12 @@ class ShmBackend(StoreBackend):
         self._join(rank, world_size, master_addr, master_port, timeout, secret, store, close_store,
                    lambda: self._attach(ring, buffer, spin))
 
+    @classmethod
+    def join(cls, spec: JoinSpec) -> ShmBackend:
+        """Join the job described by ``spec`` (the backend registry's entry point; ``bind_addr`` is unused)."""
+        return cls(spec.rank, spec.world_size, spec.master_addr, spec.master_port, timeout=spec.timeout,
+                   secret=spec.secret, store=spec.store, close_store=spec.close_store)
+
     def _attach(self, ring_bytes: int, buffer_bytes: int, spin_us: float) -> None:
         rank, world_size, store, prefix, timeout = (self._rank, self._world_size, self._store, self._prefix,
                                                     self._timeout)
@@ -168,41 +175,59 @@ class ShmBackend(StoreBackend):
                 os.unlink(path)  # every rank has it mapped (or the job failed): no name left behind
         self._ring_bytes, self._buffer_bytes, self._spin_us = ring_bytes, buffer_bytes, spin_us
         self._mapping, self._segment = mapping, segment
-        self._arena = Arena(mapping, world_size, rank, SEGMENT_HEADER_BYTES, arena_offset, buffer_bytes, spin_us)
+        state = self.state
+        self._arena = Arena(mapping, world_size, rank, SEGMENT_HEADER_BYTES, arena_offset, buffer_bytes, spin_us,
+                            state)
         self._arena.default_timeout = timeout
         self._arena.small_limit = min(SMALL_ALLREDUCE_BYTES, buffer_bytes)
-        # The direct path of ferro.allreduce (ferro.collective._direct_path): one compiled call.
-        self.direct_allreduce_arena = self._arena
-        self._links = {peer: Channel(segment, rank, peer, spin_us) for peer in range(world_size) if peer != rank}
+        self._links = {peer: Channel(segment, rank, peer, spin_us, state) for peer in range(world_size)
+                       if peer != rank}
 
-    # --- native collectives through the arena (used by ferro.collective) ---------------
+    # --- native collectives through the arena (ferro.backend.native) -----------------------
 
-    def native_allreduce(self, flat: Any, dtype: Any, op_code: int, fingerprint: int, timeout: float,
-                         algorithm: str, divisor: float = 0.0) -> None:
-        """Allreduce ``flat`` in place through the arena (see :meth:`Arena.allreduce`).
+    @property
+    def direct_arena(self) -> Arena:
+        """The arena behind ``ferro.allreduce``'s direct path: one compiled call per allreduce."""
+        return self._arena
 
-        Shared memory chooses by size alone; ``algorithm`` is the TCP hint.
-        """
+    def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,
+                         algorithm: str) -> bool:
+        """Allreduce through the arena, which chooses by size (``algorithm`` is TCP's hint)."""
         self._usable("allreduce")
-        self._arena.allreduce(flat, dtype.code, op_code, dtype.itemsize, fingerprint, timeout, divisor)
+        self._arena.allreduce(flat, dtype.code, op.kernel_code, dtype.itemsize, fingerprint, timeout,
+                              self._divisor(op))
+        return True
 
-    def native_ring(self, flat: Any, bounds: list[int], dtype_code: int, op_code: int, itemsize: int,
-                    fingerprint: int, timeout: float, reduce_scatter: bool, all_gather: bool) -> None:
-        """Reduce-scatter and/or all-gather through the arena (see :meth:`Arena.ring`)."""
-        self._usable("ring")
-        self._arena.ring(flat, bounds, dtype_code, op_code, itemsize, fingerprint, timeout, reduce_scatter,
-                         all_gather)
-
-    def native_reduce(self, flat: Any, root: int, dtype_code: int, op_code: int, itemsize: int, fingerprint: int,
-                      timeout: float) -> None:
-        """Reduce into ``flat`` on ``root``: each rank reduces a part, the root gathers the parts."""
+    def native_reduce(self, flat: Any, root: int, dtype: DType, op: ReduceOp, fingerprint: int,
+                      timeout: float) -> bool:
+        """Each rank reduces one part; the root gathers the parts."""
         self._usable("reduce")
-        self._arena.allreduce(flat, dtype_code, op_code, itemsize, fingerprint, timeout, 0.0, root)
+        self._arena.allreduce(flat, dtype.code, op.kernel_code, dtype.itemsize, fingerprint, timeout,
+                              self._divisor(op), root)
+        return True
 
-    def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float, chain: bool) -> None:
-        """Broadcast bytes through the root's slot (``chain`` is the TCP hint; not needed here)."""
+    def native_reduce_scatter(self, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp, fingerprint: int,
+                              timeout: float) -> bool:
+        """Each rank reduces its own part, reading it straight from its peers' slots."""
+        self._usable("reduce_scatter")
+        self._arena.ring(flat, bounds, dtype.code, op.kernel_code, dtype.itemsize, fingerprint, timeout, True, False,
+                         self._divisor(op))
+        return True
+
+    def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
+        """Each rank publishes its part; every rank copies the others' out."""
+        self._usable("all_gather")
+        self._arena.ring(flat, bounds, -1, 0, 1, fingerprint, timeout, False, True)
+        return True
+
+    def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:
+        """Through the root's slot, a buffer at a time."""
         self._usable("broadcast")
         self._arena.broadcast(flat, root, fingerprint, timeout)
+        return True
+
+    def _divisor(self, op: ReduceOp) -> float:
+        return float(self._world_size) if op is ReduceOp.MEAN else 0.0
 
     def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
         """Receive one frame (see :meth:`Backend.recv_tagged`); a timeout says if ``src`` sits in a collective.

@@ -13,16 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferro._buffers import byte_view
-from ferro._core.transport import KIND_ABORT, KIND_BARRIER, abort_error, kind_name
+from ferro._core.status import KIND_ABORT, KIND_BARRIER, abort_error, mismatch_error, size_error
 from ferro.backend.base import FramedBackend, dissemination_barrier
-from ferro.errors import (
-    BackendClosedError,
-    CollectiveMismatchError,
-    DistributedTimeoutError,
-    PeerLostError,
-    SizeMismatchError,
-)
-from ferro.rendezvous import default_timeout, validate_rank_and_size
+from ferro.errors import BackendClosedError, DistributedTimeoutError, PeerLostError
+from ferro.rendezvous.settings import default_timeout, validate_rank_and_size
 
 __all__ = ["SimulatedBackend"]
 
@@ -137,6 +131,7 @@ class SimulatedBackend(FramedBackend):
             world.queues[pair].append(_Message(kind, fingerprint, payload, world.next_seq[pair]))
             world.next_seq[pair] += 1
             world.cond.notify_all()
+        self.state.count_bytes(kind, fingerprint, len(payload), 0)
 
     def _take(self, out: memoryview, src: int, kind: int, timeout: float, op: str, fingerprint: int = 0) -> None:
         world = self._world
@@ -159,18 +154,12 @@ class SimulatedBackend(FramedBackend):
                 queue.popleft()
                 raise abort_error(message.payload, src, where)
             if message.kind != kind or message.fingerprint != fingerprint:
-                raise CollectiveMismatchError(
-                    f"{where}: this rank expected a {kind_name(kind)} message (fingerprint 0x{fingerprint:x}) but "
-                    f"rank {src} sent a {kind_name(message.kind)} message (fingerprint 0x{message.fingerprint:x}) "
-                    f"at seq {message.seq}: the two ranks made different calls; the message was not consumed",
-                    src, (kind, fingerprint), (message.kind, message.fingerprint))
+                raise mismatch_error(where, src, kind, fingerprint, message.kind, message.fingerprint, message.seq)
             if len(message.payload) != out.nbytes:
-                raise SizeMismatchError(
-                    f"{where}: rank {src} sent a {len(message.payload)}-byte payload but the receive buffer "
-                    f"expects exactly {out.nbytes} bytes (seq {message.seq}); the message was not consumed",
-                    expected=out.nbytes, actual=len(message.payload))
+                raise size_error(where, src, len(message.payload), out.nbytes, True, message.seq)
             queue.popleft()
         out[:] = message.payload
+        self.state.count_bytes(kind, fingerprint, 0, len(message.payload))
 
     def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
         """Queue a tagged copy of ``buf`` (see :meth:`Backend.send_tagged`)."""

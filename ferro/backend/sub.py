@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ferro._core.state import GroupState
 from ferro.backend.base import Backend
+from ferro.backend.native import NativeCollectives
 from ferro.errors import InvalidRankError
 
-__all__ = ["SubBackend", "new_group"]
+__all__ = ["SubBackend", "sub_group"]
 
 
 class SubBackend(Backend):
@@ -19,17 +21,30 @@ class SubBackend(Backend):
     connections on TCP), so they never mix with the parent's or a sibling's,
     whatever the order in which the groups are used.
 
-    Create one with :func:`new_group`.
+    Create one with :func:`ferro.new_group`.
     """
 
     def __init__(self, parent: Backend, ranks: Sequence[int], channel: Backend) -> None:
         self._parent = parent
         self._ranks = tuple(ranks)
         self._channel = channel
-        # Native collectives of the channel (TCP's compiled ones) serve the sub-group as they are.
-        for name in ("native_allreduce", "native_ring", "native_reduce", "native_broadcast", "native_all_to_all"):
-            if hasattr(channel, name):
-                setattr(self, name, getattr(channel, name))
+
+    @property
+    def state(self) -> GroupState:
+        """The channel's state: the sub-group and the group carrying its traffic are one group."""
+        return self._channel.state
+
+    @property
+    def native(self) -> NativeCollectives | None:
+        """The channel's native collectives (TCP's compiled ones serve the sub-group as they are)."""
+        return self._channel.native
+
+    def _counters(self) -> dict[int, tuple[int, int, int]]:
+        return self._channel._counters()
+
+    def reset_stats(self) -> None:
+        """Zero the sub-group's communication counters."""
+        self._channel.reset_stats()
 
     @property
     def parent(self) -> Backend:
@@ -130,16 +145,16 @@ class SubBackend(Backend):
         return f"<SubBackend rank={self.rank} ranks={list(self._ranks)} of {self._parent!r}>"
 
 
-def new_group(ranks: Iterable[int], group: Backend | None = None, *, timeout: float | None = None) -> SubBackend | None:
-    """Create a sub-group of ``group`` made of ``ranks``.
+def sub_group(group: Backend, ranks: Iterable[int], *, timeout: float | None = None) -> SubBackend | None:
+    """Create a sub-group of ``group`` made of ``ranks`` (what :func:`ferro.new_group` runs).
 
     Every member must call it, with the same ranks, in the same order as its
-    other ``new_group`` calls on that group. Non-members may call it too and get
+    other sub-group calls on that group. Non-members may call it too and get
     ``None`` without communicating. Local ranks follow the sorted order of ``ranks``.
 
     Args:
+        group: The parent group.
         ranks: Ranks of ``group`` that form the sub-group.
-        group: The parent group (default: the default group of ``init_process_group``).
         timeout: Seconds for connecting the sub-group (default: the parent's).
 
     Returns:
@@ -147,19 +162,8 @@ def new_group(ranks: Iterable[int], group: Backend | None = None, *, timeout: fl
 
     Raises:
         InvalidRankError: Empty, duplicate or out-of-range ranks.
-        ConfigurationError: No parent group given and no default group exists.
-
-    Example::
-
-        # world of 4 ranks
-        evens = new_group([0, 2], group=world)
-        # rank 0: evens.rank == 0; rank 2: evens.rank == 1; ranks 1 and 3: evens is None
 
     """
-    if group is None:
-        from ferro.process_group import get_default_group  # deferred: process_group imports the backends
-
-        group = get_default_group()
     members = []
     for r in ranks:
         if isinstance(r, bool) or not hasattr(r, "__index__"):

@@ -11,17 +11,13 @@ from ferro._buffers import as_buffer
 from ferro._core import collectives as native
 from ferro._core.transport import KIND_ABORT, Connection, sendrecv
 from ferro.backend.base import default_spin_us
-from ferro.backend.joined import StoreBackend
+from ferro.backend.joined import JoinSpec, StoreBackend
+from ferro.backend.native import NativeCollectives
 from ferro.errors import ConfigurationError, DistributedError
-from ferro.rendezvous import (
-    BIND_ADDR_ENV,
-    RendezvousConfig,
-    build_mesh,
-    default_timeout,
-    local_address_towards,
-    validate_rank_and_size,
-)
-from ferro.store import Store
+from ferro.rendezvous.connect import build_mesh, local_address_towards
+from ferro.rendezvous.settings import BIND_ADDR_ENV, RendezvousConfig, default_timeout, validate_rank_and_size
+from ferro.rendezvous.store import Store
+from ferro.types import DType, ReduceOp
 
 __all__ = ["TcpBackend"]
 
@@ -29,6 +25,9 @@ SOCKET_BUFFER_ENV = "FERRO_SOCKET_BUFFER_BYTES"
 # Measured on loopback (bench/, DESIGN.md): fixed 4 MiB buffers take a 1 MiB allreduce
 # from ~565 to ~350 us, where autotuning starts too small; 0 restores autotuning.
 DEFAULT_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+# Broadcasts above this size (to more than two ranks) take the pipelined chain: every link carries
+# the message once, all at the same time; smaller ones the binomial tree's log2(n) rounds.
+CHAIN_BROADCAST_BYTES = 64 * 1024
 
 
 def _size_socket_buffers(sock: socket.socket) -> None:
@@ -43,7 +42,11 @@ def _size_socket_buffers(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
 
 
-class TcpBackend(StoreBackend):
+def _divisor(op: ReduceOp, world_size: int) -> float:
+    return float(world_size) if op is ReduceOp.MEAN else 0.0
+
+
+class TcpBackend(StoreBackend, NativeCollectives):
     """A process group whose ranks are connected pairwise by TCP (a full mesh).
 
     Rank 0 serves the rendezvous :class:`~ferro.Store` on ``master_addr:master_port``
@@ -106,6 +109,12 @@ class TcpBackend(StoreBackend):
                    lambda: self._connect(bind, spin))
 
     @classmethod
+    def join(cls, spec: JoinSpec) -> TcpBackend:
+        """Join the job described by ``spec`` (the backend registry's entry point)."""
+        return cls(spec.rank, spec.world_size, spec.master_addr, spec.master_port, timeout=spec.timeout,
+                   secret=spec.secret, store=spec.store, bind_addr=spec.bind_addr, close_store=spec.close_store)
+
+    @classmethod
     def from_env(cls, **kwargs: Any) -> TcpBackend:
         """Build the group from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``FERRO_SECRET``.
 
@@ -130,7 +139,7 @@ class TcpBackend(StoreBackend):
         self._links = {}
         for peer, sock in sockets.items():
             _size_socket_buffers(sock)
-            self._links[peer] = Connection(sock, self._rank, peer, spin_us=spin_us)
+            self._links[peer] = Connection(sock, self._rank, peer, spin_us=spin_us, group_state=self.state)
         # Indexed by rank, for the native collectives (None stands for this rank).
         self._conn_table = tuple(self._links.get(peer) for peer in range(self._world_size))
 
@@ -148,34 +157,44 @@ class TcpBackend(StoreBackend):
                  kind=kind, fingerprint=fingerprint, timeout=self._seconds(timeout),
                  op="sendrecv")
 
-    def native_allreduce(self, flat: Any, dtype: Any, op_code: int, fingerprint: int, timeout: float,
-                         algorithm: str, divisor: float = 0.0) -> None:
-        """Allreduce ``flat`` in place in one compiled call (used by :func:`ferro.allreduce`).
+    # --- native collectives (ferro.backend.native), each one compiled call ------------------
 
-        A non-zero ``divisor`` divides the result inside the collective (MEAN).
-        """
+    def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,
+                         algorithm: str) -> bool:
+        """Run a segmented ring or recursive doubling; MEAN divides inside, each chunk once, while in cache."""
         self._usable("allreduce")
         code = native.ALGORITHM_RING if algorithm == "ring" else native.ALGORITHM_RECURSIVE_DOUBLING
-        native.allreduce(self._conn_table, self._rank, flat, dtype.code, op_code, dtype.itemsize, fingerprint,
-                         timeout, code, native.DEFAULT_SEGMENT_BYTES, divisor)
+        native.allreduce(self._conn_table, self._rank, flat, dtype.code, op.kernel_code, dtype.itemsize,
+                         fingerprint, timeout, code, native.DEFAULT_SEGMENT_BYTES, _divisor(op, self._world_size))
+        return True
 
-    def native_ring(self, flat: Any, bounds: list[int], dtype_code: int, op_code: int, itemsize: int,
-                    fingerprint: int, timeout: float, reduce_scatter: bool, all_gather: bool) -> None:
-        """Ring reduce-scatter and/or all-gather in one compiled call (used by the collectives)."""
-        self._usable("ring")
-        native.ring(self._conn_table, self._rank, flat, bounds, dtype_code, op_code, itemsize, fingerprint, timeout,
-                    reduce_scatter, all_gather)
+    def native_reduce_scatter(self, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp, fingerprint: int,
+                              timeout: float) -> bool:
+        """Run the ring's reduce-scatter half."""
+        self._usable("reduce_scatter")
+        native.ring(self._conn_table, self._rank, flat, bounds, dtype.code, op.kernel_code, dtype.itemsize,
+                    fingerprint, timeout, True, False, native.DEFAULT_SEGMENT_BYTES, _divisor(op, self._world_size))
+        return True
 
-    def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float, chain: bool) -> None:
-        """Broadcast bytes in one compiled call: binomial tree, or pipelined chain when ``chain``."""
+    def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
+        """Run the ring's all-gather half, over bytes."""
+        self._usable("all_gather")
+        native.ring(self._conn_table, self._rank, flat, bounds, -1, 0, 1, fingerprint, timeout, False, True)
+        return True
+
+    def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:
+        """Run a binomial tree for small messages (and two ranks), a pipelined chain for large ones."""
         self._usable("broadcast")
+        chain = flat.nbytes > CHAIN_BROADCAST_BYTES and self._world_size > 2
         native.broadcast(self._conn_table, self._rank, flat, root, fingerprint, timeout, chain)
+        return True
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
-                          fingerprint: int, timeout: float) -> None:
-        """Pairwise all-to-all of byte blocks in one compiled call."""
+                          fingerprint: int, timeout: float) -> bool:
+        """Pairwise exchange of byte blocks."""
         self._usable("all_to_all")
         native.all_to_all(self._conn_table, self._rank, send, send_offsets, recv, recv_offsets, fingerprint, timeout)
+        return True
 
     def abort_peers(self, payload: bytes) -> None:
         """Send an abort notice to every peer whose connection still works (one second each at most)."""

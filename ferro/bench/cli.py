@@ -17,18 +17,21 @@ import subprocess
 import sys
 import tempfile
 
+from ferro.backend import available_backends
 from ferro.bench.reference import memcpy_seconds
 from ferro.bench.table import Row, read_json, write_csv, write_json
 from ferro.bench.worker import OPS, sizes_from
 from ferro.bench.worker import main as worker_main
-from ferro.environment import detect
 from ferro.errors import ConfigurationError
 from ferro.launch.agent import LaunchConfig, run_job
-from ferro.testing.processes import free_port
+from ferro.rendezvous.env import detect
+from ferro.rendezvous.settings import free_port
 
 __all__ = ["build_parser", "main", "parse_size"]
 
-PEERS = ("torch-gloo", "mpi", "ferro-tcp", "ferro-shm")
+# The ferro peers are the registry's backends (ferro.backend.BACKENDS) that a single host can run.
+FERRO_PEERS = tuple(f"ferro-{name}" for name in available_backends() if name != "hierarchical")
+PEERS = ("torch-gloo", "mpi", *FERRO_PEERS)
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 
 
@@ -66,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-n", "--nproc", type=_world_sizes,
                         help="start this many local ranks, or several sweeps: 2,4 (else: run as a rank)")
     parser.add_argument("--backend", default="auto",
-                        help="ferro backend: auto (shared memory on one host), tcp or shm")
+                        help=f"ferro backend: auto (shared memory on one host) or one of "
+                             f"{', '.join(available_backends())}")
     parser.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size (default 8)")
     parser.add_argument("-e", "--maxbytes", type=parse_size, default=32 * 1024**2, help="largest size (default 32M)")
     parser.add_argument("-f", "--stepfactor", type=int, default=2, help="size factor between rows (default 2)")
@@ -80,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--plot", help="draw bus bandwidth and latency against size into this PNG (matplotlib)")
     parser.add_argument("--compare", default="",
-                        help="also run torch-gloo, mpi, ferro-tcp and/or ferro-shm, e.g. mpi,ferro-tcp (MPI over "
+                        help=f"also run any of {', '.join(PEERS)}, e.g. mpi,ferro-tcp (MPI over "
                              "TCP beside --backend tcp, else with its default settings: shared memory on one host)")
     return parser
 
@@ -157,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"ferro bench: unknown op {unknown[0]!r}; choose from {', '.join(OPS)} or all", file=sys.stderr)
         return 2
-    if args.backend not in ("tcp", "shm", "auto"):
-        print(f"ferro bench: backend {args.backend!r} is not available; use auto, tcp or shm", file=sys.stderr)
+    if args.backend != "auto" and args.backend not in available_backends():
+        print(f"ferro bench: backend {args.backend!r} is not available; use auto or one of "
+              f"{', '.join(available_backends())}", file=sys.stderr)
         return 2
     peers = [p for p in args.compare.split(",") if p]
     bad = [p for p in peers if p not in PEERS]

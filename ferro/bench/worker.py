@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the worker's parser (the orchestrator passes these through)."""
     parser = argparse.ArgumentParser(prog="python -m ferro.bench.worker")
     parser.add_argument("--library", choices=list(ADAPTERS), default="ferro")
-    parser.add_argument("--backend", default="auto", help="ferro's backend: auto, tcp or shm")
+    parser.add_argument("--backend", default="auto", help="ferro's backend: auto or a name of ferro.backend.BACKENDS")
     parser.add_argument("--ops", default="allreduce")
     parser.add_argument("--sizes", required=True, help="comma-separated byte sizes")
     parser.add_argument("--dtype", default="float32")

@@ -8,7 +8,7 @@ import sys
 
 from ferro.errors import ConfigurationError
 from ferro.launch.agent import LaunchConfig, run_job
-from ferro.testing.processes import free_port
+from ferro.rendezvous.settings import free_port
 
 __all__ = ["build_parser", "main"]
 

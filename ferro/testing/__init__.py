@@ -6,7 +6,7 @@ return every rank's result, ship tracebacks back, stop the other ranks at the
 first failure and enforce a timeout that reports the stacks of hung ranks.
 """
 
-from ferro.testing.processes import RankExit, free_port, run_processes
+from ferro.testing.processes import RankExit, run_processes
 from ferro.testing.threads import run_threads
 
-__all__ = ["RankExit", "free_port", "run_processes", "run_threads"]
+__all__ = ["RankExit", "run_processes", "run_threads"]

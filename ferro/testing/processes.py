@@ -10,7 +10,6 @@ import pickle
 import secrets
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -18,10 +17,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ferro.backend import backend_entry
 from ferro.errors import DistributedTimeoutError, RankFailedError
 from ferro.launch.bootstrap import die_with_parent
+from ferro.rendezvous.settings import free_port
+from ferro.rendezvous.store import StoreServer
 
-__all__ = ["RankExit", "free_port", "run_processes"]
+__all__ = ["RankExit", "run_processes"]
 
 STACK_DUMP_GRACE = 1.0
 FAILURE_GATHER_SECONDS = 0.2
@@ -40,15 +42,6 @@ class RankExit:
 
     exitcode: int | None
     signal_name: str | None
-
-
-def free_port(host: str = _LOCALHOST) -> int:
-    """Return a TCP port that was free on ``host`` a moment ago (another process may take it)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def _describe_exit(code: int | None) -> str:
@@ -73,16 +66,15 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_s
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        if mode in ("tcp", "shm"):
-            from ferro.backend.shm import ShmBackend
-            from ferro.backend.tcp import TcpBackend
-            from ferro.store import Store
+        if mode is not None:
+            from ferro.backend import JoinSpec, join_backend
+            from ferro.rendezvous.store import Store
 
-            backend_class = TcpBackend if mode == "tcp" else ShmBackend
             store = Store(_LOCALHOST, store_port, secret=secret, timeout=group_timeout or 60.0)
             try:
-                with backend_class(rank, world_size, _LOCALHOST, store_port, secret=secret, store=store,
-                                   timeout=group_timeout) as group:
+                spec = JoinSpec(rank, world_size, _LOCALHOST, store_port, timeout=group_timeout, secret=secret,
+                                store=store)
+                with join_backend(mode, spec) as group:
                     result = fn(group, *args)
             finally:
                 store.close()
@@ -112,8 +104,8 @@ def run_processes(
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` ranks, each in its own process, and return their results.
 
-    With ``backend="tcp"`` (or ``"shm"``) each rank calls ``fn(group, *args)`` with
-    a connected :class:`~ferro.TcpBackend` (or :class:`~ferro.ShmBackend`); the
+    With a backend of the registry (:data:`ferro.backend.BACKENDS`: ``"tcp"``, ``"shm"``,
+    ...) each rank calls ``fn(group, *args)`` with a connected group of that backend; the
     harness serves the rendezvous store on loopback and closes every group afterwards. With ``backend=None`` each rank
     calls ``fn(rank, world_size, *args)`` with ``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT`` (a free port) and a fresh ``FERRO_SECRET``
@@ -126,10 +118,10 @@ def run_processes(
         fn: The function every rank runs.
         world_size: Number of ranks.
         args: Extra positional arguments for ``fn``.
-        backend: ``"tcp"``, ``"shm"`` or ``None`` (see above).
+        backend: A backend's name, or ``None`` (see above).
         timeout: Seconds for the whole run; past it the stacks of the ranks
             still running are collected into the error and every rank is killed.
-        group_timeout: Default timeout of the TCP group (default: ferro's).
+        group_timeout: Default timeout of the group (default: ferro's).
         allow_exit: Ranks that may end without returning (a test that kills a
             rank on purpose); their result is a :class:`RankExit`.
         env: Extra environment variables for every rank.
@@ -144,8 +136,8 @@ def run_processes(
             message holds the stacks of the ranks that had not finished.
 
     """
-    if backend not in ("tcp", "shm", None):
-        raise ValueError(f"run_processes: backend must be 'tcp', 'shm' or None, got {backend!r}")
+    if backend is not None:
+        backend_entry(backend)  # unknown or unavailable: refused here, before any rank starts
     allowed = set(allow_exit)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["numpy", "ferro"])
@@ -155,9 +147,7 @@ def run_processes(
     processes: list[Any] = []  # context-specific Process classes
     pipes: list[multiprocessing.connection.Connection] = []
     try:
-        if backend in ("tcp", "shm"):
-            from ferro.store import StoreServer
-
+        if backend is not None:
             server = StoreServer(_LOCALHOST, 0, secret=secret.encode())
             port = server.port
         else:

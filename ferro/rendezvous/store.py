@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
-from ferro.auth import accept_handshake, connect_handshake
 from ferro.errors import (
     AuthenticationError,
     BackendClosedError,
@@ -32,6 +31,8 @@ from ferro.errors import (
     PeerLostError,
     StoreError,
 )
+from ferro.rendezvous.auth import accept_handshake, connect_handshake
+from ferro.rendezvous.connect import dial
 
 __all__ = ["Store", "StoreServer"]
 
@@ -325,31 +326,23 @@ class Store:
         """The server this client started (``serve=True``), or None."""
         return self._server
 
+    @property
+    def refused(self) -> tuple[str, ...]:
+        """Connections the server this client runs refused for lacking the job secret (latest 8; else none)."""
+        return self._server.refused if self._server is not None else ()
+
     def _connect(self) -> socket.socket:
         where = f"the store at {self.host}:{self.port}"
-        deadline = time.monotonic() + self.timeout
-        delay = 0.01
-        last_error: OSError | None = None
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DistributedTimeoutError(
-                    f"could not reach {where} within {self.timeout:g} s ({last_error}); is rank 0 running, "
-                    f"and are MASTER_ADDR and MASTER_PORT the same on every rank?")
-            try:
-                sock = socket.create_connection((self.host, self.port), timeout=min(remaining, 5.0))
-            except OSError as exc:
-                last_error = exc
-                time.sleep(min(delay, max(deadline - time.monotonic(), 0)))
-                delay = min(delay * 2, 1.0)
-                continue
-            try:
-                connect_handshake(sock, self._secret, b"ferro-store", min(HANDSHAKE_TIMEOUT, self.timeout), where)
-            except BaseException:
-                sock.close()
-                raise
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
+        sock = dial(self.host, self.port, time.monotonic() + self.timeout,
+                    f"could not reach {where} within {self.timeout:g} s; is rank 0 running, and are MASTER_ADDR "
+                    f"and MASTER_PORT the same on every rank?")
+        try:
+            connect_handshake(sock, self._secret, b"ferro-store", min(HANDSHAKE_TIMEOUT, self.timeout), where)
+        except BaseException:
+            sock.close()
+            raise
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
 
     def _request(self, code: int, args: Sequence[bytes], wait: float | None = None) -> tuple[int, list[bytes]]:
         with self._lock:

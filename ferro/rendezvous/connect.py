@@ -1,83 +1,65 @@
-"""Rendezvous: where a job's settings come from, and how ranks find and connect to each other.
+"""How ranks connect: one dial-with-backoff loop, and the authenticated TCP full mesh built through the store.
 
-Settings come from explicit arguments first, then from the torchrun-style
-environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
-``FERRO_SECRET``. A full mesh is built through the :class:`~ferro.store.Store`:
-every rank listens on the interface that faces the master, publishes its
-address, connects to every lower rank and accepts every higher one. Each
-connection is authenticated with the job secret before it carries a frame.
+A full mesh is built through the :class:`~ferro.rendezvous.store.Store`: every
+rank listens on the interface that faces the master, publishes its address,
+connects to every lower rank and accepts every higher one. Each connection is
+authenticated with the job secret before it carries a frame.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ferro.auth import accept_handshake, connect_handshake, secret_from_env
 from ferro.errors import (
     AuthenticationError,
     ConfigurationError,
     DistributedError,
     DistributedTimeoutError,
-    InvalidRankError,
     InvalidWorldSizeError,
     PeerLostError,
 )
-from ferro.store import Store
+from ferro.rendezvous.auth import accept_handshake, connect_handshake
+from ferro.rendezvous.settings import BIND_ADDR_ENV
 
-__all__ = [
-    "RendezvousConfig",
-    "build_mesh",
-    "default_timeout",
-    "local_address_towards",
-    "validate_rank_and_size",
-]
+if TYPE_CHECKING:
+    from ferro.rendezvous.store import Store
+
+__all__ = ["HANDSHAKE_TIMEOUT", "build_mesh", "dial", "local_address_towards"]
 
 log = logging.getLogger("ferro.rendezvous")
 
-TIMEOUT_ENV = "FERRO_TIMEOUT"
-BIND_ADDR_ENV = "FERRO_BIND_ADDR"
-DEFAULT_TIMEOUT_SECONDS = 60.0
 # A stray connection may stall the accept loop this long at most.
 HANDSHAKE_TIMEOUT = 10.0
+# Backoff between dialling attempts: from the first delay, doubling, up to the last.
+_FIRST_DELAY, _LONGEST_DELAY = 0.01, 0.5
 
 
-def default_timeout(timeout: float | None = None) -> float:
-    """Return ``timeout`` if given, else ``$FERRO_TIMEOUT``, else 60 seconds.
+def dial(host: str, port: int, deadline: float, timed_out: str) -> socket.socket:
+    """Connect to ``host:port``, retrying with exponential backoff until ``deadline`` (monotonic seconds).
+
+    The listener may not be up yet (ranks start in any order), so a refused or
+    unreachable address is retried rather than reported.
 
     Raises:
-        ConfigurationError: The value is not a positive number.
+        DistributedTimeoutError: ``timed_out`` plus the last error, once the deadline passes.
 
     """
-    if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV)
-        if raw is None:
-            return DEFAULT_TIMEOUT_SECONDS
+    delay = _FIRST_DELAY
+    last_error: OSError | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DistributedTimeoutError(f"{timed_out} (last attempt: {last_error})")
         try:
-            timeout = float(raw)
-        except ValueError:
-            raise ConfigurationError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not timeout > 0:
-        raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return float(timeout)
-
-
-def validate_rank_and_size(rank: object, world_size: object) -> tuple[int, int]:
-    """Check that ``world_size`` is a positive integer and ``0 <= rank < world_size``.
-
-    Raises:
-        InvalidWorldSizeError, InvalidRankError.
-
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise InvalidWorldSizeError(f"world_size must be a positive integer, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InvalidRankError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-    return rank, world_size
+            return socket.create_connection((host, port), timeout=min(remaining, 5.0))
+        except OSError as exc:
+            last_error = exc
+            log.debug("connecting to %s:%d failed (%s); retrying", host, port, exc)
+            time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+            delay = min(delay * 2, _LONGEST_DELAY)
 
 
 def local_address_towards(master_addr: str) -> str:
@@ -93,72 +75,6 @@ def local_address_towards(master_addr: str) -> str:
         raise ConfigurationError(
             f"cannot find a route from this host to MASTER_ADDR={master_addr!r} ({exc.strerror}); "
             f"set {BIND_ADDR_ENV} to the address this rank should listen on") from exc
-
-
-@dataclass(frozen=True)
-class RendezvousConfig:
-    """Everything a rank needs to join a job.
-
-    Attributes:
-        rank: This process's rank.
-        world_size: Number of ranks.
-        master_addr: Address of the store (rank 0's host, or the launcher's).
-        master_port: Port of the store.
-        secret: The job secret shared by every rank.
-
-    """
-
-    rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    secret: bytes
-
-    @classmethod
-    def resolve(
-        cls,
-        *,
-        rank: int | None = None,
-        world_size: int | None = None,
-        master_addr: str | None = None,
-        master_port: int | None = None,
-        secret: bytes | str | None = None,
-        environ: Mapping[str, str] | None = None,
-    ) -> RendezvousConfig:
-        """Fill unset fields from the environment and validate them all.
-
-        Raises:
-            ConfigurationError: A setting is missing or malformed; the message
-                names the variable to set.
-            InvalidRankError, InvalidWorldSizeError: Out-of-range values.
-
-        """
-        env = os.environ if environ is None else environ
-        rank_value = rank if rank is not None else _int_from(env, "RANK", "rank")
-        size_value = world_size if world_size is not None else _int_from(env, "WORLD_SIZE", "world_size")
-        addr = master_addr if master_addr is not None else env.get("MASTER_ADDR")
-        if not addr:
-            raise ConfigurationError("no master address: set MASTER_ADDR (or pass master_addr=)")
-        port = master_port if master_port is not None else _int_from(env, "MASTER_PORT", "master_port")
-        if not 0 < port < 65536:
-            raise ConfigurationError(f"MASTER_PORT must be in 1..65535, got {port}")
-        secret_bytes = secret_from_env(secret) if secret is not None else secret_from_env(env.get("FERRO_SECRET"))
-        if secret_bytes is None:
-            raise ConfigurationError(
-                "no job secret: set FERRO_SECRET to the same random string on every rank "
-                "(`ferro run` does this for you), or pass secret=")
-        validate_rank_and_size(rank_value, size_value)
-        return cls(rank_value, size_value, addr, port, secret_bytes)
-
-
-def _int_from(env: Mapping[str, str], name: str, argument: str) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        raise ConfigurationError(f"{argument} is not set: set {name} (or pass {argument}=)")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigurationError(f"{name}={raw!r} is not an integer") from None
 
 
 def _mesh_context(prefix: str, world_size: int, src: int, dst: int) -> bytes:
@@ -249,18 +165,10 @@ def _remaining(deadline: float, rank: int, doing: str) -> float:
 def _connect_peer(host: str, port: int, secret: bytes, context: bytes, deadline: float, rank: int,
                   peer: int) -> socket.socket:
     where = f"rank {peer} at {host}:{port}"
-    delay = 0.01
-    while True:
-        remaining = _remaining(deadline, rank, f"connecting to {where}")
-        try:
-            sock = socket.create_connection((host, port), timeout=min(remaining, 5.0))
-            break
-        except OSError as exc:
-            log.debug("rank %d: connecting to %s failed (%s); retrying", rank, where, exc)
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, 0.5)
+    sock = dial(host, port, deadline, f"rank {rank}: rendezvous timed out connecting to {where}")
     try:
-        connect_handshake(sock, secret, context, min(HANDSHAKE_TIMEOUT, remaining), where)
+        seconds = min(HANDSHAKE_TIMEOUT, _remaining(deadline, rank, f"authenticating with {where}"))
+        connect_handshake(sock, secret, context, seconds, where)
     except AuthenticationError as exc:
         sock.close()
         raise AuthenticationError(f"rank {rank}: {exc}") from None

@@ -1,4 +1,4 @@
-"""Where a rank learns its place in the job: the launcher's environment variables.
+"""Where a rank learns its place in the job: the variables its launcher set.
 
 Recognised, in order: torchrun and ``ferro run`` (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``), Open MPI's ``mpirun`` (``OMPI_COMM_WORLD_RANK``/``SIZE``/``LOCAL_RANK``),
@@ -14,10 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ferro.errors import ConfigurationError
+from ferro.rendezvous.settings import DEFAULT_MASTER_PORT, parse_port
 
-__all__ = ["DEFAULT_MASTER_PORT", "JobEnvironment", "detect", "first_slurm_host"]
-
-DEFAULT_MASTER_PORT = 29500
+__all__ = ["JobEnvironment", "detect", "first_slurm_host"]
 
 # (name, rank variable, size variable, local-rank variable or None)
 _STYLES = [
@@ -94,15 +93,7 @@ def _master_addr(env: Mapping[str, str], source: str) -> str | None:
 
 def _master_port(env: Mapping[str, str]) -> int:
     raw = env.get("MASTER_PORT")
-    if not raw:
-        return DEFAULT_MASTER_PORT
-    try:
-        port = int(raw)
-    except ValueError:
-        raise ConfigurationError(f"MASTER_PORT={raw!r} is not an integer") from None
-    if not 0 < port < 65536:
-        raise ConfigurationError(f"MASTER_PORT must be in 1..65535, got {port}")
-    return port
+    return parse_port(raw) if raw else DEFAULT_MASTER_PORT
 
 
 def first_slurm_host(nodelist: str) -> str:

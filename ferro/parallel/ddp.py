@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 from ferro.backend.base import Backend
 from ferro.collective import ReduceOp, allreduce, broadcast
 from ferro.errors import ConfigurationError
+from ferro.parallel._model import Model, TorchModel, model_adapter
 from ferro.work import PendingCollective, worker_of
 
 __all__ = ["DDP", "Bucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
@@ -53,7 +53,7 @@ class Bucket:
         """Return the buffer as a NumPy array (zero-copy; a same-width integer view for bfloat16 tensors)."""
         if isinstance(self.buffer, np.ndarray):
             return self.buffer
-        from ferro._dtypes import operand
+        from ferro._buffers import operand
 
         return operand(self.buffer, "bucket", writable=True).array
 
@@ -89,70 +89,6 @@ def bf16_compress_hook(group: Backend, bucket: Bucket) -> None:
     except ImportError as exc:
         raise ConfigurationError("bf16_compress_hook needs ml_dtypes: pip install ml_dtypes") from exc
     _compress_hook(group, bucket, ml_dtypes.bfloat16)
-
-
-class _NumpyModel:
-    """How DDP reaches into a ferro.nn module."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-
-    def trainable(self) -> list[Any]:
-        return [p for p in self.module.parameters() if p.requires_grad]
-
-    def every_array(self) -> list[Any]:
-        return [p.data for p in self.module.parameters()]
-
-    def new_buffer(self, like: Any, count: int) -> Any:
-        return np.zeros(count, like.data.dtype)
-
-    def dtype_key(self, param: Any) -> str:
-        return str(param.data.dtype)
-
-    def size(self, param: Any) -> int:
-        return int(param.data.size)
-
-    def attach(self, param: Any, buffer: Any, offset: int) -> None:
-        view = buffer[offset:offset + param.data.size].reshape(param.data.shape)
-        if param.grad is not None:
-            view[...] = param.grad
-        param.grad = view
-
-    def hook(self, param: Any, fn: Callable[[Any], None]) -> None:
-        param.register_grad_ready_hook(fn)
-
-
-class _TorchModel:
-    """How DDP reaches into a torch.nn.Module (CPU tensors, zero-copy through NumPy)."""
-
-    def __init__(self, module: Any) -> None:
-        import torch
-
-        self.module, self.torch = module, torch
-
-    def trainable(self) -> list[Any]:
-        return [p for p in self.module.parameters() if p.requires_grad]
-
-    def every_array(self) -> list[Any]:
-        return [p.detach() for p in self.module.parameters()] + [b for b in self.module.buffers()]
-
-    def new_buffer(self, like: Any, count: int) -> Any:
-        return self.torch.zeros(count, dtype=like.dtype)
-
-    def dtype_key(self, param: Any) -> str:
-        return str(param.dtype)
-
-    def size(self, param: Any) -> int:
-        return int(param.numel())
-
-    def attach(self, param: Any, buffer: Any, offset: int) -> None:
-        view = buffer[offset:offset + param.numel()].view(param.shape)
-        if param.grad is not None:
-            view.copy_(param.grad)
-        param.grad = view
-
-    def hook(self, param: Any, fn: Callable[[Any], None]) -> None:
-        param.register_post_accumulate_grad_hook(fn)
 
 
 class DDP:
@@ -192,8 +128,7 @@ class DDP:
 
         self.module = module
         self.group = resolve_group(group, "DDP")
-        self._model: _NumpyModel | _TorchModel = (
-            _TorchModel(module) if _is_torch_module(module) else _NumpyModel(module))
+        self._model: Model = model_adapter(module)
         self.comm_hook: CommHook = comm_hook or allreduce_hook
         self._syncing = True
         self._finish_queued = False
@@ -223,7 +158,7 @@ class DDP:
             members = current.setdefault(key, [])
             cap = (first_mb if not any(b.parameters and model.dtype_key(b.parameters[0]) == key for b in buckets)
                    else cap_mb) * MB
-            itemsize = _itemsize(param)
+            itemsize = self._model.itemsize(param)
             if members and (filled.get(key, 0) + model.size(param)) * itemsize > cap:
                 buckets.append(self._make_bucket(len(buckets), members))
                 current[key] = members = []
@@ -249,7 +184,7 @@ class DDP:
 
     def _on_grad_ready(self, param: Any) -> None:
         bucket, position = self._bucket_of[id(param)]
-        if isinstance(self._model, _TorchModel):
+        if isinstance(self._model, TorchModel):
             self._keep_view(param, bucket, position)
             if self._syncing and not self._finish_queued:
                 # Wait for every bucket before backward returns, as torch's own DDP does.
@@ -319,7 +254,7 @@ class DDP:
 
     def backward(self, grad_output: Any) -> Any:
         """Run the ferro.nn module's backward (overlapping communication), then wait for every bucket."""
-        if isinstance(self._model, _TorchModel):
+        if isinstance(self._model, TorchModel):
             raise ConfigurationError("DDP.backward is for ferro.nn modules; with torch, call loss.backward()")
         grad_input = self.module.backward(grad_output)
         if self._syncing:
@@ -394,12 +329,3 @@ class DDP:
         if name == "module":
             raise AttributeError(name)
         return getattr(self.module, name)
-
-
-def _is_torch_module(module: Any) -> bool:
-    torch = sys.modules.get("torch")  # a torch module exists only if torch was imported
-    return torch is not None and isinstance(module, torch.nn.Module)
-
-
-def _itemsize(param: Any) -> int:
-    return int(param.element_size()) if hasattr(param, "element_size") else int(param.data.itemsize)

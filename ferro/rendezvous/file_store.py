@@ -135,5 +135,10 @@ class FileStore:
         """Return the number of keys."""
         return int(self._locked(len))
 
+    @property
+    def refused(self) -> tuple[str, ...]:
+        """Always empty: a file has no connections to refuse (the same question a TCP store answers)."""
+        return ()
+
     def close(self) -> None:
         """Nothing to release: every operation opens and closes the file."""

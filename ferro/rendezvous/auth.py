@@ -24,7 +24,7 @@ import struct
 
 from ferro.errors import AuthenticationError, DistributedTimeoutError, PeerLostError
 
-__all__ = ["accept_handshake", "connect_handshake", "secret_from_env"]
+__all__ = ["accept_handshake", "connect_handshake"]
 
 MAGIC = b"FERROAU1"
 NONCE_BYTES = 32
@@ -32,18 +32,6 @@ MAC_BYTES = 32
 MAX_CONTEXT_BYTES = 1024
 ACCEPTED = b"\x01"
 REFUSED = b"\x00"
-
-SECRET_ENV = "FERRO_SECRET"
-
-
-def secret_from_env(secret: bytes | str | None) -> bytes | None:
-    """Return the job secret as bytes: the argument if given, else ``$FERRO_SECRET``, else None."""
-    if secret is None:
-        secret = os.environ.get(SECRET_ENV)
-    if secret is None or secret == "" or secret == b"":
-        return None
-    return secret.encode() if isinstance(secret, str) else bytes(secret)
-
 
 def _mac(secret: bytes, role: bytes, first: bytes, second: bytes, context: bytes) -> bytes:
     return hmac.new(secret, role + b"\0" + first + second + context, hashlib.sha256).digest()

@@ -1,0 +1,61 @@
+/* How a rank waits on shared memory: the one schedule the rings and the arena share.
+ *
+ * A wait spins for spin_ns after the last progress (a peer on another core usually
+ * answers within microseconds), then yields the CPU, and after a quiet millisecond naps
+ * 20 us between looks, so a waiting rank stops competing for the core its peer needs.
+ * Every millisecond it is due to look at the peers (alive? gave up? this rank closed?)
+ * and every 100 ms at signals (Ctrl-C). The caller does the looking; this only paces.
+ */
+#ifndef FERRO_PACE_H
+#define FERRO_PACE_H
+
+#include <stdint.h>
+#include <sched.h>
+#include <time.h>
+
+#define FERRO_PACE_LOOK_NS 1000000LL       /* look at the peers every millisecond of waiting */
+#define FERRO_PACE_SIGNALS_NS 100000000LL  /* and at signals every 100 ms */
+#define FERRO_PACE_DOZE_AFTER_NS 1000000LL /* after a quiet millisecond, nap between looks */
+#define FERRO_PACE_DOZE_NS 20000L          /* for 20 us */
+
+typedef struct {
+    int64_t last_progress;  /* when the wait last saw progress (or began) */
+    int64_t next_look;
+    int64_t next_signals;
+    int64_t spin_ns;
+} ferro_pace;
+
+static inline void ferro_pace_start(ferro_pace *p, int64_t now, int64_t spin_ns) {
+    p->last_progress = now;
+    p->next_look = now + FERRO_PACE_LOOK_NS;
+    p->next_signals = now + FERRO_PACE_SIGNALS_NS;
+    p->spin_ns = spin_ns;
+}
+
+static inline void ferro_pace_progress(ferro_pace *p, int64_t now) { p->last_progress = now; }
+
+/* 1 when it is time to look at the peers (and the next look is scheduled). */
+static inline int ferro_pace_look_due(ferro_pace *p, int64_t now) {
+    if (now < p->next_look) return 0;
+    p->next_look = now + FERRO_PACE_LOOK_NS;
+    return 1;
+}
+
+/* 1 when it is time to check for signals (and the next check is scheduled). */
+static inline int ferro_pace_signals_due(ferro_pace *p, int64_t now) {
+    if (now < p->next_signals) return 0;
+    p->next_signals = now + FERRO_PACE_SIGNALS_NS;
+    return 1;
+}
+
+/* Spin, yield or nap, by how long the wait has been quiet. */
+static inline void ferro_pace_rest(ferro_pace *p, int64_t now) {
+    if (now - p->last_progress > FERRO_PACE_DOZE_AFTER_NS) {
+        struct timespec doze = {0, FERRO_PACE_DOZE_NS};
+        nanosleep(&doze, NULL);
+    } else if (now - p->last_progress > p->spin_ns) {
+        sched_yield();
+    }
+}
+
+#endif

@@ -1,0 +1,19 @@
+"""Type stub for the per-group state object (ferro/_core/state.pyx)."""
+
+from typing import Any
+
+UNSET: object
+
+class GroupState:
+    failure: str | None
+    worker: Any
+    p2p: Any
+    direct_allreduce: Any
+    busy: bool
+    queued: int
+    def adopt_worker(self, candidate: Any) -> Any: ...
+    def adopt_p2p(self, candidate: Any) -> Any: ...
+    def count_call(self, collective_id: int) -> None: ...
+    def count_bytes(self, kind: int, fingerprint: int, sent: int, received: int) -> None: ...
+    def counters(self) -> dict[int, tuple[int, int, int]]: ...
+    def reset_counters(self) -> None: ...

@@ -1,0 +1,19 @@
+"""Type stub for the status ladder (ferro/_core/status.pyx)."""
+
+KIND_DATA: int
+KIND_BARRIER: int
+KIND_COLLECTIVE: int
+KIND_ABORT: int
+MAX_ABORT_BYTES: int
+ABORT_PEER_LOST: int
+ABORT_MISMATCH: int
+ABORT_TIMEOUT: int
+ABORT_OTHER: int
+
+def kind_name(kind: int) -> str: ...
+def broken_by(status: int) -> str: ...
+def mismatch_error(where: str, peer: int, kind: int, fingerprint: int, seen_kind: int, seen_fingerprint: int,
+                   seq: int) -> Exception: ...
+def size_error(where: str, peer: int, length: int, capacity: int, exact: bool, seq: int) -> Exception: ...
+def abort_payload(code: int, peer: int, message: str) -> bytes: ...
+def abort_error(payload: bytes, sender: int, where: str) -> Exception: ...

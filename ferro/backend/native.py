@@ -1,0 +1,108 @@
+"""The native-collectives interface: how a backend runs a whole collective in its own engine.
+
+:mod:`ferro.collective` validates a call once, then asks the group's
+:attr:`~ferro.backend.base.Backend.native` object to run it. A backend that has
+its own engine for a collective (TCP's compiled rings and trees, shared memory's
+arena, a hierarchy of both; MPI and NCCL later) implements the method and returns
+True; every method it does not implement returns False, and the collective runs
+a generic algorithm over the backend's tagged send/recv instead. So a backend
+offers exactly the collectives it does better, and nothing is found by probing
+for attributes.
+
+Every method receives arguments already validated by the collective layer:
+
+* ``flat`` buffers are C-contiguous, writable NumPy arrays (1-D views of the
+  caller's array, never copies unless the collective's semantics need one);
+* ``dtype`` is the :class:`~ferro.types.DType` the kernels reduce, and ``op`` a
+  :class:`~ferro.types.ReduceOp` valid for it. ``ReduceOp.MEAN`` is the backend's
+  to finish: the result must be the SUM divided by the world size, identical on
+  every rank;
+* ``fingerprint`` is the call's 64-bit fingerprint (:func:`ferro.types.fingerprint`);
+  every frame of the call must carry it, so ranks that called different things
+  refuse each other's data;
+* ``timeout`` is in seconds, for the whole collective;
+* the world size is above 1 and the buffer is not empty.
+
+After a failure the method raises the transport's error; the collective layer
+then tells the peers and marks the group failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ferro.types import DType, ReduceOp
+
+__all__ = ["NativeCollectives"]
+
+
+class NativeCollectives:
+    """Collectives a backend runs in its own engine; each returns True when it ran the call.
+
+    Mix this class into a :class:`~ferro.backend.base.Backend` and override the
+    methods the backend does natively; its ``native`` property then returns the
+    group itself. The defaults return False (run the generic algorithm).
+    """
+
+    @property
+    def direct_arena(self) -> Any:
+        """A compiled arena (:class:`ferro._core.arena.Arena`) that ``ferro.allreduce`` calls directly, or None.
+
+        A backend whose allreduce can run as one compiled call from a NumPy array
+        (shared memory) offers it here; the call skips every Python-level step.
+        """
+        return None
+
+    def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,
+                         algorithm: str) -> bool:
+        """Reduce ``flat`` in place on every rank.
+
+        Args:
+            flat: The data (1-D), reduced in place.
+            dtype: How elements reduce.
+            op: The reduction (MEAN divides the sum by the world size).
+            fingerprint: The call's fingerprint.
+            timeout: Seconds for the whole collective.
+            algorithm: ``"ring"`` or ``"recursive_doubling"``: the caller's choice by size
+                (or the user's), a hint a backend with another engine may ignore.
+
+        """
+        return False
+
+    def native_reduce(self, flat: Any, root: int, dtype: DType, op: ReduceOp, fingerprint: int,
+                      timeout: float) -> bool:
+        """Reduce every rank's ``flat`` into ``flat`` on ``root``; other ranks' ``flat`` may be scratch.
+
+        The collective layer passes a copy on non-root ranks, so a backend may
+        overwrite it.
+        """
+        return False
+
+    def native_reduce_scatter(self, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp, fingerprint: int,
+                              timeout: float) -> bool:
+        """Reduce so that part ``rank`` of ``flat`` (elements ``bounds[rank]:bounds[rank + 1]``) ends reduced here.
+
+        ``flat`` is this rank's scratch copy of its input; parts other than this
+        rank's are left unspecified.
+        """
+        return False
+
+    def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
+        """Fill every part of the byte buffer ``flat`` (``bounds`` in bytes) from the rank that owns it.
+
+        On entry part ``rank`` holds this rank's data; on return every part holds its owner's.
+        """
+        return False
+
+    def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:
+        """Copy the byte buffer ``flat`` from ``root`` into ``flat`` on every other rank."""
+        return False
+
+    def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
+                          fingerprint: int, timeout: float) -> bool:
+        """Exchange byte blocks: ``send[send_offsets[j]:send_offsets[j+1]]`` goes to rank ``j``.
+
+        Block ``i`` of ``recv`` (``recv_offsets``) receives rank ``i``'s block for
+        this rank; the caller checked that this rank's block to itself fits.
+        """
+        return False

@@ -1,0 +1,73 @@
+"""Which ranks share a host (and its shared memory), and which share a machine's cores.
+
+Ranks publish their identities through the store at rendezvous; ``backend="auto"``
+and the hierarchical group decide from them what can go through shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+__all__ = ["HOST_ID_ENV", "exchange_host_identities", "host_identity", "machine_identity"]
+
+HOST_ID_ENV = "FERRO_HOST_ID"
+
+
+def host_identity() -> str:
+    """Return what ranks compare to know they share a host and its shared memory.
+
+    The hostname and kernel boot id name the machine. The device and inode of
+    ``/dev/shm`` tell containers that share a kernel but not shared memory
+    apart, and the inode of the network namespace tells apart ranks that cannot
+    reach each other over loopback (separate network namespaces are separate
+    hosts to the network, so ferro treats them as such). ``$FERRO_HOST_ID``
+    replaces all of it, to declare hosts explicitly.
+    """
+    explicit = os.environ.get(HOST_ID_ENV)
+    if explicit:
+        return f"explicit:{explicit}"
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    try:
+        info = os.stat("/dev/shm")
+        shm = f"{info.st_dev}:{info.st_ino}"
+    except OSError:
+        return f"no-shm:{os.getpid()}"  # no shared memory here: never counts as shared
+    try:
+        net = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        net = "unknown-netns"
+    return f"{socket.gethostname()}|{boot}|{shm}|{net}"
+
+
+def machine_identity() -> str:
+    """Return what ranks compare to know they share one machine's cores: the kernel's boot id.
+
+    Unlike :func:`host_identity` it ignores namespaces and ``$FERRO_HOST_ID``:
+    ranks in separate network namespaces of one machine compete for its cores.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return f"unknown-machine:{socket.gethostname()}"
+
+
+def exchange_host_identities(store: Any, rank: int, world_size: int, timeout: float) -> list[tuple[str, str]]:
+    """Publish this rank's host and machine identities through ``store``; return every rank's, in rank order.
+
+    Each rank counts its own exchanges in the store, so a job that does this more
+    than once (a launcher's store, a re-created group) never reads stale answers.
+    """
+    generation = store.add(f"ferro/host-joins/{rank}", 1)
+    prefix = f"ferro/hosts/{generation}"
+    store.set(f"{prefix}/{rank}", f"{host_identity()}\n{machine_identity()}")
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    store.wait(keys, timeout=timeout)
+    found = [store.get(key, timeout=timeout).decode().split("\n", 1) for key in keys]
+    return [(parts[0], parts[1] if len(parts) > 1 else parts[0]) for parts in found]

@@ -1,0 +1,155 @@
+"""The vocabulary every layer shares: reduction ops, dtypes as the kernels see them, call fingerprints.
+
+This module sits at the bottom with :mod:`ferro.errors`: backends map a
+:class:`ReduceOp` and a :class:`DType` to kernel codes without importing the
+collectives, and every layer encodes and decodes a call's 64-bit fingerprint
+the same way. It imports nothing from the rest of ferro.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import zlib
+from dataclasses import dataclass
+
+__all__ = [
+    "COLLECTIVE_IDS",
+    "DType",
+    "ReduceOp",
+    "collective_name",
+    "describe_fingerprint",
+    "dtype_by_code",
+    "dtype_by_name",
+    "fingerprint",
+    "fingerprint_collective",
+]
+
+
+class ReduceOp(enum.Enum):
+    """How :func:`ferro.allreduce`, :func:`ferro.reduce` and :func:`ferro.reduce_scatter` combine values.
+
+    ``BAND``, ``BOR`` and ``BXOR`` apply to integer dtypes; ``MEAN`` (also named
+    ``AVG``) to floating-point ones; the rest to both.
+    """
+
+    SUM = 0
+    PRODUCT = 1
+    MIN = 2
+    MAX = 3
+    BAND = 4
+    BOR = 5
+    BXOR = 6
+    MEAN = 7
+    AVG = 7  # an alias of MEAN, as in torch.distributed
+
+    # Members are singletons compared by identity; Enum's default hash (of the name, in Python)
+    # costs 0.2 us, and ops are looked up in dictionaries on every call.
+    __hash__ = object.__hash__
+
+    @property
+    def kernel_code(self) -> int:
+        """The C kernel's op code (MEAN reduces as SUM; the backend then divides by the world size)."""
+        return KERNEL_CODES[self]
+
+
+#: ReduceOp -> the C kernel's op code. Looked up on every call: a plain dictionary beats enum attributes.
+KERNEL_CODES = {op: (0 if op is ReduceOp.MEAN else op.value) for op in ReduceOp}
+
+
+@dataclass(frozen=True)
+class DType:
+    """A dtype's reduction code (``reduce_kernels.h``) and properties.
+
+    Attributes:
+        code: The ``FERRO_*`` dtype code, or -1 for dtypes that can be moved but not reduced.
+        name: Its name, for messages.
+        itemsize: Bytes per element.
+        kind: ``"f"`` floating, ``"i"`` signed, ``"u"`` unsigned integer, ``"o"`` other.
+
+    """
+
+    code: int
+    name: str
+    itemsize: int
+    kind: str
+
+    @property
+    def reducible(self) -> bool:
+        """Whether reduction kernels exist for this dtype."""
+        return self.code >= 0
+
+
+_BY_NAME = {
+    "float16": DType(0, "float16", 2, "f"),
+    "bfloat16": DType(1, "bfloat16", 2, "f"),
+    "float32": DType(2, "float32", 4, "f"),
+    "float64": DType(3, "float64", 8, "f"),
+    "int8": DType(4, "int8", 1, "i"),
+    "int16": DType(5, "int16", 2, "i"),
+    "int32": DType(6, "int32", 4, "i"),
+    "int64": DType(7, "int64", 8, "i"),
+    "uint8": DType(8, "uint8", 1, "u"),
+    "uint16": DType(9, "uint16", 2, "u"),
+    "uint32": DType(10, "uint32", 4, "u"),
+    "uint64": DType(11, "uint64", 8, "u"),
+}
+_BY_CODE = {d.code: d for d in _BY_NAME.values()}
+
+
+def dtype_by_name(name: str) -> DType | None:
+    """Return the reducible dtype called ``name`` (NumPy's name, or ``"bfloat16"``), or None."""
+    return _BY_NAME.get(name)
+
+
+def dtype_by_code(code: int) -> DType | None:
+    """Return the reducible dtype with kernel code ``code``, or None."""
+    return _BY_CODE.get(code)
+
+
+#: Collective ids in the fingerprint's top 6 bits. The compiled core counts bytes per id
+#: (``group.stats()``), so every operation a group runs has one; barrier frames carry no
+#: fingerprint and are counted by their kind.
+COLLECTIVE_IDS = {
+    "allreduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "gather": 5, "scatter": 6,
+    "reduce_scatter": 7, "all_to_all": 8, "all_to_all_single_uneven": 9, "broadcast_object": 10,
+    "all_gather_object": 11, "p2p": 12, "barrier": 13,
+}
+_COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVE_IDS.items()}
+_COLLECTIVE_NAMES[0] = "p2p"  # a plain send/recv frame: fingerprint 0
+
+
+def collective_name(collective_id: int) -> str:
+    """Return the name of a collective id (the top 6 bits of a fingerprint)."""
+    return _COLLECTIVE_NAMES.get(collective_id, f"collective {collective_id}")
+
+
+def fingerprint_collective(value: int) -> int:
+    """Return the collective id a fingerprint carries."""
+    return value >> 58
+_OP_NAMES = ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "MEAN"]
+
+
+@functools.lru_cache(maxsize=4096)  # the same calls repeat every training step
+def fingerprint(collective: str, dtype_code: int = -1, op_code: int = 0, root: int = 0, count: int = 0,
+                shape: tuple[int, ...] = ()) -> int:
+    """Pack a collective call into the 64-bit frame fingerprint.
+
+    Layout (high to low): collective id (6 bits), dtype code + 1 (5), op (3),
+    root (10), element count (32), a hash of the shape (8). Two ranks whose calls
+    differ in any of these refuse each other's frames.
+    """
+    shape_hash = zlib.crc32(repr(tuple(shape)).encode()) & 0xFF
+    return ((COLLECTIVE_IDS[collective] & 0x3F) << 58 | ((dtype_code + 1) & 0x1F) << 53 | (op_code & 0x7) << 50
+            | (root & 0x3FF) << 40 | (count & 0xFFFFFFFF) << 8 | shape_hash)
+
+
+def describe_fingerprint(value: int) -> str:
+    """Decode a fingerprint into ``allreduce(float32, SUM, root 0, 1024 elements)`` for messages."""
+    collective = collective_name(value >> 58)
+    code = ((value >> 53) & 0x1F) - 1
+    dtype = _BY_CODE[code].name if code in _BY_CODE else "bytes"
+    op = _OP_NAMES[(value >> 50) & 0x7]
+    root = (value >> 40) & 0x3FF
+    count = (value >> 8) & 0xFFFFFFFF
+    return f"{collective}({dtype}, {op}, root {root}, {count} elements, shape hash {value & 0xFF:02x})"
