@@ -120,3 +120,25 @@ def test_a_rank_killed_on_one_host_fails_every_host_promptly(two_hosts):
                             timeout=120)
     assert results[3] == RankExit(None, "SIGKILL")
     assert results[:3] == [("PeerLostError", True)] * 3
+
+
+def rank_hierarchical_stats(rank, world_size):
+    os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
+    group = ferro.init_process_group(timeout=60)
+    try:
+        group.reset_stats()
+        ferro.allreduce(np.ones(256, np.float32), group=group)  # 1 KiB
+        return group.stats()
+    finally:
+        ferro.destroy_process_group()
+
+
+def test_hierarchical_stats_add_up_the_three_groups():
+    results = run_processes(rank_hierarchical_stats, 4, backend=None, timeout=120)
+    # Leaders (ranks 0 and 2): in the host's arena reduce, publish their half for the other rank (512),
+    # read its half of theirs (512), publish the reduced half (512) and read the other reduced half (512);
+    # then 1 KiB each way to the other leader over TCP; then publish the result for the host (1 KiB).
+    leader = {"calls": 1, "bytes_sent": 512 + 512 + 1024 + 1024, "bytes_received": 512 + 512 + 1024}
+    # The others publish their halves for the leader, read the leader's half, then read the result.
+    member = {"calls": 1, "bytes_sent": 512 + 512, "bytes_received": 512 + 1024}
+    assert [r["allreduce"] for r in results] == [leader, member, leader, member]
