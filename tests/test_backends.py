@@ -213,6 +213,7 @@ def test_round_trip_of_every_dtype_and_empty(run):
         np.testing.assert_array_equal(received[dtype], payload(dtype, 333, i))
 
 
+@pytest.mark.slow
 def test_64_mb_message(run):
     assert run(rank_large_message, 2, args=(64 * MB,)) == [True, True]
 

@@ -38,6 +38,7 @@ def rank_large_collectives(group):
             bool(np.array_equal(gathered, np.repeat(np.arange(n, dtype=np.float32), count // n))))
 
 
+@pytest.mark.slow
 def test_64_mb_collectives(run):
     assert run(rank_large_collectives, 2, timeout=240) == [(True, True, True, True)] * 2
 

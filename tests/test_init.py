@@ -1,6 +1,7 @@
 """init_process_group from every configuration style, and the default group."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -127,3 +128,36 @@ def rank_double_init(rank, world_size):
 
 def test_second_init_is_refused():
     assert run_processes(rank_double_init, 2, backend=None) == ["refused", "refused"]
+
+
+def rank_file_rendezvous_times_out(rank, world_size, path, backend):
+    # Only this rank of two joins: the rendezvous must time out naming what is missing.
+    start = time.monotonic()
+    try:
+        ferro.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=2, timeout=1.0)
+        return "joined"
+    except ferro.DistributedTimeoutError as exc:
+        return "timeout", "file store" in str(exc) or "rendezvous" in str(exc), time.monotonic() - start < 20
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_file_rendezvous_that_times_out_says_so(tmp_path, backend):
+    # It used to raise AttributeError (the file store has no server) instead of the timeout.
+    results = run_processes(rank_file_rendezvous_times_out, 1, args=(str(tmp_path / "rdv"), backend), backend=None)
+    assert results == [("timeout", True, True)]
+
+
+def rank_master_port_with_explicit_rank(rank, world_size):
+    # RANK and WORLD_SIZE are passed as arguments; MASTER_PORT still comes from the environment.
+    port = os.environ["MASTER_PORT"]
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        del os.environ[name]
+    group = ferro.init_process_group("tcp", rank=rank, world_size=world_size, timeout=30)
+    try:
+        return int(port) == group.store.port
+    finally:
+        ferro.destroy_process_group()
+
+
+def test_master_port_is_honoured_when_rank_and_size_are_arguments():
+    assert run_processes(rank_master_port_with_explicit_rank, 2, backend=None) == [True, True]

@@ -14,11 +14,13 @@ from ferro.testing import RankExit, run_processes
 from ferro.testing.conformance import check_collectives
 
 
-def ferro_segments():
-    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith("ferro-"))
+def own_segments(creator_pid):
+    """The segments of this test's group: its rank 0 created them under its pid (other jobs' are not ours)."""
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(f"ferro-{creator_pid}-"))
 
 
 def rank_killed(group):
+    creator = ferro.broadcast_object(os.getpid(), 0, group=group)
     if group.rank == 1:
         group.barrier()
         time.sleep(0.2)
@@ -29,17 +31,16 @@ def rank_killed(group):
         group.recv(np.empty(10), 1, timeout=60)
         return "no error"
     except ferro.PeerLostError as exc:
-        return exc.peer, time.monotonic() - start < 30, ferro_segments()
+        return exc.peer, time.monotonic() - start < 30, creator, own_segments(creator)
 
 
 def test_killed_rank_is_noticed_and_nothing_is_left_in_dev_shm():
-    before = ferro_segments()
     results = run_processes(rank_killed, 2, backend="shm", allow_exit={1}, timeout=60)
-    peer, prompt, during = results[0]
+    peer, prompt, creator, during = results[0]
     assert peer == 1 and prompt
     assert results[1] == RankExit(None, "SIGKILL")
-    assert during == before  # unlinked as soon as both ranks had mapped it
-    assert ferro_segments() == before
+    assert during == []  # unlinked as soon as both ranks had mapped it
+    assert own_segments(creator) == []
 
 
 def rank_interrupted(group):
@@ -159,6 +160,7 @@ def test_a_mismatch_in_the_arena_reaches_every_rank_promptly():
 
 
 def rank_killed_in_arena(group):
+    creator = ferro.broadcast_object(os.getpid(), 0, group=group)
     x = np.ones(1 << 20, np.float32)
     ferro.allreduce(x.copy(), group=group)
     if group.rank == 1:
@@ -169,17 +171,16 @@ def rank_killed_in_arena(group):
             ferro.allreduce(x, group=group, timeout=60)
         return "finished"
     except ferro.PeerLostError as exc:
-        return exc.peer, time.monotonic() - start < 30, ferro_segments()
+        return exc.peer, time.monotonic() - start < 30, creator, own_segments(creator)
 
 
 def test_rank_killed_in_an_arena_collective_is_noticed_and_nothing_is_left():
-    before = ferro_segments()
     results = run_processes(rank_killed_in_arena, 3, backend="shm", allow_exit={1}, timeout=90)
     assert results[1] == RankExit(None, "SIGKILL")
     for rank in (0, 2):
-        peer, prompt, during = results[rank]
-        assert peer == 1 and prompt and during == before, results
-    assert ferro_segments() == before
+        peer, prompt, creator, during = results[rank]
+        assert peer == 1 and prompt and during == [], results
+    assert own_segments(results[0][2]) == []
 
 
 def rank_interrupted_in_barrier(group):
