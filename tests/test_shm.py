@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from _sync import on_entering, wait_until_inside
 
 import ferro
 from ferro.backend.shm import SHM_DIR, _sweep_stale_segments
@@ -21,11 +22,11 @@ def own_segments(creator_pid):
 
 def rank_killed(group):
     creator = ferro.broadcast_object(os.getpid(), 0, group=group)
+    pids = ferro.all_gather_object(os.getpid(), group=group)
     if group.rank == 1:
-        group.barrier()
-        time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGKILL)
-    group.barrier()
+        group.recv(np.empty(1), 0, timeout=60)  # waits until rank 0 kills it
+        return "not killed"
+    on_entering("recv_tagged", lambda: os.kill(pids[1], signal.SIGKILL))  # once rank 0 waits on rank 1
     start = time.monotonic()
     try:
         group.recv(np.empty(10), 1, timeout=60)
@@ -48,7 +49,7 @@ def rank_interrupted(group):
         out = np.empty(1)
         group.recv(out, 0, timeout=60)
         return float(out[0])
-    threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT)).start()
+    on_entering("recv_tagged", lambda: os.kill(os.getpid(), signal.SIGINT))
     try:
         group.recv(np.empty(1), 1, timeout=60)
         outcome = "no interrupt"
@@ -185,25 +186,30 @@ def test_rank_killed_in_an_arena_collective_is_noticed_and_nothing_is_left():
 
 def rank_interrupted_in_barrier(group):
     if group.rank == 1:
-        time.sleep(1.0)  # never enters the barrier while rank 0 waits
-        return "slept"
-    threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT)).start()
+        group.recv(np.empty(1), 0, timeout=60)  # never enters the barrier: waits for rank 0's word
+        return "waited"
+    on_entering("barrier", lambda: os.kill(os.getpid(), signal.SIGINT))
     try:
         group.barrier(timeout=60)
-        return "no interrupt"
+        outcome = "no interrupt"
     except KeyboardInterrupt:
-        return "KeyboardInterrupt"
+        outcome = "KeyboardInterrupt"
+    group.send(np.zeros(1), 1)
+    return outcome
 
 
 def test_ctrl_c_interrupts_a_rank_waiting_in_the_arena():
     assert run_processes(rank_interrupted_in_barrier, 2, backend="shm", timeout=60) == ["KeyboardInterrupt",
-                                                                                       "slept"]
+                                                                                       "waited"]
 
 
 def rank_arena_timeout(group):
     if group.rank == 1:
-        time.sleep(1.5)
-        return "late"
+        try:  # never calls the allreduce; rank 0's abort notice ends this wait
+            group.recv(np.empty(1), 0, timeout=60)
+            return "received"
+        except ferro.DistributedTimeoutError as exc:
+            return "told" if "rank 0 gave up" in str(exc) else str(exc)
     try:
         ferro.allreduce(np.ones(4), group=group, timeout=0.3)
         return "no timeout"
@@ -212,13 +218,16 @@ def rank_arena_timeout(group):
 
 
 def test_a_rank_that_never_arrives_times_out_naming_it():
-    assert run_processes(rank_arena_timeout, 2, backend="shm", timeout=60)[0] is True
+    assert run_processes(rank_arena_timeout, 2, backend="shm", timeout=60) == [True, "told"]
 
 
 def rank_closed_while_another_thread_waits(group):
     if group.rank == 1:
-        time.sleep(1.5)  # neither sends nor enters the barrier
-        return "idle"
+        try:  # neither sends nor enters the barrier; learns that rank 0 closed
+            group.recv(np.empty(1), 0, timeout=60)
+            return "received"
+        except ferro.PeerLostError:
+            return "idle"
     outcomes = {}
 
     def wait(name, call):
@@ -233,7 +242,8 @@ def rank_closed_while_another_thread_waits(group):
                threading.Thread(target=wait, args=("barrier", lambda: group._arena.barrier(30.0)))]
     for thread in threads:
         thread.start()
-    time.sleep(0.3)
+    wait_until_inside(threads[0], "recv_tagged")
+    wait_until_inside(threads[1], "<lambda>")  # the arena's barrier is compiled: its caller is the lambda
     group.close()
     for thread in threads:
         thread.join(10)

@@ -1,9 +1,10 @@
 """The rendezvous store: torch TCPStore semantics, timeouts, authentication."""
 
+import logging
 import threading
-import time
 
 import pytest
+from _sync import on_entering, wait_until_inside
 
 import ferro
 from ferro.rendezvous.store import MAX_MESSAGE_BYTES, Store
@@ -31,7 +32,7 @@ def test_set_get_between_clients(store):
 
 def test_get_waits_for_a_later_set(store):
     with client(store) as other:
-        threading.Timer(0.2, other.set, args=("late", b"1")).start()
+        on_entering("_read_message", lambda: other.set("late", b"1"))  # once the get is waiting
         assert store.get("late", timeout=10) == b"1"
 
 
@@ -99,10 +100,24 @@ def test_client_started_before_the_server_connects_with_backoff():
 
     port = free_port()
     servers = []
-    threading.Timer(0.5, lambda: servers.append(ferro.StoreServer("127.0.0.1", port, secret=SECRET))).start()
-    with Store("127.0.0.1", port, secret=SECRET, timeout=10) as late:
-        late.set("k", b"v")
-        assert late.get("k") == b"v"
+
+    class StartServerAfterAFailedAttempt(logging.Handler):
+        def emit(self, record):
+            if "retrying" in record.getMessage() and not servers:
+                servers.append(ferro.StoreServer("127.0.0.1", port, secret=SECRET))
+
+    log = logging.getLogger("ferro.rendezvous")
+    handler, level = StartServerAfterAFailedAttempt(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        with Store("127.0.0.1", port, secret=SECRET, timeout=10) as late:
+            late.set("k", b"v")
+            assert late.get("k") == b"v"
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert len(servers) == 1  # the client really did start first and retry
     servers[0].close()
 
 
@@ -143,7 +158,7 @@ def test_server_shutdown_wakes_a_blocked_get():
 
     thread = threading.Thread(target=blocked_get)
     thread.start()
-    time.sleep(0.2)
+    wait_until_inside(thread, "_read_message")  # the request was sent; the answer is awaited
     owner.close()
     thread.join(10)
     assert not thread.is_alive() and len(errors) == 1

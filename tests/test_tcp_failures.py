@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from _sync import on_entering
 
 import ferro
 from ferro.rendezvous.auth import connect_handshake
@@ -19,11 +20,11 @@ from ferro.testing import RankExit, run_processes
 
 
 def rank_killed_while_peer_receives(group):
+    pids = ferro.all_gather_object(os.getpid(), group=group)
     if group.rank == 1:
-        group.barrier()
-        time.sleep(0.2)  # let rank 0 block in its receive first
-        os.kill(os.getpid(), signal.SIGKILL)
-    group.barrier()
+        group.recv(np.empty(1), 0, timeout=60)  # waits until rank 0 kills it
+        return "not killed"
+    on_entering("recv_tagged", lambda: os.kill(pids[1], signal.SIGKILL))  # once rank 0 blocks in its receive
     try:
         group.recv(np.empty(1 << 20), 1, timeout=60)
         return "no error"
@@ -64,8 +65,7 @@ def rank_interrupted_in_recv(group):
         out = np.empty(1)
         group.recv(out, 0, timeout=60)  # rank 0 sends once it was interrupted
         return float(out[0])
-    timer = threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT))
-    timer.start()
+    on_entering("recv_tagged", lambda: os.kill(os.getpid(), signal.SIGINT))
     start = time.monotonic()
     try:
         group.recv(np.empty(1), 1, timeout=60)
