@@ -211,29 +211,20 @@ def _paths(stdout):
     return [json.loads(line.split("PATH ", 1)[1]) for line in stdout.splitlines() if "PATH " in line]
 
 
-def test_ranks_import_the_installed_ferro_from_a_source_tree_root(tmp_path):
-    # The README's first command runs in a clone's root, where ferro/ is the uncompiled source.
+@pytest.mark.parametrize("form", ["script", "module"])
+def test_ranks_import_the_installed_ferro_from_a_source_tree_root(tmp_path, form):
+    # The README's first command runs in a clone's root, where ferro/ is the uncompiled source. The target
+    # still sees what `python job/train.py` (its folder first) or `python -m entry` (the working directory) gives.
     script = _shadowing_tree(tmp_path)
-    done = subprocess.run([*FERRO_SCRIPT, "run", "--nproc-per-node", "2", "job/train.py"], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    seen = _paths(done.stdout)
-    assert len(seen) == 2
-    for info in seen:
-        assert not info["ferro"].startswith(str(tmp_path))
-        assert info["path0"] == os.path.dirname(script)
-        assert info["helper"] == "script folder"
-
-
-def test_module_target_sees_the_working_directory_first(tmp_path):
-    _shadowing_tree(tmp_path)
     write(tmp_path / "entry.py", SHADOW_SCRIPT)
-    done = subprocess.run([*FERRO_SCRIPT, "run", "--nproc-per-node", "2", "-m", "entry"], capture_output=True,
+    target = ["job/train.py"] if form == "script" else ["-m", "entry"]
+    path0, helper = ((os.path.dirname(script), "script folder") if form == "script"
+                     else (str(tmp_path), "working directory"))
+    done = subprocess.run([*FERRO_SCRIPT, "run", "--nproc-per-node", "2", *target], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     seen = _paths(done.stdout)
     assert len(seen) == 2
     for info in seen:
         assert not info["ferro"].startswith(str(tmp_path))
-        assert info["path0"] == str(tmp_path)  # as `python -m entry` would
-        assert info["helper"] == "working directory"
+        assert (info["path0"], info["helper"]) == (path0, helper)

@@ -39,6 +39,7 @@ from ferro._core.status cimport (
     ST_TIMEOUT,
     Failure,
     SeenHeader,
+    describe_receive,
     failure_error,
 )
 from ferro._core.transport cimport acquire_buffer, check_header, monotonic_ns, signal_raised
@@ -412,15 +413,7 @@ cdef class Channel:
             payload = bytearray(<size_t>r.seen.length)
             self.exchange(None, payload, kind=KIND_ABORT, fingerprint=r.seen.fingerprint, timeout=5.0, op="abort")
             raise abort_error(bytes(payload), self.peer, where)
-        memset(&f, 0, sizeof(Failure))
-        f.status = r.status
-        f.peer = self.peer
-        f.mid_frame = r.phase == 1
-        f.kind = r.kind
-        f.fingerprint = r.fingerprint
-        f.capacity = r.capacity
-        f.exact = r.exact
-        f.seq = self.recv_seq
-        f.seen = r.seen
+        describe_receive(&f, r.status, self.peer, r.phase == 1, r.kind, r.fingerprint, r.capacity, r.exact,
+                         self.recv_seq, &r.seen)
         detail = f" waiting for frame seq {self.recv_seq}" if r.status == ST_TIMEOUT else ""
         raise failure_error(&f, where, timeout, detail)

@@ -41,4 +41,6 @@ cdef struct Failure:
     SeenHeader seen            # what the peer sent, for refusals
 
 
+cdef void describe_receive(Failure* f, int status, int peer, bint mid_frame, uint32_t kind, uint64_t fingerprint,
+                           uint64_t capacity, bint exact, uint64_t seq, SeenHeader* seen) noexcept
 cdef object failure_error(Failure* f, str where, double timeout, str detail)

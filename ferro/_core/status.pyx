@@ -11,6 +11,8 @@ Abort notices (a peer that gave up on a collective, and why) are decoded here
 too.
 """
 
+from libc.string cimport memset
+
 import os
 
 from ferro.errors import (
@@ -65,6 +67,21 @@ def kind_name(int kind) -> str:
 def broken_by(int status) -> str:
     """Say what a status that broke a channel was, for later errors on it."""
     return _BROKEN_BY.get(status, f"status {status}")
+
+
+cdef void describe_receive(Failure* f, int status, int peer, bint mid_frame, uint32_t kind, uint64_t fingerprint,
+                           uint64_t capacity, bint exact, uint64_t seq, SeenHeader* seen) noexcept:
+    """Fill ``f`` for a failed receive: this rank's call, the frame due, and the header the peer sent."""
+    memset(f, 0, sizeof(Failure))
+    f.status = status
+    f.peer = peer
+    f.mid_frame = mid_frame
+    f.kind = kind
+    f.fingerprint = fingerprint
+    f.capacity = capacity
+    f.exact = exact
+    f.seq = seq
+    f.seen = seen[0]
 
 
 cdef object failure_error(Failure* f, str where, double timeout, str detail):

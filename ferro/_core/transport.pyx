@@ -75,6 +75,7 @@ from ferro._core.status cimport (
     ST_TIMEOUT,
     ST_TOO_LARGE,
     Failure,
+    describe_receive,
     failure_error,
 )
 
@@ -748,17 +749,9 @@ cdef object _recv_error(RecvOp* r, str op, double timeout):
     cdef Failure f
     if r.status == ST_MISMATCH and r.seen.kind == KIND_ABORT and r.seen.length <= MAX_ABORT_BYTES and not st.closing:
         return _read_abort(r, f"rank {st.local_rank}: {op} from rank {st.peer_rank}")
-    memset(&f, 0, sizeof(Failure))
-    f.status = ST_CLOSED if st.closing else r.status
-    f.peer = st.peer_rank
+    describe_receive(&f, ST_CLOSED if st.closing else r.status, st.peer_rank, _recv_mid_frame(r), r.kind,
+                     r.fingerprint, r.capacity, r.exact, st.recv_seq, &r.seen)
     f.os_errno = r.os_errno
-    f.mid_frame = _recv_mid_frame(r)
-    f.kind = r.kind
-    f.fingerprint = r.fingerprint
-    f.capacity = r.capacity
-    f.exact = r.exact
-    f.seq = st.recv_seq
-    f.seen = r.seen
     where = f"rank {st.local_rank}: {op} from rank {st.peer_rank}"
     detail = ""
     if f.status == ST_TIMEOUT:
