@@ -276,6 +276,12 @@ cdef class Arena:
         ferro_copy(mine.notice, <const unsigned char*>payload, n)
         ferro_store_release32(&mine.abort_len, <uint32_t>(n if n > 0 else 1))
 
+    def peer_gave_up(self, int peer) -> bool:
+        """Whether ``peer`` posted an abort notice (it is no longer waiting in any collective)."""
+        if not self.has_view or not 0 <= peer < self.world_size:
+            return False
+        return ferro_load_acquire32(&self.ctl[peer].abort_len) != 0
+
     def peer_call(self, int peer):
         """``(kind, fingerprint)`` of the collective ``peer`` started that this rank has not, or None.
 

@@ -239,7 +239,8 @@ class ShmBackend(StoreBackend, NativeCollectives):
         try:
             super().recv_tagged(buf, src, kind=kind, fingerprint=fingerprint, timeout=timeout)
         except DistributedTimeoutError as exc:
-            waiting = self._arena.peer_call(src) if not self._closed else None
+            # A peer that gave up (its abort notice is what ended this wait) is waiting in nothing.
+            waiting = None if self._closed or self._arena.peer_gave_up(src) else self._arena.peer_call(src)
             if waiting is None:
                 raise
             peer_kind, peer_fingerprint = waiting
