@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,13 +69,15 @@ class StoreBackend(FramedBackend):
         config = RendezvousConfig.resolve(
             rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, secret=secret)
         seconds = default_timeout(timeout)
+        deadline = time.monotonic() + seconds  # the whole join, store requests included
         owns_store = store is None or close_store
         if store is None:
             store = Store(master_addr, master_port, secret=config.secret, timeout=seconds, serve=(rank == 0))
         try:
-            generation = store.add(f"ferro/{self.store_namespace}-joins/{rank}", 1)
+            generation = store.add(f"ferro/{self.store_namespace}-joins/{rank}", 1,
+                                   timeout=max(deadline - time.monotonic(), 0.001))
             self._init_state(rank, world_size, store, owns_store, f"ferro/{self.store_namespace}/{generation}",
-                             config.secret, seconds)
+                             config.secret, seconds, deadline)
             attach()
         except DistributedTimeoutError as exc:
             if owns_store:
@@ -90,8 +93,10 @@ class StoreBackend(FramedBackend):
             raise
 
     def _init_state(self, rank: int, world_size: int, store: Store, owns_store: bool, prefix: str, secret: bytes,
-                    timeout: float) -> None:
+                    timeout: float, deadline: float | None = None) -> None:
+        """Record who this rank is; ``deadline`` (monotonic; default ``timeout`` from now) bounds the set-up."""
         self._rank, self._world_size, self._timeout = rank, world_size, timeout
+        self._deadline = time.monotonic() + timeout if deadline is None else deadline
         self._store, self._owns_store, self._prefix, self._secret = store, owns_store, prefix, secret
         self._closed = False
         self._split_counts: dict[tuple[int, ...], int] = {}

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
-from collections.abc import Sequence
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ferro._buffers import as_buffer
@@ -15,14 +19,17 @@ from ferro._core.transport import KIND_ABORT, KIND_BARRIER
 from ferro.backend.base import default_spin_us
 from ferro.backend.joined import JoinSpec, StoreBackend
 from ferro.backend.native import NativeCollectives
-from ferro.errors import ConfigurationError, DistributedError, DistributedTimeoutError
+from ferro.errors import ConfigurationError, DistributedError, DistributedTimeoutError, PeerLostError
+from ferro.rendezvous.connect import wait_for_ranks
 from ferro.rendezvous.settings import default_timeout, validate_rank_and_size
 from ferro.rendezvous.store import Store
 from ferro.types import DType, ReduceOp, describe_fingerprint
 
-__all__ = ["ShmBackend"]
+__all__ = ["SEGMENT_PREFIX", "ShmBackend", "remove_segments_of"]
 
 SHM_DIR = "/dev/shm"
+# Segments are named ferro-<creator pid>-<random hex>: the pid tells a stale one from a live one.
+SEGMENT_PREFIX = "ferro"
 RING_ENV = "FERRO_SHM_RING_BYTES"
 DEFAULT_RING_BYTES = 4 * 1024 * 1024
 BUFFER_ENV = "FERRO_SHM_BUFFER_BYTES"
@@ -49,7 +56,7 @@ def _sweep_stale_segments() -> None:
         return
     for name in names:
         parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "ferro" or not parts[1].isdigit():
+        if len(parts) != 3 or parts[0] != SEGMENT_PREFIX or not parts[1].isdigit():
             continue
         path = os.path.join(SHM_DIR, name)
         try:
@@ -63,6 +70,79 @@ def _sweep_stale_segments() -> None:
                 pass
         except OSError:
             continue
+
+
+def remove_segments_of(pid: int) -> list[str]:
+    """Remove the segments process ``pid`` created (a launcher calls this once that rank has ended).
+
+    Returns:
+        The paths removed.
+
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(f"{SEGMENT_PREFIX}-{pid}-"):
+            path = os.path.join(SHM_DIR, name)
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+@contextlib.contextmanager
+def _unlinked_on_exit(path: str) -> Iterator[None]:
+    """Unlink ``path`` when the block ends, however it ends: by an exception, or by SIGTERM or SIGHUP.
+
+    A signal that would end the process (its default action) first unlinks the
+    path and then ends it as it would have; a handler the program installed
+    still runs, after the unlink. Handlers can only be installed from the main
+    thread; elsewhere a killed rank's segment is removed by the next group set
+    up on this host, or by ``ferro run`` once the rank has ended.
+    """
+    previous: dict[int, Any] = {}
+
+    def restore() -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        previous.clear()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        _unlink_quietly(path)
+        handler = previous.get(signum, signal.SIG_DFL)
+        restore()
+        if callable(handler):
+            handler(signum, frame)
+        elif handler == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)  # end the process as the signal would have
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, on_signal)
+    try:
+        yield
+    finally:
+        _unlink_quietly(path)
+        restore()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _left(deadline: float, rank: int, doing: str) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise DistributedTimeoutError(f"rank {rank}: shared-memory set-up timed out {doing}")
+    return remaining
 
 
 def _size_setting(value: int | None, env: str, default: int, what: str) -> int:
@@ -140,48 +220,58 @@ class ShmBackend(StoreBackend, NativeCollectives):
                    secret=spec.secret, store=spec.store, close_store=spec.close_store)
 
     def _attach(self, ring_bytes: int, buffer_bytes: int, spin_us: float) -> None:
-        rank, world_size, store, prefix, timeout = (self._rank, self._world_size, self._store, self._prefix,
-                                                    self._timeout)
+        rank, world_size, store, prefix = self._rank, self._world_size, self._store, self._prefix
+        deadline = self._deadline
         arena_offset, size = _layout(world_size, ring_bytes, buffer_bytes)
-        path = None
         if rank == 0:
             _sweep_stale_segments()
-            path = os.path.join(SHM_DIR, f"ferro-{os.getpid()}-{secrets.token_hex(8)}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, size)  # sized before anyone learns the name
-            except BaseException:
-                os.close(fd)
-                os.unlink(path)
-                raise
+            path = os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}-{os.getpid()}-{secrets.token_hex(8)}")
+            with _unlinked_on_exit(path):  # even by SIGTERM/SIGHUP: the window until every rank has mapped it
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.ftruncate(fd, size)  # sized before anyone learns the name
+                    mapping = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+                store.set(f"{prefix}/segment", path, timeout=_left(deadline, rank, "publishing the segment"))
+                segment = Segment(mapping, world_size, ring_bytes)
+                segment.register(rank, os.getpid())
+                # Every rank reports once it has mapped the segment: the name may go once all have.
+                wait_for_ranks(store, {r: f"{prefix}/mapped/{r}" for r in range(1, world_size)}, deadline, rank,
+                               "map the shared-memory segment")
         else:
-            path = store.get(f"{prefix}/segment", timeout=timeout).decode()
-            fd = os.open(path, os.O_RDWR)
-        try:
-            mapping = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        if rank == 0:
-            store.set(f"{prefix}/segment", path)
-        segment = Segment(mapping, world_size, ring_bytes)
-        segment.register(rank, os.getpid())
-        # A rank's report is its last use of the store: rank 0 waits for every report, so it can
-        # never close the store (with its group) while another rank still needs it.
-        store.set(f"{prefix}/mapped/{rank}", b"1")
-        if rank == 0:
+            path = store.get(f"{prefix}/segment", timeout=_left(deadline, rank, "waiting for rank 0's segment")
+                             ).decode()
             try:
-                store.wait([f"{prefix}/mapped/{r}" for r in range(world_size)], timeout=timeout)
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                raise PeerLostError(f"rank {rank}: rank 0 removed its shared-memory segment before this rank could "
+                                    f"map it (rank 0 gave up or was stopped during set-up)", 0) from None
+            try:
+                mapping = mmap.mmap(fd, size)
             finally:
-                os.unlink(path)  # every rank has it mapped (or the job failed): no name left behind
+                os.close(fd)
+            segment = Segment(mapping, world_size, ring_bytes)
+            segment.register(rank, os.getpid())
+            # This rank's last use of the store: rank 0 waits for every report, so it never closes
+            # the store (with its group) while another rank still needs it.
+            store.set(f"{prefix}/mapped/{rank}", b"1", timeout=_left(deadline, rank, "reporting the mapping"))
         self._ring_bytes, self._buffer_bytes, self._spin_us = ring_bytes, buffer_bytes, spin_us
         self._mapping, self._segment = mapping, segment
         state = self.state
         self._arena = Arena(mapping, world_size, rank, SEGMENT_HEADER_BYTES, arena_offset, buffer_bytes, spin_us,
                             state)
-        self._arena.default_timeout = timeout
+        self._arena.default_timeout = self._timeout
         self._arena.small_limit = min(SMALL_ALLREDUCE_BYTES, buffer_bytes)
         self._links = {peer: Channel(segment, rank, peer, spin_us, state) for peer in range(world_size)
                        if peer != rank}
+        # No rank returns before every rank is in: a group with a missing rank is no group.
+        try:
+            self._arena.barrier(_left(deadline, rank, "waiting for every rank to map the segment"))
+        except DistributedError as exc:
+            self._release()
+            raise type(exc)(f"rank {rank}: setting up the shared-memory group failed: not every rank of "
+                            f"{world_size} joined it ({exc})") from exc
 
     # --- native collectives through the arena (ferro.backend.native) -----------------------
 

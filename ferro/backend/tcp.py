@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,7 +134,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
 
     def _connect(self, bind_addr: str, spin_us: float) -> None:
         sockets = build_mesh(self._store, self._rank, self._world_size, prefix=self._prefix, secret=self._secret,
-                             bind_addr=bind_addr, timeout=self._timeout)
+                             bind_addr=bind_addr, timeout=max(self._deadline - time.monotonic(), 0.001))
         self._bind_addr = bind_addr
         self._spin_us = spin_us
         self._links = {}

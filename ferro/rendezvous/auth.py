@@ -18,20 +18,73 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import socket
 import struct
+import threading
+import time
 
 from ferro.errors import AuthenticationError, DistributedTimeoutError, PeerLostError
 
-__all__ = ["accept_handshake", "connect_handshake"]
+__all__ = ["PRE_AUTH_SECONDS", "RefusalLog", "accept_handshake", "connect_handshake"]
 
+# How long a connection we accepted may take to prove it holds the secret. A rank answers within
+# milliseconds even on a loaded host; anything slower is stray or hostile, and is cut off.
+PRE_AUTH_SECONDS = 5.0
 MAGIC = b"FERROAU1"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 MAX_CONTEXT_BYTES = 1024
 ACCEPTED = b"\x01"
 REFUSED = b"\x00"
+
+
+class RefusalLog:
+    """Keeps the latest refused connections and logs them without flooding.
+
+    A fuzzer or a port scanner may knock thousands of times. The first refusal
+    is logged at WARNING at once; after it, at most one line per ``interval``
+    seconds, saying how many were refused since the last line.
+
+    Args:
+        logger: Where the lines go.
+        where: What refused them, for the lines ("store on port 29500", "rank 3").
+        keep: How many descriptions :attr:`latest` keeps.
+        interval: Seconds between two WARNING lines.
+
+    """
+
+    def __init__(self, logger: logging.Logger, where: str, keep: int = 8, interval: float = 10.0) -> None:
+        self._logger, self._where, self._keep, self._interval = logger, where, keep, interval
+        self._lock = threading.Lock()
+        self._latest: list[str] = []
+        self._unlogged = 0
+        self._last_logged = -float("inf")
+        self.total = 0
+
+    @property
+    def latest(self) -> tuple[str, ...]:
+        """The latest descriptions, oldest first."""
+        with self._lock:
+            return tuple(self._latest)
+
+    def note(self, description: str) -> None:
+        """Record one refusal; log it, or count it towards the next line."""
+        now = time.monotonic()
+        with self._lock:
+            self.total += 1
+            self._latest = [*self._latest[-(self._keep - 1):], description]
+            self._unlogged += 1
+            if now - self._last_logged < self._interval:
+                return
+            count, self._unlogged, self._last_logged = self._unlogged, 0, now
+        if count == 1:
+            self._logger.warning("%s: refused a connection: %s", self._where, description)
+        else:
+            self._logger.warning("%s: refused %d connections since the last report; the latest: %s",
+                                 self._where, count, description)
+
 
 def _mac(secret: bytes, role: bytes, first: bytes, second: bytes, context: bytes) -> bytes:
     return hmac.new(secret, role + b"\0" + first + second + context, hashlib.sha256).digest()

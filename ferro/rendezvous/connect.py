@@ -8,8 +8,11 @@ authenticated with the job secret before it carries a frame.
 
 from __future__ import annotations
 
+import errno
 import logging
+import queue
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -21,18 +24,20 @@ from ferro.errors import (
     InvalidWorldSizeError,
     PeerLostError,
 )
-from ferro.rendezvous.auth import accept_handshake, connect_handshake
+from ferro.rendezvous.auth import PRE_AUTH_SECONDS, RefusalLog, accept_handshake, connect_handshake
 from ferro.rendezvous.settings import BIND_ADDR_ENV
 
 if TYPE_CHECKING:
     from ferro.rendezvous.store import Store
 
-__all__ = ["HANDSHAKE_TIMEOUT", "build_mesh", "dial", "local_address_towards"]
+__all__ = ["HANDSHAKE_TIMEOUT", "MAX_HANDSHAKES", "build_mesh", "dial", "local_address_towards", "wait_for_ranks"]
 
 log = logging.getLogger("ferro.rendezvous")
 
-# A stray connection may stall the accept loop this long at most.
+# How long this rank's own handshake with a peer it dialled may take.
 HANDSHAKE_TIMEOUT = 10.0
+# Connections allowed to authenticate at once on a rank's listener; another evicts the oldest.
+MAX_HANDSHAKES = 64
 # Backoff between dialling attempts: from the first delay, doubling, up to the last.
 _FIRST_DELAY, _LONGEST_DELAY = 0.01, 0.5
 
@@ -96,8 +101,11 @@ def build_mesh(
     Every member calls this with the same ``prefix`` (unique per group and
     generation). Rank ``i`` connects to ranks ``< i`` and accepts ranks ``> i``;
     the order makes progress from rank 0 upward, so no rank waits on a rank
-    that waits on it. A connection that fails authentication is refused and
-    logged, and the accept loop keeps waiting for the real peer.
+    that waits on it. Incoming connections authenticate concurrently, each
+    within a short pre-authentication limit, so an idle or hostile connection
+    delays no real peer; one that fails is refused and logged (rate-limited),
+    and the rank keeps waiting for the real peer. Everything, store requests
+    included, happens within ``timeout`` seconds.
 
     Raises:
         DistributedTimeoutError: Some peers did not connect in time (named).
@@ -108,51 +116,174 @@ def build_mesh(
     deadline = time.monotonic() + timeout
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     peers: dict[int, socket.socket] = {}
-    refused: list[str] = []
+    acceptor: _Acceptor | None = None
     try:
         try:
             listener.bind((bind_addr, 0))
         except OSError as exc:
             raise ConfigurationError(f"rank {rank}: cannot listen on {bind_addr}: {exc.strerror}") from exc
-        listener.listen(max(world_size, 8))
+        listener.listen(max(world_size, 128))
         host, port = listener.getsockname()[:2]
-        store.set(f"{prefix}/addr/{rank}", f"{host}:{port}")
-        lower = [f"{prefix}/addr/{j}" for j in range(rank)]
-        if lower:
-            store.wait(lower, timeout=_remaining(deadline, rank, "waiting for the lower ranks' addresses"))
+        expected = set(range(rank + 1, world_size))
+        if expected:  # accept (and authenticate) from now on, while this rank dials the lower ones
+            acceptor = _Acceptor(listener, secret, prefix, world_size, rank, expected)
+        store.set(f"{prefix}/addr/{rank}", f"{host}:{port}",
+                  timeout=_remaining(deadline, rank, "publishing this rank's address"))
+        lower = {j: f"{prefix}/addr/{j}" for j in range(rank)}
+        wait_for_ranks(store, lower, deadline, rank, "publish their address")
         # Read every address before the first connection: once connected to rank 0 this rank must
         # not need the store any more, since rank 0 may then finish and close it.
-        addresses = [store.get(key, timeout=1.0).decode().rsplit(":", 1) for key in lower]
+        addresses = [store.get(key, timeout=_remaining(deadline, rank, "reading the lower ranks' addresses"))
+                     .decode().rsplit(":", 1) for key in lower.values()]
         for j, (peer_host, peer_port) in enumerate(addresses):
             peers[j] = _connect_peer(
                 peer_host, int(peer_port), secret, _mesh_context(prefix, world_size, rank, j), deadline, rank, j)
-        expected = set(range(rank + 1, world_size))
-        while expected:
-            listener.settimeout(_remaining(deadline, rank, _waiting_text(expected, refused)))
-            try:
-                sock, address = listener.accept()
-            except TimeoutError:
-                continue  # _remaining raises on the next turn
-            src = _accept_peer(sock, address, secret, prefix, world_size, rank, expected, refused)
-            if src is not None:
-                peers[src] = sock
-                expected.discard(src)
+        if acceptor is not None:
+            peers.update(acceptor.collect(deadline))
     except BaseException:
         for sock in peers.values():
             sock.close()
         raise
     finally:
         listener.close()
+        if acceptor is not None:
+            acceptor.stop()
     for sock in peers.values():
         _tune(sock)
     return peers
 
 
-def _waiting_text(expected: set[int], refused: list[str]) -> str:
-    text = f"waiting for ranks {sorted(expected)} to connect"
-    if refused:
-        text += f" (refused {len(refused)} connection(s) without the job secret: {'; '.join(refused[:3])})"
-    return text
+def wait_for_ranks(store: Store, keys: dict[int, str], deadline: float, rank: int, doing: str) -> None:
+    """Wait until every rank in ``keys`` has set its key; a timeout names the ranks that did not.
+
+    Raises:
+        DistributedTimeoutError: "rank 3: ranks [1, 2] did not publish their address within 60 s ...".
+
+    """
+    if not keys:
+        return
+    from ferro.rendezvous.store import StoreKeyTimeoutError  # the store module imports this one
+
+    seconds = _remaining(deadline, rank, f"waiting for ranks {sorted(keys)} to {doing}")
+    try:
+        store.wait(list(keys.values()), timeout=seconds)
+    except StoreKeyTimeoutError as exc:
+        missing = sorted(r for r, key in keys.items() if key in exc.missing)
+        raise DistributedTimeoutError(
+            f"rank {rank}: rendezvous timed out: rank(s) {missing} did not {doing} within {seconds:.3g} s: they were "
+            f"never started (check WORLD_SIZE and the launcher), or died or froze during rendezvous") from None
+
+
+class _Acceptor:
+    """Accepts and authenticates incoming mesh connections on threads, each within PRE_AUTH_SECONDS.
+
+    Authentication is concurrent: a connection that sends nothing holds its own
+    thread until its limit, never the real peers behind it. At most
+    ``MAX_HANDSHAKES`` authenticate at once; another evicts the oldest.
+    """
+
+    def __init__(self, listener: socket.socket, secret: bytes, prefix: str, world_size: int, rank: int,
+                 expected: set[int]) -> None:
+        self._listener, self._secret, self._prefix = listener, secret, prefix
+        self._world_size, self._rank, self._expected = world_size, rank, set(expected)
+        self._results: queue.Queue[tuple[int, socket.socket] | BaseException] = queue.Queue()
+        self._lock = threading.Lock()
+        self._handshaking: dict[socket.socket, None] = {}
+        self._stopped = False
+        self.refusals = RefusalLog(log, f"rank {rank}")
+        listener.settimeout(None)
+        self._thread = threading.Thread(target=self._accept_loop, name=f"ferro-mesh-accept-{rank}", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, address = self._listener.accept()
+            except OSError as exc:
+                if self._stopped or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.refusals.note(f"cannot accept a connection: {exc.strerror}; retrying")
+                    time.sleep(0.05)
+                continue
+            with self._lock:
+                if self._stopped:
+                    sock.close()
+                    return
+                if len(self._handshaking) >= MAX_HANDSHAKES:
+                    _shutdown(next(iter(self._handshaking)))
+                self._handshaking[sock] = None
+            threading.Thread(target=self._authenticate, args=(sock, address), daemon=True,
+                             name=f"ferro-mesh-auth-{self._rank}").start()
+
+    def _authenticate(self, sock: socket.socket, address: tuple[str, int]) -> None:
+        try:
+            src = _accept_peer(sock, address, self._secret, self._prefix, self._world_size, self._rank,
+                               self._expected, self.refusals)
+        except BaseException as exc:  # handed to the rank's thread, which raises it
+            sock.close()
+            self._results.put(exc)
+            return
+        finally:
+            with self._lock:
+                self._handshaking.pop(sock, None)
+        if src is not None:
+            with self._lock:
+                keep = not self._stopped and src in self._expected
+                self._expected.discard(src)
+            if keep:
+                self._results.put((src, sock))
+                return
+            self.refusals.note(f"{address[0]}:{address[1]}: a second connection claiming rank {src}")
+            sock.close()
+
+    def collect(self, deadline: float) -> dict[int, socket.socket]:
+        """Return the authenticated peers once all expected ranks connected."""
+        peers: dict[int, socket.socket] = {}
+        want = set(self._expected)
+        try:
+            while want:
+                waiting = f"waiting for ranks {sorted(want)} to connect"
+                refused = self.refusals.latest
+                if refused:
+                    waiting += (f" (refused {self.refusals.total} connection(s) that failed authentication; "
+                                f"the latest: {refused[-1]})")
+                try:
+                    item = self._results.get(timeout=_remaining(deadline, self._rank, waiting))
+                except queue.Empty:
+                    continue  # _remaining raises on the next turn
+                if isinstance(item, BaseException):
+                    raise item
+                src, sock = item
+                peers[src] = sock
+                want.discard(src)
+        except BaseException:
+            for sock in peers.values():
+                sock.close()
+            raise
+        return peers
+
+    def stop(self) -> None:
+        """Stop accepting; drop connections still authenticating and results nobody took."""
+        with self._lock:
+            self._stopped = True
+            pending = list(self._handshaking)
+        for sock in pending:
+            _shutdown(sock)
+        while True:
+            try:
+                item = self._results.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(item, BaseException):
+                item[1].close()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _remaining(deadline: float, rank: int, doing: str) -> float:
@@ -184,25 +315,23 @@ def _connect_peer(host: str, port: int, secret: bytes, context: bytes, deadline:
 
 
 def _accept_peer(sock: socket.socket, address: tuple[str, int], secret: bytes, prefix: str, world_size: int,
-                 rank: int, expected: set[int], refused: list[str]) -> int | None:
+                 rank: int, expected: set[int], refusals: RefusalLog) -> int | None:
     where = f"{address[0]}:{address[1]}"
     try:
-        context = accept_handshake(sock, secret, HANDSHAKE_TIMEOUT, f"the process at {where}")
+        context = accept_handshake(sock, secret, PRE_AUTH_SECONDS, f"the process at {where}")
         kind, their_prefix, their_size, link = context.decode().split("|")
         src_text, dst_text = link.split("->")
         src, dst = int(src_text), int(dst_text)
-    except (DistributedError, ValueError, UnicodeDecodeError) as exc:
-        log.warning("rank %d: refused a connection from %s: %s", rank, where, exc)
-        refused.append(f"{where}: {exc}")
+    except (DistributedError, OSError, ValueError, UnicodeDecodeError) as exc:
+        refusals.note(f"{where}: {exc}")
         sock.close()
         return None
-    if int(their_size) != world_size and their_prefix == prefix:
+    if their_prefix == prefix and their_size != str(world_size):
         sock.close()
         raise InvalidWorldSizeError(
             f"rank {rank}: rank {src} was started with world_size={their_size}, this rank with {world_size}")
     if kind != "mesh" or their_prefix != prefix or dst != rank or src not in expected:
-        log.warning("rank %d: refused a connection from %s meant for %s", rank, where, context.decode())
-        refused.append(f"{where}: meant for {context.decode()}")
+        refusals.note(f"{where}: meant for {context.decode()}")
         sock.close()
         return None
     return src

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ferro.errors import ConfigurationError, DistributedTimeoutError, StoreError
+from ferro.rendezvous.settings import default_timeout
+from ferro.rendezvous.store import StoreKeyTimeoutError
 
 __all__ = ["FileStore"]
 
@@ -37,7 +39,7 @@ class FileStore:
 
     def __init__(self, path: str, *, timeout: float = 300.0) -> None:
         self.path = path
-        self.timeout = float(timeout)
+        self.timeout = default_timeout(timeout)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
@@ -45,9 +47,24 @@ class FileStore:
                                      ) from exc
         os.close(fd)
 
-    def _locked(self, change: Callable[[dict[str, str]], Any]) -> Any:
+    def _seconds(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else default_timeout(timeout)
+
+    def _locked(self, change: Callable[[dict[str, str]], Any], seconds: float | None = None) -> Any:
+        """Apply ``change`` to the data under the file's lock, taken within ``seconds`` (default: the store's)."""
+        limit = self._seconds(seconds)
+        deadline = time.monotonic() + limit
         with open(self.path, "r+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
+            while True:  # never block on the lock: a frozen process may hold it
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise DistributedTimeoutError(
+                            f"file store {self.path}: could not lock the file within {limit:g} s (a process "
+                            f"holding it is frozen?)") from None
+                    time.sleep(POLL_SECONDS / 10)
             try:
                 text = f.read()
                 data: dict[str, str] = json.loads(text) if text.strip() else {}
@@ -68,10 +85,10 @@ class FileStore:
         raw = value.encode() if isinstance(value, str) else bytes(value)
         return base64.b64encode(raw).decode()
 
-    def set(self, key: str, value: bytes | str) -> None:
+    def set(self, key: str, value: bytes | str, timeout: float | None = None) -> None:
         """Set ``key`` to ``value``."""
         encoded = self._encode(value)
-        self._locked(lambda d: d.__setitem__(key, encoded))
+        self._locked(lambda d: d.__setitem__(key, encoded), timeout)
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """Return the value of ``key``, waiting up to ``timeout`` seconds for it.
@@ -80,8 +97,9 @@ class FileStore:
             DistributedTimeoutError: The key was not set in time.
 
         """
+        deadline = time.monotonic() + self._seconds(timeout)
         self.wait([key], timeout)
-        value = self._locked(lambda d: d.get(key))
+        value = self._locked(lambda d: d.get(key), max(deadline - time.monotonic(), 0.001))
         return base64.b64decode(value)
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
@@ -92,19 +110,19 @@ class FileStore:
 
         """
         wanted = list(keys)
-        seconds = self.timeout if timeout is None else float(timeout)
+        seconds = self._seconds(timeout)
         deadline = time.monotonic() + seconds
         while True:
-            missing = self._locked(lambda d: [k for k in wanted if k not in d])
+            missing = self._locked(lambda d: [k for k in wanted if k not in d], max(deadline - time.monotonic(), 0.001))
             if not missing:
                 return
             if time.monotonic() >= deadline:
                 names = ", ".join(repr(k) for k in missing)
-                raise DistributedTimeoutError(
-                    f"file store {self.path}: keys still missing after {seconds:g} s: {names}")
+                raise StoreKeyTimeoutError(
+                    f"file store {self.path}: keys still missing after {seconds:g} s: {names}", tuple(missing))
             time.sleep(POLL_SECONDS)
 
-    def add(self, key: str, amount: int) -> int:
+    def add(self, key: str, amount: int, timeout: float | None = None) -> int:
         """Add ``amount`` to the integer at ``key`` (missing counts as 0); return the new value.
 
         Raises:
@@ -120,20 +138,20 @@ class FileStore:
             d[key] = self._encode(str(value))
             return value
 
-        return self._locked(change)
+        return self._locked(change, timeout)
 
-    def check(self, keys: Iterable[str]) -> bool:
-        """Return whether every key is set, without waiting."""
+    def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
+        """Return whether every key is set, without waiting for them."""
         wanted = list(keys)
-        return bool(self._locked(lambda d: all(k in d for k in wanted)))
+        return bool(self._locked(lambda d: all(k in d for k in wanted), timeout))
 
-    def delete_key(self, key: str) -> bool:
+    def delete_key(self, key: str, timeout: float | None = None) -> bool:
         """Delete ``key``; return whether it existed."""
-        return bool(self._locked(lambda d: d.pop(key, None) is not None))
+        return bool(self._locked(lambda d: d.pop(key, None) is not None, timeout))
 
-    def num_keys(self) -> int:
+    def num_keys(self, timeout: float | None = None) -> int:
         """Return the number of keys."""
-        return int(self._locked(len))
+        return int(self._locked(len, timeout))
 
     @property
     def refused(self) -> tuple[str, ...]:

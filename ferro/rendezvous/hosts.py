@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
+
+from ferro.rendezvous.connect import wait_for_ranks
 
 __all__ = ["HOST_ID_ENV", "exchange_host_identities", "host_identity", "machine_identity"]
 
@@ -64,10 +67,13 @@ def exchange_host_identities(store: Any, rank: int, world_size: int, timeout: fl
     Each rank counts its own exchanges in the store, so a job that does this more
     than once (a launcher's store, a re-created group) never reads stale answers.
     """
-    generation = store.add(f"ferro/host-joins/{rank}", 1)
+    deadline = time.monotonic() + timeout
+    generation = store.add(f"ferro/host-joins/{rank}", 1, timeout=timeout)
     prefix = f"ferro/hosts/{generation}"
-    store.set(f"{prefix}/{rank}", f"{host_identity()}\n{machine_identity()}")
-    keys = [f"{prefix}/{r}" for r in range(world_size)]
-    store.wait(keys, timeout=timeout)
-    found = [store.get(key, timeout=timeout).decode().split("\n", 1) for key in keys]
+    store.set(f"{prefix}/{rank}", f"{host_identity()}\n{machine_identity()}",
+              timeout=max(deadline - time.monotonic(), 0.001))
+    keys = {r: f"{prefix}/{r}" for r in range(world_size)}
+    wait_for_ranks(store, keys, deadline, rank, "say which host they run on")
+    found = [store.get(key, timeout=max(deadline - time.monotonic(), 0.001)).decode().split("\n", 1)
+             for key in keys.values()]
     return [(parts[0], parts[1] if len(parts) > 1 else parts[0]) for parts in found]

@@ -34,6 +34,9 @@ SECRET_ENV = "FERRO_SECRET"
 BIND_ADDR_ENV = "FERRO_BIND_ADDR"
 DEFAULT_TIMEOUT_SECONDS = 60.0
 DEFAULT_MASTER_PORT = 29500
+# The longest timeout accepted: a week. Longer (or infinite) waits would overflow the
+# kernel's and the sockets' time arithmetic, and a job that waits a week is hung.
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
 _LOCALHOST = "127.0.0.1"
 
 
@@ -41,20 +44,27 @@ def default_timeout(timeout: float | None = None) -> float:
     """Return ``timeout`` if given, else ``$FERRO_TIMEOUT``, else 60 seconds.
 
     Raises:
-        ConfigurationError: The value is not a positive number.
+        ConfigurationError: The value is not a finite number of seconds in (0, one week].
 
     """
+    source = "timeout"
     if timeout is None:
         raw = os.environ.get(TIMEOUT_ENV)
         if raw is None:
             return DEFAULT_TIMEOUT_SECONDS
+        source = f"{TIMEOUT_ENV}={raw!r}"
         try:
             timeout = float(raw)
         except ValueError:
-            raise ConfigurationError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not timeout > 0:
-        raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return float(timeout)
+            raise ConfigurationError(f"{source} is not a number of seconds") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) and not hasattr(timeout, "__float__"):
+        raise ConfigurationError(f"{source} must be a number of seconds, got {type(timeout).__name__} {timeout!r}")
+    seconds = float(timeout)
+    if not 0 < seconds <= MAX_TIMEOUT_SECONDS:  # also refuses nan and inf
+        raise ConfigurationError(
+            f"{source}: a timeout must be a finite number of seconds above 0 and at most {MAX_TIMEOUT_SECONDS:g} "
+            f"(one week), got {timeout!r}; ferro never waits without a limit, so give a large number instead")
+    return seconds
 
 
 def secret_from_env(secret: bytes | str | None = None, environ: Mapping[str, str] | None = None) -> bytes | None:

@@ -15,6 +15,7 @@ each argument is a u32 length and its bytes. Lengths are checked against
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import struct
@@ -31,24 +32,42 @@ from ferro.errors import (
     PeerLostError,
     StoreError,
 )
-from ferro.rendezvous.auth import accept_handshake, connect_handshake
+from ferro.rendezvous.auth import PRE_AUTH_SECONDS, RefusalLog, accept_handshake, connect_handshake
 from ferro.rendezvous.connect import dial
+from ferro.rendezvous.settings import default_timeout
 
-__all__ = ["Store", "StoreServer"]
+__all__ = ["Store", "StoreKeyTimeoutError", "StoreServer"]
 
 log = logging.getLogger("ferro.store")
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_TIMEOUT = 300.0
+# How long this client's own handshake with the server may take.
 HANDSHAKE_TIMEOUT = 10.0
 # How long close() lets requests already being served send their answers.
 DRAIN_SECONDS = 2.0
-# Extra seconds a client waits beyond a server-side wait, so the server's answer wins the race.
-REPLY_MARGIN = 5.0
+# A server-side wait (get, wait) ends this much before the caller's deadline, so the server's
+# "not yet" normally arrives in time and the connection stays usable.
+SERVER_HEADSTART = 0.1
+# Connections allowed to be authenticating at once; more wait in the kernel's backlog. Each
+# authenticated client then holds one thread, and at most MAX_CLIENTS are kept.
+MAX_HANDSHAKES = 64
+MAX_CLIENTS = 4096
+# After accept() fails for lack of file descriptors (EMFILE, ENFILE) or memory, retry after this long.
+ACCEPT_RETRY_SECONDS = 0.05
 
 _SET, _GET, _WAIT, _ADD, _COMPARE_SET, _DELETE, _CHECK, _NUM_KEYS = range(1, 9)
 _OK, _TIMED_OUT, _FAILED = 0, 1, 2
 _U32 = struct.Struct("<I")
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+class StoreKeyTimeoutError(DistributedTimeoutError):
+    """Keys were not set in time; :attr:`missing` names them (rendezvous turns them into the ranks missing)."""
+
+    def __init__(self, message: str, missing: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 def _pack(code: int, args: Sequence[bytes]) -> bytes:
@@ -104,12 +123,25 @@ def _read_exact(sock: socket.socket, n: int, allow_eof: bool) -> bytes | None:
     return bytes(buf)
 
 
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def _as_bytes(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
 class StoreServer:
     """Serves the key-value store on ``host:port`` from background threads.
+
+    Hostile or broken clients cannot stop it: at most ``MAX_HANDSHAKES``
+    connections authenticate at once (a new one evicts the oldest, so idle
+    connections cannot starve the ranks, whose handshakes take microseconds);
+    running out of file descriptors pauses accepting instead of ending it; only
+    authenticated clients get a thread of their own.
 
     Args:
         host: Address to bind (the master address the ranks will connect to).
@@ -127,7 +159,7 @@ class StoreServer:
         self._cond = threading.Condition()
         self._closing = False
         self._clients: set[socket.socket] = set()
-        self._refused: list[str] = []
+        self._handshaking: dict[socket.socket, None] = {}  # insertion-ordered: the oldest first
         self._in_flight = 0  # requests read whose answer is not yet sent
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -138,16 +170,22 @@ class StoreServer:
             raise ConfigurationError(
                 f"cannot serve the store on {host}:{port}: {exc.strerror}; choose another MASTER_PORT "
                 f"or check that MASTER_ADDR is an address of this host") from exc
-        self._listener.listen(128)
+        self._listener.listen(1024)
         self.host, self.port = host, self._listener.getsockname()[1]
+        self._refusals = RefusalLog(log, f"store on port {self.port}")
         self._thread = threading.Thread(target=self._accept_loop, name=f"ferro-store:{self.port}", daemon=True)
         self._thread.start()
 
     @property
     def refused(self) -> tuple[str, ...]:
         """Descriptions of the latest connections refused for lacking the job secret (at most 8)."""
+        return self._refusals.latest
+
+    @property
+    def threads(self) -> int:
+        """Threads serving connections now (authenticating or authenticated)."""
         with self._cond:
-            return tuple(self._refused)
+            return len(self._handshaking) + len(self._clients)
 
     def close(self) -> None:
         """Stop serving: wake waiting requests, let answers in progress go out, close every connection.
@@ -164,42 +202,55 @@ class StoreServer:
             deadline = time.monotonic() + DRAIN_SECONDS
             while self._in_flight and time.monotonic() < deadline:
                 self._cond.wait(deadline - time.monotonic())
-            clients = list(self._clients)
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+            sockets = [*self._clients, *self._handshaking]
+        _shutdown(self._listener)
         self._listener.close()
-        for sock in clients:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        for sock in sockets:
+            _shutdown(sock)
         self._thread.join(timeout=5.0)
 
     def _accept_loop(self) -> None:
         while True:
             try:
                 sock, address = self._listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(
-                target=self._serve_client, args=(sock, address), name="ferro-store-client", daemon=True
-            ).start()
+            except OSError as exc:
+                if self._closing or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # closed
+                if exc.errno in _OUT_OF_RESOURCES:
+                    # The connection waits in the kernel's backlog; the server must outlive the shortage.
+                    self._refusals.note(f"cannot accept a connection: {exc.strerror}; retrying")
+                    time.sleep(ACCEPT_RETRY_SECONDS)
+                continue  # ECONNABORTED and the like: that client gave up
+            with self._cond:
+                if self._closing:
+                    sock.close()
+                    return
+                if len(self._handshaking) >= MAX_HANDSHAKES:
+                    _shutdown(next(iter(self._handshaking)))  # its thread fails its read, and ends
+                self._handshaking[sock] = None
+            try:
+                threading.Thread(target=self._serve_client, args=(sock, address), name="ferro-store-client",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: drop this client, keep serving the others
+                with self._cond:
+                    self._handshaking.pop(sock, None)
+                sock.close()
+                self._refusals.note(f"no thread for {address[0]}:{address[1]}")
 
     def _serve_client(self, sock: socket.socket, address: tuple[str, int]) -> None:
         peer = f"store client {address[0]}:{address[1]}"
         try:
-            accept_handshake(sock, self._secret, HANDSHAKE_TIMEOUT, peer)
-        except (AuthenticationError, DistributedError) as exc:
-            log.warning("store on port %d: %s", self.port, exc)
+            accept_handshake(sock, self._secret, PRE_AUTH_SECONDS, peer)
+        except (AuthenticationError, DistributedError, OSError) as exc:
+            self._refusals.note(str(exc))
             with self._cond:
-                self._refused = [*self._refused[-7:], str(exc)]
+                self._handshaking.pop(sock, None)
             sock.close()
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._cond:
-            if self._closing:
+            self._handshaking.pop(sock, None)
+            if self._closing or len(self._clients) >= MAX_CLIENTS:
                 sock.close()
                 return
             self._clients.add(sock)
@@ -307,15 +358,16 @@ class Store:
 
     def __init__(self, host: str, port: int, *, secret: bytes | str, timeout: float = DEFAULT_TIMEOUT,
                  serve: bool = False) -> None:
-        self.timeout = float(timeout)
+        self.timeout = default_timeout(timeout)
         self._secret = _as_bytes(secret)
         self._lock = threading.Lock()
+        self._closed = False
         self._server = StoreServer(host, port, secret=self._secret) if serve else None
         self.host = host
         self.port = self._server.port if self._server is not None else port
         self._sock: socket.socket | None = None
         try:
-            self._sock = self._connect()
+            self._sock = self._connect(time.monotonic() + self.timeout, self.timeout)
         except BaseException:
             if self._server is not None:
                 self._server.close()
@@ -331,113 +383,157 @@ class Store:
         """Connections the server this client runs refused for lacking the job secret (latest 8; else none)."""
         return self._server.refused if self._server is not None else ()
 
-    def _connect(self) -> socket.socket:
-        where = f"the store at {self.host}:{self.port}"
-        sock = dial(self.host, self.port, time.monotonic() + self.timeout,
-                    f"could not reach {where} within {self.timeout:g} s; is rank 0 running, and are MASTER_ADDR "
+    @property
+    def _where(self) -> str:
+        return f"the store at {self.host}:{self.port}"
+
+    def _connect(self, deadline: float, seconds: float) -> socket.socket:
+        sock = dial(self.host, self.port, deadline,
+                    f"could not reach {self._where} within {seconds:g} s; is rank 0 running, and are MASTER_ADDR "
                     f"and MASTER_PORT the same on every rank?")
         try:
-            connect_handshake(sock, self._secret, b"ferro-store", min(HANDSHAKE_TIMEOUT, self.timeout), where)
+            connect_handshake(sock, self._secret, b"ferro-store",
+                              max(min(HANDSHAKE_TIMEOUT, deadline - time.monotonic()), 0.001), self._where)
+        except DistributedTimeoutError as exc:
+            sock.close()
+            raise DistributedTimeoutError(f"{exc} (within {seconds:g} s; is the store's host frozen?)") from exc
         except BaseException:
             sock.close()
             raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def _request(self, code: int, args: Sequence[bytes], wait: float | None = None) -> tuple[int, list[bytes]]:
-        with self._lock:
-            if self._sock is None:
+    def _request(self, code: int, args: Sequence[bytes], seconds: float, what: str) -> tuple[int, list[bytes]]:
+        """Send one request and read its answer, all before ``seconds`` from now.
+
+        If the deadline passes first the connection is dropped (a late answer must
+        never be read as the next request's) and the next request reconnects.
+        """
+        deadline = time.monotonic() + seconds
+        timed_out = f"{self._where} did not answer {what} within {seconds:g} s (is its host frozen or overloaded?)"
+        if not self._lock.acquire(timeout=max(seconds, 0.0)):
+            raise DistributedTimeoutError(f"{timed_out}; this client was busy with another thread's request")
+        try:
+            if self._closed:
                 raise BackendClosedError("store: this client was closed")
-            where = f"the store at {self.host}:{self.port}"
-            self._sock.settimeout(None if wait is None else wait + REPLY_MARGIN)
+            if self._sock is None:
+                self._sock = self._connect(deadline, seconds)
+            sock = self._sock
             try:
-                self._sock.sendall(_pack(code, args))
-                body = _read_message(self._sock)
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                sock.sendall(_pack(code, args))
+                body = _read_message(sock)
             except TimeoutError as exc:
-                raise DistributedTimeoutError(f"{where} did not answer within {wait:g} s") from exc
+                self._drop()
+                raise DistributedTimeoutError(timed_out) from exc
             except (OSError, ValueError) as exc:
-                raise PeerLostError(f"lost the connection to {where}: {exc}") from exc
+                self._drop()
+                raise PeerLostError(f"lost the connection to {self._where}: {exc}") from exc
             if body is None:
-                raise PeerLostError(f"{where} closed the connection (its process exited?)")
+                self._drop()
+                raise PeerLostError(f"{self._where} closed the connection (its process exited?)")
             status, results = _unpack(body)
+        finally:
+            self._lock.release()
         if status == _FAILED:
-            raise StoreError(f"{where}: {results[0].decode(errors='replace')}")
+            raise StoreError(f"{self._where}: {results[0].decode(errors='replace')}")
         return status, results
 
-    def _timeout_ms(self, timeout: float | None) -> tuple[float, bytes]:
-        seconds = self.timeout if timeout is None else float(timeout)
-        return seconds, str(max(0, int(seconds * 1000))).encode()
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
-    def set(self, key: str, value: bytes | str) -> None:
-        """Set ``key`` to ``value``, waking every waiter on it."""
-        self._request(_SET, [key.encode(), _as_bytes(value)])
+    def _seconds(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else default_timeout(timeout)
+
+    @staticmethod
+    def _server_wait_ms(seconds: float) -> bytes:
+        # The server gives up a little before the caller's deadline, so its answer arrives in time.
+        return str(max(0, int((seconds - min(SERVER_HEADSTART, seconds / 10)) * 1000))).encode()
+
+    def set(self, key: str, value: bytes | str, timeout: float | None = None) -> None:
+        """Set ``key`` to ``value``, waking every waiter on it.
+
+        Raises:
+            DistributedTimeoutError: The store did not answer within ``timeout`` seconds (default: the client's).
+
+        """
+        self._request(_SET, [key.encode(), _as_bytes(value)], self._seconds(timeout), f"set({key!r})")
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """Return the value of ``key``, waiting up to ``timeout`` seconds for it to be set.
 
         Raises:
-            DistributedTimeoutError: The key was not set in time.
+            DistributedTimeoutError: The key was not set in time, or the store did not answer.
 
         """
-        seconds, ms = self._timeout_ms(timeout)
-        status, results = self._request(_GET, [ms, key.encode()], wait=seconds)
+        seconds = self._seconds(timeout)
+        status, results = self._request(_GET, [self._server_wait_ms(seconds), key.encode()], seconds,
+                                        f"get({key!r})")
         if status == _TIMED_OUT:
-            raise DistributedTimeoutError(f"store: key {key!r} was not set within {seconds:g} s")
+            raise StoreKeyTimeoutError(f"store: key {key!r} was not set within {seconds:g} s", (key,))
         return results[0]
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Wait until every key in ``keys`` is set.
 
         Raises:
-            DistributedTimeoutError: Naming the keys still missing.
+            DistributedTimeoutError: Naming the keys still missing (as :class:`StoreKeyTimeoutError`),
+                or the store did not answer.
 
         """
         key_list = [k.encode() for k in keys]
-        seconds, ms = self._timeout_ms(timeout)
-        status, missing = self._request(_WAIT, [ms, *key_list], wait=seconds)
+        seconds = self._seconds(timeout)
+        status, missing = self._request(_WAIT, [self._server_wait_ms(seconds), *key_list], seconds, "wait()")
         if status == _TIMED_OUT:
-            names = ", ".join(repr(k.decode()) for k in missing)
-            raise DistributedTimeoutError(f"store: keys still missing after {seconds:g} s: {names}")
+            names = [k.decode() for k in missing]
+            raise StoreKeyTimeoutError(
+                f"store: keys still missing after {seconds:g} s: {', '.join(map(repr, names))}", tuple(names))
 
-    def add(self, key: str, amount: int) -> int:
+    def add(self, key: str, amount: int, timeout: float | None = None) -> int:
         """Add ``amount`` to the integer at ``key`` (missing counts as 0) and return the new value.
 
         Raises:
             StoreError: The key holds something that is not an integer.
+            DistributedTimeoutError: The store did not answer in time.
 
         """
-        _, results = self._request(_ADD, [key.encode(), str(int(amount)).encode()])
+        _, results = self._request(_ADD, [key.encode(), str(int(amount)).encode()], self._seconds(timeout),
+                                   f"add({key!r})")
         return int(results[0])
 
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str, timeout: float | None = None) -> bytes:
         """Set ``key`` to ``desired`` if it currently holds ``expected``; return the value afterwards.
 
         As in torch's TCPStore, a missing key counts as holding ``b""``, and when
         the key is missing and ``expected`` is not empty, ``expected`` is returned.
         """
-        _, results = self._request(_COMPARE_SET, [key.encode(), _as_bytes(expected), _as_bytes(desired)])
+        _, results = self._request(_COMPARE_SET, [key.encode(), _as_bytes(expected), _as_bytes(desired)],
+                                   self._seconds(timeout), f"compare_set({key!r})")
         return results[0]
 
-    def delete_key(self, key: str) -> bool:
+    def delete_key(self, key: str, timeout: float | None = None) -> bool:
         """Delete ``key``; return whether it existed."""
-        _, results = self._request(_DELETE, [key.encode()])
+        _, results = self._request(_DELETE, [key.encode()], self._seconds(timeout), f"delete_key({key!r})")
         return results[0] == b"1"
 
-    def check(self, keys: Iterable[str]) -> bool:
-        """Return whether every key in ``keys`` is set, without waiting."""
-        _, results = self._request(_CHECK, [k.encode() for k in keys])
+    def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
+        """Return whether every key in ``keys`` is set, without waiting for them."""
+        _, results = self._request(_CHECK, [k.encode() for k in keys], self._seconds(timeout), "check()")
         return results[0] == b"1"
 
-    def num_keys(self) -> int:
+    def num_keys(self, timeout: float | None = None) -> int:
         """Return the number of keys in the store."""
-        _, results = self._request(_NUM_KEYS, [])
+        _, results = self._request(_NUM_KEYS, [], self._seconds(timeout), "num_keys()")
         return int(results[0])
 
     def close(self) -> None:
         """Close the connection (and stop the server if this client started it). Idempotent."""
-        with self._lock:
-            sock, self._sock = self._sock, None
+        self._closed = True
+        sock, self._sock = self._sock, None  # not under the lock: a request blocked on a frozen server holds it
         if sock is not None:
+            _shutdown(sock)
             sock.close()
         if self._server is not None:
             self._server.close()
