@@ -211,7 +211,9 @@ class _Acceptor:
                     sock.close()
                     return
                 if len(self._handshaking) >= MAX_HANDSHAKES:
-                    _shutdown(next(iter(self._handshaking)))
+                    oldest = next(iter(self._handshaking))
+                    del self._handshaking[oldest]
+                    _shutdown(oldest)
                 self._handshaking[sock] = None
             threading.Thread(target=self._authenticate, args=(sock, address), daemon=True,
                              name=f"ferro-mesh-auth-{self._rank}").start()
@@ -243,7 +245,8 @@ class _Acceptor:
         want = set(self._expected)
         try:
             while want:
-                waiting = f"waiting for ranks {sorted(want)} to connect"
+                waiting = (f"waiting for rank(s) {sorted(want)} to connect (never started, or died or froze during "
+                           f"rendezvous?)")
                 refused = self.refusals.latest
                 if refused:
                     waiting += (f" (refused {self.refusals.total} connection(s) that failed authentication; "

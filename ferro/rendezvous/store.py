@@ -226,7 +226,9 @@ class StoreServer:
                     sock.close()
                     return
                 if len(self._handshaking) >= MAX_HANDSHAKES:
-                    _shutdown(next(iter(self._handshaking)))  # its thread fails its read, and ends
+                    oldest = next(iter(self._handshaking))
+                    del self._handshaking[oldest]
+                    _shutdown(oldest)  # its thread fails its read, and ends
                 self._handshaking[sock] = None
             try:
                 threading.Thread(target=self._serve_client, args=(sock, address), name="ferro-store-client",
