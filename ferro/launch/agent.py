@@ -15,7 +15,8 @@ from typing import IO
 
 from ferro.errors import ConfigurationError
 from ferro.launch import bootstrap
-from ferro.launch.bootstrap import LAUNCHER_PID_ENV
+from ferro.launch.bootstrap import GRACE_ENV, LAUNCHER_PID_ENV
+from ferro.launch.reaper import become_subreaper, end_descendants
 
 __all__ = ["LaunchConfig", "RankFailure", "run_job"]
 
@@ -94,7 +95,7 @@ def _environment(config: LaunchConfig, local_rank: int, restart: int) -> dict[st
         "LOCAL_WORLD_SIZE": str(config.nproc_per_node), "GROUP_RANK": str(config.node_rank),
         "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(config.master_port),
         "FERRO_RESTART_COUNT": str(restart), "FERRO_SECRET": config.secret,
-        LAUNCHER_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1",
+        LAUNCHER_PID_ENV: str(os.getpid()), GRACE_ENV: str(config.grace_seconds), "PYTHONUNBUFFERED": "1",
     })
     return env
 
@@ -220,6 +221,8 @@ def run_job(config: LaunchConfig) -> int:
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     ranks: list[subprocess.Popen[bytes]] = []
+    # Whatever a rank's processes orphan comes back here (if its guardian was killed first), to be ended below.
+    become_subreaper()
     try:
         for restart in range(config.max_restarts + 1):
             ranks = _start(config, restart, pump)
@@ -229,6 +232,7 @@ def run_job(config: LaunchConfig) -> int:
                 return 0
             _say(f"rank {failure.rank} {failure.describe()}; stopping the other ranks")
             _stop(ranks, signal.SIGTERM, config.grace_seconds)
+            end_descendants(os.getpid(), config.grace_seconds)  # nothing of this attempt lives into the next
             pump.drain(5.0)
             if restart < config.max_restarts:
                 _say(f"restarting all ranks (restart {restart + 1} of {config.max_restarts})")
@@ -244,5 +248,11 @@ def run_job(config: LaunchConfig) -> int:
         pump.drain(2.0)
         return 128 + stop.signum
     finally:
+        # No process of the job outlives the launcher, whatever its session or process group.
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        end_descendants(os.getpid(), config.grace_seconds)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
