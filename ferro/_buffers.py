@@ -34,21 +34,34 @@ def is_torch_tensor(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch") and hasattr(obj, "numpy")
 
 
-def torch_view(tensor: Any, op: str) -> tuple[np.ndarray, Any]:
+def torch_view(tensor: Any, op: str, writable: bool = False) -> tuple[np.ndarray, Any]:
     """Return a zero-copy NumPy view of a CPU tensor and the tensor's dtype.
 
     Tensors of dtypes NumPy lacks (bfloat16, float8) are viewed as same-width
     integers: the wire and the byte-moving collectives carry bytes, and the
     reduction kernels are told the real dtype separately.
 
+    A tensor the call writes into is treated as torch treats its own in-place
+    operations, so autograd never computes with values a collective replaced:
+    its version counter is bumped (a backward that saved it raises "modified by
+    an inplace operation"), and a leaf that requires grad is refused while grad
+    mode is on.
+
     Raises:
-        InvalidBufferError: A tensor off the CPU, or not contiguous.
+        InvalidBufferError: A tensor off the CPU, sparse, or not contiguous; or, where the call
+            writes, a leaf that requires grad outside ``torch.no_grad()``.
 
     """
     if tensor.device.type != "cpu":
         raise InvalidBufferError(
             f"{op}: the tensor lives on {tensor.device}; this backend moves host memory only "
             f"(use a GPU backend, or .cpu() first)")
+    if tensor.layout is not _torch().strided:
+        raise InvalidBufferError(
+            f"{op}: the tensor is {str(tensor.layout).replace('torch.', '')}, not dense; collectives move dense "
+            f"tensors: pass tensor.to_dense() (or its values())")
+    if writable:
+        _before_writing(tensor, op)
     tensor = tensor.detach()
     if not tensor.is_contiguous():
         raise InvalidBufferError(f"{op}: the tensor is not contiguous; pass tensor.contiguous()")
@@ -61,17 +74,40 @@ def torch_view(tensor: Any, op: str) -> tuple[np.ndarray, Any]:
         return tensor.view(width).numpy(), tensor.dtype
 
 
-def as_buffer(obj: Any, op: str) -> Any:
+def _torch() -> Any:
+    import torch  # only ever reached with a tensor in hand: torch is loaded already
+
+    return torch
+
+
+def _before_writing(tensor: Any, op: str) -> None:
+    """Do what torch does before an in-place write: refuse a leaf that requires grad, bump the version."""
+    torch = _torch()
+    if tensor.requires_grad and tensor.is_leaf and torch.is_grad_enabled():
+        raise InvalidBufferError(
+            f"{op} writes into its tensor, but it is a leaf that requires grad; torch refuses in-place writes to "
+            f"such a tensor too: call it under torch.no_grad(), or pass tensor.detach()")
+    from torch.autograd.graph import increment_version
+
+    increment_version(tensor)
+
+
+def as_buffer(obj: Any, op: str, writable: bool = False) -> Any:
     """Return ``obj``, or a zero-copy NumPy view of it when it is a PyTorch tensor.
 
+    Args:
+        obj: A buffer, or a CPU tensor.
+        op: The call, for messages.
+        writable: The call writes into it (see :func:`torch_view` for what that means to autograd).
+
     Raises:
-        InvalidBufferError: A tensor off the CPU or not contiguous.
+        InvalidBufferError: A tensor off the CPU, sparse or not contiguous (see :func:`torch_view`).
 
     """
     if isinstance(obj, _PASS_THROUGH):
         return obj
     if is_torch_tensor(obj):
-        return torch_view(obj, op)[0]
+        return torch_view(obj, op, writable)[0]
     return obj
 
 
@@ -84,7 +120,7 @@ def byte_view(obj: Any, op: str, writable: bool) -> memoryview:
     """
     from ferro._core.transport import describe_buffer_problem
 
-    data = as_buffer(obj, op)
+    data = as_buffer(obj, op, writable)
     try:
         view = memoryview(data)
     except TypeError:
@@ -126,7 +162,7 @@ def operand(x: Any, op: str, *, writable: bool) -> Operand:
     elif isinstance(x, np.generic) and not writable:
         array = np.asarray(x)  # a NumPy scalar reads as a 0-d array (it cannot be written into)
     elif is_torch_tensor(x):
-        array, torch_dtype = torch_view(x, op)
+        array, torch_dtype = torch_view(x, op, writable)
     else:
         raise InvalidBufferError(f"{op}: expected a NumPy array or a PyTorch CPU tensor, got {type(x).__name__}")
     if not array.flags.c_contiguous:

@@ -152,7 +152,7 @@ class StoreBackend(FramedBackend):
         """Receive one frame, refusing another kind or fingerprint (see :meth:`Backend.recv_tagged`)."""
         self._usable("recv")
         src = self.check_peer(src, "recv")
-        self._links[src].recv_into(as_buffer(buf, "recv"), kind=kind, fingerprint=fingerprint,
+        self._links[src].recv_into(as_buffer(buf, "recv", writable=True), kind=kind, fingerprint=fingerprint,
                                    timeout=self._seconds(timeout), op="recv")
 
     @abc.abstractmethod

@@ -345,8 +345,8 @@ class ShmBackend(StoreBackend, NativeCollectives):
         self._usable("sendrecv")
         dst = self.check_peer(dst, "sendrecv")
         src = self.check_peer(src, "sendrecv")
-        self._links[dst].exchange(as_buffer(send_buf, "sendrecv"), as_buffer(recv_buf, "sendrecv"), kind=kind,
-                                     fingerprint=fingerprint, timeout=self._seconds(timeout),
+        self._links[dst].exchange(as_buffer(send_buf, "sendrecv"), as_buffer(recv_buf, "sendrecv", writable=True),
+                                  kind=kind, fingerprint=fingerprint, timeout=self._seconds(timeout),
                                      op="sendrecv", receive_from=self._links[src])
 
     def barrier(self, *, timeout: float | None = None) -> None:

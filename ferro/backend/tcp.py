@@ -135,6 +135,11 @@ class TcpBackend(StoreBackend, NativeCollectives):
     def _connect(self, bind_addr: str, spin_us: float) -> None:
         sockets = build_mesh(self._store, self._rank, self._world_size, prefix=self._prefix, secret=self._secret,
                              bind_addr=bind_addr, timeout=max(self._deadline - time.monotonic(), 0.001))
+        missing = set(range(self._world_size)) - {self._rank} - set(sockets)
+        if missing:  # never hand the compiled collectives a table with a hole in it
+            for sock in sockets.values():
+                sock.close()
+            raise DistributedError(f"rank {self._rank}: rendezvous returned no connection to rank(s) {sorted(missing)}")
         self._bind_addr = bind_addr
         self._spin_us = spin_us
         self._links = {}
@@ -154,9 +159,9 @@ class TcpBackend(StoreBackend, NativeCollectives):
         self._usable("sendrecv")
         dst = self.check_peer(dst, "sendrecv")
         src = self.check_peer(src, "sendrecv")
-        sendrecv(self._links[dst], as_buffer(send_buf, "sendrecv"), self._links[src], as_buffer(recv_buf, "sendrecv"),
-                 kind=kind, fingerprint=fingerprint, timeout=self._seconds(timeout),
-                 op="sendrecv")
+        sendrecv(self._links[dst], as_buffer(send_buf, "sendrecv"), self._links[src],
+                 as_buffer(recv_buf, "sendrecv", writable=True), kind=kind, fingerprint=fingerprint,
+                 timeout=self._seconds(timeout), op="sendrecv")
 
     # --- native collectives (ferro.backend.native), each one compiled call ------------------
 

@@ -145,9 +145,9 @@ def build_mesh(
             sock.close()
         raise
     finally:
-        listener.close()
         if acceptor is not None:
             acceptor.stop()
+        listener.close()
     for sock in peers.values():
         _tune(sock)
     return peers
@@ -185,7 +185,9 @@ class _Acceptor:
     def __init__(self, listener: socket.socket, secret: bytes, prefix: str, world_size: int, rank: int,
                  expected: set[int]) -> None:
         self._listener, self._secret, self._prefix = listener, secret, prefix
-        self._world_size, self._rank, self._expected = world_size, rank, set(expected)
+        self._world_size, self._rank = world_size, rank
+        self._expected = set(expected)  # shrinks as peers authenticate (a second claim to a rank is refused)
+        self._wanted = frozenset(expected)
         self._results: queue.Queue[tuple[int, socket.socket] | BaseException] = queue.Queue()
         self._lock = threading.Lock()
         self._handshaking: dict[socket.socket, None] = {}
@@ -242,7 +244,7 @@ class _Acceptor:
     def collect(self, deadline: float) -> dict[int, socket.socket]:
         """Return the authenticated peers once all expected ranks connected."""
         peers: dict[int, socket.socket] = {}
-        want = set(self._expected)
+        want = set(self._wanted)  # not _expected: peers that authenticated already are waiting in the queue
         try:
             while want:
                 waiting = (f"waiting for rank(s) {sorted(want)} to connect (never started, or died or froze during "
@@ -271,6 +273,8 @@ class _Acceptor:
         with self._lock:
             self._stopped = True
             pending = list(self._handshaking)
+        _shutdown(self._listener)  # wakes the blocked accept() (EINVAL), so the thread ends now
+        self._thread.join(timeout=5.0)
         for sock in pending:
             _shutdown(sock)
         while True:
