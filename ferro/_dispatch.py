@@ -8,6 +8,7 @@ Shared by :mod:`ferro.collective` and :mod:`ferro.p2p`.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -34,8 +35,8 @@ from ferro.errors import (
 )
 from ferro.process_group import get_default_group
 from ferro.rendezvous.settings import default_timeout
-from ferro.types import COLLECTIVE_IDS, describe_fingerprint, fingerprint
-from ferro.work import worker_of
+from ferro.types import COLLECTIVE_IDS, THREAD_TAG_BITS, describe_fingerprint, fingerprint
+from ferro.work import issuer_tag, worker_of
 
 __all__ = ["execute", "fail_together", "is_backend_type", "make_link", "make_link_fingerprint", "resolve_group",
            "resolve_root", "resolve_timeout"]
@@ -72,7 +73,14 @@ def _describe_mismatch(exc: CollectiveMismatchError, group: Backend) -> str:
     (my_kind, my_fp), (their_kind, their_fp) = exc.expected, exc.actual
     mine = describe_fingerprint(my_fp) if my_kind == KIND_COLLECTIVE else kind_name(my_kind)
     theirs = describe_fingerprint(their_fp) if their_kind == KIND_COLLECTIVE else f"a {kind_name(their_kind)} call"
-    return f"rank {group.rank} called {mine} but rank {exc.peer} called {theirs}: the ranks' calls differ"
+    message = f"rank {group.rank} called {mine} but rank {exc.peer} called {theirs}: the ranks' calls differ"
+    if my_kind == their_kind == KIND_COLLECTIVE and (my_fp ^ their_fp) & THREAD_TAG_BITS:
+        message += (f"; they were issued by threads of different names (this rank's: "
+                    f"{threading.current_thread().name!r}): calls from several threads at once met each other "
+                    f"in a different order on each rank. Give each thread that runs collectives concurrently a "
+                    f"group of its own (ferro.new_group), and issue a group's calls from threads of the same name "
+                    f"on every rank")
+    return message
 
 
 def _run_guarded(group: Backend, name: str, body: Callable[[], Any]) -> Any:
@@ -125,11 +133,16 @@ def execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, 
 
 def make_link(group: Backend, name: str, seconds: float, operand_: Operand | None = None, op_code: int = 0,
           root: int = 0, count: int = 0, shape: tuple[int, ...] = ()) -> algo.Link:
-    return algo.Link(group, make_link_fingerprint(name, operand_, op_code, root, count, shape), seconds)
+    return algo.Link(group, make_link_fingerprint(group, name, operand_, op_code, root, count, shape), seconds)
 
 
-def make_link_fingerprint(name: str, operand_: Operand | None = None, op_code: int = 0, root: int = 0,
+def make_link_fingerprint(group: Backend, name: str, operand_: Operand | None = None, op_code: int = 0, root: int = 0,
                           count: int = 0, shape: tuple[int, ...] = ()) -> int:
-    """Return the fingerprint every frame of this call carries (see :func:`ferro.types.fingerprint`)."""
+    """Return the fingerprint every frame of this call carries (see :func:`ferro.types.fingerprint`).
+
+    It carries the issuing thread's tag where the group matches calls by thread
+    (the thread rule of :mod:`ferro.work`).
+    """
     code = operand_.dtype.code if operand_ is not None else -1
-    return fingerprint(name, code, op_code, root, count, shape)
+    tag = issuer_tag() if group.tags_threads else 0
+    return fingerprint(name, code, op_code, root, count, shape, tag)

@@ -181,7 +181,7 @@ def _allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: boo
     return execute(g, "allreduce", body, async_op, (x,))
 
 
-def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, world_size: int
+def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, group: Backend
                  ) -> tuple[int, int, int, float, int] | bool:
     """Return what a direct in-place allreduce needs (and remember it under ``key``), or False for the full path.
 
@@ -196,9 +196,9 @@ def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, world_size: int
         data = None  # the full path raises the error, with the caller's array in the message
     if data is not None and data.array.dtype == numpy_dtype:  # not viewed as another dtype (ml_dtypes' bfloat16)
         count = int(np.prod(shape, dtype=np.int64))
-        divisor = float(world_size) if reduce_op is ReduceOp.MEAN else 0.0
+        divisor = float(group.world_size) if reduce_op is ReduceOp.MEAN else 0.0
         plan = (data.dtype.code, KERNEL_CODES[reduce_op],
-                make_link_fingerprint("allreduce", data, _OP_VALUES[reduce_op], 0, count, shape), divisor,
+                make_link_fingerprint(group, "allreduce", data, _OP_VALUES[reduce_op], 0, count, shape), divisor,
                 data.dtype.itemsize)
     if len(plans) >= DIRECT_PLANS_KEPT:
         plans.clear()
@@ -217,8 +217,9 @@ def _direct_path(g: Backend) -> Any:
     arena = native.direct_arena if native is not None else None
     direct = None
     if arena is not None:
-        world_size = g.world_size
-        direct = DirectAllreduce(arena, g.state, lambda plans, key, op: _direct_plan(plans, key, op, world_size),
+        # Built by (and, by the thread rule of ferro.work, only ever taken by) the calling thread:
+        # its plans carry this thread's tag.
+        direct = DirectAllreduce(arena, g.state, lambda plans, key, op: _direct_plan(plans, key, op, g),
                                  lambda exc: fail_together(g, "allreduce", exc), np.ndarray, default_timeout,
                                  ReduceOp)
     g.state.direct_allreduce = direct

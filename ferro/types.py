@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "COLLECTIVE_IDS",
+    "THREAD_TAG_BITS",
     "DType",
     "ReduceOp",
     "collective_name",
@@ -22,6 +23,7 @@ __all__ = [
     "dtype_by_code",
     "dtype_by_name",
     "fingerprint",
+    "thread_tag",
     "fingerprint_collective",
 ]
 
@@ -127,21 +129,40 @@ def collective_name(collective_id: int) -> str:
 def fingerprint_collective(value: int) -> int:
     """Return the collective id a fingerprint carries."""
     return value >> 58
+
+
 _OP_NAMES = ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "MEAN"]
 
 
 @functools.lru_cache(maxsize=4096)  # the same calls repeat every training step
 def fingerprint(collective: str, dtype_code: int = -1, op_code: int = 0, root: int = 0, count: int = 0,
-                shape: tuple[int, ...] = ()) -> int:
+                shape: tuple[int, ...] = (), thread: int = 0) -> int:
     """Pack a collective call into the 64-bit frame fingerprint.
 
     Layout (high to low): collective id (6 bits), dtype code + 1 (5), op (3),
-    root (10), element count (32), a hash of the shape (8). Two ranks whose calls
-    differ in any of these refuse each other's frames.
+    root (10), element count modulo 2**20 (20), the issuing thread's tag (12, see
+    :func:`thread_tag`), a hash of the shape (8). Two ranks whose calls differ in
+    any of these refuse each other's frames.
     """
     shape_hash = zlib.crc32(repr(tuple(shape)).encode()) & 0xFF
     return ((COLLECTIVE_IDS[collective] & 0x3F) << 58 | ((dtype_code + 1) & 0x1F) << 53 | (op_code & 0x7) << 50
-            | (root & 0x3FF) << 40 | (count & 0xFFFFFFFF) << 8 | shape_hash)
+            | (root & 0x3FF) << 40 | (count & 0xFFFFF) << 20 | (thread & 0xFFF) << 8 | shape_hash)
+
+
+#: Where :func:`thread_tag` sits in a fingerprint.
+THREAD_TAG_BITS = 0xFFF << 8
+
+
+@functools.lru_cache(maxsize=256)
+def thread_tag(thread_name: str) -> int:
+    """Return the 12-bit tag of a thread's name that collectives carry in their fingerprint (never 0).
+
+    Calls are matched across ranks in order, per group; the tag makes a call
+    issued by one thread refuse a call issued by a thread of another name, so
+    calls that several threads race to make fail loudly instead of meeting the
+    wrong partner (see :mod:`ferro.work` for the rule).
+    """
+    return zlib.crc32(thread_name.encode()) % 0xFFF + 1
 
 
 def describe_fingerprint(value: int) -> str:
@@ -151,5 +172,7 @@ def describe_fingerprint(value: int) -> str:
     dtype = _BY_CODE[code].name if code in _BY_CODE else "bytes"
     op = _OP_NAMES[(value >> 50) & 0x7]
     root = (value >> 40) & 0x3FF
-    count = (value >> 8) & 0xFFFFFFFF
-    return f"{collective}({dtype}, {op}, root {root}, {count} elements, shape hash {value & 0xFF:02x})"
+    count = (value >> 20) & 0xFFFFF
+    thread = (value >> 8) & 0xFFF
+    issued = f", from thread tag {thread:03x}" if thread else ""
+    return f"{collective}({dtype}, {op}, root {root}, {count} elements, shape hash {value & 0xFF:02x}{issued})"

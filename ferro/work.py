@@ -1,4 +1,17 @@
-"""Async collectives: each group runs its collectives one at a time, in call order, on a worker of its own."""
+"""Async collectives: each group runs its collectives one at a time, in call order, on a worker of its own.
+
+The thread rule. A group's calls are matched across ranks in the order each
+rank issues them. Calls issued by different threads carry different thread
+tags (a hash of the thread's name, :func:`ferro.types.thread_tag`), and a call
+never matches a call of another tag: when two threads race to use one group,
+the ranks' orders may differ, and instead of meeting the wrong partner (and
+returning a wrong sum) the calls fail with :class:`~ferro.CollectiveMismatchError`
+naming both calls. So: several threads may use a group one after another, with
+threads of the same name on every rank issuing the same calls; threads that run
+collectives *at the same time* need a group each (``ferro.new_group``). An async
+call and whatever its task issues on the worker keep the tag of the thread that
+made the call.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +22,17 @@ from typing import Any
 
 from ferro._core.state import GroupState
 from ferro.errors import DistributedTimeoutError
+from ferro.types import thread_tag
 
-__all__ = ["GroupWorker", "PendingCollective", "worker_of"]
+__all__ = ["GroupWorker", "PendingCollective", "issuer_tag", "worker_of"]
+
+_issuing = threading.local()  # .tag: the tag of the call a worker thread is running, while it runs
+
+
+def issuer_tag() -> int:
+    """Return the thread tag of calls issued now: the task's on a worker, else the current thread's."""
+    tag: int | None = getattr(_issuing, "tag", None)
+    return tag if tag is not None else thread_tag(threading.current_thread().name)
 
 # A worker with nothing to do for this long ends; the next async call starts another.
 IDLE_SECONDS = 10.0
@@ -81,7 +103,7 @@ class GroupWorker:
         self._name = name
         self._state = state
         self._cond = threading.Condition(threading.Lock())  # not the default RLock: cheaper, never re-entered
-        self._queue: deque[tuple[Callable[[], Any], PendingCollective]] = deque()
+        self._queue: deque[tuple[Callable[[], Any], PendingCollective, int]] = deque()
         self._owner: int | None = None  # the thread running the group's current operation
         self._thread: threading.Thread | None = None
 
@@ -89,7 +111,7 @@ class GroupWorker:
         """Queue ``fn`` behind the group's earlier calls and return its handle."""
         pending = PendingCollective(description, buffers)
         with self._cond:
-            self._queue.append((fn, pending))
+            self._queue.append((fn, pending, issuer_tag()))
             self._state.queued = len(self._queue)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"ferro-worker-{self._name}", daemon=True)
@@ -135,16 +157,18 @@ class GroupWorker:
                     if not self._cond.wait(IDLE_SECONDS) and not self._queue and not state.busy:
                         self._thread = None
                         return
-                fn, pending = self._queue.popleft()
+                fn, pending, tag = self._queue.popleft()
                 # Busy before the queue looks shorter: the direct path must never see both clear.
                 state.busy = True
                 state.queued = len(self._queue)
                 self._owner = threading.get_ident()
+            _issuing.tag = tag  # what the task issues is its caller's
             try:
                 result, error = fn(), None
             except BaseException as exc:  # handed to the caller through the handle
                 result, error = None, exc
             finally:
+                _issuing.tag = None
                 with self._cond:
                     state.busy = False
                     self._owner = None

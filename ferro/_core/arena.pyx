@@ -29,6 +29,7 @@ from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release
 from cpython.pythread cimport (
     NOWAIT_LOCK,
     PyThread_acquire_lock,
+    PyThread_get_thread_ident,
     PyThread_allocate_lock,
     PyThread_free_lock,
     PyThread_release_lock,
@@ -841,6 +842,7 @@ cdef class DirectAllreduce:
     cdef object ndarray
     cdef object resolve_timeout
     cdef object op_type
+    cdef unsigned long owner  # the thread that built it: its plans carry that thread's tag
     # The last call's signature and plan.
     cdef object last_dtype
     cdef object last_op
@@ -862,6 +864,7 @@ cdef class DirectAllreduce:
         self.ndarray = ndarray
         self.resolve_timeout = resolve_timeout
         self.op_type = op_type
+        self.owner = PyThread_get_thread_ident()
         self.last_dtype = None
         self.last_op = None
         self.last_ndim = -1
@@ -873,8 +876,8 @@ cdef class DirectAllreduce:
         cdef uint64_t fingerprint
         cdef size_t itemsize
         cdef bint same
-        if type(x) is not self.ndarray:
-            return False
+        if type(x) is not self.ndarray or PyThread_get_thread_ident() != self.owner:
+            return False  # another thread's call takes the full path, which tags it with that thread
         state = self.group_state
         if state.failure is not None or state.busy or state.queued:
             return False  # read without the worker's lock: a hint, as ordering across threads is the caller's

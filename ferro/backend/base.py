@@ -56,6 +56,9 @@ class Backend(abc.ABC):
 
     _group_state: GroupState  # created on first use of ``state``: subclasses need not call an __init__
     _is_native: bool = False  # set per class: does it implement NativeCollectives?
+    #: Whether collectives carry the issuing thread's tag, so calls racing from several threads
+    #: fail instead of meeting the wrong partner (the thread rule of :mod:`ferro.work`).
+    tags_threads: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -73,6 +73,11 @@ class SimulatedBackend(FramedBackend):
         threads = [threading.Thread(target=rank_main, args=(g,)) for g in group]
     """
 
+    # Its ranks are threads by construction (named differently, or not at all): calls are matched
+    # per rank, as one stream each, without thread tags.
+    tags_threads = False
+
+
     def __init__(self, world: _World, rank: int, timeout: float) -> None:
         self._world = world
         self._rank = rank
