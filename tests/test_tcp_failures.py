@@ -96,7 +96,7 @@ def rank_with_wrong_secret(rank, world_size):
 def test_process_without_the_secret_is_refused_on_both_sides():
     results = run_processes(rank_with_wrong_secret, 2, backend=None, timeout=50)
     assert results[1].startswith("AuthenticationError") and "secret" in results[1]
-    assert results[0].startswith("DistributedTimeoutError") and "ranks [1]" in results[0]
+    assert results[0].startswith("DistributedTimeoutError") and "rank(s) [1]" in results[0]
     assert "the store refused 1 connection(s)" in results[0] and "job secret" in results[0]
 
 

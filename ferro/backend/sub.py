@@ -28,6 +28,7 @@ class SubBackend(Backend):
         self._parent = parent
         self._ranks = tuple(ranks)
         self._channel = channel
+        self.tags_threads = parent.tags_threads  # simulated ranks stay untagged in their sub-groups too
 
     @property
     def state(self) -> GroupState:

@@ -118,7 +118,8 @@ EARLY_EXIT = """
         while time.monotonic() < deadline:
             try:
                 pid0 = open(sys.argv[1] + ".0").read()
-                if pid0 and any(n.startswith(f"ferro-{pid0}-") for n in os.listdir("/dev/shm")):
+                started = open(sys.argv[1] + ".1").read()  # rank 1 too, so its pid is known
+                if pid0 and started and any(n.startswith(f"ferro-{pid0}-") for n in os.listdir("/dev/shm")):
                     break
             except OSError:
                 pass
