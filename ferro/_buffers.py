@@ -164,7 +164,10 @@ def operand(x: Any, op: str, *, writable: bool) -> Operand:
     elif is_torch_tensor(x):
         array, torch_dtype = torch_view(x, op, writable)
     else:
-        raise InvalidBufferError(f"{op}: expected a NumPy array or a PyTorch CPU tensor, got {type(x).__name__}")
+        hint = (" (view raw bytes as an array: numpy.frombuffer(buf, numpy.uint8), writable for a bytearray)"
+                if isinstance(x, (bytes, bytearray, memoryview)) else "")
+        raise InvalidBufferError(
+            f"{op}: expected a NumPy array or a PyTorch CPU tensor, got {type(x).__name__}{hint}")
     if not array.flags.c_contiguous:
         raise InvalidBufferError(
             f"{op}: the array is not C-contiguous (shape {array.shape}, strides {array.strides}); "

@@ -25,6 +25,7 @@ from ferro._core.transport import (
 )
 from ferro.backend.base import Backend
 from ferro.errors import (
+    BackendClosedError,
     CollectiveMismatchError,
     ConfigurationError,
     ConnectionBrokenError,
@@ -85,6 +86,9 @@ def _describe_mismatch(exc: CollectiveMismatchError, group: Backend) -> str:
 
 def _run_guarded(group: Backend, name: str, body: Callable[[], Any]) -> Any:
     """Run a collective; on a failure part-way, tell the peers and mark the group failed."""
+    if group.closed:
+        raise BackendClosedError(f"rank {group.rank}: {name}: this process group was closed (destroy_process_group() "
+                                 f"or close()); create a new one to go on")
     if group.failure is not None:
         raise ConnectionBrokenError(
             f"rank {group.rank}: {name}: this group is unusable after an earlier failed collective "

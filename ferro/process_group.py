@@ -15,11 +15,17 @@ from urllib.parse import urlparse
 from ferro.backend import JoinSpec, backend_entry, join_backend
 from ferro.backend.base import Backend
 from ferro.backend.sub import SubBackend, sub_group
-from ferro.errors import ConfigurationError
+from ferro.errors import ConfigurationError, InvalidRankError, InvalidWorldSizeError
 from ferro.rendezvous.env import detect
 from ferro.rendezvous.file_store import FileStore
 from ferro.rendezvous.hosts import exchange_host_identities
-from ferro.rendezvous.settings import DEFAULT_MASTER_PORT, default_timeout, job_secret, parse_port
+from ferro.rendezvous.settings import (
+    DEFAULT_MASTER_PORT,
+    default_timeout,
+    job_secret,
+    parse_port,
+    validate_rank_and_size,
+)
 from ferro.rendezvous.store import Store
 
 __all__ = [
@@ -129,6 +135,12 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
         rank = found.rank if rank is None else rank
         world_size = found.world_size if world_size is None else world_size
         via = found.source if via == "arguments" else f"{via} and {found.source}"
+    # Checked before any rendezvous: a bad rank, size or timeout is named now, not after a store timeout.
+    try:
+        rank, world_size = validate_rank_and_size(rank, world_size)
+    except (InvalidRankError, InvalidWorldSizeError) as exc:
+        raise type(exc)(f"init_process_group: {exc} (from {via})") from None
+    default_timeout(timeout)
     if store is None:
         master_addr = master_addr or (found.master_addr if found else None) or os.environ.get("MASTER_ADDR")
         if not master_addr:

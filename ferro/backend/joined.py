@@ -12,6 +12,7 @@ from typing import Any
 from ferro._buffers import as_buffer
 from ferro.backend.base import FramedBackend
 from ferro.errors import BackendClosedError, DistributedTimeoutError
+from ferro.rendezvous.connect import claim_rank, release_rank
 from ferro.rendezvous.settings import RendezvousConfig, default_timeout
 from ferro.rendezvous.store import Store
 
@@ -73,21 +74,34 @@ class StoreBackend(FramedBackend):
         owns_store = store is None or close_store
         if store is None:
             store = Store(master_addr, master_port, secret=config.secret, timeout=seconds, serve=(rank == 0))
+        generation = 0
+        mark = None
         try:
+            mark = claim_rank(store, self.store_namespace, rank, max(deadline - time.monotonic(), 0.001))
             generation = store.add(f"ferro/{self.store_namespace}-joins/{rank}", 1,
                                    timeout=max(deadline - time.monotonic(), 0.001))
             self._init_state(rank, world_size, store, owns_store, f"ferro/{self.store_namespace}/{generation}",
                              config.secret, seconds, deadline)
             attach()
+            self._rank_mark = mark  # held while the group lives: a second process as this rank is refused
         except DistributedTimeoutError as exc:
+            if mark is not None:
+                release_rank(store, mark)
             if owns_store:
                 store.close()
+            notes = []
             refused = store.refused
             if refused:
-                raise DistributedTimeoutError(
-                    f"{exc}; meanwhile the store refused {len(refused)} connection(s): {refused[-1]}") from exc
+                notes.append(f"meanwhile the store refused {len(refused)} connection(s): {refused[-1]}")
+            if generation > 1:
+                notes.append(f"this was join number {generation} of rank {rank} through this store: unless this "
+                             f"job closed earlier groups, another process was given rank {rank} too")
+            if notes:
+                raise DistributedTimeoutError(f"{exc}; {'; '.join(notes)}") from exc
             raise
         except BaseException:
+            if mark is not None:
+                release_rank(store, mark)
             if owns_store:
                 store.close()
             raise
@@ -165,5 +179,8 @@ class StoreBackend(FramedBackend):
             return
         self._closed = True
         self._release()
+        mark = getattr(self, "_rank_mark", None)  # sub-groups hold none
+        if mark is not None:
+            release_rank(self._store, mark)
         if self._owns_store:
             self._store.close()

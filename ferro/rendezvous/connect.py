@@ -30,7 +30,8 @@ from ferro.rendezvous.settings import BIND_ADDR_ENV
 if TYPE_CHECKING:
     from ferro.rendezvous.store import Store
 
-__all__ = ["HANDSHAKE_TIMEOUT", "MAX_HANDSHAKES", "build_mesh", "dial", "local_address_towards", "wait_for_ranks"]
+__all__ = ["HANDSHAKE_TIMEOUT", "MAX_HANDSHAKES", "build_mesh", "dial", "claim_rank", "local_address_towards",
+           "release_rank", "wait_for_ranks"]
 
 log = logging.getLogger("ferro.rendezvous")
 
@@ -151,6 +152,35 @@ def build_mesh(
     for sock in peers.values():
         _tune(sock)
     return peers
+
+
+def claim_rank(store: Store, namespace: str, rank: int, timeout: float) -> str:
+    """Mark ``rank`` as taken in the store for the life of a group; return the mark's key for :func:`release_rank`.
+
+    Two processes given the same rank would otherwise each wait for a group that
+    never forms and report a timeout; the second is told at once, whether the
+    first is still joining or already in its group.
+
+    Raises:
+        ConfigurationError: Another process holds ``rank``.
+
+    """
+    key = f"ferro/{namespace}-member/{rank}"
+    if store.add(key, 1, timeout=timeout) > 1:
+        release_rank(store, key)
+        raise ConfigurationError(
+            f"rank {rank} joined twice: another process is joining or running this job as rank {rank}; give every "
+            f"process its own RANK (check the launcher's --nproc-per-node, --nnodes and --node-rank). (If a process "
+            f"of rank {rank} was killed without closing its group and this store outlived it, use a fresh store.)")
+    return key
+
+
+def release_rank(store: Store, key: str) -> None:
+    """Give back a mark of :func:`claim_rank` (quietly: the store may be gone with the job)."""
+    try:
+        store.add(key, -1, timeout=1.0)
+    except DistributedError:
+        pass  # the store is gone or frozen: nobody will join through it again
 
 
 def wait_for_ranks(store: Store, keys: dict[int, str], deadline: float, rank: int, doing: str) -> None:

@@ -168,8 +168,9 @@ class StoreServer:
         except OSError as exc:
             self._listener.close()
             raise ConfigurationError(
-                f"cannot serve the store on {host}:{port}: {exc.strerror}; choose another MASTER_PORT "
-                f"or check that MASTER_ADDR is an address of this host") from exc
+                f"cannot serve the store on {host}:{port}: {exc.strerror}; if the port is in use, rank 0 was "
+                f"started twice or another job uses MASTER_PORT (choose another); else check that MASTER_ADDR is an "
+                f"address of this host") from exc
         self._listener.listen(1024)
         self.host, self.port = host, self._listener.getsockname()[1]
         self._refusals = RefusalLog(log, f"store on port {self.port}")
