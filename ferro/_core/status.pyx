@@ -59,7 +59,7 @@ _BROKEN_BY = {
 }
 
 
-def kind_name(int kind) -> str:
+def kind_name(uint64_t kind) -> str:
     """Return the human-readable name of a frame kind."""
     return _KIND_NAMES.get(kind, f"kind {kind}")
 

@@ -59,6 +59,10 @@ ACCEPT_RETRY_SECONDS = 0.05
 _SET, _GET, _WAIT, _ADD, _COMPARE_SET, _DELETE, _CHECK, _NUM_KEYS = range(1, 9)
 _OK, _TIMED_OUT, _FAILED = 0, 1, 2
 _U32 = struct.Struct("<I")
+# How many arguments each operation takes: (at least, at most or None for any number).
+_ARITY: dict[int, tuple[int, int | None]] = {
+    _SET: (2, 2), _GET: (2, 2), _WAIT: (1, None), _ADD: (2, 2), _COMPARE_SET: (3, 3), _DELETE: (1, 1),
+    _CHECK: (0, None), _NUM_KEYS: (0, 0)}
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -290,6 +294,13 @@ class StoreServer:
         return True
 
     def _execute(self, code: int, args: list[bytes]) -> tuple[int, list[bytes]]:
+        arity = _ARITY.get(code)
+        if arity is None:
+            return _FAILED, [f"unknown store operation {code}".encode()]
+        if len(args) < arity[0] or (arity[1] is not None and len(args) > arity[1]):
+            return _FAILED, [f"store operation {code} got {len(args)} argument(s)".encode()]
+        if code in (_GET, _WAIT) and not args[0].isdigit():
+            return _FAILED, [b"the wait limit is not a number of milliseconds"]
         with self._cond:
             if code == _SET:
                 self._data[args[0]] = args[1]

@@ -51,7 +51,7 @@ def test_two_threads_racing_on_one_group_never_get_a_wrong_result(backend):
     results = run_processes(_race, 2, args=(False,), backend=backend, timeout=240)
     errors = []
     for rank, outcome in enumerate(results):
-        for name, (right, wrong, error) in outcome.items():
+        for name, (_right, wrong, error) in outcome.items():
             assert wrong == 0, f"rank {rank} thread {name}: {wrong} wrong results"
             if error is not None:
                 errors.append(error)
