@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import queue
 import socket
 import threading
@@ -155,32 +156,38 @@ def build_mesh(
 
 
 def claim_rank(store: Store, namespace: str, rank: int, timeout: float) -> str:
-    """Mark ``rank`` as taken in the store for the life of a group; return the mark's key for :func:`release_rank`.
+    """Mark ``rank`` as this process's in the store for the life of a group; return the key for :func:`release_rank`.
 
     Two processes given the same rank would otherwise each wait for a group that
     never forms and report a timeout; the second is told at once, whether the
-    first is still joining or already in its group.
+    first is still joining or already in its group. One process may hold several
+    groups as the same rank.
 
     Raises:
         ConfigurationError: Another process holds ``rank``.
 
     """
     key = f"ferro/{namespace}-member/{rank}"
-    if store.add(key, 1, timeout=timeout) > 1:
-        release_rank(store, key)
+    me = _process_identity()
+    holder = store.compare_set(key, "", me, timeout=timeout).decode(errors="replace")
+    if holder != me:
         raise ConfigurationError(
-            f"rank {rank} joined twice: another process is joining or running this job as rank {rank}; give every "
-            f"process its own RANK (check the launcher's --nproc-per-node, --nnodes and --node-rank). (If a process "
-            f"of rank {rank} was killed without closing its group and this store outlived it, use a fresh store.)")
+            f"rank {rank} joined twice: process {holder} (host/pid) already joined this job as rank {rank}; give "
+            f"every process its own RANK (check the launcher's --nproc-per-node, --nnodes and --node-rank). (If that "
+            f"process was killed without closing its group and this store outlived it, use a fresh store.)")
     return key
 
 
 def release_rank(store: Store, key: str) -> None:
     """Give back a mark of :func:`claim_rank` (quietly: the store may be gone with the job)."""
     try:
-        store.add(key, -1, timeout=1.0)
+        store.compare_set(key, _process_identity(), "", timeout=1.0)
     except DistributedError:
         pass  # the store is gone or frozen: nobody will join through it again
+
+
+def _process_identity() -> str:
+    return f"{socket.gethostname()}/{os.getpid()}"
 
 
 def wait_for_ranks(store: Store, keys: dict[int, str], deadline: float, rank: int, doing: str) -> None:

@@ -140,6 +140,23 @@ class FileStore:
 
         return self._locked(change, timeout)
 
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str, timeout: float | None = None) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected``; return the value afterwards (as the TCP store does).
+
+        A missing key counts as holding ``b""``; when it is missing and ``expected``
+        is not empty, ``expected`` is returned.
+        """
+        want, new = self._encode(expected), self._encode(desired)
+
+        def change(d: dict[str, str]) -> bytes:
+            current = d.get(key)
+            if (current is None and want == self._encode(b"")) or current == want:
+                d[key] = new
+                return base64.b64decode(new)
+            return base64.b64decode(want if current is None else current)
+
+        return bytes(self._locked(change, timeout))
+
     def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
         """Return whether every key is set, without waiting for them."""
         wanted = list(keys)
