@@ -90,7 +90,7 @@ def test_every_store_operation_keeps_the_callers_deadline_when_the_host_freezes(
             with pytest.raises(DistributedTimeoutError, match="did not answer|could not|timed out"):
                 operation(client, 1.0)
             elapsed = time.monotonic() - start
-            assert 0.9 < elapsed < 2.0, (name, elapsed)
+            assert 0.9 < elapsed < 2.5, (name, elapsed)  # the caller's 1 s, not the server's or a multiple
     finally:
         host.process.send_signal(signal.SIGCONT)
     # Thawed, the same client works again: it reconnects after the dropped connection.
@@ -106,7 +106,7 @@ def test_a_get_timeout_is_reported_at_its_deadline_not_later(store_host):
     start = time.monotonic()
     with pytest.raises(DistributedTimeoutError, match="'never' was not set within 3 s"):
         client.get("never", timeout=3)
-    assert 2.8 < time.monotonic() - start < 3.5
+    assert 2.8 < time.monotonic() - start < 4.5  # was 8 s: the client used to wait 5 s past the server
     client.close()
 
 
@@ -139,7 +139,7 @@ def test_new_group_with_the_store_host_frozen_times_out_on_time(backend):
     results = run_processes(_new_group_with_rank0_frozen, 2, args=(backend,), backend=None, timeout=120)
     outcome, elapsed = results[1]
     assert outcome != "returned"
-    assert 1.8 < elapsed < 3.5, (outcome, elapsed)
+    assert 1.8 < elapsed < 4.5, (outcome, elapsed)  # was: never (TCP), 10.5 s (shared memory)
 
 
 def _idle_connections(port: int, count: int) -> list[socket.socket]:
