@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -40,8 +41,10 @@ class StoreHost:
     """A store served by a child process."""
 
     def __init__(self, fd_limit: int = 0) -> None:
+        # Not from the working directory: `python -c` would put it first on sys.path, and in a clone's root
+        # that is the uncompiled source tree, not the installed ferro.
         self.process = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(fd_limit)], stdout=subprocess.PIPE,
-                                        text=True)
+                                        text=True, cwd=tempfile.gettempdir())
         self.port = int(self.process.stdout.readline())
 
     def threads(self) -> int:
