@@ -46,6 +46,8 @@ DEFAULT_TIMEOUT = 300.0
 HANDSHAKE_TIMEOUT = 10.0
 # How long close() lets requests already being served send their answers.
 DRAIN_SECONDS = 2.0
+# How long a client's close() waits for a request another thread has in flight.
+CLOSE_WAIT_SECONDS = 1.0
 # A server-side wait (get, wait) ends this much before the caller's deadline, so the server's
 # "not yet" normally arrives in time and the connection stays usable.
 SERVER_HEADSTART = 0.1
@@ -545,10 +547,17 @@ class Store:
     def close(self) -> None:
         """Close the connection (and stop the server if this client started it). Idempotent."""
         self._closed = True
-        sock, self._sock = self._sock, None  # not under the lock: a request blocked on a frozen server holds it
-        if sock is not None:
-            _shutdown(sock)
-            sock.close()
+        # A request in flight on another thread gets its answer first; one blocked on a frozen server
+        # (holding the lock for up to its deadline) is cut short instead.
+        locked = self._lock.acquire(timeout=CLOSE_WAIT_SECONDS)
+        try:
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                _shutdown(sock)
+                sock.close()
+        finally:
+            if locked:
+                self._lock.release()
         if self._server is not None:
             self._server.close()
 
