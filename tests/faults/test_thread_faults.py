@@ -14,28 +14,40 @@ CALLS = 200
 
 
 def _race(group, groups_per_thread):
-    """Threads "A" and "B" each run CALLS allreduces; return per thread (right, wrong, first error)."""
+    """Threads "A" and "B" each run CALLS allreduces; return per thread (right, wrong, first error).
+
+    The orders are made to differ for sure: on rank 0 thread A makes the first call, on rank 1 thread B,
+    and the other thread starts once that first call is over (a free race often does not show on a
+    loaded machine, where one thread may run all its calls before the other is scheduled).
+    """
     scale = {"A": 1.0, "B": 1000.0}
     expected = {name: s * sum(r + 1 for r in range(group.world_size)) for name, s in scale.items()}
     groups = {"A": group, "B": ferro.new_group(range(group.world_size), group=group) if groups_per_thread else group}
     outcome = {}
-    start = threading.Barrier(2)
+    # With a group each the threads are independent: no order to force (it would deadlock them).
+    first = None if groups_per_thread else "A" if group.rank == 0 else "B"
+    first_call_over = threading.Event()
 
     def work(name):
         right = wrong = 0
         error = None
-        start.wait()
-        for _ in range(CALLS):
+        if first is not None and name != first:
+            first_call_over.wait(60)
+        for call in range(CALLS):
             x = np.full(64, scale[name] * (group.rank + 1))
             try:
                 ferro.allreduce(x, group=groups[name], timeout=30)
             except DistributedError as exc:
                 error = exc
                 break
+            finally:
+                if call == 0 and name == first:
+                    first_call_over.set()
             if np.all(x == expected[name]):
                 right += 1
             else:
                 wrong += 1
+        first_call_over.set()
         outcome[name] = (right, wrong, None if error is None else f"{type(error).__name__}: {error}")
 
     threads = [threading.Thread(target=work, args=(name,), name=name) for name in scale]
@@ -56,7 +68,7 @@ def test_two_threads_racing_on_one_group_never_get_a_wrong_result(backend):
             if error is not None:
                 errors.append(error)
                 assert error.startswith((CollectiveMismatchError.__name__, ConnectionBrokenError.__name__)), error
-    # The race shows (the orders differ somewhere), and the first error says what happened.
+    # The orders differ, and the first error says what happened.
     mismatches = [e for e in errors if e.startswith(CollectiveMismatchError.__name__)]
     assert mismatches, results
     assert any("threads of different names" in e and "new_group" in e for e in mismatches), mismatches
