@@ -26,13 +26,27 @@ from ferro.types import thread_tag
 
 __all__ = ["GroupWorker", "PendingCollective", "issuer_tag", "worker_of"]
 
-_issuing = threading.local()  # .tag: the tag of the call a worker thread is running, while it runs
+class _Issuing(threading.local):
+    """Per thread: the tag of the call a worker thread is running (while it runs), and the thread's own tag."""
+
+    task_tag: int | None = None  # class defaults: reading them raises nothing when unset (a hot path)
+    name: str | None = None
+    name_tag = 0
+
+
+_issuing = _Issuing()
 
 
 def issuer_tag() -> int:
     """Return the thread tag of calls issued now: the task's on a worker, else the current thread's."""
-    tag: int | None = getattr(_issuing, "tag", None)
-    return tag if tag is not None else thread_tag(threading.current_thread().name)
+    issuing = _issuing
+    if issuing.task_tag is not None:
+        return issuing.task_tag
+    name = threading.current_thread().name
+    if name is not issuing.name:  # first call on this thread, or the thread was renamed
+        issuing.name, issuing.name_tag = name, thread_tag(name)
+    return issuing.name_tag
+
 
 # A worker with nothing to do for this long ends; the next async call starts another.
 IDLE_SECONDS = 10.0
@@ -162,13 +176,13 @@ class GroupWorker:
                 state.busy = True
                 state.queued = len(self._queue)
                 self._owner = threading.get_ident()
-            _issuing.tag = tag  # what the task issues is its caller's
+            _issuing.task_tag = tag  # what the task issues is its caller's
             try:
                 result, error = fn(), None
             except BaseException as exc:  # handed to the caller through the handle
                 result, error = None, exc
             finally:
-                _issuing.tag = None
+                _issuing.task_tag = None
                 with self._cond:
                     state.busy = False
                     self._owner = None

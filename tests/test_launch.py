@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+from _procs import wait_gone
 
 FERRO = [sys.executable, "-m", "ferro"]
 
@@ -16,27 +17,6 @@ FERRO = [sys.executable, "-m", "ferro"]
 def write(path, body):
     path.write_text(textwrap.dedent(body))
     return str(path)
-
-
-def survivors(marker):
-    """Processes whose command line mentions ``marker`` (the test's own scripts)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
-
-
-def wait_gone(marker, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while survivors(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return survivors(marker)
 
 
 ENV_SCRIPT = """

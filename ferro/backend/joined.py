@@ -12,7 +12,7 @@ from typing import Any
 from ferro._buffers import as_buffer
 from ferro.backend.base import FramedBackend
 from ferro.errors import BackendClosedError, DistributedTimeoutError
-from ferro.rendezvous.connect import claim_rank, release_rank
+from ferro.rendezvous.connect import claim_rank, release_rank, time_left
 from ferro.rendezvous.settings import RendezvousConfig, default_timeout
 from ferro.rendezvous.store import Store
 
@@ -60,6 +60,7 @@ class StoreBackend(FramedBackend):
     """
 
     _links: dict[int, Any]
+    _rank_mark: str | None  # the claim of _join (a sub-group holds none)
 
     #: Names this kind of group in the store's keys.
     store_namespace = ""
@@ -74,36 +75,24 @@ class StoreBackend(FramedBackend):
         owns_store = store is None or close_store
         if store is None:
             store = Store(master_addr, master_port, secret=config.secret, timeout=seconds, serve=(rank == 0))
-        generation = 0
         mark = None
         try:
-            mark = claim_rank(store, self.store_namespace, rank, max(deadline - time.monotonic(), 0.001))
+            mark = claim_rank(store, self.store_namespace, rank, time_left(deadline, rank, "claiming this rank"))
             generation = store.add(f"ferro/{self.store_namespace}-joins/{rank}", 1,
-                                   timeout=max(deadline - time.monotonic(), 0.001))
+                                   timeout=time_left(deadline, rank, "counting this rank's joins"))
             self._init_state(rank, world_size, store, owns_store, f"ferro/{self.store_namespace}/{generation}",
                              config.secret, seconds, deadline)
             attach()
             self._rank_mark = mark  # held while the group lives: a second process as this rank is refused
-        except DistributedTimeoutError as exc:
+        except BaseException as exc:
             if mark is not None:
                 release_rank(store, mark)
             if owns_store:
                 store.close()
-            notes = []
             refused = store.refused
-            if refused:
-                notes.append(f"meanwhile the store refused {len(refused)} connection(s): {refused[-1]}")
-            if generation > 1:
-                notes.append(f"this was join number {generation} of rank {rank} through this store: unless this "
-                             f"job closed earlier groups, another process was given rank {rank} too")
-            if notes:
-                raise DistributedTimeoutError(f"{exc}; {'; '.join(notes)}") from exc
-            raise
-        except BaseException:
-            if mark is not None:
-                release_rank(store, mark)
-            if owns_store:
-                store.close()
+            if isinstance(exc, DistributedTimeoutError) and refused:
+                raise DistributedTimeoutError(
+                    f"{exc}; meanwhile the store refused {len(refused)} connection(s): {refused[-1]}") from exc
             raise
 
     def _init_state(self, rank: int, world_size: int, store: Store, owns_store: bool, prefix: str, secret: bytes,
@@ -111,6 +100,7 @@ class StoreBackend(FramedBackend):
         """Record who this rank is; ``deadline`` (monotonic; default ``timeout`` from now) bounds the set-up."""
         self._rank, self._world_size, self._timeout = rank, world_size, timeout
         self._deadline = time.monotonic() + timeout if deadline is None else deadline
+        self._rank_mark = None
         self._store, self._owns_store, self._prefix, self._secret = store, owns_store, prefix, secret
         self._closed = False
         self._split_counts: dict[tuple[int, ...], int] = {}
@@ -179,8 +169,7 @@ class StoreBackend(FramedBackend):
             return
         self._closed = True
         self._release()
-        mark = getattr(self, "_rank_mark", None)  # sub-groups hold none
-        if mark is not None:
-            release_rank(self._store, mark)
+        if self._rank_mark is not None:
+            release_rank(self._store, self._rank_mark)
         if self._owns_store:
             self._store.close()

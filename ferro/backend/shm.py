@@ -8,8 +8,7 @@ import os
 import secrets
 import signal
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ferro._buffers import as_buffer
@@ -20,7 +19,7 @@ from ferro.backend.base import default_spin_us
 from ferro.backend.joined import JoinSpec, StoreBackend
 from ferro.backend.native import NativeCollectives
 from ferro.errors import ConfigurationError, DistributedError, DistributedTimeoutError, PeerLostError
-from ferro.rendezvous.connect import wait_for_ranks
+from ferro.rendezvous.connect import time_left, wait_for_ranks
 from ferro.rendezvous.settings import default_timeout, validate_rank_and_size
 from ferro.rendezvous.store import Store
 from ferro.types import DType, ReduceOp, describe_fingerprint
@@ -50,49 +49,48 @@ def _sweep_stale_segments() -> None:
     A segment's name carries its creator's pid; only this user's segments with
     a dead creator are removed, so a live job's segments are never touched.
     """
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        parts = name.split("-")
-        if len(parts) != 3 or parts[0] != SEGMENT_PREFIX or not parts[1].isdigit():
-            continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        except OSError:
-            continue
+    _remove_segments(lambda creator: not _alive(creator))
 
 
 def remove_segments_of(pid: int) -> list[str]:
-    """Remove the segments process ``pid`` created (a launcher calls this once that rank has ended).
+    """Remove this user's segments that process ``pid`` created (a launcher calls this once that rank has ended).
 
     Returns:
         The paths removed.
 
     """
+    return _remove_segments(lambda creator: creator == pid)
+
+
+def _remove_segments(created_by: Callable[[int], bool]) -> list[str]:
+    """Unlink this user's ``ferro-<pid>-<hex>`` segments whose creator's pid passes ``created_by``."""
     removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return removed
     for name in names:
-        if name.startswith(f"{SEGMENT_PREFIX}-{pid}-"):
-            path = os.path.join(SHM_DIR, name)
-            try:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != SEGMENT_PREFIX or not parts[1].isdigit():
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path).st_uid == os.getuid() and created_by(int(parts[1])):
                 os.unlink(path)
                 removed.append(path)
-            except OSError:
-                pass
+        except OSError:
+            continue  # gone meanwhile
     return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive
+    return True
 
 
 @contextlib.contextmanager
@@ -136,13 +134,6 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def _left(deadline: float, rank: int, doing: str) -> float:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise DistributedTimeoutError(f"rank {rank}: shared-memory set-up timed out {doing}")
-    return remaining
 
 
 def _size_setting(value: int | None, env: str, default: int, what: str) -> int:
@@ -233,14 +224,14 @@ class ShmBackend(StoreBackend, NativeCollectives):
                     mapping = mmap.mmap(fd, size)
                 finally:
                     os.close(fd)
-                store.set(f"{prefix}/segment", path, timeout=_left(deadline, rank, "publishing the segment"))
+                store.set(f"{prefix}/segment", path, timeout=time_left(deadline, rank, "publishing the segment"))
                 segment = Segment(mapping, world_size, ring_bytes)
                 segment.register(rank, os.getpid())
                 # Every rank reports once it has mapped the segment: the name may go once all have.
                 wait_for_ranks(store, {r: f"{prefix}/mapped/{r}" for r in range(1, world_size)}, deadline, rank,
                                "map the shared-memory segment")
         else:
-            path = store.get(f"{prefix}/segment", timeout=_left(deadline, rank, "waiting for rank 0's segment")
+            path = store.get(f"{prefix}/segment", timeout=time_left(deadline, rank, "waiting for rank 0's segment")
                              ).decode()
             try:
                 fd = os.open(path, os.O_RDWR)
@@ -255,7 +246,7 @@ class ShmBackend(StoreBackend, NativeCollectives):
             segment.register(rank, os.getpid())
             # This rank's last use of the store: rank 0 waits for every report, so it never closes
             # the store (with its group) while another rank still needs it.
-            store.set(f"{prefix}/mapped/{rank}", b"1", timeout=_left(deadline, rank, "reporting the mapping"))
+            store.set(f"{prefix}/mapped/{rank}", b"1", timeout=time_left(deadline, rank, "reporting the mapping"))
         self._ring_bytes, self._buffer_bytes, self._spin_us = ring_bytes, buffer_bytes, spin_us
         self._mapping, self._segment = mapping, segment
         state = self.state
@@ -267,7 +258,7 @@ class ShmBackend(StoreBackend, NativeCollectives):
                        if peer != rank}
         # No rank returns before every rank is in: a group with a missing rank is no group.
         try:
-            self._arena.barrier(_left(deadline, rank, "waiting for every rank to map the segment"))
+            self._arena.barrier(time_left(deadline, rank, "waiting for every rank to map the segment"))
         except DistributedError as exc:
             self._release()
             raise type(exc)(f"rank {rank}: setting up the shared-memory group failed: not every rank of "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +14,7 @@ from ferro.backend.base import default_spin_us
 from ferro.backend.joined import JoinSpec, StoreBackend
 from ferro.backend.native import NativeCollectives
 from ferro.errors import ConfigurationError, DistributedError
-from ferro.rendezvous.connect import build_mesh, local_address_towards
+from ferro.rendezvous.connect import build_mesh, local_address_towards, time_left
 from ferro.rendezvous.settings import BIND_ADDR_ENV, RendezvousConfig, default_timeout, validate_rank_and_size
 from ferro.rendezvous.store import Store
 from ferro.types import DType, ReduceOp
@@ -134,7 +133,8 @@ class TcpBackend(StoreBackend, NativeCollectives):
 
     def _connect(self, bind_addr: str, spin_us: float) -> None:
         sockets = build_mesh(self._store, self._rank, self._world_size, prefix=self._prefix, secret=self._secret,
-                             bind_addr=bind_addr, timeout=max(self._deadline - time.monotonic(), 0.001))
+                             bind_addr=bind_addr,
+                             timeout=time_left(self._deadline, self._rank, "before connecting the mesh"))
         missing = set(range(self._world_size)) - {self._rank} - set(sockets)
         if missing:  # never hand the compiled collectives a table with a hole in it
             for sock in sockets.values():

@@ -16,6 +16,7 @@ Messages (all fixed-size, so nothing is sized by the peer):
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
@@ -24,14 +25,21 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 from ferro.errors import AuthenticationError, DistributedTimeoutError, PeerLostError
 
-__all__ = ["PRE_AUTH_SECONDS", "RefusalLog", "accept_handshake", "connect_handshake"]
+__all__ = ["MAX_HANDSHAKES", "PRE_AUTH_SECONDS", "Admission", "RefusalLog", "accept_handshake", "connect_handshake",
+           "shutdown_quietly"]
 
 # How long a connection we accepted may take to prove it holds the secret. A rank answers within
 # milliseconds even on a loaded host; anything slower is stray or hostile, and is cut off.
 PRE_AUTH_SECONDS = 5.0
+# Connections allowed to be authenticating at once on one listener; another evicts the oldest.
+MAX_HANDSHAKES = 64
+# After accept() fails for lack of file descriptors or memory, retry after this long.
+ACCEPT_RETRY_SECONDS = 0.05
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 MAGIC = b"FERROAU1"
 NONCE_BYTES = 32
 MAC_BYTES = 32
@@ -84,6 +92,93 @@ class RefusalLog:
         else:
             self._logger.warning("%s: refused %d connections since the last report; the latest: %s",
                                  self._where, count, description)
+
+
+def shutdown_quietly(sock: socket.socket) -> None:
+    """Shut both directions of ``sock`` down (waking a thread blocked on it); an error means it is gone already."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class Admission:
+    """Accepts connections on a listening socket and hands each to ``handle(sock, address)`` on a thread of its own.
+
+    What hostile or broken clients cannot do to it: at most ``MAX_HANDSHAKES``
+    connections are unsettled (still authenticating) at once, and another evicts
+    the oldest, so idle connections cannot starve the real ones, whose handshakes
+    take microseconds; ``accept()`` failing for lack of descriptors or memory
+    pauses and retries instead of ending the loop (the connection waits in the
+    kernel's backlog). ``handle`` calls :meth:`settled` once authentication is
+    over, either way.
+
+    Args:
+        listener: A bound, listening socket (closed by the owner, after :meth:`stop`).
+        handle: Runs one connection, on its thread.
+        refusals: Where failures to accept are noted.
+        name: Names the threads.
+
+    """
+
+    def __init__(self, listener: socket.socket, handle: Callable[[socket.socket, tuple[str, int]], None],
+                 refusals: RefusalLog, name: str) -> None:
+        self._listener, self._handle, self._refusals, self._name = listener, handle, refusals, name
+        self._lock = threading.Lock()
+        self._unsettled: dict[socket.socket, None] = {}  # insertion-ordered: the oldest first
+        self._stopped = False
+        listener.settimeout(None)
+        self._thread = threading.Thread(target=self._accept_loop, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def unsettled(self) -> int:
+        """Connections still authenticating."""
+        with self._lock:
+            return len(self._unsettled)
+
+    def settled(self, sock: socket.socket) -> None:
+        """Say that ``sock``'s authentication is over (it no longer counts against the limit)."""
+        with self._lock:
+            self._unsettled.pop(sock, None)
+
+    def stop(self) -> None:
+        """Stop accepting and cut short every connection still authenticating. Idempotent."""
+        with self._lock:
+            self._stopped = True
+            unsettled, self._unsettled = list(self._unsettled), {}
+        shutdown_quietly(self._listener)  # wakes the blocked accept() (EINVAL), so the thread ends now
+        self._thread.join(timeout=5.0)
+        for sock in unsettled:
+            shutdown_quietly(sock)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, address = self._listener.accept()
+            except OSError as exc:
+                if self._stopped or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # stopped or closed
+                if exc.errno in _OUT_OF_RESOURCES:
+                    self._refusals.note(f"cannot accept a connection: {exc.strerror}; retrying")
+                    time.sleep(ACCEPT_RETRY_SECONDS)
+                continue  # ECONNABORTED and the like: that client gave up
+            with self._lock:
+                if self._stopped:
+                    sock.close()
+                    return
+                if len(self._unsettled) >= MAX_HANDSHAKES:
+                    oldest = next(iter(self._unsettled))
+                    del self._unsettled[oldest]
+                    shutdown_quietly(oldest)  # its thread fails its read, and ends
+                self._unsettled[sock] = None
+            try:
+                threading.Thread(target=self._handle, args=(sock, address), name=f"{self._name}-conn",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: drop this one, keep serving the others
+                self.settled(sock)
+                sock.close()
+                self._refusals.note(f"no thread for {address[0]}:{address[1]}")
 
 
 def _mac(secret: bytes, role: bytes, first: bytes, second: bytes, context: bytes) -> bytes:

@@ -8,7 +8,6 @@ authenticated with the job secret before it carries a frame.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import queue
@@ -25,21 +24,25 @@ from ferro.errors import (
     InvalidWorldSizeError,
     PeerLostError,
 )
-from ferro.rendezvous.auth import PRE_AUTH_SECONDS, RefusalLog, accept_handshake, connect_handshake
+from ferro.rendezvous.auth import (
+    PRE_AUTH_SECONDS,
+    Admission,
+    RefusalLog,
+    accept_handshake,
+    connect_handshake,
+)
 from ferro.rendezvous.settings import BIND_ADDR_ENV
 
 if TYPE_CHECKING:
     from ferro.rendezvous.store import Store
 
-__all__ = ["HANDSHAKE_TIMEOUT", "MAX_HANDSHAKES", "build_mesh", "dial", "claim_rank", "local_address_towards",
-           "release_rank", "wait_for_ranks"]
+__all__ = ["HANDSHAKE_TIMEOUT", "build_mesh", "claim_rank", "dial", "local_address_towards", "release_rank",
+           "time_left", "wait_for_ranks"]
 
 log = logging.getLogger("ferro.rendezvous")
 
 # How long this rank's own handshake with a peer it dialled may take.
 HANDSHAKE_TIMEOUT = 10.0
-# Connections allowed to authenticate at once on a rank's listener; another evicts the oldest.
-MAX_HANDSHAKES = 64
 # Backoff between dialling attempts: from the first delay, doubling, up to the last.
 _FIRST_DELAY, _LONGEST_DELAY = 0.01, 0.5
 
@@ -130,12 +133,12 @@ def build_mesh(
         if expected:  # accept (and authenticate) from now on, while this rank dials the lower ones
             acceptor = _Acceptor(listener, secret, prefix, world_size, rank, expected)
         store.set(f"{prefix}/addr/{rank}", f"{host}:{port}",
-                  timeout=_remaining(deadline, rank, "publishing this rank's address"))
+                  timeout=time_left(deadline, rank, "publishing this rank's address"))
         lower = {j: f"{prefix}/addr/{j}" for j in range(rank)}
         wait_for_ranks(store, lower, deadline, rank, "publish their address")
         # Read every address before the first connection: once connected to rank 0 this rank must
         # not need the store any more, since rank 0 may then finish and close it.
-        addresses = [store.get(key, timeout=_remaining(deadline, rank, "reading the lower ranks' addresses"))
+        addresses = [store.get(key, timeout=time_left(deadline, rank, "reading the lower ranks' addresses"))
                      .decode().rsplit(":", 1) for key in lower.values()]
         for j, (peer_host, peer_port) in enumerate(addresses):
             peers[j] = _connect_peer(
@@ -201,7 +204,7 @@ def wait_for_ranks(store: Store, keys: dict[int, str], deadline: float, rank: in
         return
     from ferro.rendezvous.store import StoreKeyTimeoutError  # the store module imports this one
 
-    seconds = _remaining(deadline, rank, f"waiting for ranks {sorted(keys)} to {doing}")
+    seconds = time_left(deadline, rank, f"waiting for ranks {sorted(keys)} to {doing}")
     try:
         store.wait(list(keys.values()), timeout=seconds)
     except StoreKeyTimeoutError as exc:
@@ -212,50 +215,23 @@ def wait_for_ranks(store: Store, keys: dict[int, str], deadline: float, rank: in
 
 
 class _Acceptor:
-    """Accepts and authenticates incoming mesh connections on threads, each within PRE_AUTH_SECONDS.
+    """Accepts and authenticates incoming mesh connections concurrently, through an :class:`Admission`.
 
-    Authentication is concurrent: a connection that sends nothing holds its own
-    thread until its limit, never the real peers behind it. At most
-    ``MAX_HANDSHAKES`` authenticate at once; another evicts the oldest.
+    Each connection has PRE_AUTH_SECONDS to authenticate: one that sends nothing
+    holds its own thread until then, never the real peers behind it.
     """
 
     def __init__(self, listener: socket.socket, secret: bytes, prefix: str, world_size: int, rank: int,
                  expected: set[int]) -> None:
-        self._listener, self._secret, self._prefix = listener, secret, prefix
+        self._secret, self._prefix = secret, prefix
         self._world_size, self._rank = world_size, rank
         self._expected = set(expected)  # shrinks as peers authenticate (a second claim to a rank is refused)
         self._wanted = frozenset(expected)
         self._results: queue.Queue[tuple[int, socket.socket] | BaseException] = queue.Queue()
         self._lock = threading.Lock()
-        self._handshaking: dict[socket.socket, None] = {}
         self._stopped = False
         self.refusals = RefusalLog(log, f"rank {rank}")
-        listener.settimeout(None)
-        self._thread = threading.Thread(target=self._accept_loop, name=f"ferro-mesh-accept-{rank}", daemon=True)
-        self._thread.start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, address = self._listener.accept()
-            except OSError as exc:
-                if self._stopped or exc.errno in (errno.EBADF, errno.EINVAL):
-                    return
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self.refusals.note(f"cannot accept a connection: {exc.strerror}; retrying")
-                    time.sleep(0.05)
-                continue
-            with self._lock:
-                if self._stopped:
-                    sock.close()
-                    return
-                if len(self._handshaking) >= MAX_HANDSHAKES:
-                    oldest = next(iter(self._handshaking))
-                    del self._handshaking[oldest]
-                    _shutdown(oldest)
-                self._handshaking[sock] = None
-            threading.Thread(target=self._authenticate, args=(sock, address), daemon=True,
-                             name=f"ferro-mesh-auth-{self._rank}").start()
+        self._admission = Admission(listener, self._authenticate, self.refusals, f"ferro-mesh-accept-{rank}")
 
     def _authenticate(self, sock: socket.socket, address: tuple[str, int]) -> None:
         try:
@@ -266,8 +242,7 @@ class _Acceptor:
             self._results.put(exc)
             return
         finally:
-            with self._lock:
-                self._handshaking.pop(sock, None)
+            self._admission.settled(sock)
         if src is not None:
             with self._lock:
                 keep = not self._stopped and src in self._expected
@@ -291,7 +266,7 @@ class _Acceptor:
                     waiting += (f" (refused {self.refusals.total} connection(s) that failed authentication; "
                                 f"the latest: {refused[-1]})")
                 try:
-                    item = self._results.get(timeout=_remaining(deadline, self._rank, waiting))
+                    item = self._results.get(timeout=time_left(deadline, self._rank, waiting))
                 except queue.Empty:
                     continue  # _remaining raises on the next turn
                 if isinstance(item, BaseException):
@@ -309,11 +284,7 @@ class _Acceptor:
         """Stop accepting; drop connections still authenticating and results nobody took."""
         with self._lock:
             self._stopped = True
-            pending = list(self._handshaking)
-        _shutdown(self._listener)  # wakes the blocked accept() (EINVAL), so the thread ends now
-        self._thread.join(timeout=5.0)
-        for sock in pending:
-            _shutdown(sock)
+        self._admission.stop()
         while True:
             try:
                 item = self._results.get_nowait()
@@ -323,14 +294,13 @@ class _Acceptor:
                 item[1].close()
 
 
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
+def time_left(deadline: float, rank: int, doing: str) -> float:
+    """Return the seconds left until ``deadline`` (monotonic) for the next step of a set-up.
 
+    Raises:
+        DistributedTimeoutError: "rank 3: rendezvous timed out <doing>", once none are left.
 
-def _remaining(deadline: float, rank: int, doing: str) -> float:
+    """
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise DistributedTimeoutError(f"rank {rank}: rendezvous timed out {doing}")
@@ -342,7 +312,7 @@ def _connect_peer(host: str, port: int, secret: bytes, context: bytes, deadline:
     where = f"rank {peer} at {host}:{port}"
     sock = dial(host, port, deadline, f"rank {rank}: rendezvous timed out connecting to {where}")
     try:
-        seconds = min(HANDSHAKE_TIMEOUT, _remaining(deadline, rank, f"authenticating with {where}"))
+        seconds = min(HANDSHAKE_TIMEOUT, time_left(deadline, rank, f"authenticating with {where}"))
         connect_handshake(sock, secret, context, seconds, where)
     except AuthenticationError as exc:
         sock.close()

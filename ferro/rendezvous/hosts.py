@@ -11,7 +11,7 @@ import socket
 import time
 from typing import Any
 
-from ferro.rendezvous.connect import wait_for_ranks
+from ferro.rendezvous.connect import time_left, wait_for_ranks
 
 __all__ = ["HOST_ID_ENV", "exchange_host_identities", "host_identity", "machine_identity"]
 
@@ -71,9 +71,9 @@ def exchange_host_identities(store: Any, rank: int, world_size: int, timeout: fl
     generation = store.add(f"ferro/host-joins/{rank}", 1, timeout=timeout)
     prefix = f"ferro/hosts/{generation}"
     store.set(f"{prefix}/{rank}", f"{host_identity()}\n{machine_identity()}",
-              timeout=max(deadline - time.monotonic(), 0.001))
+              timeout=time_left(deadline, rank, "publishing this rank's host"))
     keys = {r: f"{prefix}/{r}" for r in range(world_size)}
     wait_for_ranks(store, keys, deadline, rank, "say which host they run on")
-    found = [store.get(key, timeout=max(deadline - time.monotonic(), 0.001)).decode().split("\n", 1)
+    found = [store.get(key, timeout=time_left(deadline, rank, "reading the ranks' hosts")).decode().split("\n", 1)
              for key in keys.values()]
     return [(parts[0], parts[1] if len(parts) > 1 else parts[0]) for parts in found]

@@ -15,7 +15,6 @@ each argument is a u32 length and its bytes. Lengths are checked against
 
 from __future__ import annotations
 
-import errno
 import logging
 import socket
 import struct
@@ -32,7 +31,14 @@ from ferro.errors import (
     PeerLostError,
     StoreError,
 )
-from ferro.rendezvous.auth import PRE_AUTH_SECONDS, RefusalLog, accept_handshake, connect_handshake
+from ferro.rendezvous.auth import (
+    PRE_AUTH_SECONDS,
+    Admission,
+    RefusalLog,
+    accept_handshake,
+    connect_handshake,
+    shutdown_quietly,
+)
 from ferro.rendezvous.connect import dial
 from ferro.rendezvous.settings import default_timeout
 
@@ -51,12 +57,9 @@ CLOSE_WAIT_SECONDS = 1.0
 # A server-side wait (get, wait) ends this much before the caller's deadline, so the server's
 # "not yet" normally arrives in time and the connection stays usable.
 SERVER_HEADSTART = 0.1
-# Connections allowed to be authenticating at once; more wait in the kernel's backlog. Each
-# authenticated client then holds one thread, and at most MAX_CLIENTS are kept.
-MAX_HANDSHAKES = 64
+# Each authenticated client holds one thread (authentication is limited by auth.Admission); at most
+# this many are kept.
 MAX_CLIENTS = 4096
-# After accept() fails for lack of file descriptors (EMFILE, ENFILE) or memory, retry after this long.
-ACCEPT_RETRY_SECONDS = 0.05
 
 _SET, _GET, _WAIT, _ADD, _COMPARE_SET, _DELETE, _CHECK, _NUM_KEYS = range(1, 9)
 _OK, _TIMED_OUT, _FAILED = 0, 1, 2
@@ -65,7 +68,6 @@ _U32 = struct.Struct("<I")
 _ARITY: dict[int, tuple[int, int | None]] = {
     _SET: (2, 2), _GET: (2, 2), _WAIT: (1, None), _ADD: (2, 2), _COMPARE_SET: (3, 3), _DELETE: (1, 1),
     _CHECK: (0, None), _NUM_KEYS: (0, 0)}
-_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 class StoreKeyTimeoutError(DistributedTimeoutError):
@@ -129,13 +131,6 @@ def _read_exact(sock: socket.socket, n: int, allow_eof: bool) -> bytes | None:
     return bytes(buf)
 
 
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
 def _as_bytes(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
@@ -165,7 +160,6 @@ class StoreServer:
         self._cond = threading.Condition()
         self._closing = False
         self._clients: set[socket.socket] = set()
-        self._handshaking: dict[socket.socket, None] = {}  # insertion-ordered: the oldest first
         self._in_flight = 0  # requests read whose answer is not yet sent
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -180,8 +174,7 @@ class StoreServer:
         self._listener.listen(1024)
         self.host, self.port = host, self._listener.getsockname()[1]
         self._refusals = RefusalLog(log, f"store on port {self.port}")
-        self._thread = threading.Thread(target=self._accept_loop, name=f"ferro-store:{self.port}", daemon=True)
-        self._thread.start()
+        self._admission = Admission(self._listener, self._serve_client, self._refusals, f"ferro-store:{self.port}")
 
     @property
     def refused(self) -> tuple[str, ...]:
@@ -192,7 +185,7 @@ class StoreServer:
     def threads(self) -> int:
         """Threads serving connections now (authenticating or authenticated)."""
         with self._cond:
-            return len(self._handshaking) + len(self._clients)
+            return self._admission.unsettled + len(self._clients)
 
     def close(self) -> None:
         """Stop serving: wake waiting requests, let answers in progress go out, close every connection.
@@ -209,42 +202,11 @@ class StoreServer:
             deadline = time.monotonic() + DRAIN_SECONDS
             while self._in_flight and time.monotonic() < deadline:
                 self._cond.wait(deadline - time.monotonic())
-            sockets = [*self._clients, *self._handshaking]
-        _shutdown(self._listener)
+            clients = list(self._clients)
+        self._admission.stop()
         self._listener.close()
-        for sock in sockets:
-            _shutdown(sock)
-        self._thread.join(timeout=5.0)
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, address = self._listener.accept()
-            except OSError as exc:
-                if self._closing or exc.errno in (errno.EBADF, errno.EINVAL):
-                    return  # closed
-                if exc.errno in _OUT_OF_RESOURCES:
-                    # The connection waits in the kernel's backlog; the server must outlive the shortage.
-                    self._refusals.note(f"cannot accept a connection: {exc.strerror}; retrying")
-                    time.sleep(ACCEPT_RETRY_SECONDS)
-                continue  # ECONNABORTED and the like: that client gave up
-            with self._cond:
-                if self._closing:
-                    sock.close()
-                    return
-                if len(self._handshaking) >= MAX_HANDSHAKES:
-                    oldest = next(iter(self._handshaking))
-                    del self._handshaking[oldest]
-                    _shutdown(oldest)  # its thread fails its read, and ends
-                self._handshaking[sock] = None
-            try:
-                threading.Thread(target=self._serve_client, args=(sock, address), name="ferro-store-client",
-                                 daemon=True).start()
-            except RuntimeError:  # no thread to be had: drop this client, keep serving the others
-                with self._cond:
-                    self._handshaking.pop(sock, None)
-                sock.close()
-                self._refusals.note(f"no thread for {address[0]}:{address[1]}")
+        for sock in clients:
+            shutdown_quietly(sock)
 
     def _serve_client(self, sock: socket.socket, address: tuple[str, int]) -> None:
         peer = f"store client {address[0]}:{address[1]}"
@@ -252,13 +214,12 @@ class StoreServer:
             accept_handshake(sock, self._secret, PRE_AUTH_SECONDS, peer)
         except (AuthenticationError, DistributedError, OSError) as exc:
             self._refusals.note(str(exc))
-            with self._cond:
-                self._handshaking.pop(sock, None)
             sock.close()
             return
+        finally:
+            self._admission.settled(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._cond:
-            self._handshaking.pop(sock, None)
             if self._closing or len(self._clients) >= MAX_CLIENTS:
                 sock.close()
                 return
@@ -553,7 +514,7 @@ class Store:
         try:
             sock, self._sock = self._sock, None
             if sock is not None:
-                _shutdown(sock)
+                shutdown_quietly(sock)
                 sock.close()
         finally:
             if locked:

@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+from _procs import survivors, wait_dead, wait_gone
 
 FERRO = [sys.executable, "-m", "ferro"]
 
@@ -16,22 +17,6 @@ FERRO = [sys.executable, "-m", "ferro"]
 def write(path, body):
     path.write_text(textwrap.dedent(body))
     return str(path)
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has ended: only its exit status is left)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_dead(pids, seconds=15.0):
-    deadline = time.monotonic() + seconds
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
 
 
 # Each rank starts three processes that escape its process group in three ways, records their pids, then
@@ -67,27 +52,13 @@ def _spawned(tmp_path, nproc):
     return pids
 
 
-def _double_forked(tmp_path):
-    """The daemon grandchildren: processes running our sleep whose ancestry we no longer know."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if str(tmp_path).encode() in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return [p for p in found if alive(p)]
-
-
 def test_processes_a_rank_leaves_behind_end_with_the_job(tmp_path):
     script = write(tmp_path / "spawner.py", SPAWNER)
     done = subprocess.run([*FERRO, "run", "--nproc-per-node", "2", "--grace", "2", script, str(tmp_path / "pids")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert wait_dead(_spawned(tmp_path, 2), seconds=1.0) == []
-    assert _double_forked(tmp_path) == []
+    assert survivors(str(tmp_path)) == []
 
 
 def test_a_killed_launcher_takes_the_ranks_children_too(tmp_path):
@@ -102,10 +73,7 @@ def test_a_killed_launcher_takes_the_ranks_children_too(tmp_path):
     launcher.kill()
     launcher.wait(timeout=30)
     assert wait_dead(_spawned(tmp_path, 2)) == []
-    deadline = time.monotonic() + 15
-    while _double_forked(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _double_forked(tmp_path) == []
+    assert wait_gone(str(tmp_path), seconds=15) == []  # the daemon grandchildren too
 
 
 # Rank 2 exits without joining, once rank 0 has created its segment and waits for the others to map it.

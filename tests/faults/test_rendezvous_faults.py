@@ -16,8 +16,9 @@ import pytest
 
 import ferro
 from ferro.errors import DistributedError, DistributedTimeoutError
+from ferro.rendezvous.auth import MAX_HANDSHAKES
 from ferro.rendezvous.connect import build_mesh
-from ferro.rendezvous.store import MAX_HANDSHAKES, Store
+from ferro.rendezvous.store import Store
 from ferro.testing import run_processes
 
 SECRET = "fault-secret"
