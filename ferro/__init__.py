@@ -43,7 +43,8 @@ from ferro.errors import (
     TransportError,
 )
 from ferro.p2p import recv, recv_into, send, sendrecv
-from ferro.parallel import DDP
+from ferro.device_mesh import DeviceMesh, init_device_mesh
+from ferro.parallel import DDP, FSDP, MixedPrecision, ShardingStrategy, size_based_policy
 from ferro.process_group import (
     destroy_process_group,
     get_default_group,
@@ -78,17 +79,21 @@ __all__ = [
     "ConfigurationError",
     "ConnectionBrokenError",
     "DDP",
+    "DeviceMesh",
     "destroy_process_group",
     "DistributedError",
     "DistributedTimeoutError",
+    "FSDP",
     "gather",
     "get_default_group",
     "get_rank",
     "get_world_size",
+    "init_device_mesh",
     "init_process_group",
     "InvalidBufferError",
     "InvalidRankError",
     "InvalidWorldSizeError",
+    "MixedPrecision",
     "is_initialized",
     "new_group",
     "nn",
@@ -104,6 +109,8 @@ __all__ = [
     "ReduceOp",
     "scatter",
     "SelfSendError",
+    "ShardingStrategy",
+    "size_based_policy",
     "send",
     "sendrecv",
     "HierarchicalBackend",

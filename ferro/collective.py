@@ -50,7 +50,7 @@ from ferro._meta import META_BYTES, array_from_meta, decode_meta, encode_meta
 from ferro.backend.base import Backend
 from ferro.errors import InvalidBufferError, SizeMismatchError
 from ferro.rendezvous.settings import default_timeout
-from ferro.types import KERNEL_CODES, DType, ReduceOp
+from ferro.types import KERNEL_CODES, MAX_TAG, DType, ReduceOp
 from ferro.work import PendingCollective
 
 __all__ = [
@@ -272,11 +272,12 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend 
 
 
 def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,
-                   timeout: float | None = None, async_op: bool = False) -> Any:
+                   timeout: float | None = None, async_op: bool = False, tag: int = 0) -> Any:
     """Reduce ``x`` across ranks and give each rank one part of the result.
 
     ``x`` is split along axis 0 as ``numpy.array_split(x, world_size)`` splits
     it (sizes may differ by one row); rank ``i`` gets reduced part ``i``.
+    ``tag`` works as in :func:`all_gather`.
 
     Returns:
         A new array (a tensor for tensor input) holding this rank's part.
@@ -296,8 +297,8 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
     if data.array.ndim == 0:
         raise InvalidBufferError("reduce_scatter: the input needs at least one dimension to split along axis 0")
     reduce_op = _reduce_op(op, data.dtype, "reduce_scatter")
-    link = make_link(g, "reduce_scatter", resolve_timeout(g, timeout), data, reduce_op.value, 0, data.array.size,
-                 data.array.shape)
+    link = make_link(g, "reduce_scatter", resolve_timeout(g, timeout), data, reduce_op.value,
+                     _tag(tag, g, "reduce_scatter"), data.array.size, data.array.shape)
     rows = data.array.shape[0]
     row_size = int(np.prod(data.array.shape[1:], dtype=np.int64))
     row_bounds = algo.chunk_bounds(rows, g.world_size)
@@ -367,7 +368,7 @@ def _gathered_shape(array: np.ndarray, world_size: int) -> tuple[int, ...]:
 
 
 def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout: float | None = None,
-               async_op: bool = False) -> Any:
+               async_op: bool = False, tag: int = 0) -> Any:
     """Concatenate every rank's ``x`` along axis 0, in rank order, on every rank.
 
     All ranks pass arrays of the same shape and dtype. A 0-d input gives a result
@@ -379,6 +380,11 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
         group: The process group.
         timeout: Seconds (default: the group's).
         async_op: Return a :class:`~ferro.PendingCollective` instead of waiting.
+        tag: A number in ``[0, 1024)`` every rank passes alike, carried in the
+            call's fingerprint: calls whose tags differ refuse each other with
+            :class:`~ferro.CollectiveMismatchError` instead of pairing up. Libraries
+            use it to say *what* they gather (FSDP tags each unit's gathers), so
+            ranks that reach two equal-sized calls in different orders fail loudly.
 
     Returns:
         ``out``, or a new array (a tensor for tensor input).
@@ -398,7 +404,8 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
     data = operand(x, "all_gather", writable=False)
     shape = _gathered_shape(data.array, g.world_size)
     result = _output(out, shape, data, "all_gather")
-    link = make_link(g, "all_gather", resolve_timeout(g, timeout), data, 0, 0, data.array.size, data.array.shape)
+    link = make_link(g, "all_gather", resolve_timeout(g, timeout), data, 0, _tag(tag, g, "all_gather"),
+                     data.array.size, data.array.shape)
 
     def body() -> Any:
         flat_out = result.array.reshape(-1)
@@ -414,6 +421,12 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
         return out if out is not None else wrap_like(result.array, data)
 
     return execute(g, "all_gather", body, async_op, (x, result.array))
+
+
+def _tag(tag: Any, group: Backend, name: str) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
+        raise ValueError(f"rank {group.rank}: {name}: tag must be an int in [0, {MAX_TAG}], got {tag!r}")
+    return tag
 
 
 def _output(out: Any, shape: tuple[int, ...], like: Operand, name: str) -> Operand:

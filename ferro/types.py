@@ -166,7 +166,7 @@ def thread_tag(thread_name: str) -> int:
 
 
 def describe_fingerprint(value: int) -> str:
-    """Decode a fingerprint into ``allreduce(float32, SUM, root 0, 1024 elements)`` for messages."""
+    """Decode a fingerprint into ``broadcast(float32, SUM, root 0, 1024 elements, ...)`` for messages."""
     collective = collective_name(value >> 58)
     code = ((value >> 53) & 0x1F) - 1
     dtype = _BY_CODE[code].name if code in _BY_CODE else "bytes"
@@ -175,4 +175,17 @@ def describe_fingerprint(value: int) -> str:
     count = (value >> 20) & 0xFFFFF
     thread = (value >> 8) & 0xFFF
     issued = f", from thread tag {thread:03x}" if thread else ""
-    return f"{collective}({dtype}, {op}, root {root}, {count} elements, shape hash {value & 0xFF:02x}{issued})"
+    # Rootless collectives carry a caller's tag in the root field (see ferro.all_gather's ``tag``).
+    where = f"root {root}, " if collective in _ROOTED else (f"tag {root}, " if root else "")
+    return f"{collective}({dtype}, {op}, {where}{count} elements, shape hash {value & 0xFF:02x}{issued})"
+
+
+_ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter", "broadcast_object", "p2p"})
+
+#: Tags of :func:`ferro.all_gather` and :func:`ferro.reduce_scatter` travel in the root field: 10 bits.
+MAX_TAG = 0x3FF
+
+
+def fingerprint_tag(value: int) -> int:
+    """Return the root (or, for a rootless collective, the tag) a fingerprint carries."""
+    return (value >> 40) & 0x3FF

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -13,13 +14,22 @@ __all__ = ["SGD", "Adam", "Optimizer"]
 
 
 class Optimizer(abc.ABC):
-    """Base: the trainable parameters, :meth:`zero_grad` and :meth:`step`."""
+    """Base: the trainable parameters, :meth:`zero_grad` and :meth:`step`.
+
+    Attributes:
+        params: The parameters it updates.
+        lr: The learning rate.
+        state: Per parameter, the optimizer's running values by name (as
+            ``torch.optim`` keeps them: ``state[param]["exp_avg"]``).
+
+    """
 
     def __init__(self, params: Iterable[Parameter], lr: float) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not lr > 0:
             raise ValueError(f"learning rate must be positive, got {lr}")
         self.lr = lr
+        self.state: dict[Parameter, dict[str, Any]] = {}
 
     def zero_grad(self) -> None:
         """Zero every gradient in place (DDP's gradients are views into its buckets)."""
@@ -36,14 +46,13 @@ class SGD(Optimizer):
     """Stochastic gradient descent with momentum and weight decay, as ``torch.optim.SGD`` computes them.
 
     ``d = grad + weight_decay * p``; ``buf = momentum * buf + d`` (``buf = d`` on the
-    first step); ``p -= lr * buf``.
+    first step); ``p -= lr * buf``. The buffer is ``state[param]["momentum_buffer"]``.
     """
 
     def __init__(self, params: Iterable[Parameter], lr: float, momentum: float = 0.0,
                  weight_decay: float = 0.0) -> None:
         super().__init__(params, lr)
         self.momentum, self.weight_decay = momentum, weight_decay
-        self._buffers: dict[int, np.ndarray] = {}
 
     def step(self) -> None:
         """Apply one update."""
@@ -52,9 +61,10 @@ class SGD(Optimizer):
                 continue
             d = param.grad + self.weight_decay * param.data if self.weight_decay else param.grad
             if self.momentum:
-                buf = self._buffers.get(id(param))
+                state = self.state.setdefault(param, {})
+                buf = state.get("momentum_buffer")
                 if buf is None:
-                    buf = self._buffers[id(param)] = np.array(d, copy=True)
+                    buf = state["momentum_buffer"] = np.array(d, copy=True)
                 else:
                     buf *= self.momentum
                     buf += d
@@ -63,26 +73,32 @@ class SGD(Optimizer):
 
 
 class Adam(Optimizer):
-    """Adam with bias correction and (L2) weight decay, as ``torch.optim.Adam`` computes them."""
+    """Adam with bias correction and (L2) weight decay, as ``torch.optim.Adam`` computes them.
+
+    Per parameter, ``state[param]`` holds ``step`` (its own count of updates, as
+    torch keeps it), ``exp_avg`` and ``exp_avg_sq``.
+    """
 
     def __init__(self, params: Iterable[Parameter], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         super().__init__(params, lr)
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
-        self._state: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._steps = 0
 
     def step(self) -> None:
         """Apply one update."""
-        self._steps += 1
-        correction1 = 1 - self.beta1**self._steps
-        correction2 = 1 - self.beta2**self._steps
         for param in self.params:
             if param.grad is None:
                 continue
             grad = param.grad + self.weight_decay * param.data if self.weight_decay else param.grad
-            m, v = self._state.setdefault(id(param), (np.zeros_like(param.data), np.zeros_like(param.data)))
+            state = self.state.get(param)
+            if state is None:
+                state = self.state[param] = {"step": 0, "exp_avg": np.zeros_like(param.data),
+                                             "exp_avg_sq": np.zeros_like(param.data)}
+            state["step"] += 1
+            correction1 = 1 - self.beta1 ** state["step"]
+            correction2 = 1 - self.beta2 ** state["step"]
+            m, v = state["exp_avg"], state["exp_avg_sq"]
             m *= self.beta1
             m += (1 - self.beta1) * grad
             v *= self.beta2

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Model", "NumpyModel", "TorchModel", "model_adapter"]
+__all__ = ["Model", "NumpyModel", "TorchModel", "is_torch_module", "model_adapter"]
 
 
 class Model(abc.ABC):
@@ -130,9 +130,9 @@ class TorchModel(Model):
 
 def model_adapter(module: Any) -> Model:
     """Return the adapter for ``module``: :class:`TorchModel` for a ``torch.nn.Module``, else :class:`NumpyModel`."""
-    return TorchModel(module) if _is_torch_module(module) else NumpyModel(module)
+    return TorchModel(module) if is_torch_module(module) else NumpyModel(module)
 
 
-def _is_torch_module(module: Any) -> bool:
+def is_torch_module(module: Any) -> bool:
     torch = sys.modules.get("torch")  # a torch module exists only if torch was imported
     return torch is not None and isinstance(module, torch.nn.Module)
