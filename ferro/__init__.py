@@ -22,6 +22,7 @@ from ferro.collective import (
     reduce_scatter,
     scatter,
 )
+from ferro.device_mesh import DeviceMesh, init_device_mesh
 from ferro.errors import (
     AuthenticationError,
     BackendClosedError,
@@ -43,7 +44,6 @@ from ferro.errors import (
     TransportError,
 )
 from ferro.p2p import recv, recv_into, send, sendrecv
-from ferro.device_mesh import DeviceMesh, init_device_mesh
 from ferro.parallel import DDP, FSDP, MixedPrecision, ShardingStrategy, size_based_policy
 from ferro.process_group import (
     destroy_process_group,

@@ -129,6 +129,11 @@ class SimulatedBackend(FramedBackend):
         world = self._world
         with world.cond:
             if world.closed[dst]:
+                # A peer that gave up first may have told us why before closing: that is the cause to report
+                # (over TCP the notice arrives ahead of the close on the same stream).
+                notice = self._queued_abort(f"rank {self._rank}: {op} to rank {dst}")
+                if notice is not None:
+                    raise notice
                 raise PeerLostError(
                     f"rank {self._rank}: {op} to rank {dst}: rank {dst} closed the connection "
                     f"(it exited, crashed or closed its group)", dst)
@@ -137,6 +142,16 @@ class SimulatedBackend(FramedBackend):
             world.next_seq[pair] += 1
             world.cond.notify_all()
         self.state.count_bytes(kind, fingerprint, len(payload), 0)
+
+    def _queued_abort(self, where: str) -> BaseException | None:
+        """Return the error of the first abort notice waiting for this rank (call with the world's lock held)."""
+        for src in range(self.world_size):
+            queue = self._world.queues.get((src, self._rank)) if src != self._rank else None
+            for message in queue or ():
+                if message.kind == KIND_ABORT:
+                    queue.remove(message)  # type: ignore[union-attr]
+                    return abort_error(message.payload, src, where)
+        return None
 
     def _take(self, out: memoryview, src: int, kind: int, timeout: float, op: str, fingerprint: int = 0) -> None:
         world = self._world
@@ -148,6 +163,9 @@ class SimulatedBackend(FramedBackend):
                 if world.closed[self._rank]:
                     raise BackendClosedError(f"{where}: this process group was closed")
                 if world.closed[src]:
+                    notice = self._queued_abort(where)
+                    if notice is not None:
+                        raise notice
                     raise PeerLostError(
                         f"{where}: rank {src} closed the connection (it exited, crashed or closed its group)", src)
                 remaining = deadline - time.monotonic()

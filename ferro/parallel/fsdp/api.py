@@ -37,9 +37,9 @@ import numpy as np
 from ferro.backend.base import Backend
 from ferro.collective import ReduceOp, all_gather, allreduce, broadcast, gather, reduce_scatter
 from ferro.errors import CollectiveMismatchError, ConfigurationError, DistributedError
+from ferro.parallel.fsdp._tensors import Tensors, TorchTensors, tensors_for
 from ferro.parallel.fsdp.flat import FlatGroup, ShardedEntry, Slot
 from ferro.parallel.fsdp.options import MixedPrecision, ShardingStrategy
-from ferro.parallel.fsdp.tensors import Tensors, TorchTensors, tensors_for
 from ferro.types import MAX_TAG
 from ferro.work import PendingCollective, worker_of
 
@@ -134,6 +134,7 @@ class FSDP:
                                        and bool(reshard_after_forward))
         self._tensors: Tensors = tensors_for(module)
         self._torch = isinstance(self._tensors, TorchTensors)
+        self._torchlib: Any = self._tensors.torch if isinstance(self._tensors, TorchTensors) else None
         self.units = self._build_units(auto_wrap_policy, sync_module_states)
         if not self.units:
             raise ConfigurationError("FSDP: the module has no parameters to shard")
@@ -273,7 +274,7 @@ class FSDP:
         return hook
 
     def _torch_post_forward(self, unit: Unit) -> Callable[..., Any]:
-        torch = self._tensors.torch  # type: ignore[attr-defined]
+        torch = self._torchlib
 
         def hook(_module: Any, _args: Any, output: Any) -> None:
             grad = torch.is_grad_enabled()
@@ -283,7 +284,7 @@ class FSDP:
         return hook
 
     def _hook_outputs(self, output: Any, fn: Callable[[], None]) -> None:
-        torch = self._tensors.torch  # type: ignore[attr-defined]
+        torch = self._torchlib
 
         def on_grad(_grad: Any) -> None:
             fn()
@@ -337,8 +338,7 @@ class FSDP:
         unit.backward_started = True
         if self._torch and not self._finish_queued:
             self._finish_queued = True
-            self._tensors.torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
-                self._finish_backward)
+            self._torchlib.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         position = self._backward_position
         self._backward_position += 1
         unit.backward_tag = self._tag(unit, position, BACKWARD)
@@ -508,17 +508,19 @@ class FSDP:
                 f"FSDP: rank {self.group.rank} was at unit {unit.label} ({what}) when the ranks' calls differed "
                 f"-- {exc}{self._legend(str(exc))}", exc.peer, exc.expected, exc.actual) from exc
         except DistributedError as exc:
-            exc.add_note(f"FSDP: rank {self.group.rank} was at unit {unit.label} ({what})")
+            if exc.args and isinstance(exc.args[0], str):  # keep the type (and its fields), say where FSDP was
+                exc.args = (f"{exc.args[0]} [FSDP: rank {self.group.rank} was at unit {unit.label} ({what})]",
+                            *exc.args[1:])
             raise
 
     def _legend(self, message: str) -> str:
-        tags = sorted({int(t) for t in re.findall(r"\btag (\d+)", message)})
+        tags = sorted({int(t) for t in re.findall(r"(?<!thread )\btag (\d+)", message)})
         if not tags:
             return ""
         limit = 2 * len(self.units) + 2
         names = []
         for tag in tags:
-            hits = [f"{unit.label} as {_PHASE_NAMES[phase]} #{position}"
+            hits = [f"{unit.label} as {_PHASE_NAMES[phase]} #{position + 1} of the step"
                     for unit in self.units for position in range(limit) for phase in (FORWARD, BACKWARD)
                     if self._tag(unit, position, phase) == tag]
             names.append(f"tag {tag} = {' or '.join(hits) if hits else 'no FSDP unit of this model'}")
@@ -532,7 +534,7 @@ class FSDP:
         """Run the wrapped module's forward (gathering each unit as it runs)."""
         self._begin_step()
         output = self.module(*args, **kwargs)
-        if self._torch and self._tensors.torch.is_grad_enabled():  # type: ignore[attr-defined]
+        if self._torch and self._torchlib.is_grad_enabled():
             self._hook_outputs(output, self._queue_finish)
         return output
 
@@ -541,8 +543,7 @@ class FSDP:
     def _queue_finish(self) -> None:
         if not self._finish_queued:
             self._finish_queued = True
-            self._tensors.torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
-                self._finish_backward)
+            self._torchlib.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def backward(self, grad_output: Any) -> Any:
         """ferro.nn: run the module's backward, reduce-scatter every unit's gradients, and wait for them.
@@ -644,8 +645,8 @@ class FSDP:
             return shard
         with self._naming(unit, "state dict"):
             if rank0_only:
-                return gather(shard, dst=0, group=group)  # type: ignore[no-any-return]
-            return all_gather(shard, group=group)  # type: ignore[no-any-return]
+                return gather(shard, dst=0, group=group)
+            return all_gather(shard, group=group)
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """Copy full parameter values into this rank's shards in place (no communication).
@@ -672,7 +673,7 @@ class FSDP:
                     lo, hi, position = group.local(slot)
                     shard[position:position + hi - lo] = value.reshape(-1)[lo:hi]
         if self._torch:
-            torch = tensors.torch  # type: ignore[attr-defined]
+            torch = self._torchlib
             with torch.no_grad():
                 for name, buffer in self.module.named_buffers():
                     if name in state:

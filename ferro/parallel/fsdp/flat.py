@@ -42,7 +42,7 @@ class Slot:
 
 @dataclass
 class ShardedEntry:
-    """This rank's part of one parameter (or optimizer state) in :meth:`FSDP.sharded_state_dict`.
+    """The part of one parameter that this rank holds, as :meth:`FSDP.sharded_state_dict` gives it.
 
     The parameter, flattened in row-major order, has ``numel`` elements; this rank
     holds elements ``[start, stop)`` of it in ``local`` (1-d, possibly empty).

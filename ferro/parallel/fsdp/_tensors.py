@@ -246,7 +246,7 @@ class NumpyTensors(Tensors):
 
 
 def _raw_bytes(tensor: Any) -> np.ndarray:
-    """A NumPy byte view of a tensor's elements that leaves torch's storage resizable and its version alone.
+    """Return a NumPy byte view of a tensor's elements that leaves its storage resizable and its version alone.
 
     Valid only while the storage keeps its current allocation: FSDP takes it just
     before a collective and keeps the storage until that collective has ended.
@@ -396,7 +396,7 @@ class TorchTensors(Tensors):
         return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
     def optimizer_state(self, optimizer: Any) -> dict[Any, dict[str, Any]]:
-        return optimizer.state  # type: ignore[no-any-return]
+        return optimizer.state
 
 
 def tensors_for(module: Any) -> Tensors:
