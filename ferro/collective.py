@@ -315,7 +315,8 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
             algo.reduce_scatter_ring(link, scratch, bounds, data.dtype, reduce_op.kernel_code)
             _finish_mean(mine, data.dtype, reduce_op, g.world_size)
         part = mine.reshape((row_bounds[g.rank + 1] - row_bounds[g.rank],) + data.array.shape[1:])
-        return wrap_like(part, data)
+        # A copy, so the result does not keep the whole input-sized scratch alive (N times its own size).
+        return wrap_like(part.copy() if part.size < scratch.size else part, data)
 
     return execute(g, "reduce_scatter", body, async_op, (x,))
 

@@ -188,6 +188,8 @@ class GroupWorker:
                     self._owner = None
                     self._cond.notify_all()
             pending._finish(result, error)
+            # Drop the task: its closure may hold large buffers, and this frame lives until the next task.
+            fn = pending = result = error = None  # type: ignore[assignment]
 
 
 def worker_of(group: Any) -> GroupWorker:

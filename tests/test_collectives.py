@@ -238,3 +238,28 @@ def rank_chained_broadcast(group, nbytes, root):
 def test_large_broadcast_pipelined_over_a_chain(run, world_size, root):
     # 3.5 MB: several 1 MiB segments flow down the chain, and the last one is partial.
     assert run(rank_chained_broadcast, world_size, args=(3_500_000, root)) == [True] * world_size
+
+
+def rank_tagged(group):
+    x = np.arange(4.0) + group.rank
+    same = ferro.all_gather(x, group=group, tag=7)
+    part = ferro.reduce_scatter(np.ones(4), group=group, tag=9)
+    try:
+        ferro.all_gather(x, group=group, tag=group.rank)  # equal shapes, different tags
+    except ferro.CollectiveMismatchError as exc:
+        return same.tolist(), part.tolist(), str(exc)
+    return same.tolist(), part.tolist(), None
+
+
+def test_tags_must_match(run):
+    results = run(rank_tagged, 2)
+    for same, part, error in results:
+        assert same == [0.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0] and part == [2.0, 2.0]
+        assert error is not None and "tag 1" in error, error
+
+
+def test_tag_out_of_range_is_refused():
+    group = ferro.SimulatedBackend.create_group(1)[0]
+    for bad in (-1, 1024, 1.5, True):
+        with pytest.raises(ValueError, match=r"tag must be an int in \[0, 1023\]"):
+            ferro.all_gather(np.ones(2), group=group, tag=bad)
