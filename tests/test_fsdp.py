@@ -425,3 +425,49 @@ def test_size_based_policy_wraps_the_smallest_big_enough_modules():
     group = ferro.SimulatedBackend.create_group(1)[0]
     fsdp = ferro.FSDP(model, group=group, auto_wrap_policy=policy)
     assert [unit.name for unit in fsdp.units] == ["", "0.0"]
+
+
+class Boxed:
+    """An output container FSDP cannot look into."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class BoxingLinear(torch.nn.Linear):
+    def forward(self, x):
+        return Boxed(super().forward(x.tensor if isinstance(x, Boxed) else x))
+
+
+class BoxedModel(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        reference = torch_model(seed)
+        self.layers = torch.nn.ModuleList()
+        for layer in reference:
+            if isinstance(layer, torch.nn.Linear):
+                boxed = BoxingLinear(layer.in_features, layer.out_features, dtype=torch.float64)
+                boxed.load_state_dict(layer.state_dict())
+                self.layers.append(boxed)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = Boxed(torch.tanh(x.tensor))
+        return x.tensor
+
+
+def rank_boxed(group):
+    fsdp = ferro.FSDP(BoxedModel(group.rank), group=group, auto_wrap_policy=lambda m: isinstance(m, BoxingLinear))
+    optimizer = make_optimizer("torch", fsdp.parameters())
+    train_steps(group, "torch", fsdp, optimizer, batches())
+    return {k.replace("layers.", ""): as_numpy(v) for k, v in fsdp.full_state_dict().items()}
+
+
+def test_units_whose_outputs_cannot_be_hooked_stay_gathered_and_train_right():
+    expected, _ = train_reference("torch")
+    for full in run_threads(rank_boxed, 2, timeout=120):
+        for name, value in expected.items():
+            layer, param = name.split(".")
+            np.testing.assert_allclose(full[f"{int(layer) // 2}.{param}"], value, rtol=0, atol=1e-12)

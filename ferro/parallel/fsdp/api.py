@@ -278,20 +278,27 @@ class FSDP:
 
         def hook(_module: Any, _args: Any, output: Any) -> None:
             grad = torch.is_grad_enabled()
+            hooked = grad and self._hook_outputs(output, lambda: self._pre_backward(unit))
+            if grad and not hooked and any(group.requires_grad for group in unit.groups):
+                # No output we can hook (a custom container?): nothing would re-gather the unit before its
+                # backward reads the saved views, so it stays gathered until its gradients are reduced.
+                return
             self._post_forward(unit, grad)
-            if grad:
-                self._hook_outputs(output, lambda: self._pre_backward(unit))
         return hook
 
-    def _hook_outputs(self, output: Any, fn: Callable[[], None]) -> None:
+    def _hook_outputs(self, output: Any, fn: Callable[[], None]) -> bool:
+        """Call ``fn`` when the gradient of any tensor in ``output`` is ready; return whether any was hooked."""
         torch = self._torchlib
 
         def on_grad(_grad: Any) -> None:
             fn()
 
+        hooked = False
         for tensor in _tensors_in(output, torch.Tensor):
             if tensor.requires_grad:
                 tensor.register_hook(on_grad)
+                hooked = True
+        return hooked
 
     # --- the step -----------------------------------------------------------------------
 
@@ -370,8 +377,10 @@ class FSDP:
     def _on_grad(self, group: FlatGroup) -> None:
         """torch: one group's gathered gradient is complete (its leaf's post-accumulate hook)."""
         unit = next(u for u in self.units if any(g is group for g in u.groups))
+        if not unit.backward_started:  # its outputs could not be hooked: it stayed gathered (see post-forward)
+            self._pre_backward(unit)
         unit.grads_waiting -= 1
-        if unit.grads_waiting <= 0 and unit.backward_started:
+        if unit.grads_waiting <= 0:
             self._post_backward(unit)
 
     def _post_backward(self, unit: Unit) -> None:
