@@ -471,3 +471,30 @@ def test_units_whose_outputs_cannot_be_hooked_stay_gathered_and_train_right():
         for name, value in expected.items():
             layer, param = name.split(".")
             np.testing.assert_allclose(full[f"{int(layer) // 2}.{param}"], value, rtol=0, atol=1e-12)
+
+
+def rank_numpy_mixed(group, narrow):
+    mixed = ferro.MixedPrecision(param_dtype=np.float32) if narrow else None
+    model, seen = numpy_model(group.rank), []
+    first = model._modules["0"]
+    forward = first.forward  # what the layer computes with, seen from inside FSDP's gather and cast
+    first.forward = lambda x: (seen.append((first.weight.data.dtype, x.dtype)), forward(x))[1]
+    fsdp = ferro.FSDP(model, group=group, auto_wrap_policy=linear_policy, mixed_precision=mixed)
+    optimizer = make_optimizer("numpy", fsdp.parameters())
+    group.reset_stats()
+    train_steps(group, "numpy", fsdp, optimizer, batches())
+    gathered = group.stats()["all_gather"]["bytes_sent"]  # before the state dict's own (float64) gathers
+    return fsdp.full_state_dict(), seen[0], [str(p.data.dtype) for p in fsdp.parameters()], gathered
+
+
+def test_numpy_mixed_precision_gathers_narrow_and_keeps_wide_shards():
+    wide, seen_wide, shards_wide, bytes_wide = run_threads(rank_numpy_mixed, 2, args=(False,), timeout=120)[0]
+    narrow, seen_narrow, shards_narrow, bytes_narrow = run_threads(rank_numpy_mixed, 2, args=(True,), timeout=120)[0]
+    assert seen_wide == (np.float64, np.float64) and seen_narrow == (np.float32, np.float32)
+    assert shards_wide == shards_narrow == ["float64"] * 3
+    assert bytes_narrow * 2 == bytes_wide
+    expected, _ = train_reference("numpy")
+    for name, value in expected.items():
+        np.testing.assert_allclose(wide[name], value, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(narrow[name], value, rtol=0, atol=1e-5)
+    assert max(np.abs(narrow[n] - wide[n]).max() for n in expected) > 1e-12  # it really computed in float32
