@@ -70,18 +70,41 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def measure(step, optimizer_step, steps: int, barrier) -> float:
-    """Return the median time of a full training step (after one warm-up step)."""
+def batch(rank: int):
+    """This rank's input and target."""
+    import torch
+
+    rng = np.random.default_rng(rank)
+    return [torch.from_numpy(rng.standard_normal((BATCH, WIDTH)).astype(np.float32)) for _ in range(2)]
+
+
+def measure(model, optimizer, data, baseline: int, steps: int, barrier) -> tuple[float, int]:
+    """Return the median time of a full training step and the persistent bytes above ``baseline``.
+
+    The bytes are counted after one step's ``optimizer.step()``, with its gradients
+    still held; ``zero_grad`` then drops them, as training does.
+    """
+    import torch
+
+    x, y = data
+
+    def step():
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
     step()
-    optimizer_step()
+    persistent = live_tensor_bytes() - baseline
+    optimizer.zero_grad()
+    if hasattr(model, "reset_comm_stats"):
+        model.reset_comm_stats()  # ferro: time only the measured steps' gathers
     times = []
     for _ in range(steps):
         barrier()
         began = time.perf_counter()
         step()
-        optimizer_step()
+        optimizer.zero_grad()
         times.append(time.perf_counter() - began)
-    return statistics.median(times)
+    return statistics.median(times), persistent
 
 
 def rank_ferro(group, steps: int, strategy: str, prefetch: bool) -> dict[str, float]:
@@ -91,27 +114,12 @@ def rank_ferro(group, steps: int, strategy: str, prefetch: bool) -> dict[str, fl
     import ferro
 
     torch.set_num_threads(1)
-    rng = np.random.default_rng(group.rank)
-    x = torch.from_numpy(rng.standard_normal((BATCH, WIDTH)).astype(np.float32))
-    y = torch.from_numpy(rng.standard_normal((BATCH, WIDTH)).astype(np.float32))
+    data = batch(group.rank)
     baseline = live_tensor_bytes()
     model = ferro.FSDP(make_model(), group=group, sharding_strategy=strategy, forward_prefetch=prefetch,
                        auto_wrap_policy=lambda m: isinstance(m, torch.nn.Sequential) and len(m) == 3)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-
-    def step():
-        torch.nn.functional.mse_loss(model(x), y).backward()
-
-    def optimizer_step():
-        optimizer.step()
-        optimizer.zero_grad()
-
-    step()
-    optimizer.step()  # counted with the gradients still held, then dropped as training does
-    persistent = live_tensor_bytes() - baseline
-    optimizer.zero_grad()
-    model.reset_comm_stats()
-    elapsed = measure(step, optimizer_step, steps, group.barrier)
+    elapsed, persistent = measure(model, optimizer, data, baseline, steps, group.barrier)
     stats = model.comm_stats()
     return {"step": elapsed, "memory": persistent, "hidden": stats["hidden_fraction"],
             "peak": stats["peak_unsharded_units"]}
@@ -126,28 +134,14 @@ def rank_torch(rank: int, world_size: int, steps: int) -> dict[str, float]:
     try:
         from torch.distributed.fsdp import fully_shard
 
-        rng = np.random.default_rng(rank)
-        x = torch.from_numpy(rng.standard_normal((BATCH, WIDTH)).astype(np.float32))
-        y = torch.from_numpy(rng.standard_normal((BATCH, WIDTH)).astype(np.float32))
+        data = batch(rank)
         baseline = live_tensor_bytes()
         model = make_model()
         for block in model:
             fully_shard(block)
         fully_shard(model)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-
-        def step():
-            torch.nn.functional.mse_loss(model(x), y).backward()
-
-        def optimizer_step():
-            optimizer.step()
-            optimizer.zero_grad()
-
-        step()
-        optimizer.step()
-        persistent = live_tensor_bytes() - baseline
-        optimizer.zero_grad()
-        elapsed = measure(step, optimizer_step, steps, dist.barrier)
+        elapsed, persistent = measure(model, optimizer, data, baseline, steps, dist.barrier)
         return {"step": elapsed, "memory": persistent}
     finally:
         dist.destroy_process_group()

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ferro._buffers import torch_view
 from ferro.errors import ConfigurationError
 from ferro.parallel.fsdp.flat import FlatGroup
 
@@ -43,6 +44,10 @@ class Tensors(abc.ABC):
     @abc.abstractmethod
     def values(self, param: Any) -> np.ndarray:
         """Return the parameter's values as a NumPy array (a view where possible)."""
+
+    @abc.abstractmethod
+    def array_of(self, value: Any) -> np.ndarray:
+        """Return a state-dict value (an array or a tensor) as a NumPy array, zero-copy where possible."""
 
     @abc.abstractmethod
     def unregister(self, module: Any, attr: str, param: Any) -> None:
@@ -145,6 +150,9 @@ class NumpyTensors(Tensors):
 
     def values(self, param: Any) -> np.ndarray:
         return param.data
+
+    def array_of(self, value: Any) -> np.ndarray:
+        return np.asarray(value)
 
     def unregister(self, module: Any, attr: str, param: Any) -> None:
         pass  # the Parameter object stays; FSDP swaps its .data
@@ -284,12 +292,11 @@ class TorchTensors(Tensors):
         return param.dtype, bool(param.requires_grad), tuple(param.shape)
 
     def values(self, param: Any) -> np.ndarray:
-        return _raw_bytes(param.detach().contiguous()).view(self._numpy_dtype(param.dtype)).reshape(param.shape).copy()
+        return self.array_of(param.detach().contiguous()).copy()
 
-    def _numpy_dtype(self, dtype: Any) -> Any:
-        if dtype == self.torch.bfloat16:
-            return np.uint16  # moved as bytes; never computed on in NumPy
-        return self.torch.empty(0, dtype=dtype).numpy().dtype
+    def array_of(self, value: Any) -> np.ndarray:
+        # bfloat16 comes back as same-width integers: FSDP only moves and slices these bytes.
+        return torch_view(value, "FSDP")[0]
 
     def unregister(self, module: Any, attr: str, param: Any) -> None:
         del module._parameters[attr]
@@ -299,7 +306,7 @@ class TorchTensors(Tensors):
         return self.torch.nn.Parameter(self.wrap(values.copy(), dtype), requires_grad=requires_grad)
 
     def shard_array(self, shard: Any) -> np.ndarray:
-        return _raw_bytes(shard.detach()).view(self._numpy_dtype(shard.dtype))
+        return self.array_of(shard)  # shards are never resized, so pinning their storage is harmless
 
     def shard_slice(self, shard: Any, start: int, stop: int) -> Any:
         return shard.detach()[start:stop]

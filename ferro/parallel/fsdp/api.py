@@ -29,7 +29,7 @@ import re
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -69,7 +69,7 @@ class Unit:
     reduced: bool = False
     grads_waiting: int = 0
     backward_tag: int = 0
-    hooks: list[Any] = field(default_factory=list)
+    keeps_gathered: bool = False  # its gathered vectors are its shards (one shard, no cast): nothing to free
 
     @property
     def label(self) -> str:
@@ -133,8 +133,7 @@ class FSDP:
                                                                   ShardingStrategy.HYBRID_SHARD)
                                        and bool(reshard_after_forward))
         self._tensors: Tensors = tensors_for(module)
-        self._torch = isinstance(self._tensors, TorchTensors)
-        self._torchlib: Any = self._tensors.torch if isinstance(self._tensors, TorchTensors) else None
+        self._torch: Any = self._tensors.torch if isinstance(self._tensors, TorchTensors) else None  # or None
         self.units = self._build_units(auto_wrap_policy, sync_module_states)
         if not self.units:
             raise ConfigurationError("FSDP: the module has no parameters to shard")
@@ -145,9 +144,10 @@ class FSDP:
         self._backward_position = 0
         self._in_step = False
         self._finish_queued = False
-        self._reduces: list[tuple[Unit, PendingCollective]] = []
+        self._reduces: list[tuple[Unit, Callable[[], list[Any]]]] = []  # each unit's wait for its reduced grads
         self._stats = {"all_gather_seconds": 0.0, "all_gather_wait_seconds": 0.0, "all_gathers": 0,
                        "peak_unsharded_units": 0}
+        self._unit_of = {id(group): unit for unit in self.units for group in unit.groups}
         self._install_hooks()
 
     # --- set-up ---------------------------------------------------------------------------
@@ -205,7 +205,9 @@ class FSDP:
         for name in [""] + selected:
             groups = self._flat_groups(slots_of[name], sync)
             if groups:
-                units.append(Unit(len(units), name, modules[name], groups))
+                keeps = self._shard_size == 1 and all(
+                    self._tensors.same_dtype(g.compute_dtype, _dtype_of(g.shard)) for g in groups)
+                units.append(Unit(len(units), name, modules[name], groups, keeps_gathered=keeps))
         return units
 
     def _flat_groups(self, members: list[tuple[Slot, Any]], sync: bool) -> list[FlatGroup]:
@@ -242,7 +244,6 @@ class FSDP:
 
     def _install_hooks(self) -> None:
         for unit in self.units:
-            unit.hooks = [None]  # placeholder: the grad hooks live on the groups' leaves (torch)
             if self._torch:
                 unit.module.register_forward_pre_hook(self._torch_pre_forward(unit))
                 unit.module.register_forward_hook(self._torch_post_forward(unit))
@@ -274,7 +275,7 @@ class FSDP:
         return hook
 
     def _torch_post_forward(self, unit: Unit) -> Callable[..., Any]:
-        torch = self._torchlib
+        torch = self._torch
 
         def hook(_module: Any, _args: Any, output: Any) -> None:
             grad = torch.is_grad_enabled()
@@ -288,7 +289,7 @@ class FSDP:
 
     def _hook_outputs(self, output: Any, fn: Callable[[], None]) -> bool:
         """Call ``fn`` when the gradient of any tensor in ``output`` is ready; return whether any was hooked."""
-        torch = self._torchlib
+        torch = self._torch
 
         def on_grad(_grad: Any) -> None:
             fn()
@@ -345,7 +346,7 @@ class FSDP:
         unit.backward_started = True
         if self._torch and not self._finish_queued:
             self._finish_queued = True
-            self._torchlib.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         position = self._backward_position
         self._backward_position += 1
         unit.backward_tag = self._tag(unit, position, BACKWARD)
@@ -376,7 +377,7 @@ class FSDP:
 
     def _on_grad(self, group: FlatGroup) -> None:
         """torch: one group's gathered gradient is complete (its leaf's post-accumulate hook)."""
-        unit = next(u for u in self.units if any(g is group for g in u.groups))
+        unit = self._unit_of[id(group)]
         if not unit.backward_started:  # its outputs could not be hooked: it stayed gathered (see post-forward)
             self._pre_backward(unit)
         unit.grads_waiting -= 1
@@ -404,11 +405,10 @@ class FSDP:
                 return results
 
             pending = worker_of(self._comm).submit(reduce, f"FSDP reduce of unit {unit.label}", tuple(grads))
-            self._reduces.append((unit, pending))
+            self._reduces.append((unit, pending.wait))
         elif any(grad is not None for grad in grads):  # one rank, nothing to average
-            self._reduces.append((unit, _done(grads)))
-        if self._shard_size > 1 or not self._keeps_gathered(unit):
-            self._reshard(unit)
+            self._reduces.append((unit, lambda: grads))
+        self._reshard(unit)
 
     def _finish_backward(self) -> None:
         self._finish_queued = False
@@ -416,9 +416,9 @@ class FSDP:
             for unit in reversed(self._forward_order):
                 if unit.backward_started and not unit.reduced:
                     self._post_backward(unit)  # some of its parameters got no gradient this step
-            for unit, pending in self._reduces:
+            for unit, wait in self._reduces:
                 with self._naming(unit, "reduce_scatter"):
-                    results = pending.wait()
+                    results = wait()
                 for group, reduced in zip(unit.groups, results, strict=True):
                     if reduced is not None:
                         self._tensors.add_grad(group.shard, reduced)
@@ -432,8 +432,7 @@ class FSDP:
             for unit in self.units:
                 if unit.pending is not None:
                     self._wait_gather(unit, "a prefetch nobody used")
-                if not self._keeps_gathered(unit):
-                    self._reshard(unit)
+                self._reshard(unit)
         finally:
             for unit in self.units:
                 unit.backward_started = unit.reduced = False
@@ -442,11 +441,6 @@ class FSDP:
             self._in_step = False
 
     # --- gathering and freeing ---------------------------------------------------------
-
-    def _keeps_gathered(self, unit: Unit) -> bool:
-        """Whether the unit's gathered parameters *are* its shards (one shard, no cast): nothing to free."""
-        return self._shard_size == 1 and all(
-            self._tensors.same_dtype(g.compute_dtype, _dtype_of(g.shard)) for g in unit.groups)
 
     def _prefetch(self, unit: Unit, tag: int) -> None:
         if unit.state is _State.SHARDED and unit.pending is None:
@@ -494,7 +488,7 @@ class FSDP:
             return
         if unit.pending is not None:
             self._wait_gather(unit, "reshard")  # never free memory a collective is still writing
-        if self._keeps_gathered(unit):
+        if unit.keeps_gathered:
             return
         for group in unit.groups:
             self._tensors.uninstall(group)
@@ -543,7 +537,7 @@ class FSDP:
         """Run the wrapped module's forward (gathering each unit as it runs)."""
         self._begin_step()
         output = self.module(*args, **kwargs)
-        if self._torch and self._torchlib.is_grad_enabled():
+        if self._torch and self._torch.is_grad_enabled():
             self._hook_outputs(output, self._queue_finish)
         return output
 
@@ -552,7 +546,7 @@ class FSDP:
     def _queue_finish(self) -> None:
         if not self._finish_queued:
             self._finish_queued = True
-            self._torchlib.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def backward(self, grad_output: Any) -> Any:
         """ferro.nn: run the module's backward, reduce-scatter every unit's gradients, and wait for them.
@@ -675,14 +669,14 @@ class FSDP:
                 for slot in group.slots:
                     if slot.fqn not in state:
                         raise KeyError(f"load_full_state_dict: {slot.fqn!r} is missing from the state dict")
-                    value = np.asarray(tensors.values(state[slot.fqn]) if self._torch else state[slot.fqn])
+                    value = tensors.array_of(state[slot.fqn])
                     if tuple(value.shape) != slot.shape:
                         raise ValueError(f"load_full_state_dict: {slot.fqn!r} has shape {slot.shape}, the state "
                                          f"has {tuple(value.shape)}")
                     lo, hi, position = group.local(slot)
                     shard[position:position + hi - lo] = value.reshape(-1)[lo:hi]
         if self._torch:
-            torch = self._torchlib
+            torch = self._torch
             with torch.no_grad():
                 for name, buffer in self.module.named_buffers():
                     if name in state:
@@ -723,7 +717,7 @@ class FSDP:
                     continue
                 for key, value in entry.items():
                     if _is_per_element(value, group.shard_len):
-                        array = self._numpy_of(value)
+                        array = self._tensors.array_of(value)
                         full = self._gather_shards(unit, array, rank0_only)
                         if full is None:
                             continue
@@ -737,9 +731,6 @@ class FSDP:
             return {}
         return {"state": {fqn: state[fqn] for fqn in self._fqns if fqn in state},
                 "param_groups": self._param_groups(optimizer)}
-
-    def _numpy_of(self, value: Any) -> np.ndarray:
-        return self._tensors.shard_array(value) if self._torch else np.ascontiguousarray(value)
 
     def _param_groups(self, optimizer: Any) -> list[dict[str, Any]]:
         names = {id(group.shard): [slot.fqn for slot in group.slots] for unit in self.units for group in unit.groups}
@@ -775,7 +766,7 @@ class FSDP:
                     if _ndim(sample) >= 1:
                         local = None
                         for slot, entry in zip(group.slots, found, strict=True):
-                            value = np.asarray(tensors.values(entry[key]) if self._torch else entry[key])
+                            value = tensors.array_of(entry[key])
                             if local is None:
                                 local = np.zeros(group.shard_len, value.dtype)
                             lo, hi, position = group.local(slot)
@@ -834,9 +825,3 @@ def _copy_scalar(value: Any) -> Any:
         return clone()
     copy = getattr(value, "copy", None)
     return copy() if callable(copy) else value
-
-
-def _done(result: Any) -> PendingCollective:
-    pending = PendingCollective("FSDP local gradients", ())
-    pending._finish(result, None)
-    return pending

@@ -8,6 +8,7 @@ than elements) holds an empty share and still takes part in every collective.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +35,7 @@ class Slot:
     @property
     def numel(self) -> int:
         """The number of elements."""
-        count = 1
-        for n in self.shape:
-            count *= n
-        return count
+        return math.prod(self.shape)
 
 
 @dataclass
@@ -63,7 +61,7 @@ class ShardedEntry:
     @property
     def numel(self) -> int:
         """Elements of the full parameter."""
-        return Slot("", [], self.global_shape, 0).numel
+        return math.prod(self.global_shape)
 
 
 @dataclass
