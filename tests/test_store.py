@@ -178,3 +178,37 @@ def test_closed_client_raises_closed(store):
     c.close()
     with pytest.raises(ferro.BackendClosedError):
         c.set("k", b"v")
+
+
+def test_admission_accepts_nothing_until_started():
+    """A client already in the backlog is handed over only after start().
+
+    The handler reaches the Admission through its owner (to call settled); CI once
+    saw a store thread die on ``'StoreServer' object has no attribute '_admission'``
+    when a queued connection was accepted inside the constructor.
+    """
+    import socket
+
+    from ferro.rendezvous.auth import Admission, RefusalLog
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname()[:2], timeout=5)
+    handled = threading.Event()
+    owner: dict[str, Admission] = {}
+
+    def handle(sock: socket.socket, address: tuple[str, int]) -> None:
+        handled.set()
+        owner["admission"].settled(sock)
+        sock.close()
+
+    admission = Admission(listener, handle, RefusalLog(logging.getLogger("test"), "test"), "test-admission")
+    try:
+        assert not handled.wait(0.3)  # queued, but not accepted before start()
+        owner["admission"] = admission
+        admission.start()
+        assert handled.wait(10)
+        assert admission.unsettled == 0
+    finally:
+        admission.stop()
+        listener.close()
+        client.close()

@@ -111,7 +111,8 @@ class Admission:
     take microseconds; ``accept()`` failing for lack of descriptors or memory
     pauses and retries instead of ending the loop (the connection waits in the
     kernel's backlog). ``handle`` calls :meth:`settled` once authentication is
-    over, either way.
+    over, either way. Accepting begins at :meth:`start`, which the owner calls
+    once it has stored this object, since ``handle`` reaches it through the owner.
 
     Args:
         listener: A bound, listening socket (closed by the owner, after :meth:`stop`).
@@ -129,6 +130,9 @@ class Admission:
         self._stopped = False
         listener.settimeout(None)
         self._thread = threading.Thread(target=self._accept_loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Begin accepting connections (once ``handle`` can reach this object)."""
         self._thread.start()
 
     @property
@@ -148,7 +152,8 @@ class Admission:
             self._stopped = True
             unsettled, self._unsettled = list(self._unsettled), {}
         shutdown_quietly(self._listener)  # wakes the blocked accept() (EINVAL), so the thread ends now
-        self._thread.join(timeout=5.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
         for sock in unsettled:
             shutdown_quietly(sock)
 

@@ -232,6 +232,7 @@ class _Acceptor:
         self._stopped = False
         self.refusals = RefusalLog(log, f"rank {rank}")
         self._admission = Admission(listener, self._authenticate, self.refusals, f"ferro-mesh-accept-{rank}")
+        self._admission.start()
 
     def _authenticate(self, sock: socket.socket, address: tuple[str, int]) -> None:
         try:

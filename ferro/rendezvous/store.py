@@ -175,6 +175,7 @@ class StoreServer:
         self.host, self.port = host, self._listener.getsockname()[1]
         self._refusals = RefusalLog(log, f"store on port {self.port}")
         self._admission = Admission(self._listener, self._serve_client, self._refusals, f"ferro-store:{self.port}")
+        self._admission.start()
 
     @property
     def refused(self) -> tuple[str, ...]:
