@@ -43,7 +43,7 @@ from ferro.errors import (
     StoreError,
     TransportError,
 )
-from ferro.p2p import recv, recv_into, send, sendrecv
+from ferro.p2p import irecv, isend, recv, recv_into, send, sendrecv
 from ferro.parallel import DDP, FSDP, MixedPrecision, ShardingStrategy, size_based_policy
 from ferro.process_group import (
     destroy_process_group,
@@ -90,6 +90,8 @@ __all__ = [
     "get_world_size",
     "init_device_mesh",
     "init_process_group",
+    "irecv",
+    "isend",
     "InvalidBufferError",
     "InvalidRankError",
     "InvalidWorldSizeError",

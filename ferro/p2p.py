@@ -14,6 +14,7 @@ what the sender describes (``max_bytes`` puts a ceiling on it).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,9 +26,9 @@ from ferro._meta import META_BYTES, array_from_meta, decode_meta, encode_meta
 from ferro.backend.base import Backend
 from ferro.errors import SizeMismatchError
 from ferro.types import fingerprint
-from ferro.work import worker_of
+from ferro.work import PendingCollective, worker_of
 
-__all__ = ["recv", "recv_into", "send", "sendrecv"]
+__all__ = ["irecv", "isend", "recv", "recv_into", "send", "sendrecv"]
 
 _META_FP = fingerprint("p2p", root=1)
 _DATA_FP = fingerprint("p2p", root=2)
@@ -60,9 +61,42 @@ def send(x: Any, dst: int, *, tag: int = 0, group: Backend | None = None, timeou
         InvalidRankError, SelfSendError, InvalidBufferError, PeerLostError, DistributedTimeoutError.
 
     """
-    g = resolve_group(group, "send")
-    data = operand(x, "send", writable=False)
-    dst = g.check_peer(dst, "send")
+    g, body = _sender(x, dst, tag, group, timeout, "send")
+    worker_of(g).run(body, "send", (x,))
+
+
+def isend(x: Any, dst: int, *, tag: int = 0, group: Backend | None = None,
+          timeout: float | None = None) -> PendingCollective:
+    """Start sending ``x`` to ``dst`` and return at once; ``wait()`` on the handle returns when it is sent.
+
+    The send runs on the group's worker, in call order with the group's other
+    operations; do not modify ``x`` before the handle completes. A group runs one
+    operation at a time, so a send queued behind a receive waits for it: keep
+    traffic that must flow both ways at once on separate groups.
+
+    Example::
+
+        # rank 0
+        handle = ferro.p2p.isend(np.arange(3.0), dst=1, group=g)
+        ...                                   # compute meanwhile
+        handle.wait()
+        # rank 1
+        y = ferro.p2p.irecv(src=0, group=g).wait()   # array([0., 1., 2.])
+
+    Raises:
+        As :func:`send`; validation errors at once, transfer errors from ``wait()``.
+
+    """
+    g, body = _sender(x, dst, tag, group, timeout, "isend")
+    return worker_of(g).submit(body, f"isend to rank {dst} on rank {g.rank}", (x,))
+
+
+def _sender(x: Any, dst: int, tag: int, group: Backend | None, timeout: float | None,
+            name: str) -> tuple[Backend, Callable[[], None]]:
+    """Validate a send and return its group and the body that sends the description, then the data."""
+    g = resolve_group(group, name)
+    data = operand(x, name, writable=False)
+    dst = g.check_peer(dst, name)
     meta = encode_meta(data, {"tag": _tag(tag)})
     seconds = resolve_timeout(g, timeout)
 
@@ -72,7 +106,7 @@ def send(x: Any, dst: int, *, tag: int = 0, group: Backend | None = None, timeou
                       timeout=seconds)
 
     g.count_call("p2p")
-    worker_of(g).run(body, "send", (x,))
+    return g, body
 
 
 def _next_message(g: Backend, src: int, seconds: float, max_bytes: int | None) -> tuple[int, Operand]:
@@ -129,8 +163,28 @@ def recv(src: int, *, tag: int = 0, group: Backend | None = None, timeout: float
         InvalidRankError, SelfSendError, PeerLostError, DistributedTimeoutError, CollectiveMismatchError.
 
     """
-    g = resolve_group(group, "recv")
-    src = g.check_peer(src, "recv")
+    g, body = _receiver(src, tag, group, timeout, max_bytes, "recv")
+    return worker_of(g).run(body, "recv", ())
+
+
+def irecv(src: int, *, tag: int = 0, group: Backend | None = None, timeout: float | None = None,
+          max_bytes: int | None = None) -> PendingCollective:
+    """Post a receive of the next message with ``tag`` from ``src``; ``wait()`` returns the array.
+
+    Runs on the group's worker in call order (see :func:`isend`).
+
+    Raises:
+        As :func:`recv`; validation errors at once, transfer errors from ``wait()``.
+
+    """
+    g, body = _receiver(src, tag, group, timeout, max_bytes, "irecv")
+    return worker_of(g).submit(body, f"irecv from rank {src} on rank {g.rank}", ())
+
+
+def _receiver(src: int, tag: int, group: Backend | None, timeout: float | None, max_bytes: int | None,
+              name: str) -> tuple[Backend, Callable[[], Any]]:
+    g = resolve_group(group, name)
+    src = g.check_peer(src, name)
     wanted, seconds = _tag(tag), resolve_timeout(g, timeout)
 
     def body() -> Any:
@@ -138,7 +192,7 @@ def recv(src: int, *, tag: int = 0, group: Backend | None = None, timeout: float
         return wrap_like(message.array, message)
 
     g.count_call("p2p")
-    return worker_of(g).run(body, "recv", ())
+    return g, body
 
 
 def recv_into(out: Any, src: int, *, tag: int = 0, group: Backend | None = None, timeout: float | None = None) -> Any:

@@ -94,3 +94,33 @@ def rank_bad_tag(group):
 
 def test_invalid_tag(run):
     assert run(rank_bad_tag, 2) == ["refused", "refused"]
+
+
+def rank_async_exchange(group):
+    # Both ranks post a send and a receive and return to compute before either has completed.
+    peer = 1 - group.rank
+    mine = np.full((257, 3), float(group.rank)) + np.arange(3)
+    outgoing = ferro.isend(mine, peer, tag=4, group=group)
+    incoming = ferro.irecv(peer, tag=4, group=group)
+    assert float(np.sum(mine)) > 0  # stands for the compute they overlap
+    got = incoming.wait(timeout=30)
+    assert outgoing.wait(timeout=30) is None
+    return got.shape, got[:, 0].tolist() == [float(peer)] * 257, got[0].tolist()
+
+
+def test_isend_irecv_post_then_wait(run):
+    for rank, (shape, filled, first_row) in enumerate(run(rank_async_exchange, 2)):
+        assert shape == (257, 3) and filled
+        assert first_row == [1 - rank + 0.0, 2 - rank + 0.0, 3 - rank + 0.0]
+
+
+def rank_irecv_bad_rank(group):
+    try:
+        ferro.irecv(5, group=group)
+    except ferro.InvalidRankError as exc:
+        return str(exc)
+    return None
+
+
+def test_irecv_rejects_a_bad_rank_at_once(run):
+    assert "5" in run(rank_irecv_bad_rank, 2)[0]

@@ -11,12 +11,6 @@ from ferro.nn.module import Module, Parameter
 __all__ = ["CrossEntropyLoss", "Linear", "MSELoss", "ReLU", "Sequential", "Tanh"]
 
 
-def _need(cached: Any, layer: Module) -> Any:
-    if cached is None:
-        raise RuntimeError(f"{type(layer).__name__}.backward called before forward")
-    return cached
-
-
 class Linear(Module):
     """``y = x @ weight.T + bias``, initialised as PyTorch does (uniform in ±1/sqrt(in_features)).
 
@@ -36,57 +30,68 @@ class Linear(Module):
         bound = 1.0 / np.sqrt(in_features)
         self.weight = Parameter(rng.uniform(-bound, bound, (out_features, in_features)).astype(dtype))
         self.bias = Parameter(rng.uniform(-bound, bound, out_features).astype(dtype)) if bias else None
-        self._input: np.ndarray | None = None
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         """Apply the affine map to a batch ``(N, in_features)``."""
-        self._input = x
+        self.save_for_backward(input=x)
         y = x @ self.weight.data.T
         return y + self.bias.data if self.bias is not None else y
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         """Add dL/dW and dL/db; return dL/dx."""
-        x = _need(self._input, self)
+        self.saved("input")
         grad_input = grad_output @ self.weight.data
+        self._add_weight_grads(grad_output)
+        return grad_input
+
+    @property
+    def splits_backward(self) -> bool:
+        """Always: dL/dx and dL/dW are separate products."""
+        return True
+
+    def backward_input(self, grad_output: np.ndarray) -> np.ndarray:
+        """Return dL/dx; keep ``grad_output`` for :meth:`backward_weight`."""
+        self.saved("input")
+        self.save_for_backward(grad_output=grad_output)
+        return grad_output @ self.weight.data
+
+    def backward_weight(self) -> None:
+        """Add dL/dW and dL/db from the gradient :meth:`backward_input` kept."""
+        self._add_weight_grads(self.saved("grad_output"))
+
+    def _add_weight_grads(self, grad_output: np.ndarray) -> None:
         # Bias first: backward produces gradients in reverse definition order.
         if self.bias is not None:
             self.bias.accumulate_grad(grad_output.sum(axis=0))
-        self.weight.accumulate_grad(grad_output.T @ x)
-        return grad_input
+        self.weight.accumulate_grad(grad_output.T @ self.saved("input"))
 
 
 class ReLU(Module):
     """``max(x, 0)``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._mask: np.ndarray | None = None
-
     def forward(self, x: np.ndarray) -> np.ndarray:
         """Zero the negative entries."""
-        self._mask = x > 0
-        return x * self._mask
+        mask = x > 0
+        self.save_for_backward(mask=mask)
+        return x * mask
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         """Pass the gradient where the input was positive."""
-        return grad_output * _need(self._mask, self)
+        return grad_output * self.saved("mask")
 
 
 class Tanh(Module):
     """Hyperbolic tangent."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._output: np.ndarray | None = None
-
     def forward(self, x: np.ndarray) -> np.ndarray:
         """Apply tanh element-wise."""
-        self._output = np.tanh(x)
-        return self._output
+        output = np.tanh(x)
+        self.save_for_backward(output=output)
+        return output
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         """Multiply by 1 - tanh(x)^2."""
-        return grad_output * (1 - _need(self._output, self) ** 2)
+        return grad_output * (1 - self.saved("output") ** 2)
 
 
 class Sequential(Module):
@@ -108,6 +113,22 @@ class Sequential(Module):
         for module in reversed(list(self.children())):
             grad_output = module.backward(grad_output)
         return grad_output
+
+    @property
+    def splits_backward(self) -> bool:
+        """When every module in it does."""
+        return all(module.splits_backward for module in self.children())
+
+    def backward_input(self, grad_output: np.ndarray) -> np.ndarray:
+        """Feed the input gradient back through every module, last first (weights wait)."""
+        for module in reversed(list(self.children())):
+            grad_output = module.backward_input(grad_output)
+        return grad_output
+
+    def backward_weight(self) -> None:
+        """Add every module's weight gradients, last first (the order backward would)."""
+        for module in reversed(list(self.children())):
+            module.backward_weight()
 
 
 class MSELoss:

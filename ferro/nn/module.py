@@ -70,15 +70,24 @@ class Module:
     :meth:`backward`, which takes the gradient of the loss with respect to the
     output, adds into every parameter's gradient, and returns the gradient with
     respect to the input.
+
+    What forward keeps for backward goes through :meth:`save_for_backward` and
+    :meth:`saved`, not plain attributes: a pipeline keeps several microbatches in
+    flight and swaps that state per microbatch (:meth:`stash_saved`,
+    :meth:`restore_saved`). Layers with parameters may also split backward in two
+    (:meth:`backward_input` now, :meth:`backward_weight` later), which is what
+    zero-bubble pipeline schedules need.
     """
 
     _parameters: dict[str, Parameter]
     _modules: dict[str, Module]
+    _saved: dict[str, Any]
     training: bool
 
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "_saved", {})
         object.__setattr__(self, "training", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -99,6 +108,83 @@ class Module:
     def __call__(self, *inputs: Any) -> Any:
         """Run :meth:`forward`."""
         return self.forward(*inputs)
+
+    # --- what forward keeps for backward -------------------------------------------------
+
+    def save_for_backward(self, **values: Any) -> None:
+        """Keep arrays that backward will need (the input, a mask), by name."""
+        self._saved.update(values)
+
+    def saved(self, name: str) -> Any:
+        """Return what forward (or :meth:`backward_input`) kept under ``name``.
+
+        Raises:
+            RuntimeError: Nothing was kept: backward before forward.
+
+        """
+        try:
+            return self._saved[name]
+        except KeyError:
+            raise RuntimeError(f"{type(self).__name__}: backward called before forward (nothing saved as "
+                               f"{name!r})") from None
+
+    def stash_saved(self) -> dict[Module, dict[str, Any]]:
+        """Take what this module and its descendants keep for backward, leaving them empty.
+
+        Returns:
+            The state, to give back to :meth:`restore_saved` before this forward's backward.
+
+        """
+        state = {}
+        for module in self.modules():
+            state[module] = module._saved
+            object.__setattr__(module, "_saved", {})
+        return state
+
+    def restore_saved(self, state: dict[Module, dict[str, Any]]) -> None:
+        """Put back what :meth:`stash_saved` took, so backward sees that forward's arrays."""
+        for module, saved in state.items():
+            object.__setattr__(module, "_saved", saved)
+
+    # --- split backward (zero-bubble pipelines) --------------------------------------
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether :meth:`backward_input` and :meth:`backward_weight` work here.
+
+        True by default for modules without parameters (their backward is all
+        input gradient); layers with parameters say so by overriding both methods.
+        """
+        return next(self.parameters(), None) is None
+
+    def backward_input(self, grad_output: np.ndarray) -> np.ndarray:
+        """Return the gradient with respect to the input only; keep what :meth:`backward_weight` needs.
+
+        Raises:
+            NotImplementedError: The module has parameters and does not split its backward.
+
+        """
+        if not self.splits_backward:
+            raise NotImplementedError(
+                f"{type(self).__name__} has parameters and does not split its backward: define backward_input "
+                f"and backward_weight (see ferro.nn.Linear), or use a schedule without zero bubble")
+        return self.backward(grad_output)
+
+    def backward_weight(self) -> None:
+        """Add the parameters' gradients of the forward whose :meth:`backward_input` ran last.
+
+        Raises:
+            NotImplementedError: The module has parameters and does not split its backward.
+
+        """
+        if not self.splits_backward:
+            raise NotImplementedError(f"{type(self).__name__} has parameters and does not split its backward")
+
+    def modules(self) -> Iterator[Module]:
+        """Yield this module, then every descendant, depth first."""
+        yield self
+        for child in self.children():
+            yield from child.modules()
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         """Yield ``(dotted name, parameter)`` for this module's parameters, then its children's."""
