@@ -4,7 +4,7 @@ The public names live here; everything else is reachable by module path but
 should not be needed.
 """
 
-from ferro import nn, p2p
+from ferro import nn, p2p, pipeline
 from ferro.backend import Backend, HierarchicalBackend, ShmBackend, SimulatedBackend, SubBackend, TcpBackend
 from ferro.collective import (
     all_gather,
@@ -99,6 +99,7 @@ __all__ = [
     "is_initialized",
     "new_group",
     "nn",
+    "pipeline",
     "p2p",
     "PeerLostError",
     "PendingCollective",
