@@ -17,6 +17,7 @@ from ferro.pipeline import (
     ScheduleZeroBubble,
     write_chrome_trace,
 )
+from ferro.parallel.pipeline.actions import schedule_actions
 from ferro.testing import run_processes, run_threads
 
 torch = pytest.importorskip("torch")
@@ -103,7 +104,8 @@ def rank_pipeline(group, framework, kind, num_stages, steps=1):
         "grads": {s.stage_index: grads_of(framework, s.submodule) for s in stages},
         "peak": {s.stage_index: s.peak_activations_held for s in stages},
         "held": {s.stage_index: s.activations_held for s in stages},
-        "kinds": sorted({e.action.kind.value for e in schedule.trace()[group.rank]}),
+        "ran": [str(e.action) for e in schedule.trace()[group.rank]],
+        "planned": [str(a) for a in schedule.actions()],
     }
 
 
@@ -122,6 +124,8 @@ def check_equal_to_reference(results, framework, num_stages):
                 np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
             assert result["held"][stage] == 0
     assert seen == set(range(num_stages))
+    for result in results:
+        assert result["ran"] == result["planned"]  # the trace is the action list, executed as written
 
 
 CASES = [("gpipe", 4, 4), ("1f1b", 4, 4), ("zb", 4, 4), ("interleaved", 2, 4)]
@@ -139,3 +143,207 @@ def test_training_over_real_processes(framework, kind):
     world, num_stages = (2, 4) if kind == "interleaved" else (4, 4)
     results = run_processes(rank_pipeline, world, args=(framework, kind, num_stages), timeout=120)
     check_equal_to_reference(results, framework, num_stages)
+
+
+# --- the action lists ---------------------------------------------------------------------
+
+KINDS = {"gpipe": "gpipe", "1f1b": "1f1b", "zb": "zero_bubble", "interleaved": "interleaved"}
+
+
+def all_actions(kind, world, num_stages, m):
+    return schedule_actions(KINDS[kind], world, num_stages, m)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb", "interleaved"])
+def test_action_lists_meet_every_dependency_and_never_deadlock(kind):
+    for p in range(2, 9):
+        for m in range(p, 4 * p + 1):
+            for v in ((2, 3) if kind == "interleaved" else (1,)):
+                lists = all_actions(kind, p, p * v, m)
+                peak = check_actions(lists, p * v, m)
+                if kind == "1f1b":
+                    assert peak == {s: min(p - s, m) for s in range(p)}, (p, m, peak)
+                elif kind == "gpipe":
+                    assert peak == {s: m for s in range(p)}
+                elif kind == "zb":
+                    assert max(peak.values()) <= p, (p, m, peak)
+                    kinds = {a.kind for actions in lists for a in actions}
+                    assert ActionKind.BACKWARD not in kinds and ActionKind.BACKWARD_WEIGHT in kinds
+
+
+def test_the_checker_catches_a_deadlock_and_a_missing_input():
+    lists = all_actions("1f1b", 2, 2, 4)
+    swapped = list(lists[1])
+    first_recv = next(i for i, a in enumerate(swapped) if a.kind is ActionKind.SEND_B)
+    # Rank 1 waiting for an activation it only gets after sending a gradient it cannot compute yet.
+    swapped.insert(0, swapped.pop(first_recv))
+    with pytest.raises(AssertionError):
+        check_actions([lists[0], swapped], 2, 4)
+    no_recv = [a for a in lists[1] if a.kind is not ActionKind.RECV_F]
+    with pytest.raises(AssertionError, match="without its input"):
+        check_actions([lists[0], no_recv], 2, 4)
+
+
+def test_1f1b_orders_forward_and_backward_in_turn():
+    ranks = all_actions("1f1b", 4, 4, 8)
+    compute = [str(a) for a in ranks[1] if a.kind.is_compute]
+    assert compute[:6] == ["1F0", "1F1", "1F2", "1B0", "1F3", "1B1"]
+    assert [str(a) for a in ranks[3][:4]] == ["3RECV_F0<-2", "3F0", "3B0", "3SEND_B0->2"]
+
+
+# --- errors -------------------------------------------------------------------------------
+
+def rank_construct(group, case):
+    try:
+        if case == "stage_out_of_range":
+            PipelineStage(stage_module("numpy", 0, 4), 5 if group.rank == 1 else group.rank, 4, group=group)
+        elif case == "1f1b_too_few_microbatches":
+            Schedule1F1B(PipelineStage(stage_module("numpy", group.rank, 4), group.rank, 4, group=group), 3,
+                         nn.MSELoss())
+        elif case == "interleaved_not_divisible":
+            stages = [PipelineStage(stage_module("numpy", s, 3), s, 3, group=group) for s in range(group.rank, 3, 2)]
+            ScheduleInterleaved1F1B(stages, 4, nn.MSELoss())
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(("case", "world", "expected"), [
+    ("stage_out_of_range", 4, "stage_index 5 is outside [0, 4) (num_stages=4)"),
+    ("1f1b_too_few_microbatches", 4, "n_microbatches=3 < num_stages=4"),
+    ("interleaved_not_divisible", 2, "num_stages=3 is not divisible by the world size 2"),
+])
+def test_invalid_pipelines_raise_on_every_rank(case, world, expected):
+    messages = run_threads(rank_construct, world, args=(case,))
+    if case == "stage_out_of_range":
+        assert expected in messages[1] and messages[0] is None
+    else:
+        assert all(expected in message for message in messages), messages
+
+
+class FailsAt(nn.Module):
+    """Runs ``inner``; raises (or kills the process) on forward number ``at``."""
+
+    def __init__(self, inner, at, how):
+        super().__init__()
+        self.inner, self.at, self.how, self.calls = inner, at, how, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            if self.how == "exit":
+                import os
+
+                os._exit(3)
+            raise ValueError("stage 2 cannot take microbatch 3")
+        return self.inner(x)
+
+    def backward(self, grad_output):
+        return self.inner.backward(grad_output)
+
+
+def rank_failing(group, kind, how):
+    module = stage_module("numpy", group.rank, 4)
+    if group.rank == 2:
+        module = FailsAt(module, 4, how)
+    stage = PipelineStage(module, group.rank, 4, group=group)
+    schedule = SCHEDULES[kind](stage, MICROBATCHES, nn.MSELoss())
+    x, y = batch("numpy")
+    try:
+        schedule.step(*((x,) if group.rank == 0 else ()), **({"target": y} if group.rank == 3 else {}), timeout=60)
+    except ferro.RankFailedError as exc:
+        again = None
+        try:
+            schedule.step(*((x,) if group.rank == 0 else ()), **({"target": y} if group.rank == 3 else {}))
+        except ferro.RankFailedError as second:
+            again = str(second)
+        return ("RankFailedError", exc.rank, str(exc), again)
+    except ValueError as exc:
+        return ("ValueError", None, str(exc), None)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("harness", ["threads", "processes"])
+def test_a_rank_failing_mid_step_makes_every_rank_raise_naming_it(kind, harness):
+    runner = run_threads if harness == "threads" else run_processes
+    results = runner(rank_failing, 4, args=(kind, "raise"), timeout=120)
+    assert results[2][0] == "ValueError" and "microbatch 3" in results[2][2]
+    for rank in (0, 1, 3):
+        name, culprit, message, again = results[rank]
+        assert (name, culprit) == ("RankFailedError", 2), results[rank]
+        assert "rank 2 failed" in message and "ValueError: stage 2 cannot take microbatch 3" in message
+        assert "unusable after a failed step" in again
+
+
+def test_a_rank_dying_mid_step_is_named_by_every_other_rank():
+    results = run_processes(rank_failing, 4, args=("1f1b", "exit"), timeout=120, allow_exit=[2])
+    assert results[2].exitcode == 3
+    for rank in (0, 1, 3):
+        name, culprit, message, _ = results[rank]
+        assert (name, culprit) == ("RankFailedError", 2), results[rank]
+        assert "rank 2 failed" in message
+
+
+def rank_disagreeing(group):
+    stage = PipelineStage(stage_module("numpy", group.rank, 4), group.rank, 4, group=group)
+    schedule = Schedule1F1B(stage, 4 if group.rank == 1 else MICROBATCHES, nn.MSELoss())
+    x, y = batch("numpy")
+    try:
+        schedule.step(*((x,) if group.rank == 0 else ()), **({"target": y} if group.rank == 3 else {}))
+    except ferro.ConfigurationError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_build_different_pipelines_all_raise():
+    for message in run_threads(rank_disagreeing, 4):
+        assert "built different pipelines" in message and "rank 1: Schedule1F1B with 4 stages and 4 microbatches" \
+            in message
+
+
+class Scale(nn.Module):
+    """A parameter without a split backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.factor = nn.Parameter(np.ones(1))
+
+    def forward(self, x):
+        self.save_for_backward(x=x)
+        return x * self.factor.data
+
+    def backward(self, grad_output):
+        self.factor.accumulate_grad(np.array([np.sum(grad_output * self.saved("x"))]))
+        return grad_output * self.factor.data
+
+
+def test_zero_bubble_refuses_a_backward_it_cannot_split():
+    def rank_fn(group):
+        try:
+            ScheduleZeroBubble(PipelineStage(nn.Sequential(nn.Linear(2, 2), Scale()), group.rank, 2, group=group),
+                               4, nn.MSELoss())
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    for message in run_threads(rank_fn, 2):
+        assert "cannot be split" in message and "Scale" in message
+
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    second.weight = first.weight
+
+    def rank_torch(group, module):
+        schedule = None
+        try:
+            schedule = ScheduleZeroBubble(PipelineStage(module, group.rank, 1, group=group), 1,
+                                          torch.nn.functional.mse_loss)
+            schedule.step(torch.ones(2, 2), target=torch.zeros(2, 2))
+        except (ValueError, TypeError) as exc:
+            return str(exc)
+        return None
+
+    shared_parameter = run_threads(rank_torch, 1, args=(torch.nn.Sequential(first, second),))[0]
+    assert "cannot be split" in shared_parameter and "shared by Linear and Linear" in shared_parameter
+    reused = run_threads(rank_torch, 1, args=(torch.nn.Sequential(first, torch.nn.Tanh(), first),))[0]
+    assert "ran twice in one forward" in reused

@@ -19,8 +19,8 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Action", "ActionKind", "gpipe_order", "interleaved_order", "one_f_one_b_order", "with_communication",
-           "zero_bubble_order"]
+__all__ = ["Action", "ActionKind", "gpipe_order", "interleaved_order", "one_f_one_b_order", "schedule_actions",
+           "with_communication", "zero_bubble_order"]
 
 
 class ActionKind(enum.Enum):
@@ -99,11 +99,17 @@ def interleaved_order(rank: int, world_size: int, stages_per_rank: int, n_microb
     ``world_size``; each group passes through stage ``r``, then ``r + p``, and so
     on. Backwards visit them in the reverse stage order. After a warm-up of
     ``2 (p - r - 1) + (v - 1) p`` forwards, forwards and backwards alternate.
+    When ``n_microbatches`` is not a multiple of ``p``, the order is the one of
+    the next multiple with the missing microbatches left out.
     """
     p, v, m = world_size, stages_per_rank, n_microbatches
-    groups = [list(range(start, min(start + p, m))) for start in range(0, m, p)]
-    forwards = [(c * p + rank, i) for group in groups for c in range(v) for i in group]
-    backwards = [(c * p + rank, i) for group in groups for c in reversed(range(v)) for i in group]
+    # The textbook order needs whole groups of p microbatches: pad with microbatches that do not exist,
+    # then drop them. Dropping every action of some microbatches from an order that cannot deadlock
+    # leaves one that cannot either (what remains depends only on what remains).
+    padded = -(-m // p) * p
+    forwards = [(c * p + rank, i) for start in range(0, padded, p) for c in range(v) for i in range(start, start + p)]
+    backwards = [(c * p + rank, i) for start in range(0, padded, p) for c in reversed(range(v))
+                 for i in range(start, start + p)]
     total = len(forwards)
     warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
     order: Order = [(F, s, i) for s, i in forwards[:warmup]]
@@ -111,7 +117,7 @@ def interleaved_order(rank: int, world_size: int, stages_per_rank: int, n_microb
         order.append((F, *forwards[warmup + k]))
         order.append((B, *backwards[k]))
     order += [(B, s, i) for s, i in backwards[total - warmup:]]
-    return order
+    return [action for action in order if action[2] < m]
 
 
 def zero_bubble_order(num_stages: int, n_microbatches: int) -> list[Order]:
@@ -199,6 +205,25 @@ def with_communication(order: Order, rank: int, num_stages: int, rank_of: Callab
         if after is not None:
             actions.append(after)
     return actions
+
+
+def schedule_actions(kind: str, world_size: int, num_stages: int, n_microbatches: int) -> list[list[Action]]:
+    """Every rank's action list for a schedule: ``kind`` is gpipe, 1f1b, interleaved or zero_bubble.
+
+    Pure: no group needed, so lists can be inspected (and checked) for any size.
+    """
+    p, m = world_size, n_microbatches
+    if kind == "gpipe":
+        orders = [gpipe_order(r, m) for r in range(p)]
+    elif kind == "1f1b":
+        orders = [one_f_one_b_order(r, num_stages, m) for r in range(p)]
+    elif kind == "interleaved":
+        orders = [interleaved_order(r, p, num_stages // p, m) for r in range(p)]
+    elif kind == "zero_bubble":
+        orders = zero_bubble_order(num_stages, m)
+    else:
+        raise ValueError(f"unknown schedule kind {kind!r} (gpipe, 1f1b, interleaved, zero_bubble)")
+    return [with_communication(order, r, num_stages, lambda stage: stage % p) for r, order in enumerate(orders)]
 
 
 def stages_of_rank(rank: int, world_size: int, num_stages: int) -> Sequence[int]:

@@ -26,12 +26,7 @@ from ferro.parallel.pipeline._channels import ACTIVATIONS, GRADIENTS, MAX_MICROB
 from ferro.parallel.pipeline.actions import (
     Action,
     ActionKind,
-    Order,
-    gpipe_order,
-    interleaved_order,
-    one_f_one_b_order,
-    with_communication,
-    zero_bubble_order,
+    schedule_actions,
 )
 from ferro.parallel.pipeline.stage import PipelineStage, TorchRunner
 from ferro.work import PendingCollective
@@ -60,6 +55,7 @@ class _PipelineSchedule:
     """What every schedule shares: validation, the channels, the runtime, the trace."""
 
     name = "pipeline"
+    kind = ""  # the action-list generator (ferro.parallel.pipeline.actions.schedule_actions)
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Any) -> None:
         if not stages:
@@ -88,7 +84,7 @@ class _PipelineSchedule:
         if last is not None and not isinstance(last.runner, TorchRunner) and not hasattr(loss_fn, "backward"):
             raise ValueError(f"rank {rank}: {self.name}: a ferro.nn last stage needs a loss_fn with backward() "
                              f"(ferro.nn.MSELoss, ferro.nn.CrossEntropyLoss)")
-        self._orders = {r: self._order(r, world) for r in range(world)}
+        self._actions = schedule_actions(self.kind, world, self.num_stages, n_microbatches)
         self._channels: dict[tuple[str, int, int], Channel] | None = None
         self._broken: str | None = None
         self._trace: list[TraceEvent] = []
@@ -100,9 +96,6 @@ class _PipelineSchedule:
             raise ValueError(f"rank {rank}: {self.name}: one stage per rank: num_stages={self.num_stages} but the "
                              f"group has {world} ranks (ScheduleInterleaved1F1B runs several stages per rank)")
 
-    def _order(self, rank: int, world: int) -> Order:
-        raise NotImplementedError
-
     # --- public -------------------------------------------------------------------------
 
     def actions(self, rank: int | None = None) -> list[Action]:
@@ -110,8 +103,7 @@ class _PipelineSchedule:
         rank = self.group.rank if rank is None else rank
         if not 0 <= rank < self.group.world_size:
             raise ValueError(f"{self.name}: rank {rank} is outside [0, {self.group.world_size})")
-        world = self.group.world_size
-        return with_communication(self._orders[rank], rank, self.num_stages, lambda stage: stage % world)
+        return list(self._actions[rank])
 
     def trace(self, gather: bool = False) -> dict[int, list[TraceEvent]]:
         """Return the last step's actions with their start and end times, by rank.
@@ -463,12 +455,11 @@ class ScheduleGPipe(_PipelineSchedule):
     """
 
     name = "ScheduleGPipe"
+    kind = "gpipe"
 
     def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Any = None) -> None:
         super().__init__([stage], n_microbatches, loss_fn)
 
-    def _order(self, rank: int, world: int) -> Order:
-        return gpipe_order(rank, self.n_microbatches)
 
 
 class Schedule1F1B(_PipelineSchedule):
@@ -485,6 +476,7 @@ class Schedule1F1B(_PipelineSchedule):
     """
 
     name = "Schedule1F1B"
+    kind = "1f1b"
 
     def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Any = None) -> None:
         super().__init__([stage], n_microbatches, loss_fn)
@@ -495,8 +487,6 @@ class Schedule1F1B(_PipelineSchedule):
             raise ValueError(f"rank {rank}: {self.name} needs at least as many microbatches as stages: "
                              f"n_microbatches={self.n_microbatches} < num_stages={self.num_stages}")
 
-    def _order(self, rank: int, world: int) -> Order:
-        return one_f_one_b_order(rank, self.num_stages, self.n_microbatches)
 
 
 class ScheduleInterleaved1F1B(_PipelineSchedule):
@@ -514,6 +504,7 @@ class ScheduleInterleaved1F1B(_PipelineSchedule):
     """
 
     name = "ScheduleInterleaved1F1B"
+    kind = "interleaved"
 
     def __init__(self, stages: Sequence[PipelineStage] | PipelineStage, n_microbatches: int,
                  loss_fn: Any = None) -> None:
@@ -527,8 +518,6 @@ class ScheduleInterleaved1F1B(_PipelineSchedule):
             raise ValueError(f"rank {rank}: {self.name} needs at least as many microbatches as ranks: "
                              f"n_microbatches={self.n_microbatches} < world size {world}")
 
-    def _order(self, rank: int, world: int) -> Order:
-        return interleaved_order(rank, world, self.num_stages // world, self.n_microbatches)
 
 
 class ScheduleZeroBubble(_PipelineSchedule):
@@ -552,6 +541,7 @@ class ScheduleZeroBubble(_PipelineSchedule):
     """
 
     name = "ScheduleZeroBubble"
+    kind = "zero_bubble"
 
     def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Any = None) -> None:
         problem = stage.runner.split_problem()
@@ -560,10 +550,5 @@ class ScheduleZeroBubble(_PipelineSchedule):
                              f"be split: {problem}; use Schedule1F1B")
         if isinstance(stage.runner, TorchRunner):
             stage.runner.enable_split()
-        self._zb: list[Order] | None = None
         super().__init__([stage], n_microbatches, loss_fn)
 
-    def _order(self, rank: int, world: int) -> Order:
-        if self._zb is None:
-            self._zb = zero_bubble_order(self.num_stages, self.n_microbatches)
-        return self._zb[rank]
