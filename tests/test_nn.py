@@ -117,3 +117,62 @@ def test_optimizers_match_torch(make):
 def test_backward_before_forward_is_a_clear_error():
     with pytest.raises(RuntimeError, match="before forward"):
         nn.Linear(2, 2).backward(np.ones((1, 2)))
+
+
+def mlp(seed=0):
+    rng = np.random.default_rng(seed)
+    return nn.Sequential(nn.Linear(5, 7, rng=rng, dtype=np.float64), nn.Tanh(),
+                         nn.Linear(7, 3, rng=rng, dtype=np.float64), nn.ReLU())
+
+
+def test_split_backward_equals_backward():
+    rng = np.random.default_rng(1)
+    x, target = rng.standard_normal((6, 5)), rng.standard_normal((6, 3))
+    whole, split = mlp(), mlp()
+    criterion = nn.MSELoss()
+    criterion(whole(x), target)
+    grad_x = whole.backward(criterion.backward())
+    criterion(split(x), target)
+    split_x = split.backward_input(criterion.backward())
+    assert all(p.grad is None for p in split.parameters())  # weights wait for backward_weight
+    split.backward_weight()
+    np.testing.assert_array_equal(split_x, grad_x)
+    for (name, a), (_, b) in zip(whole.named_parameters(), split.named_parameters(), strict=True):
+        np.testing.assert_array_equal(a.grad, b.grad, err_msg=name)
+    assert split.splits_backward and nn.Tanh().splits_backward
+
+
+def test_stashed_state_lets_several_forwards_be_in_flight():
+    """Two forwards, then their backwards in the other order: each sees its own input (a pipeline's need)."""
+    rng = np.random.default_rng(2)
+    first_x, second_x = rng.standard_normal((4, 5)), rng.standard_normal((4, 5))
+    grad = rng.standard_normal((4, 3))
+    model, reference = mlp(), mlp()
+    model(first_x)
+    first = model.stash_saved()
+    model(second_x)
+    second = model.stash_saved()
+    model.restore_saved(second)
+    model.backward(grad)
+    model.restore_saved(first)
+    model.backward(grad)
+    for x in (first_x, second_x):
+        reference(x)
+        reference.backward(grad)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        np.testing.assert_allclose(a.grad, b.grad, rtol=1e-14)
+    model.stash_saved()
+    with pytest.raises(RuntimeError, match="before forward"):
+        model.backward(grad)  # stashing takes the state away: nothing is left to use by mistake
+
+
+def test_a_module_with_parameters_and_no_split_says_so():
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.factor = nn.Parameter(np.ones(1))
+
+    model = nn.Sequential(nn.Linear(2, 2), Scale())
+    assert not model.splits_backward
+    with pytest.raises(NotImplementedError, match="Scale has parameters and does not split its backward"):
+        model.backward_input(np.ones((1, 2)))

@@ -1,6 +1,7 @@
 """Pipeline parallelism: schedules train exactly like one process, hold what they promise, fail together."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ from _pipeline_check import check_actions
 
 import ferro
 from ferro import nn
+from ferro.parallel.pipeline.actions import schedule_actions
 from ferro.pipeline import (
     ActionKind,
     PipelineStage,
@@ -17,7 +19,6 @@ from ferro.pipeline import (
     ScheduleZeroBubble,
     write_chrome_trace,
 )
-from ferro.parallel.pipeline.actions import schedule_actions
 from ferro.testing import run_processes, run_threads
 
 torch = pytest.importorskip("torch")
@@ -136,6 +137,37 @@ CASES = [("gpipe", 4, 4), ("1f1b", 4, 4), ("zb", 4, 4), ("interleaved", 2, 4)]
 def test_training_equals_single_process(framework, kind, world, num_stages):
     results = run_threads(rank_pipeline, world, args=(framework, kind, num_stages))
     check_equal_to_reference(results, framework, num_stages)
+    peaks = {stage: peak for result in results for stage, peak in result["peak"].items()}
+    if kind == "1f1b":  # counted while running: 1F1B's promise
+        assert peaks == {s: num_stages - s for s in range(num_stages)}
+    elif kind == "gpipe":
+        assert peaks == {s: MICROBATCHES for s in range(num_stages)}
+    elif kind == "zb":
+        assert max(peaks.values()) <= num_stages
+
+
+def test_trace_covers_every_action_and_writes_a_chrome_trace(tmp_path):
+    def rank_fn(group):
+        stage = PipelineStage(stage_module("numpy", group.rank, 4), group.rank, 4, group=group)
+        schedule = Schedule1F1B(stage, MICROBATCHES, nn.MSELoss())
+        x, y = batch("numpy")
+        schedule.step(*((x,) if group.rank == 0 else ()), **({"target": y} if group.rank == 3 else {}))
+        traces = schedule.trace(gather=True)
+        if group.rank == 0:
+            write_chrome_trace(traces, tmp_path / "trace.json")
+        return {r: [(str(e.action), e.start, e.end) for e in events] for r, events in traces.items()}
+
+    traces = run_threads(rank_fn, 4)[0]
+    assert sorted(traces) == [0, 1, 2, 3]
+    document = json.loads((tmp_path / "trace.json").read_text())
+    boxes = [e for e in document["traceEvents"] if e["ph"] == "X"]
+    assert len(boxes) == sum(len(events) for events in traces.values())
+    for rank, events in traces.items():
+        assert all(start <= end for _, start, end in events)
+        assert all(events[i][2] <= events[i + 1][1] for i in range(len(events) - 1))  # one after another
+        names = [name for name, _, _ in events]
+        assert sum(re.fullmatch(r"\dF\d+", name) is not None for name in names) == MICROBATCHES
+        assert {e["name"] for e in boxes if e["tid"] == rank} == set(names)
 
 
 @pytest.mark.parametrize(("framework", "kind"), [("numpy", "1f1b"), ("torch", "zb"), ("numpy", "interleaved")])
@@ -347,3 +379,40 @@ def test_zero_bubble_refuses_a_backward_it_cannot_split():
     assert "cannot be split" in shared_parameter and "shared by Linear and Linear" in shared_parameter
     reused = run_threads(rank_torch, 1, args=(torch.nn.Sequential(first, torch.nn.Tanh(), first),))[0]
     assert "ran twice in one forward" in reused
+
+
+# --- composed with data parallelism -------------------------------------------------------
+
+def rank_pipeline_and_data_parallel(group, framework):
+    """2 pipeline stages x 2 replicas: mesh (dp, pp); DDP over the replica group; half the batch each."""
+    mesh = ferro.init_device_mesh((2, 2), ("dp", "pp"), group=group)
+    replica, stage_index = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    module = ferro.DDP(stage_module(framework, stage_index, 2), group=mesh.get_group("dp"))
+    stage = PipelineStage(module, stage_index, 2, group=mesh.get_group("pp"))
+    schedule = Schedule1F1B(stage, 4, loss_fn(framework))
+    x, y = batch(framework)
+    rows = slice(replica * BATCH // 2, (replica + 1) * BATCH // 2)
+    losses = []
+    for _ in range(2):  # the second step checks that DDP's state resets between steps
+        if framework == "numpy":
+            module.module.zero_grad()  # in place: DDP keeps the gradients inside its buckets
+        else:
+            for p in module.parameters():
+                p.grad = None
+        losses.clear()
+        if stage.is_first:
+            schedule.step(x[rows])
+        else:
+            schedule.step(target=y[rows], losses=losses)
+    return {"stage": stage_index, "losses": losses, "grads": grads_of(framework, module.module)}
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_two_stages_times_two_replicas_equal_single_process(framework):
+    results = run_threads(rank_pipeline_and_data_parallel, 4, args=(framework,))
+    value, expected = reference(framework, 2)
+    last = [r for r in results if r["stage"] == 1]
+    assert abs(np.mean([np.mean(r["losses"]) for r in last]) - value) < 1e-12
+    for result in results:
+        for got, want in zip(result["grads"], expected[result["stage"]], strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
