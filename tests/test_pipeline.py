@@ -416,3 +416,61 @@ def test_two_stages_times_two_replicas_equal_single_process(framework):
     for result in results:
         for got, want in zip(result["grads"], expected[result["stage"]], strict=True):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+# --- what travels between stages ------------------------------------------------------------
+
+class Front(torch.nn.Module):
+    """Returns a 3-d float activation and an int64 tensor, as a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+
+    def forward(self, x):
+        ids = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+        return torch.tanh(self.linear(x)).reshape(-1, 2, 2, 4), ids
+
+
+class Back(torch.nn.Module):
+    """Takes both: flattens the activation, adds a row of a table the ints choose."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, OUT, dtype=torch.float64)
+        self.table = torch.nn.Parameter(torch.linspace(-1, 1, 4 * OUT, dtype=torch.float64).reshape(4, OUT))
+
+    def forward(self, h, ids):
+        return self.linear(h.flatten(1)) + self.table[ids]
+
+
+def rank_tuple_stages(group, kind):
+    modules = two_part_model()
+    stage = PipelineStage(modules[group.rank], group.rank, 2, group=group)
+    schedule = SCHEDULES[kind](stage, MICROBATCHES, torch.nn.functional.mse_loss)
+    x, y = batch("torch")
+    losses = []
+    schedule.step(*((x,) if group.rank == 0 else ()), **({"target": y, "losses": losses} if group.rank else {}))
+    return losses, [p.grad.numpy().copy() for p in modules[group.rank].parameters()]
+
+
+def two_part_model():
+    front, back = Front(), Back()
+    rng = np.random.default_rng(5)
+    with torch.no_grad():
+        for p in list(front.parameters()) + [back.linear.weight, back.linear.bias]:
+            p.copy_(torch.from_numpy(rng.uniform(-0.3, 0.3, tuple(p.shape))))
+    return [front, back]
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb"])
+def test_tuples_of_any_ndim_and_ints_travel_between_stages(kind):
+    results = run_threads(rank_tuple_stages, 2, args=(kind,))
+    front, back = two_part_model()
+    x, y = batch("torch")
+    loss = torch.nn.functional.mse_loss(back(*front(x)), y)
+    loss.backward()
+    assert abs(np.mean(results[1][0]) - float(loss.detach())) < 1e-12
+    for module, (_, grads) in zip((front, back), results, strict=True):
+        for p, got in zip(module.parameters(), grads, strict=True):
+            np.testing.assert_allclose(got, p.grad.numpy(), rtol=0, atol=1e-12)
