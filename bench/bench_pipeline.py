@@ -103,9 +103,9 @@ def rank_ferro(group, kind: str, per_rank: int, steps: int) -> dict[str, object]
     for step in range(steps + 1):
         ferro.barrier(group=group)
         start = time.perf_counter()
-        if 0 in schedule._stages:
+        if group.rank == 0:
             schedule.step(x)
-        elif num_stages - 1 in schedule._stages:
+        elif (num_stages - 1) % group.world_size == group.rank:
             schedule.step(target=y)
         else:
             schedule.step()

@@ -21,7 +21,7 @@ from ferro._core.status import ABORT_OTHER
 from ferro._core.transport import abort_payload
 from ferro._dispatch import resolve_timeout
 from ferro.collective import all_gather_object
-from ferro.errors import ConfigurationError, DistributedError, RankFailedError
+from ferro.errors import ConfigurationError, DistributedError, DistributedTimeoutError, RankFailedError
 from ferro.parallel.pipeline._channels import ACTIVATIONS, GRADIENTS, MAX_MICROBATCHES, Channel, make_channels
 from ferro.parallel.pipeline.actions import (
     Action,
@@ -364,7 +364,9 @@ class _StepRun:
         items = self.outbox.pop((outbound, action.stage, action.microbatch))
         channel = self._channel(kind, action)
         self.sends.append((channel, channel.send(items, action.stage, action.microbatch, self.seconds)))
-        self.sends = [(c, h) for c, h in self.sends if not h.is_completed() or _failed(h)]
+        for done_channel, handle in [(c, h) for c, h in self.sends if h.is_completed()]:
+            _result(handle, done_channel, 0)  # raises if that send failed
+        self.sends = [(c, h) for c, h in self.sends if not h.is_completed()]
 
     def _wait(self, handle: PendingCollective, channel: Channel) -> Any:
         """Wait for one transfer, watching every other one: a failure anywhere ends the wait."""
@@ -375,8 +377,8 @@ class _StepRun:
             except _StillRunning:
                 pass
             for other_channel, other in self._others():
-                if other.is_completed() and _failed(other):
-                    _result(other, other_channel, 0)
+                if other.is_completed():
+                    _result(other, other_channel, 0)  # raises if that transfer failed
             if time.monotonic() > deadline:  # pragma: no cover - the transfer's own timeout ends it first
                 raise _ChannelError(channel, DistributedError(f"{channel!r} did not finish"))
         return _result(handle, channel, 0)
@@ -422,16 +424,16 @@ class _ChannelError(Exception):
         self.channel, self.cause = channel, cause
 
 
-def _failed(handle: PendingCollective) -> bool:
-    return handle._error is not None
-
-
 def _result(handle: PendingCollective, channel: Channel, seconds: float) -> Any:
-    if not handle.is_completed() and not handle._done.wait(seconds):
-        raise _StillRunning
-    if handle._error is not None:
-        raise _ChannelError(channel, handle._error)
-    return handle._result
+    """Return the transfer's result; raise _StillRunning if not done within ``seconds``, or its error, wrapped."""
+    try:
+        return handle.wait(seconds)
+    except DistributedTimeoutError as exc:
+        if not handle.is_completed():
+            raise _StillRunning from None
+        raise _ChannelError(channel, exc) from exc
+    except BaseException as exc:
+        raise _ChannelError(channel, exc) from exc
 
 
 class ScheduleGPipe(_PipelineSchedule):
