@@ -474,3 +474,22 @@ def test_tuples_of_any_ndim_and_ints_travel_between_stages(kind):
     for module, (_, grads) in zip((front, back), results, strict=True):
         for p, got in zip(module.parameters(), grads, strict=True):
             np.testing.assert_allclose(got, p.grad.numpy(), rtol=0, atol=1e-12)
+
+
+def rank_forgets_the_batch(group):
+    stage = PipelineStage(stage_module("numpy", group.rank, 2), group.rank, 2, group=group)
+    schedule = ScheduleGPipe(stage, 4, nn.MSELoss())
+    x, y = batch("numpy")
+    try:
+        schedule.step(**({"target": y} if group.rank == 1 else {}), timeout=60)  # rank 0 forgets x
+    except ferro.RankFailedError as exc:
+        return ("RankFailedError", exc.rank, str(exc))
+    except ValueError as exc:
+        return ("ValueError", None, str(exc))
+    return None
+
+
+def test_a_rank_called_without_its_batch_raises_and_the_other_names_it():
+    mine, theirs = run_processes(rank_forgets_the_batch, 2, timeout=120)
+    assert mine[0] == "ValueError" and "runs stage 0 and must pass the batch" in mine[2]
+    assert theirs[:2] == ("RankFailedError", 0) and "must pass the batch" in theirs[2]

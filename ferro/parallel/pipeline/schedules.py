@@ -154,9 +154,13 @@ class _PipelineSchedule:
             raise RankFailedError(f"rank {rank}: {self.name}: the pipeline is unusable after a failed step "
                                   f"({self._broken}); build a new group, stages and schedule", None)
         seconds = resolve_timeout(self.group, timeout)
-        batches = self._split_inputs(inputs, target)
         if self._channels is None:
             self._channels = self._connect(seconds)
+        try:
+            batches = self._split_inputs(inputs, target)
+        except ValueError as exc:  # the other ranks would wait for this one: tell them
+            self._abort(rank, f"pipeline: rank {rank} failed: ValueError: {exc}")
+            raise
         for stage in self._stages.values():
             stage.activations_held = stage.peak_activations_held = 0
         run = _StepRun(self, batches, seconds)
