@@ -34,6 +34,8 @@ from ferro.work import PendingCollective
 __all__ = ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleZeroBubble", "TraceEvent"]
 
 POLL_SECONDS = 0.05  # how often a rank waiting on one transfer looks at the others for a failure
+NOTICE_GRACE_SECONDS = 1.0  # how long a failed send waits for the abort notice that explains it
+NOTICE_LINGER_SECONDS = 0.2  # how long a rank that gives up keeps its channels open for its notices to be read
 _CULPRIT = re.compile(r"pipeline: rank (\d+) failed")
 
 
@@ -242,6 +244,9 @@ class _PipelineSchedule:
         for channel in (self._channels or {}).values():
             channel.group.mark_failed(message)
             channel.group.abort_peers(payload)
+        # Closing at once could reset a connection before the peer has read the notice (unread data in a
+        # closed socket turns into a reset that discards it): give the notices a moment first.
+        time.sleep(NOTICE_LINGER_SECONDS if self._channels else 0.0)
         for channel in (self._channels or {}).values():
             channel.group.close()
 
@@ -403,17 +408,38 @@ class _StepRun:
         if isinstance(exc, _ChannelError):
             cause = exc.cause
             found = _CULPRIT.search(str(cause))
-            culprit = int(found.group(1)) if found else exc.channel.dst if exc.channel.src == rank else exc.channel.src
+            if found is None:
+                # A send to a neighbour that gave up fails on its closed connection, while the notice naming
+                # the rank that failed first arrives on a receive: give that notice a moment to land.
+                cause = self._notice_among_receives(NOTICE_GRACE_SECONDS) or cause
+                found = _CULPRIT.search(str(cause))
             if found:
-                text = str(cause)[found.start():]
-                message = text
+                culprit, message = int(found.group(1)), str(cause)[found.start():]
             else:
+                culprit = exc.channel.dst if exc.channel.src == rank else exc.channel.src
                 message = f"pipeline: rank {culprit} failed: rank {rank} lost it{where}: {cause}"
             schedule._abort(culprit, message)
             raise RankFailedError(f"rank {rank}: {schedule.name} step aborted{where}: {message}", culprit) from cause
         message = f"pipeline: rank {rank} failed{where}: {type(exc).__name__}: {exc}"
         schedule._abort(rank, message)
         raise exc
+
+
+    def _notice_among_receives(self, seconds: float) -> BaseException | None:
+        """Return the error of a posted receive that carries another rank's abort notice, waiting up to ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while True:
+            for queue in self.posted.values():
+                handle = queue[0][1] if queue else None
+                if handle is not None and handle.is_completed():
+                    try:
+                        handle.wait(0)
+                    except BaseException as error:  # noqa: BLE001 - looking for the notice, whatever wraps it
+                        if _CULPRIT.search(str(error)):
+                            return error
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
 
 
 class _StillRunning(Exception):
