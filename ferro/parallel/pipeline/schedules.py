@@ -21,7 +21,7 @@ from ferro._core.status import ABORT_OTHER
 from ferro._core.transport import abort_payload
 from ferro._dispatch import resolve_timeout
 from ferro.collective import all_gather_object
-from ferro.errors import ConfigurationError, DistributedError, DistributedTimeoutError, RankFailedError
+from ferro.errors import ConfigurationError, DistributedError, RankFailedError
 from ferro.parallel.pipeline._channels import ACTIVATIONS, GRADIENTS, MAX_MICROBATCHES, Channel, make_channels
 from ferro.parallel.pipeline.actions import (
     Action,
@@ -456,12 +456,14 @@ class _ChannelError(Exception):
 
 def _result(handle: PendingCollective, channel: Channel, seconds: float) -> Any:
     """Return the transfer's result; raise _StillRunning if not done within ``seconds``, or its error, wrapped."""
+    if not handle.is_completed():
+        try:
+            handle.wait(seconds)
+        except BaseException:  # noqa: BLE001 - read below, once the handle is known to be complete
+            if not handle.is_completed():
+                raise _StillRunning from None
     try:
-        return handle.wait(seconds)
-    except DistributedTimeoutError as exc:
-        if not handle.is_completed():
-            raise _StillRunning from None
-        raise _ChannelError(channel, exc) from exc
+        return handle.wait(0)  # complete: its result, or the transfer's own error
     except BaseException as exc:
         raise _ChannelError(channel, exc) from exc
 
