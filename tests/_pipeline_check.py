@@ -40,14 +40,12 @@ def check_actions(lists, num_stages, n_microbatches):
                 a = lists[r][position[r]]
                 key = (a.stage, a.microbatch)
                 if a.kind in (SEND_F, SEND_B):
-                    produced = (F if a.kind is SEND_F else None, a.stage, a.microbatch)
                     if a.kind is SEND_F:
                         assert (F, a.stage, a.microbatch) in done[r], f"rank {r}: {a} before its forward"
                         assert a.peer == rank_of[a.stage + 1]
                     else:
                         assert any((k, a.stage, a.microbatch) in done[r] for k in (B, I)), f"rank {r}: {a} early"
                         assert a.peer == rank_of[a.stage - 1]
-                    del produced
                     sent[(a.kind, r, a.peer)].append(key)
                 elif a.kind in (RECV_F, RECV_B):
                     kind = SEND_F if a.kind is RECV_F else SEND_B

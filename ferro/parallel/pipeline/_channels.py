@@ -15,6 +15,7 @@ import numpy as np
 
 from ferro import p2p
 from ferro.backend.base import Backend
+from ferro.backend.sub import SubBackend
 from ferro.process_group import new_group
 from ferro.work import PendingCollective, worker_of
 
@@ -27,10 +28,9 @@ MAX_MICROBATCHES = 1 << 16  # a message's tag is stage * MAX_MICROBATCHES + micr
 class Channel:
     """One direction of one kind of traffic between two ranks of the pipeline group."""
 
-    def __init__(self, group: Backend, kind: str, src: int, dst: int, me: int) -> None:
+    def __init__(self, group: SubBackend, kind: str, src: int, dst: int, me: int) -> None:
         self.group, self.kind, self.src, self.dst = group, kind, src, dst
-        # Local ranks in the 2-rank group follow the sorted order of the pipeline ranks.
-        self._peer_local = (0 if dst < src else 1) if me == src else (0 if src < dst else 1)
+        self._peer_local = group.local_rank(dst if me == src else src)
 
     def send(self, items: tuple[Any, ...], stage: int, microbatch: int, timeout: float) -> PendingCollective:
         """Queue a bundle (a header saying which items exist, then each item) and return its handle."""

@@ -10,6 +10,7 @@ part-way tells its neighbours, who tell theirs: every rank raises, naming it.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections import deque
@@ -27,6 +28,7 @@ from ferro.parallel.pipeline.actions import (
     Action,
     ActionKind,
     schedule_actions,
+    stages_of_rank,
 )
 from ferro.parallel.pipeline.stage import PipelineStage, TorchRunner
 from ferro.work import PendingCollective
@@ -76,7 +78,7 @@ class _PipelineSchedule:
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self._validate(rank, world)
-        mine = sorted(range(rank, self.num_stages, world))
+        mine = list(stages_of_rank(rank, world, self.num_stages))
         if sorted(self._stages) != mine:
             raise ValueError(f"rank {rank}: {self.name}: this rank runs stages {mine} of {self.num_stages} "
                              f"(stage k on rank k % {world}) but was given {sorted(self._stages)}")
@@ -166,16 +168,16 @@ class _PipelineSchedule:
         for stage in self._stages.values():
             stage.activations_held = stage.peak_activations_held = 0
         run = _StepRun(self, batches, seconds)
+        replicated = [stage.ddp for stage in self._stages.values() if stage.ddp is not None]
         try:
-            if any(stage.ddp is not None for stage in self._stages.values()):
-                outputs = self._run_without_ddp_sync(run)
-                for stage in self._stages.values():
-                    if stage.ddp is not None:
-                        stage.ddp.sync_gradients()
-            else:
+            with contextlib.ExitStack() as stack:  # a DDP stage accumulates locally; averaged once, below
+                for ddp in replicated:
+                    stack.enter_context(ddp.no_sync())
                 outputs = run.execute(self.actions())
         finally:
             self._trace = run.trace
+        for ddp in replicated:
+            ddp.sync_gradients()
         if losses is not None:
             losses.extend(run.losses[mb] for mb in sorted(run.losses))
         if outputs is None:
@@ -183,15 +185,6 @@ class _PipelineSchedule:
         return self._stages[self.num_stages - 1].runner.concatenate(outputs)
 
     # --- internals ----------------------------------------------------------------------
-
-    def _run_without_ddp_sync(self, run: _StepRun) -> Any:
-        import contextlib
-
-        with contextlib.ExitStack() as stack:
-            for stage in self._stages.values():
-                if stage.ddp is not None:
-                    stack.enter_context(stage.ddp.no_sync())
-            return run.execute(self.actions())
 
     def _split_inputs(self, inputs: tuple[Any, ...], target: Any) -> dict[str, list[Any]]:
         rank, m = self.group.rank, self.n_microbatches
