@@ -14,6 +14,8 @@ __all__ = [
     "AuthenticationError",
     "BackendClosedError",
     "BackendUnavailableError",
+    "CheckpointCorruptError",
+    "CheckpointError",
     "CollectiveMismatchError",
     "ConfigurationError",
     "ConnectionBrokenError",
@@ -178,3 +180,15 @@ class RankFailedError(DistributedError, RuntimeError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.rank, self.remote_traceback))
+
+
+class CheckpointError(DistributedError, ValueError):
+    """A checkpoint cannot be saved or loaded as asked.
+
+    Nothing is committed at the path, a key is missing from it, a shape or dtype
+    differs, ranks disagree about a value, or a writer failed.
+    """
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's file is truncated, missing, or fails its checksum; the message names the file and tensor."""

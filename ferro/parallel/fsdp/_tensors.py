@@ -127,6 +127,11 @@ class Tensors(abc.ABC):
     def optimizer_state(self, optimizer: Any) -> dict[Any, dict[str, Any]]:
         """Return the optimizer's per-parameter state: ``{parameter: {name: value}}``."""
 
+    @abc.abstractmethod
+    def init_optimizer_state(self, optimizer: Any, params: list[Any]) -> None:
+        """Make the optimizer create its state for ``params`` without changing them (a step at learning rate 0)."""
+
+
 
 class NumpyTensors(Tensors):
     """ferro.nn: parameters are :class:`ferro.nn.Parameter` objects whose ``.data`` FSDP points at views."""
@@ -251,6 +256,19 @@ class NumpyTensors(Tensors):
             raise ConfigurationError(f"FSDP: {type(optimizer).__name__} keeps no per-parameter `state` dict; "
                                      f"optimizer state dicts need one (ferro.nn.SGD and Adam have it)")
         return state
+
+    def init_optimizer_state(self, optimizer: Any, params: list[Any]) -> None:
+        missing = [p for p in params if p.grad is None]
+        for param in missing:
+            param.grad = np.zeros_like(param.data)
+        lr = optimizer.lr
+        optimizer.lr = 0.0  # every update is lr times something finite: the parameters stay as they are
+        try:
+            optimizer.step()
+        finally:
+            optimizer.lr = lr
+            for param in missing:
+                param.grad = None
 
 
 def _raw_bytes(tensor: Any) -> np.ndarray:
@@ -404,6 +422,22 @@ class TorchTensors(Tensors):
 
     def optimizer_state(self, optimizer: Any) -> dict[Any, dict[str, Any]]:
         return optimizer.state
+
+    def init_optimizer_state(self, optimizer: Any, params: list[Any]) -> None:
+        torch = self.torch
+        missing = [p for p in params if p.grad is None]
+        for param in missing:
+            param.grad = torch.zeros_like(param)
+        rates = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0  # as torch.distributed.checkpoint initialises optimizer state
+        try:
+            optimizer.step()
+        finally:
+            for group, lr in zip(optimizer.param_groups, rates, strict=True):
+                group["lr"] = lr
+            for param in missing:
+                param.grad = None
 
 
 def tensors_for(module: Any) -> Tensors:

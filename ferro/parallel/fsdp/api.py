@@ -682,10 +682,11 @@ class FSDP:
                     if name in state:
                         buffer.copy_(state[name])
 
-    def sharded_state_dict(self) -> dict[str, ShardedEntry]:
+    def sharded_state_dict(self) -> dict[str, Any]:
         """Return each parameter's part held by this rank, with its global shape and offsets (no communication).
 
-        Every parameter has an entry; where this rank holds none of it, ``local`` is empty.
+        Every parameter has a :class:`ShardedEntry`; where this rank holds none of it,
+        ``local`` is empty. torch modules' buffers follow, whole (every rank has them).
         """
         self._require_idle("sharded_state_dict")
         entries: dict[str, ShardedEntry] = {}
@@ -695,7 +696,10 @@ class FSDP:
                     lo, hi, position = group.local(slot)
                     entries[slot.fqn] = ShardedEntry(
                         self._tensors.shard_slice(group.shard, position, position + hi - lo), slot.shape, lo, hi)
-        return {fqn: entries[fqn] for fqn in self._fqns}
+        state: dict[str, Any] = {fqn: entries[fqn] for fqn in self._fqns}
+        if self._torch:
+            state.update(self.module.named_buffers())
+        return state
 
     def full_optim_state_dict(self, optimizer: Any, rank0_only: bool = False) -> dict[str, Any]:
         """Return the optimizer's state per full parameter, by parameter name (collective).
@@ -731,6 +735,71 @@ class FSDP:
             return {}
         return {"state": {fqn: state[fqn] for fqn in self._fqns if fqn in state},
                 "param_groups": self._param_groups(optimizer)}
+
+    def sharded_optim_state_dict(self, optimizer: Any) -> dict[str, Any]:
+        """Return the optimizer's state for this rank's shards, by parameter name (no communication).
+
+        Per-element state (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's momentum) comes as
+        :class:`ShardedEntry` views of the optimizer's own arrays, with the same ranges as
+        :meth:`sharded_state_dict`; scalars (``step``) as they are. This is what
+        :func:`ferro.checkpoint.save` stores and :func:`ferro.checkpoint.load` fills in place.
+        An optimizer that has no state yet gets it first, from a step at learning rate 0
+        (zero gradients; the parameters do not change), as torch's DCP does, so a fresh
+        optimizer can be loaded into.
+
+        Returns:
+            ``{"state": {name: {"exp_avg": ShardedEntry, "step": ...}}, "param_groups": [...]}``.
+
+        """
+        self._require_idle("sharded_optim_state_dict")
+        per_param = self._tensors.optimizer_state(optimizer)
+        shards = [group.shard for unit in self.units for group in unit.groups]
+        if not any(per_param.get(shard) for shard in shards):
+            self._tensors.init_optimizer_state(optimizer, shards)
+            per_param = self._tensors.optimizer_state(optimizer)
+        state: dict[str, dict[str, Any]] = {}
+        for unit in self.units:
+            for group in unit.groups:
+                for key, value in (per_param.get(group.shard) or {}).items():
+                    for slot in group.slots:
+                        lo, hi, position = group.local(slot)
+                        if _is_per_element(value, group.shard_len):
+                            value_part = value[position:position + hi - lo]
+                            state.setdefault(slot.fqn, {})[key] = ShardedEntry(value_part, slot.shape, lo, hi)
+                        else:
+                            state.setdefault(slot.fqn, {})[key] = value
+        return {"state": {fqn: state[fqn] for fqn in self._fqns if fqn in state},
+                "param_groups": self._param_groups(optimizer)}
+
+    def load_sharded_optim_state_dict(self, optimizer: Any, state: dict[str, Any]) -> None:
+        """Give the optimizer the state in ``state``, laid out as :meth:`sharded_optim_state_dict` gives it.
+
+        After ``ferro.checkpoint.load`` has filled a dict from :meth:`sharded_optim_state_dict`,
+        the per-element state is already in place; this sets what could not be filled in
+        place (scalars such as ``step``) and copies entries that are not views of the
+        optimizer's arrays. No communication.
+
+        Raises:
+            KeyError: A parameter with optimizer state has no entry in ``state``.
+
+        """
+        self._require_idle("load_sharded_optim_state_dict")
+        per_param = self._tensors.optimizer_state(optimizer)
+        entries = state.get("state", state)
+        for unit in self.units:
+            for group in unit.groups:
+                current = per_param.get(group.shard)
+                if not current:
+                    continue
+                for slot in group.slots:
+                    if slot.fqn not in entries:
+                        raise KeyError(f"load_sharded_optim_state_dict: no state for {slot.fqn!r}")
+                    for key, value in entries[slot.fqn].items():
+                        if isinstance(value, ShardedEntry):
+                            lo, hi, position = group.local(slot)
+                            _copy_into(current[key][position:position + hi - lo], value.local)
+                        elif slot is group.slots[0]:
+                            current[key] = _same_or_copy(current.get(key), value)
 
     def _param_groups(self, optimizer: Any) -> list[dict[str, Any]]:
         names = {id(group.shard): [slot.fqn for slot in group.slots] for unit in self.units for group in unit.groups}
@@ -825,3 +894,26 @@ def _copy_scalar(value: Any) -> Any:
         return clone()
     copy = getattr(value, "copy", None)
     return copy() if callable(copy) else value
+
+
+def _copy_into(target: Any, source: Any) -> None:
+    """Copy ``source`` into ``target`` (arrays or tensors of one shape) unless they are the same memory."""
+    if _address(target) == _address(source):
+        return
+    if hasattr(target, "copy_"):
+        import torch  # a tensor is in hand: torch is loaded
+
+        with torch.no_grad():
+            target.copy_(source)
+    else:
+        target[...] = source
+
+
+def _address(value: Any) -> int:
+    pointer = getattr(value, "data_ptr", None)
+    return int(pointer()) if callable(pointer) else int(value.__array_interface__["data"][0])
+
+
+def _same_or_copy(current: Any, value: Any) -> Any:
+    """Keep ``current`` when ``value`` is it (a tensor filled in place); else a copy of ``value``."""
+    return current if current is value else _copy_scalar(value)
