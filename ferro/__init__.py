@@ -4,7 +4,7 @@ The public names live here; everything else is reachable by module path but
 should not be needed.
 """
 
-from ferro import nn, p2p, pipeline
+from ferro import checkpoint, nn, p2p, pipeline
 from ferro.backend import Backend, HierarchicalBackend, ShmBackend, SimulatedBackend, SubBackend, TcpBackend
 from ferro.collective import (
     all_gather,
@@ -27,6 +27,8 @@ from ferro.errors import (
     AuthenticationError,
     BackendClosedError,
     BackendUnavailableError,
+    CheckpointCorruptError,
+    CheckpointError,
     CollectiveMismatchError,
     ConfigurationError,
     ConnectionBrokenError,
@@ -72,6 +74,8 @@ __all__ = [
     "Backend",
     "BackendClosedError",
     "BackendUnavailableError",
+    "CheckpointCorruptError",
+    "CheckpointError",
     "barrier",
     "broadcast",
     "broadcast_object",
@@ -99,6 +103,7 @@ __all__ = [
     "is_initialized",
     "new_group",
     "nn",
+    "checkpoint",
     "pipeline",
     "p2p",
     "PeerLostError",

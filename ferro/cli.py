@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ferro.errors import DistributedError
+
 __all__ = ["main"]
 
 
@@ -12,6 +14,20 @@ def _demo(args: argparse.Namespace) -> int:
     from ferro.demo import launch
 
     return launch(size_mb=args.size_mb, round_trips=args.round_trips, exchanges=args.exchanges)
+
+
+def _ckpt_inspect(args: argparse.Namespace) -> int:
+    from ferro.checkpoint.tools import format_inspection, inspect
+
+    print(format_inspection(inspect(args.path)))
+    return 0
+
+
+def _ckpt_consolidate(args: argparse.Namespace) -> int:
+    from ferro.checkpoint.tools import consolidate
+
+    print(f"wrote {consolidate(args.path, args.out)}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--round-trips", type=int, default=2000, help="round trips timed (default 2000)")
     demo.add_argument("--exchanges", type=int, default=5, help="bulk exchanges timed (default 5)")
     demo.set_defaults(handler=_demo)
+    ckpt = commands.add_parser("ckpt", help="look into a checkpoint, or turn it into one safetensors file")
+    ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    inspect = ckpt_commands.add_parser("inspect", help="list a checkpoint's tensors, shapes, dtypes, sizes and files")
+    inspect.add_argument("path", help="the checkpoint directory")
+    inspect.set_defaults(handler=_ckpt_inspect)
+    consolidate = ckpt_commands.add_parser(
+        "consolidate", help="write every tensor, whole, into one safetensors file other tools load")
+    consolidate.add_argument("path", help="the checkpoint directory")
+    consolidate.add_argument("--out", required=True, help="the safetensors file to write")
+    consolidate.set_defaults(handler=_ckpt_consolidate)
     return parser
 
 
@@ -43,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(importlib.import_module(_DELEGATED[arguments[0]]).main(arguments[1:]))
     args = build_parser().parse_args(arguments)
-    return int(args.handler(args))
+    try:
+        return int(args.handler(args))
+    except DistributedError as exc:  # a user's mistake or a damaged file: the message says which, no traceback
+        print(f"ferro {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -26,10 +26,12 @@ BUILTIN_OF = {
     ferro.ConfigurationError: ValueError,
     ferro.StoreError: ValueError,
     ferro.RankFailedError: RuntimeError,
+    ferro.CheckpointError: ValueError,
+    ferro.CheckpointCorruptError: ValueError,
 }
 
 
-EXPORTED_MODULES = {"p2p", "nn", "pipeline"}  # public as namespaces, as the issues name them
+EXPORTED_MODULES = {"p2p", "nn", "pipeline", "checkpoint"}  # public as namespaces, as the issues name them
 
 
 def test_all_lists_exactly_the_public_names():

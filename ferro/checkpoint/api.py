@@ -323,10 +323,7 @@ def load(state_dict: dict[Any, Any], path: str | os.PathLike[str], group: Backen
         tensors, plain = flatten(state_dict, writable=True)
         reads.plan(metadata, tensors)
         for entry in plain:
-            if entry.path not in metadata.values:
-                raise CheckpointError(f"load from {directory}: {dotted(entry.path)} is not in the checkpoint"
-                                      f"{_nearby(entry.path, metadata)}")
-            values[entry.path] = decode_value(metadata.values[entry.path])
+            values[entry.path] = _saved_value(entry.path, metadata, directory)
         reads.verify()
     except CheckpointError as exc:
         problem = exc
@@ -345,6 +342,25 @@ def load(state_dict: dict[Any, Any], path: str | os.PathLike[str], group: Backen
         put_values(state_dict, values)
     finally:
         reads.close()
+
+
+def _saved_value(path: Path, metadata: Metadata, directory: str) -> Any:
+    """Return the value saved at ``path``; plain values saved below it come back as a dict."""
+    if path in metadata.values:
+        return decode_value(metadata.values[path])
+    below = {p[len(path):]: text for p, text in metadata.values.items() if p[:len(path)] == path}
+    if not below or any(p[:len(path)] == path for p in metadata.tensors):
+        raise CheckpointError(f"load from {directory}: {dotted(path)} is not in the checkpoint"
+                              f"{_nearby(path, metadata)}" if not below else
+                              f"load from {directory}: {dotted(path)} holds tensors in the checkpoint; allocate "
+                              f"them in the state dict to load into")
+    result: dict[Any, Any] = {}
+    for rest, text in below.items():
+        node = result
+        for key in rest[:-1]:
+            node = node.setdefault(key, {})
+        node[rest[-1]] = decode_value(text)
+    return result
 
 
 def read_tensors(directory: str, metadata: Metadata, items: list[TensorItem]) -> None:
