@@ -327,6 +327,9 @@ def load(state_dict: dict[Any, Any], path: str | os.PathLike[str], group: Backen
         reads.verify()
     except CheckpointError as exc:
         problem = exc
+    except Exception as exc:  # an unreadable file, a tensor that cannot be viewed: every rank must still agree
+        problem = CheckpointError(f"load from {directory}: {type(exc).__name__}: {exc}")
+        problem.__cause__ = exc
     try:
         if group is not None and group.world_size > 1:
             verdicts = all_gather_object(None if problem is None else f"{type(problem).__name__}: {problem}",
