@@ -545,9 +545,10 @@ def test_torch_fsdp_checkpoint_loads_into_a_plain_torch_model(tmp_path):
             assert torch.equal(value, optim[name][key]), f"{name} {key}"
 
 
-def run_cli(*args):
+def run_cli(cwd, *args):
+    # Away from the repository root: `-m ferro` there would import the source tree, not the installed package.
     return subprocess.run([sys.executable, "-m", "ferro", "ckpt", *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=cwd)
 
 
 def test_ckpt_inspect_and_consolidate(tmp_path):
@@ -558,13 +559,13 @@ def test_ckpt_inspect_and_consolidate(tmp_path):
             {"m": {"w": ShardedEntry(np.arange(n, dtype=np.float32)[g.rank * 5:(g.rank + 1) * 5], (2, 5),
                                      g.rank * 5, (g.rank + 1) * 5)}, "step": 7}, str(tmp_path / "c"), g), 2):
         assert rank_state == str(tmp_path / "c")
-    shown = run_cli("inspect", str(tmp_path / "c"))
+    shown = run_cli(tmp_path, "inspect", str(tmp_path / "c"))
     assert shown.returncode == 0, shown.stderr
     assert "m.w" in shown.stdout and "F32" in shown.stdout and "2x5" in shown.stdout and "-r00001" in shown.stdout
     assert "step = 7" in shown.stdout
     out = tmp_path / "model.safetensors"
-    made = run_cli("consolidate", str(tmp_path / "c"), "--out", str(out))
+    made = run_cli(tmp_path, "consolidate", str(tmp_path / "c"), "--out", str(out))
     assert made.returncode == 0, made.stderr
     assert np.array_equal(load_file(str(out))["m.w"], np.arange(n, dtype=np.float32).reshape(2, 5))
-    missing = run_cli("inspect", str(tmp_path / "nothing"))
+    missing = run_cli(tmp_path, "inspect", str(tmp_path / "nothing"))
     assert missing.returncode == 1 and "no checkpoint at" in missing.stderr and "Traceback" not in missing.stderr
