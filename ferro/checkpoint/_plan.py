@@ -10,6 +10,7 @@ pieces first: the bytes spread over the ranks instead of landing on rank 0.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -100,9 +101,7 @@ def plan_save(descriptions: list[Description]) -> SavePlan:
 
 def _check_ranges(path: Path, shape: tuple[int, ...], keys: list[PieceKey], holders: dict[PieceKey, list[int]]
                   ) -> None:
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     position = 0
     for _, start, stop in sorted(keys, key=lambda k: (k[1], k[2])):
         if start < position:

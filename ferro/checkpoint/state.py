@@ -15,7 +15,7 @@ from typing import Any
 
 from ferro.parallel.ddp import DDP
 from ferro.parallel.fsdp import FSDP
-from ferro.parallel.fsdp._tensors import tensors_for
+from ferro.parallel.fsdp._tensors import named_param_groups, tensors_for
 
 __all__ = ["get_state_dict", "set_state_dict"]
 
@@ -55,7 +55,7 @@ def set_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
     if isinstance(model, FSDP):
         model.load_sharded_optim_state_dict(optimizer, state["optim"])
         return
-    names = {id(param): name for name, param in _named_parameters(_unwrap(model))}
+    names = {id(param): name for name, param in _unwrap(model).named_parameters()}
     per_param = tensors_for(_unwrap(model)).optimizer_state(optimizer)
     entries = state["optim"]["state"]
     for param, current in per_param.items():
@@ -72,7 +72,7 @@ def _model_state(model: Any) -> dict[str, Any]:
         return model.sharded_state_dict()
     module = _unwrap(model)
     state = {name: getattr(param, "data", param) if not hasattr(param, "detach") else param
-             for name, param in _named_parameters(module)}
+             for name, param in module.named_parameters()}
     if hasattr(module, "named_buffers"):
         state.update((name, buffer) for name, buffer in module.named_buffers())
     return state
@@ -82,23 +82,7 @@ def _optim_state(model: Any, optimizer: Any) -> dict[str, Any]:
     if isinstance(model, FSDP):
         return model.sharded_optim_state_dict(optimizer)
     module = _unwrap(model)
-    tensors = tensors_for(module)
-    named = list(_named_parameters(module))
-    per_param = tensors.optimizer_state(optimizer)
-    if not any(per_param.get(param) for _, param in named):
-        tensors.init_optimizer_state(optimizer, [param for _, param in named])
-        per_param = tensors.optimizer_state(optimizer)
-    state = {name: dict(per_param[param]) for name, param in named if per_param.get(param)}
-    groups = getattr(optimizer, "param_groups", None)
-    names = {id(param): name for name, param in named}
-    if groups is None:
-        param_groups = [{"params": [names[id(p)] for p in getattr(optimizer, "params", []) if id(p) in names]}]
-    else:
-        param_groups = [{**{k: v for k, v in g.items() if k != "params"},
-                         "params": [names[id(p)] for p in g["params"] if id(p) in names]} for g in groups]
-    return {"state": state, "param_groups": param_groups}
-
-
-def _named_parameters(module: Any) -> list[tuple[str, Any]]:
-    return list(module.named_parameters())
-
+    named = list(module.named_parameters())
+    per_param = tensors_for(module).ensure_optimizer_state(optimizer, [param for _, param in named])
+    return {"state": {name: dict(per_param[param]) for name, param in named if per_param.get(param)},
+            "param_groups": named_param_groups(optimizer, {id(param): [name] for name, param in named})}

@@ -94,9 +94,7 @@ def format_inspection(info: dict[str, Any]) -> str:
 
 
 def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024  # type: ignore[assignment]
-    return ""
-
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    scale = min(3, (nbytes.bit_length() - 1) // 10)
+    return f"{nbytes / (1 << 10 * scale):.1f} {('KiB', 'MiB', 'GiB')[scale - 1]}"

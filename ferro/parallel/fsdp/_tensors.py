@@ -131,6 +131,18 @@ class Tensors(abc.ABC):
     def init_optimizer_state(self, optimizer: Any, params: list[Any]) -> None:
         """Make the optimizer create its state for ``params`` without changing them (a step at learning rate 0)."""
 
+    def ensure_optimizer_state(self, optimizer: Any, params: list[Any]) -> dict[Any, dict[str, Any]]:
+        """Return the optimizer's per-parameter state, creating it first if none of ``params`` has any.
+
+        A fresh optimizer gets its state from one step at learning rate 0, as torch's DCP does, so a
+        checkpoint can be loaded into it.
+        """
+        state = self.optimizer_state(optimizer)
+        if not any(state.get(param) for param in params):
+            self.init_optimizer_state(optimizer, params)
+            state = self.optimizer_state(optimizer)
+        return state
+
 
 
 class NumpyTensors(Tensors):
@@ -445,3 +457,18 @@ def tensors_for(module: Any) -> Tensors:
     from ferro.parallel._model import is_torch_module
 
     return TorchTensors() if is_torch_module(module) else NumpyTensors()
+
+
+def named_param_groups(optimizer: Any, names: dict[int, list[str]]) -> list[dict[str, Any]]:
+    """Return the optimizer's parameter groups with their settings and, for parameters, names.
+
+    Args:
+        optimizer: A torch optimizer (``param_groups``) or a ferro.nn one (one group, ``params``).
+        names: Parameter names by ``id`` of the object the optimizer holds (an FSDP shard has several).
+
+    """
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:  # ferro.nn: one group
+        return [{"params": [name for p in getattr(optimizer, "params", []) for name in names.get(id(p), [])]}]
+    return [{**{k: v for k, v in g.items() if k != "params"},
+             "params": [name for p in g["params"] for name in names.get(id(p), [])]} for g in groups]

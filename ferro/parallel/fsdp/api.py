@@ -37,7 +37,7 @@ import numpy as np
 from ferro.backend.base import Backend
 from ferro.collective import ReduceOp, all_gather, allreduce, broadcast, gather, reduce_scatter
 from ferro.errors import CollectiveMismatchError, ConfigurationError, DistributedError
-from ferro.parallel.fsdp._tensors import Tensors, TorchTensors, tensors_for
+from ferro.parallel.fsdp._tensors import Tensors, TorchTensors, named_param_groups, tensors_for
 from ferro.parallel.fsdp.flat import FlatGroup, ShardedEntry, Slot
 from ferro.parallel.fsdp.options import MixedPrecision, ShardingStrategy
 from ferro.types import MAX_TAG
@@ -752,11 +752,7 @@ class FSDP:
 
         """
         self._require_idle("sharded_optim_state_dict")
-        per_param = self._tensors.optimizer_state(optimizer)
-        shards = [group.shard for unit in self.units for group in unit.groups]
-        if not any(per_param.get(shard) for shard in shards):
-            self._tensors.init_optimizer_state(optimizer, shards)
-            per_param = self._tensors.optimizer_state(optimizer)
+        per_param = self._tensors.ensure_optimizer_state(optimizer, self.parameters())
         state: dict[str, dict[str, Any]] = {}
         for unit in self.units:
             for group in unit.groups:
@@ -802,13 +798,8 @@ class FSDP:
                             current[key] = _same_or_copy(current.get(key), value)
 
     def _param_groups(self, optimizer: Any) -> list[dict[str, Any]]:
-        names = {id(group.shard): [slot.fqn for slot in group.slots] for unit in self.units for group in unit.groups}
-        groups = getattr(optimizer, "param_groups", None)
-        if groups is None:  # ferro.nn: one group
-            params = getattr(optimizer, "params", [])
-            return [{"params": [fqn for p in params for fqn in names.get(id(p), [])]}]
-        return [{**{k: v for k, v in g.items() if k != "params"},
-                 "params": [fqn for p in g["params"] for fqn in names.get(id(p), [])]} for g in groups]
+        return named_param_groups(optimizer, {id(group.shard): [slot.fqn for slot in group.slots]
+                                              for unit in self.units for group in unit.groups})
 
     def load_full_optim_state_dict(self, optimizer: Any, state: dict[str, Any]) -> None:
         """Give the optimizer its state for this rank's shards, cut from a full optimizer state dict.
