@@ -6,6 +6,7 @@ should not be needed.
 
 from ferro import checkpoint, nn, p2p, pipeline
 from ferro.backend import Backend, HierarchicalBackend, ShmBackend, SimulatedBackend, SubBackend, TcpBackend
+from ferro.backend.nccl import HybridBackend, NcclBackend, nccl_version
 from ferro.collective import (
     all_gather,
     all_gather_object,
@@ -32,11 +33,13 @@ from ferro.errors import (
     CollectiveMismatchError,
     ConfigurationError,
     ConnectionBrokenError,
+    CudaError,
     DistributedError,
     DistributedTimeoutError,
     InvalidBufferError,
     InvalidRankError,
     InvalidWorldSizeError,
+    NcclError,
     PeerLostError,
     ProtocolError,
     RankFailedError,
@@ -45,6 +48,7 @@ from ferro.errors import (
     StoreError,
     TransportError,
 )
+from ferro.gpu import gpu_allreduce, gpu_broadcast
 from ferro.p2p import irecv, isend, recv, recv_into, send, sendrecv
 from ferro.parallel import DDP, FSDP, MixedPrecision, ShardingStrategy, size_based_policy
 from ferro.process_group import (
@@ -82,6 +86,7 @@ __all__ = [
     "CollectiveMismatchError",
     "ConfigurationError",
     "ConnectionBrokenError",
+    "CudaError",
     "DDP",
     "DeviceMesh",
     "destroy_process_group",
@@ -89,6 +94,8 @@ __all__ = [
     "DistributedTimeoutError",
     "FSDP",
     "gather",
+    "gpu_allreduce",
+    "gpu_broadcast",
     "get_default_group",
     "get_rank",
     "get_world_size",
@@ -122,6 +129,10 @@ __all__ = [
     "send",
     "sendrecv",
     "HierarchicalBackend",
+    "HybridBackend",
+    "NcclBackend",
+    "NcclError",
+    "nccl_version",
     "ShmBackend",
     "SimulatedBackend",
     "SizeMismatchError",

@@ -22,7 +22,8 @@ import numpy as np
 from ferro.errors import InvalidBufferError
 from ferro.types import DType, dtype_by_name
 
-__all__ = ["Operand", "as_buffer", "byte_view", "is_torch_tensor", "operand", "torch_view", "wrap_like"]
+__all__ = ["Operand", "as_buffer", "before_writing", "byte_view", "is_device_array", "is_torch_tensor", "operand",
+           "torch_view", "wrap_like"]
 
 _PASS_THROUGH = (np.ndarray, bytes, bytearray, memoryview)
 # Extension dtypes whose arrays NumPy cannot export through the buffer protocol.
@@ -32,6 +33,13 @@ _NOT_EXPORTABLE = {"bfloat16"}
 def is_torch_tensor(obj: Any) -> bool:
     """Whether ``obj`` is a PyTorch tensor (without importing torch)."""
     return type(obj).__module__.startswith("torch") and hasattr(obj, "numpy")
+
+
+def is_device_array(obj: Any) -> bool:
+    """Whether ``obj`` lives in GPU memory: a CUDA tensor, or an object exporting ``__cuda_array_interface__``."""
+    if is_torch_tensor(obj):
+        return bool(obj.is_cuda)
+    return not isinstance(obj, _PASS_THROUGH) and hasattr(obj, "__cuda_array_interface__")
 
 
 def torch_view(tensor: Any, op: str, writable: bool = False) -> tuple[np.ndarray, Any]:
@@ -61,7 +69,7 @@ def torch_view(tensor: Any, op: str, writable: bool = False) -> tuple[np.ndarray
             f"{op}: the tensor is {str(tensor.layout).replace('torch.', '')}, not dense; collectives move dense "
             f"tensors: pass tensor.to_dense() (or its values())")
     if writable:
-        _before_writing(tensor, op)
+        before_writing(tensor, op)
     tensor = tensor.detach()
     if not tensor.is_contiguous():
         raise InvalidBufferError(f"{op}: the tensor is not contiguous; pass tensor.contiguous()")
@@ -80,7 +88,7 @@ def _torch() -> Any:
     return torch
 
 
-def _before_writing(tensor: Any, op: str) -> None:
+def before_writing(tensor: Any, op: str) -> None:
     """Do what torch does before an in-place write: refuse a leaf that requires grad, bump the version."""
     torch = _torch()
     if tensor.requires_grad and tensor.is_leaf and torch.is_grad_enabled():

@@ -31,6 +31,7 @@ from ferro.errors import (
     ConnectionBrokenError,
     DistributedError,
     DistributedTimeoutError,
+    InvalidBufferError,
     InvalidRankError,
     PeerLostError,
 )
@@ -127,6 +128,10 @@ def _give_up(group: Backend, code: int, peer: int | None, message: str) -> None:
 
 def execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, buffers: tuple[Any, ...]) -> Any:
     """Run (or queue, with ``async_op``) one operation of the group, counted in its stats, in call order."""
+    if not group.host_memory and name != "barrier":
+        raise InvalidBufferError(
+            f"rank {group.rank}: {name}: this {type(group).__name__} moves GPU memory only; for host arrays and "
+            f"objects use backend='hybrid' (TCP for the host, NCCL for the GPU)")
     group.state.count_call(COLLECTIVE_IDS[name])
     worker = worker_of(group)
     guarded = lambda: _run_guarded(group, name, body)  # noqa: E731 - a closure over this call's arguments

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from ferro import _algorithms as algo
-from ferro._buffers import Operand, operand, wrap_like
+from ferro import gpu
+from ferro._buffers import Operand, is_device_array, operand, wrap_like
 from ferro._core.arena import DirectAllreduce
 from ferro._core.reduce import divide, has_kernel
 from ferro._core.state import UNSET
@@ -154,6 +155,8 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
 def _allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: bool, algorithm: str | None) -> Any:
     # The full path, kept out of allreduce() itself: its closure would make every call, the
     # direct ones too, allocate cells for the captured variables.
+    if type(x) is not np.ndarray and is_device_array(x):
+        return gpu.device_allreduce(g, x, op, timeout, async_op)
     data = operand(x, "allreduce", writable=True)
     reduce_op = _reduce_op(op, data.dtype, "allreduce")
     if algorithm not in (None, "ring", "recursive_doubling"):
@@ -249,6 +252,8 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend 
 
     """
     g = resolve_group(group, "reduce")
+    if type(x) is not np.ndarray and is_device_array(x):
+        return gpu.device_reduce(g, x, dst, op, timeout, async_op)
     data = operand(x, "reduce", writable=True)
     root = resolve_root(dst, g, "reduce", "dst")
     reduce_op = _reduce_op(op, data.dtype, "reduce")
@@ -293,6 +298,8 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
 
     """
     g = resolve_group(group, "reduce_scatter")
+    if type(x) is not np.ndarray and is_device_array(x):
+        return gpu.device_reduce_scatter(g, x, op, timeout, async_op)
     data = operand(x, "reduce_scatter", writable=False)
     if data.array.ndim == 0:
         raise InvalidBufferError("reduce_scatter: the input needs at least one dimension to split along axis 0")
@@ -343,6 +350,8 @@ def broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeout: f
 
     """
     g = resolve_group(group, "broadcast")
+    if type(x) is not np.ndarray and is_device_array(x):
+        return gpu.device_broadcast(g, x, root, timeout, async_op)
     root_rank = resolve_root(root, g, "broadcast")
     data = operand(x, "broadcast", writable=g.rank != root_rank)
     link = make_link(g, "broadcast", resolve_timeout(g, timeout), data, 0, root_rank, data.array.size, data.array.shape)
@@ -402,6 +411,8 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
 
     """
     g = resolve_group(group, "all_gather")
+    if type(x) is not np.ndarray and is_device_array(x):
+        return gpu.device_all_gather(g, x, out, timeout, async_op)
     data = operand(x, "all_gather", writable=False)
     shape = _gathered_shape(data.array, g.world_size)
     result = _output(out, shape, data, "all_gather")
@@ -550,6 +561,8 @@ def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = 
 
     """
     g = resolve_group(group, "all_to_all")
+    if type(x) is not np.ndarray and is_device_array(x):
+        return gpu.device_all_to_all(g, x, timeout, async_op)
     data = operand(x, "all_to_all", writable=False)
     if data.array.ndim == 0 or data.array.shape[0] % g.world_size:
         raise InvalidBufferError(

@@ -19,11 +19,13 @@ __all__ = [
     "CollectiveMismatchError",
     "ConfigurationError",
     "ConnectionBrokenError",
+    "CudaError",
     "DistributedError",
     "DistributedTimeoutError",
     "InvalidBufferError",
     "InvalidRankError",
     "InvalidWorldSizeError",
+    "NcclError",
     "PeerLostError",
     "ProtocolError",
     "RankFailedError",
@@ -192,3 +194,37 @@ class CheckpointError(DistributedError, ValueError):
 
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint's file is truncated, missing, or fails its checksum; the message names the file and tensor."""
+
+
+class NcclError(DistributedError, RuntimeError):
+    """NCCL reported an error that is not a lost peer, a system error or a timeout (those raise their own class).
+
+    The message carries NCCL's own text (``ncclGetLastError``).
+
+    Attributes:
+        result: The ``ncclResult_t`` code.
+
+    """
+
+    def __init__(self, message: str, result: int = -1) -> None:
+        super().__init__(message)
+        self.result = result
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.result))
+
+
+class CudaError(DistributedError, RuntimeError):
+    """A CUDA driver call made by ferro failed.
+
+    Attributes:
+        code: The ``CUresult``.
+
+    """
+
+    def __init__(self, message: str, code: int = -1) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.code))

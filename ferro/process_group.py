@@ -63,7 +63,7 @@ def _configure_logging() -> None:
 
 def init_process_group(backend: str = "auto", init_method: str | None = None, rank: int | None = None,
                        world_size: int | None = None, timeout: float | None = None, *,
-                       secret: bytes | str | None = None) -> Backend:
+                       secret: bytes | str | None = None, device_id: int | None = None) -> Backend:
     """Join the job's process group and make it the default for every collective.
 
     Where rank and world size come from, first found wins: the arguments;
@@ -80,13 +80,16 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
             and picks shared memory when all share one, TCP when no two do, and
             ``"hierarchical"`` otherwise (shared memory inside each host, TCP between
             one leader per host); or name one of :data:`ferro.backend.BACKENDS`:
-            ``"tcp"``, ``"shm"``, ``"hierarchical"``.
+            ``"tcp"``, ``"shm"``, ``"hierarchical"``; on GPUs ``"nccl"`` (GPU memory only)
+            or ``"hybrid"`` (TCP for host memory, NCCL for GPU memory).
         init_method: ``"env://"``, ``"tcp://host:port"`` (the master), or
             ``"file:///path"`` (rendezvous through a file every rank can open).
         rank: This rank.
         world_size: Number of ranks.
         timeout: Default seconds for every blocking operation (default ``$FERRO_TIMEOUT`` or 60).
         secret: The job secret (default ``$FERRO_SECRET``).
+        device_id: The GPU of this rank for ``"nccl"`` and ``"hybrid"`` (default: the
+            current device, else ``LOCAL_RANK`` modulo the number of GPUs).
 
     Returns:
         The new default group.
@@ -164,7 +167,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     # Listen where the peers can reach us: the route towards the master, unless only a file names the job.
     bind_addr = None if master_addr else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
     spec = JoinSpec(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT, timeout=timeout,
-                    secret=secret, store=store, bind_addr=bind_addr, close_store=close_store)
+                    secret=secret, store=store, bind_addr=bind_addr, close_store=close_store, device_id=device_id)
     group = join_backend(backend, spec)
     _default_group = group
     return group
@@ -213,7 +216,9 @@ def new_group(ranks: Iterable[int], group: Backend | None = None, *, timeout: fl
 
     Every member must call it, with the same ranks, in the same order as its
     other ``new_group`` calls on that group. Non-members may call it too and get
-    ``None`` without communicating. Local ranks follow the sorted order of ``ranks``.
+    ``None`` without communicating; on NCCL groups (``nccl``, ``hybrid``) every
+    rank of the parent must call it (NCCL splits collectively), as in ``torch.distributed``.
+    Local ranks follow the sorted order of ``ranks``.
     The sub-group's traffic travels on channels of its own.
 
     Args:

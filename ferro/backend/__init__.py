@@ -53,6 +53,7 @@ class BackendEntry:
         description: One line for help texts.
         join: ``join(spec)`` returns this rank's group, or None when the backend is not available.
         unavailable: Why it is not available (and what would make it so), when ``join`` is None.
+        gpu: It moves GPU memory and needs a GPU, its driver and libnccl (checked when joining).
 
     """
 
@@ -60,6 +61,19 @@ class BackendEntry:
     description: str
     join: Callable[[JoinSpec], Backend] | None
     unavailable: str = ""
+    gpu: bool = False
+
+
+def _join_nccl(spec: JoinSpec) -> Backend:
+    from ferro.backend.nccl import NcclBackend  # imports no library: those load when the group is made
+
+    return NcclBackend.join(spec)
+
+
+def _join_hybrid(spec: JoinSpec) -> Backend:
+    from ferro.backend.nccl import HybridBackend
+
+    return HybridBackend.join(spec)
 
 
 #: Every backend by name, in the order help texts list them. Read-only.
@@ -69,15 +83,21 @@ BACKENDS = MappingProxyType({entry.name: entry for entry in (
     BackendEntry("hierarchical", "shared memory inside each host, TCP between one leader per host",
                  HierarchicalBackend.join),
     BackendEntry("mpi", "MPI through mpi4py", None, "the MPI backend is not part of this ferro yet; use 'tcp'"),
-    BackendEntry("nccl", "NCCL on GPUs", None, "the NCCL backend is not part of this ferro yet; use 'tcp'"),
-    BackendEntry("hybrid", "TCP for the CPU, NCCL for GPUs", None,
-                 "the TCP+NCCL hybrid backend is not part of this ferro yet; use 'tcp'"),
+    BackendEntry("nccl", "NCCL on GPUs (one per rank), through ctypes", _join_nccl, gpu=True),
+    BackendEntry("hybrid", "TCP for host memory, NCCL for GPU memory", _join_hybrid, gpu=True),
 )})
 
 
-def available_backends() -> list[str]:
-    """Names of the backends a rank can join with here, in registry order."""
-    return [name for name, entry in BACKENDS.items() if entry.join is not None]
+def available_backends(gpu: bool | None = None) -> list[str]:
+    """Names of the backends this ferro can join with, in registry order.
+
+    Args:
+        gpu: True for the GPU backends only, False for the host ones only, None for both.
+            A GPU backend is listed even where no GPU is; joining it then says what is missing.
+
+    """
+    return [name for name, entry in BACKENDS.items()
+            if entry.join is not None and (gpu is None or entry.gpu == gpu)]
 
 
 def backend_entry(name: str) -> BackendEntry:

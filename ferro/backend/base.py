@@ -59,6 +59,11 @@ class Backend(abc.ABC):
     #: Whether collectives carry the issuing thread's tag, so calls racing from several threads
     #: fail instead of meeting the wrong partner (the thread rule of :mod:`ferro.work`).
     tags_threads: bool = True
+    #: Whether the group moves host memory (NumPy arrays, CPU tensors). NCCL groups move GPU memory only.
+    host_memory: bool = True
+    #: Whether making a sub-group is collective over every rank of this group (NCCL's ``ncclCommSplit``):
+    #: then :func:`ferro.new_group` calls :meth:`split_excluded` on the ranks left out.
+    splits_collectively: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -77,6 +82,15 @@ class Backend(abc.ABC):
     def native(self) -> NativeCollectives | None:
         """The group's native collectives (usually the group itself), or None when it has none."""
         return self if self._is_native else None  # type: ignore[return-value]
+
+    @property
+    def device_collectives(self) -> Any:
+        """The group's NCCL communicator (:class:`~ferro.backend.nccl.communicator.Communicator`), or None.
+
+        Collectives on GPU buffers (:mod:`ferro.gpu`) run on it; a group without one
+        refuses them with a message saying which backends have one.
+        """
+        return None
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Communication counters of this rank: per operation, its calls and the payload bytes moved.
@@ -266,6 +280,9 @@ class Backend(abc.ABC):
 
         """
         raise BackendUnavailableError(f"{type(self).__name__} cannot create sub-groups (it does not implement split)")
+
+    def split_excluded(self, *, timeout: float | None = None) -> None:  # noqa: B027 - a no-op unless collective
+        """Take part in a sub-group's creation as a rank left out of it (see :attr:`splits_collectively`)."""
 
     def check_peer(self, peer: object, op: str) -> int:
         """Validate a peer rank for a point-to-point operation and return it.

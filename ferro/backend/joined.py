@@ -34,6 +34,7 @@ class JoinSpec:
             or :class:`~ferro.rendezvous.file_store.FileStore`), or None to use rank 0's.
         bind_addr: Address TCP listeners bind (None: the route towards the master).
         close_store: Close ``store`` with the group (it becomes the group's own).
+        device_id: The GPU of an NCCL group (None: the current device, else ``LOCAL_RANK``).
 
     """
 
@@ -46,6 +47,7 @@ class JoinSpec:
     store: Any = None
     bind_addr: str | None = None
     close_store: bool = False
+    device_id: int | None = None
 
 
 class StoreBackend(FramedBackend):

@@ -29,6 +29,8 @@ class SubBackend(Backend):
         self._ranks = tuple(ranks)
         self._channel = channel
         self.tags_threads = parent.tags_threads  # simulated ranks stay untagged in their sub-groups too
+        self.host_memory = channel.host_memory
+        self.splits_collectively = channel.splits_collectively
 
     @property
     def state(self) -> GroupState:
@@ -39,6 +41,15 @@ class SubBackend(Backend):
     def native(self) -> NativeCollectives | None:
         """The channel's native collectives (TCP's compiled ones serve the sub-group as they are)."""
         return self._channel.native
+
+    @property
+    def device_collectives(self) -> Any:
+        """The channel's NCCL communicator, if it has one."""
+        return self._channel.device_collectives
+
+    def split_excluded(self, *, timeout: float | None = None) -> None:
+        """Take part, left out, in a collective split of the channel."""
+        self._channel.split_excluded(timeout=timeout)
 
     def _counters(self) -> dict[int, tuple[int, int, int]]:
         return self._channel._counters()
@@ -151,7 +162,9 @@ def sub_group(group: Backend, ranks: Iterable[int], *, timeout: float | None = N
 
     Every member must call it, with the same ranks, in the same order as its
     other sub-group calls on that group. Non-members may call it too and get
-    ``None`` without communicating. Local ranks follow the sorted order of ``ranks``.
+    ``None`` without communicating, except on NCCL groups (``nccl``, ``hybrid``),
+    where every rank of ``group`` must call it, as in ``torch.distributed``.
+    Local ranks follow the sorted order of ``ranks``.
 
     Args:
         group: The parent group.
@@ -179,5 +192,7 @@ def sub_group(group: Backend, ranks: Iterable[int], *, timeout: float | None = N
         raise InvalidRankError(f"new_group: ranks {outside} are outside the parent group's [0, {group.world_size})")
     members.sort()
     if group.rank not in members:
+        if group.splits_collectively:  # NCCL: every rank of the parent takes part in ncclCommSplit
+            group.split_excluded(timeout=timeout)
         return None
     return SubBackend(group, members, group.split(members, timeout=timeout))

@@ -220,7 +220,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
         """Connect a new mesh among ``ranks`` through this group's store (see :meth:`Backend.split`)."""
         self._usable("new_group")
         members = tuple(ranks)
-        child = TcpBackend.__new__(TcpBackend)
+        child = type(self).__new__(type(self))  # a subclass (the hybrid group) splits into its own kind
         child._init_state(members.index(self._rank), len(members), self._store, False, self._split_prefix(members),
                           self._secret, self._timeout if timeout is None else default_timeout(timeout))
         child._connect(self._bind_addr, self._spin_us)
