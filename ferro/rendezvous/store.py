@@ -430,6 +430,14 @@ class Store:
         # The server gives up a little before the caller's deadline, so its answer arrives in time.
         return str(max(0, int((seconds - min(SERVER_HEADSTART, seconds / 10)) * 1000))).encode()
 
+    def clone(self) -> Store:
+        """Return another client of the same server, with a connection of its own.
+
+        A background thread that talks to the store (NCCL's watchdog) uses one, so
+        it never waits behind the main thread's long ``get`` or ``wait``.
+        """
+        return Store(self.host, self.port, secret=self._secret, timeout=self.timeout)
+
     def set(self, key: str, value: bytes | str, timeout: float | None = None) -> None:
         """Set ``key`` to ``value``, waking every waiter on it.
 

@@ -139,7 +139,7 @@ class DeviceWork:
             The communicator's failure, if it failed.
 
         """
-        self._comm.raise_if_failed(self.name)
+        self._comm.raise_if_failed(self.name, self)
         if not self._done.is_set():
             self._comm.order_after(self._caller_stream, self._event)
         return self._result
@@ -164,7 +164,7 @@ class DeviceWork:
                 break
             self._done.wait(delay)
             delay = min(delay * 2, _LONGEST_POLL_SECONDS)
-        self._comm.raise_if_failed(self.name)
+        self._comm.raise_if_failed(self.name, self)
         return self._result
 
     def _finish(self) -> None:
@@ -198,6 +198,9 @@ class Communicator:
         self._handle = handle
         self.rank, self.world_size, self.device, self.timeout = rank, world_size, device, timeout
         self._store, self._prefix = store, prefix
+        # The watchdog's own store connection: the main thread may sit in a long store call.
+        clone = getattr(store, "clone", None)
+        self._watch_store = clone() if clone is not None else store
         self.on_failure = on_failure
         self._lock = threading.RLock()
         self._failure: DistributedError | None = None
@@ -212,6 +215,7 @@ class Communicator:
         self._stream = driver.new_stream()
         self._ready = driver.new_event()
         self._scratch = driver.alloc(4)  # the barrier's one int32
+        self.publish_progress()  # a record from the start: a rank that dies at once is seen to stop
         self.watchdog = Watchdog(self)
 
     # --- creation --------------------------------------------------------------------------------
@@ -293,6 +297,11 @@ class Communicator:
     # --- operations ------------------------------------------------------------------------------
 
     @property
+    def stream(self) -> int:
+        """The communicator's own CUDA stream (``async_op=True`` work runs on it)."""
+        return self._stream
+
+    @property
     def busy(self) -> bool:
         """Whether operations are pending (the watchdog polls faster then)."""
         return bool(self._pending)
@@ -302,8 +311,13 @@ class Communicator:
         """The error that failed the communicator, or None while it is healthy."""
         return self._failure
 
-    def raise_if_failed(self, call: str) -> None:
-        """Raise the communicator's failure (or that it is closed) for ``call``."""
+    def raise_if_failed(self, call: str, work: DeviceWork | None = None) -> None:
+        """Raise the communicator's failure (or that it is closed) for ``call``.
+
+        For ``work`` that was pending when the communicator failed, the failure itself is raised.
+        """
+        if self._failure is not None and work is not None and work.seq > self._completed:
+            raise self._failure.with_traceback(None)
         if self._failure is not None:
             raise type(self._failure)(f"rank {self.rank}: {call}: the NCCL communicator was aborted after an "
                                       f"earlier failure; create a new group. The failure: {self._failure}")
@@ -404,7 +418,7 @@ class Communicator:
             if self._failure is not None or work.is_completed():
                 return
             self.publish_progress()
-            culprits = blame(self._store, self._prefix, self.rank, self.world_size, work.seq, work.name,
+            culprits = blame(self._watch_store, self._prefix, self.rank, self.world_size, work.seq, work.name,
                              self.watchdog.heartbeat)
             self.fail(DistributedTimeoutError(
                 f"rank {self.rank}: NCCL operation #{work.seq} ({work.name}) did not complete within its timeout: "
@@ -427,7 +441,7 @@ class Communicator:
         """Write this rank's progress record to the store (the watchdog's heartbeat)."""
         record = Progress(self._issued, self._completed, self._last, time.time())
         try:
-            self._store.set(progress_key(self._prefix, self.rank), record.encode(), timeout=1.0)
+            self._watch_store.set(progress_key(self._prefix, self.rank), record.encode(), timeout=1.0)
         except DistributedError:
             pass  # the store is gone (rank 0 died); the next timeout says so
 
@@ -455,6 +469,8 @@ class Communicator:
                 self.driver.destroy_event(event)
             self.driver.destroy_stream(self._stream)
             self.driver.free(self._scratch)
+            if self._watch_store is not self._store:
+                self._watch_store.close()
 
     def __repr__(self) -> str:
         state = "failed" if self._failure else "closed" if self._closed else "open"
