@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _nccl_stub import FakeGpuArray, compile_stub, read_log, stub_env
 
 import ferro
 from ferro.backend.nccl import cuda, library
@@ -30,7 +31,6 @@ from ferro.errors import (
 )
 from ferro.testing import run_processes
 from ferro.types import ReduceOp
-from _nccl_stub import FakeGpuArray, compile_stub, read_log, stub_env
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the stubs are Linux shared objects")
 

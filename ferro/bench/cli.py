@@ -4,6 +4,7 @@ With ``-n N`` it starts N local ranks itself (through ``ferro run``); inside a
 launcher (``ferro run``, torchrun, mpirun) it is one of the ranks. ``--compare
 torch-gloo,mpi,ferro-tcp`` runs the same sweep on torch.distributed's gloo, on
 Open MPI (mpi4py) and on another ferro backend, and prints ferro's ratio to each
+(``--backend nccl --compare torch-nccl`` compares the GPU groups, on CUDA tensors)
 per size, beside the time one core takes to copy that many bytes (the physical
 reference: a collective moves every byte at least once).
 """
@@ -121,6 +122,12 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
 def _available(library: str) -> str | None:
     if library.startswith("ferro"):
         return None
+    if library == "torch-nccl":
+        try:
+            import torch
+        except ImportError:
+            return "torch is not installed"
+        return None if torch.cuda.is_available() else "no CUDA GPU visible to torch"
     module = {"torch-gloo": "torch.distributed", "mpi": "mpi4py"}[library]
     try:
         __import__(module)
@@ -165,6 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ferro bench: backend {args.backend!r} is not available; use auto or one of "
               f"{', '.join(available_backends())}", file=sys.stderr)
         return 2
+    if args.backend in available_backends(gpu=True):
+        from ferro.backend.nccl import require_nccl
+        from ferro.errors import BackendUnavailableError
+
+        try:
+            require_nccl(args.backend)
+        except BackendUnavailableError as exc:
+            print(f"ferro bench: {exc}", file=sys.stderr)
+            return 2
     peers = [p for p in args.compare.split(",") if p]
     bad = [p for p in peers if p not in PEERS]
     if bad:

@@ -67,6 +67,9 @@ class _Adapter(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional: MPI needs no leaving
         """Leave the group."""
 
+    def synchronize(self) -> None:  # noqa: B027 - host libraries finish inside the call
+        """Wait for work the calls left running (GPU streams)."""
+
 
 def _expected(redop: str, n: int) -> float:
     """Every element's reduced value when rank ``r`` contributes ``r + 1`` everywhere."""
@@ -257,7 +260,121 @@ class _Mpi(_Adapter):
         return None
 
 
-ADAPTERS = {"ferro": _Ferro, "torch-gloo": _Gloo, "mpi": _Mpi}
+class _CudaTensors(_Adapter):
+    """What the GPU adapters share: CUDA tensors on this rank's device, and the calls on them."""
+
+    torch: Any
+
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize()
+
+    def _calls(self, op: str, count: int, dtype: np.dtype, redop: str, allreduce: Callable[[Any], Any],
+               all_gather: Callable[[Any, Any], Any], reduce_scatter: Callable[[Any, Any], Any],
+               broadcast: Callable[[Any], Any]) -> Plan | None:
+        torch, n, r = self.torch, self.world_size, self.rank
+        if dtype.name not in ("float32", "float64", "float16", "int32", "int64", "int8", "uint8"):
+            return None
+        mine = torch.full((count,), r + 1, dtype=getattr(torch, dtype.name), device="cuda")
+        if op == "allreduce":
+            buf = mine.clone()
+            expected = _expected(redop, n)
+
+            def check() -> int:
+                y = mine.clone()
+                allreduce(y)
+                self.synchronize()
+                return int((y.double() != expected).sum())
+            return (lambda: allreduce(mine.clone()), lambda: allreduce(buf), check)
+        if op == "all_gather":
+            out = torch.empty(count * n, dtype=mine.dtype, device="cuda")
+            return (lambda: all_gather(out, mine), None, None)
+        if op == "reduce_scatter" and count % n == 0:
+            out = torch.empty(count // n, dtype=mine.dtype, device="cuda")
+            return (lambda: reduce_scatter(out, mine), None, None)
+        if op == "broadcast":
+            buf = mine.clone()
+            return (lambda: broadcast(mine.clone()), lambda: broadcast(buf), None)
+        if op == "barrier":
+            return (self.barrier, None, None)
+        return None
+
+
+class _FerroGpu(_CudaTensors):
+    """ferro's NCCL or hybrid group on CUDA tensors."""
+
+    def __init__(self, backend: str) -> None:
+        import os
+
+        import torch
+
+        import ferro
+
+        self.torch, self.ferro = torch, ferro
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        self.group = ferro.init_process_group(backend=backend)
+        self.name = f"ferro-{backend}"
+        self.rank, self.world_size = self.group.rank, self.group.world_size
+
+    def barrier(self) -> None:
+        self.ferro.barrier()
+
+    def max_over_ranks(self, value: float) -> float:
+        x = self.torch.tensor([value], dtype=self.torch.float64, device="cuda")
+        self.ferro.allreduce(x, op=self.ferro.ReduceOp.MAX)
+        return float(x.cpu()[0])
+
+    def plan(self, op: str, count: int, dtype: np.dtype, redop: str) -> Plan | None:
+        f = self.ferro
+        reduce_op = f.ReduceOp[{"prod": "PRODUCT"}.get(redop, redop.upper())]
+        return self._calls(op, count, dtype, redop, lambda x: f.allreduce(x, reduce_op),
+                           lambda out, x: f.all_gather(x, out=out),
+                           lambda out, x: f.reduce_scatter(x, reduce_op), lambda x: f.broadcast(x, root=0))
+
+    def close(self) -> None:
+        self.ferro.destroy_process_group()
+
+
+class _TorchNccl(_CudaTensors):
+    """torch.distributed's NCCL group on CUDA tensors: the peer of ferro's NCCL."""
+
+    name = "torch-nccl"
+
+    def __init__(self) -> None:
+        import os
+
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group("nccl")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def max_over_ranks(self, value: float) -> float:
+        t = self.torch.tensor([value], dtype=self.torch.float64, device="cuda")
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t.cpu()[0])
+
+    def plan(self, op: str, count: int, dtype: np.dtype, redop: str) -> Plan | None:
+        dist = self.dist
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "prod": dist.ReduceOp.PRODUCT, "mean": dist.ReduceOp.AVG}.get(redop)
+        if red is None:
+            return None
+        return self._calls(op, count, dtype, redop, lambda x: dist.all_reduce(x, op=red),
+                           lambda out, x: dist.all_gather_into_tensor(out, x),
+                           lambda out, x: dist.reduce_scatter_tensor(out, x, op=red),
+                           lambda x: dist.broadcast(x, src=0))
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+ADAPTERS = {"ferro": _Ferro, "torch-gloo": _Gloo, "mpi": _Mpi, "torch-nccl": _TorchNccl}
+GPU_BACKENDS = ("nccl", "hybrid")
 
 
 def _count_for(op: str, nbytes: int, itemsize: int, n: int) -> tuple[int, int]:
@@ -275,10 +392,12 @@ def _count_for(op: str, nbytes: int, itemsize: int, n: int) -> tuple[int, int]:
 def _time(adapter: _Adapter, call: Callable[[], Any], iters: int, warmup: int) -> float:
     for _ in range(warmup):
         call()
+    adapter.synchronize()
     adapter.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         call()
+    adapter.synchronize()
     mine = (time.perf_counter() - start) / iters * 1e6
     return adapter.max_over_ranks(mine)
 
@@ -342,7 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one rank's sweep."""
     args = build_parser().parse_args(argv)
-    adapter = _Ferro(args.backend) if args.library == "ferro" else ADAPTERS[args.library]()
+    adapter: _Adapter
+    if args.library == "ferro":
+        adapter = _FerroGpu(args.backend) if args.backend in GPU_BACKENDS else _Ferro(args.backend)
+    else:
+        adapter = ADAPTERS[args.library]()
     rows: list[Row] = []
 
     def show(line: str) -> None:
