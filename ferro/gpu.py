@@ -19,8 +19,10 @@ a silent fallback would hide a missing NCCL.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -196,15 +198,13 @@ def device_all_to_all(g: Backend, x: Any, timeout: float | None, async_op: bool)
     def enqueue(lib: Any, handle: int, stream: int) -> None:
         if not block:
             return
-        comm.settle(lib.ncclGroupStart(), "ncclGroupStart")
-        try:
-            for peer in range(n):
-                comm.settle(lib.ncclSend(array.pointer + peer * block, block, _BYTES, peer, handle, stream),
-                            "ncclSend")
-                comm.settle(lib.ncclRecv(target.pointer + peer * block, block, _BYTES, peer, handle, stream),
-                            "ncclRecv")
-        finally:
-            comm.settle(lib.ncclGroupEnd(), "ncclGroupEnd")
+        calls: list[tuple[str, Callable[[], int]]] = []
+        for peer in range(n):
+            calls.append(("ncclSend", functools.partial(lib.ncclSend, array.pointer + peer * block, block, _BYTES,
+                                                        peer, handle, stream)))
+            calls.append(("ncclRecv", functools.partial(lib.ncclRecv, target.pointer + peer * block, block, _BYTES,
+                                                        peer, handle, stream)))
+        _grouped(comm, lib, calls)
 
     work = comm.launch(_label("all_to_all", array), (array, target), async_op, timeout, enqueue, result)
     return _finish(work, async_op, result)
@@ -212,36 +212,43 @@ def device_all_to_all(g: Backend, x: Any, timeout: float | None, async_op: bool)
 
 def device_send(g: Backend, x: Any, dst: int, tag: int, timeout: float | None, async_op: bool) -> Any:
     """Send a GPU buffer's bytes to ``dst`` (``ncclSend``); the receiver passes a buffer of the same size."""
-    from ferro.backend.nccl.buffers import describe
-
-    comm = _communicator(g, "send")
-    peer = g.check_peer(dst, "send")
-    _no_tag(tag, "send")
-    array = describe(x, "send", writable=False)
-
-    def enqueue(lib: Any, handle: int, stream: int) -> None:
-        comm.settle(lib.ncclSend(array.pointer, array.nbytes, _BYTES, peer, handle, stream), "ncclSend")
-
-    work = comm.launch(f"send to rank {peer} ({_label('', array).strip()})", (array,), async_op, timeout, enqueue,
-                       None)
-    return _finish(work, async_op, None)
+    return _point_to_point(g, x, dst, tag, timeout, async_op, receive=False)
 
 
 def device_recv_into(g: Backend, out: Any, src: int, tag: int, timeout: float | None, async_op: bool) -> Any:
     """Receive ``out.nbytes`` bytes from ``src`` into a GPU buffer (``ncclRecv``)."""
+    return _point_to_point(g, out, src, tag, timeout, async_op, receive=True)
+
+
+def _point_to_point(g: Backend, x: Any, peer: int, tag: int, timeout: float | None, async_op: bool,
+                    receive: bool) -> Any:
     from ferro.backend.nccl.buffers import describe
 
-    comm = _communicator(g, "recv_into")
-    peer = g.check_peer(src, "recv_into")
-    _no_tag(tag, "recv_into")
-    array = describe(out, "recv_into", writable=True)
+    call = "recv_into" if receive else "send"
+    comm = _communicator(g, call)
+    other = g.check_peer(peer, call)
+    _no_tag(tag, call)
+    array = describe(x, call, writable=receive)
 
     def enqueue(lib: Any, handle: int, stream: int) -> None:
-        comm.settle(lib.ncclRecv(array.pointer, array.nbytes, _BYTES, peer, handle, stream), "ncclRecv")
+        if receive:
+            comm.settle(lib.ncclRecv(array.pointer, array.nbytes, _BYTES, other, handle, stream), "ncclRecv")
+        else:
+            comm.settle(lib.ncclSend(array.pointer, array.nbytes, _BYTES, other, handle, stream), "ncclSend")
 
-    work = comm.launch(f"recv from rank {peer} ({_label('', array).strip()})", (array,), async_op, timeout,
-                       enqueue, out)
-    return _finish(work, async_op, out)
+    what = f"{'recv from' if receive else 'send to'} rank {other} ({array.dtype}{list(array.shape)})"
+    result = x if receive else None
+    return _finish(comm.launch(what, (array,), async_op, timeout, enqueue, result), async_op, result)
+
+
+def _grouped(comm: Any, lib: Any, calls: list[tuple[str, Callable[[], int]]]) -> None:
+    """Run NCCL calls between ``ncclGroupStart`` and ``ncclGroupEnd`` (sends and receives that pair up)."""
+    comm.settle(lib.ncclGroupStart(), "ncclGroupStart")
+    try:
+        for name, call in calls:
+            comm.settle(call(), name)
+    finally:
+        comm.settle(lib.ncclGroupEnd(), "ncclGroupEnd")
 
 
 def device_sendrecv(g: Backend, x: Any, peer: int, tag: int, timeout: float | None) -> Any:
@@ -256,12 +263,10 @@ def device_sendrecv(g: Backend, x: Any, peer: int, tag: int, timeout: float | No
     target = describe(result, "sendrecv", writable=True)
 
     def enqueue(lib: Any, handle: int, stream: int) -> None:
-        comm.settle(lib.ncclGroupStart(), "ncclGroupStart")
-        try:
-            comm.settle(lib.ncclSend(array.pointer, array.nbytes, _BYTES, other, handle, stream), "ncclSend")
-            comm.settle(lib.ncclRecv(target.pointer, target.nbytes, _BYTES, other, handle, stream), "ncclRecv")
-        finally:
-            comm.settle(lib.ncclGroupEnd(), "ncclGroupEnd")
+        _grouped(comm, lib, [
+            ("ncclSend", functools.partial(lib.ncclSend, array.pointer, array.nbytes, _BYTES, other, handle, stream)),
+            ("ncclRecv", functools.partial(lib.ncclRecv, target.pointer, target.nbytes, _BYTES, other, handle,
+                                           stream))])
 
     comm.launch(f"sendrecv with rank {other} ({_label('', array).strip()})", (array, target), False, timeout,
                 enqueue, result)
@@ -307,12 +312,7 @@ def gpu_allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None 
     from ferro.collective import allreduce
 
     g = resolve_group(group, "gpu_allreduce")
-    if not is_device_array(x) or g.device_collectives is not None:
-        return allreduce(x, op, group=g, timeout=timeout)
-    host = _to_host(x, g, "gpu_allreduce")
-    allreduce(host, op, group=g, timeout=timeout)
-    _from_host(x, host)
-    return x
+    return _nccl_or_host(x, g, "gpu_allreduce", lambda y: allreduce(y, op, group=g, timeout=timeout))
 
 
 def gpu_broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeout: float | None = None) -> Any:
@@ -327,10 +327,15 @@ def gpu_broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeou
     from ferro.collective import broadcast
 
     g = resolve_group(group, "gpu_broadcast")
+    return _nccl_or_host(x, g, "gpu_broadcast", lambda y: broadcast(y, root, group=g, timeout=timeout))
+
+
+def _nccl_or_host(x: Any, g: Backend, call: str, run: Callable[[Any], Any]) -> Any:
+    """Run ``run(x)`` where the group can (NCCL, or a host buffer), else ``run`` on a host copy of ``x``."""
     if not is_device_array(x) or g.device_collectives is not None:
-        return broadcast(x, root, group=g, timeout=timeout)
-    host = _to_host(x, g, "gpu_broadcast")
-    broadcast(host, root, group=g, timeout=timeout)
+        return run(x)
+    host = _to_host(x, g, call)
+    run(host)
     _from_host(x, host)
     return x
 

@@ -442,13 +442,9 @@ def test_without_a_gpu_init_fails_at_once_naming_what_is_missing(tmp_path, stubs
 
 
 def test_gpu_buffers_on_a_host_group_are_refused_with_the_way_out():
-    group = ferro.SimulatedBackend.create_world(1)[0] if hasattr(ferro.SimulatedBackend, "create_world") else None
-    if group is None:
-        from ferro.testing import run_threads
+    from ferro.testing import run_threads
 
-        run_threads(_refuse_gpu_on_host_group, 1)
-    else:
-        _refuse_gpu_on_host_group(group)
+    run_threads(_refuse_gpu_on_host_group, 1)
 
 
 def _refuse_gpu_on_host_group(group):

@@ -6,32 +6,14 @@
  * Device memory is host memory; calls that order work are recorded in the
  * same log as the NCCL stub's ($FERRO_STUB_LOG.<pid>).
  */
-#include <stdarg.h>
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
+
+#include "stub_log.h"
 
 static __thread uintptr_t current_context = 0;
 static uintptr_t next_handle = 0x5000;
 
-static void record(const char* fmt, ...) {
-  const char* base = getenv("FERRO_STUB_LOG");
-  if (!base) return;
-  char path[4096];
-  snprintf(path, sizeof path, "%s.%d", base, (int)getpid());
-  FILE* f = fopen(path, "a");
-  if (!f) return;
-  va_list ap; va_start(ap, fmt); vfprintf(f, fmt, ap); va_end(ap);
-  fputc('\n', f);
-  fclose(f);
-}
-
-static int env_int(const char* name, int fallback) {
-  const char* v = getenv(name);
-  return v ? atoi(v) : fallback;
-}
 
 int cuInit(unsigned flags) { return env_int("FERRO_STUB_CUDA_INIT", 0); }
 int cuDriverGetVersion(int* v) { *v = 12080; return 0; }

@@ -11,12 +11,10 @@
  * "Device" memory is host memory here. Collectives behave as on a communicator
  * of one rank (copies), and touch memory only for counts below 2^30 elements.
  */
-#include <stdarg.h>
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
+
+#include "stub_log.h"
 
 typedef struct { char internal[128]; } ncclUniqueId;
 typedef struct {
@@ -26,18 +24,6 @@ typedef struct {
 typedef struct { int nranks; int rank; int polls_left; } stub_comm;
 
 static char last_error[256] = "";
-
-static void record(const char* fmt, ...) {
-  const char* base = getenv("FERRO_STUB_LOG");
-  if (!base) return;
-  char path[4096];
-  snprintf(path, sizeof path, "%s.%d", base, (int)getpid());
-  FILE* f = fopen(path, "a");
-  if (!f) return;
-  va_list ap; va_start(ap, fmt); vfprintf(f, fmt, ap); va_end(ap);
-  fputc('\n', f);
-  fclose(f);
-}
 
 static int injected(const char* name) {
   const char* spec = getenv("FERRO_STUB_FAIL");
@@ -49,10 +35,6 @@ static int injected(const char* name) {
   return 0;
 }
 
-static int env_int(const char* name, int fallback) {
-  const char* v = getenv(name);
-  return v ? atoi(v) : fallback;
-}
 
 static size_t dtype_size(int t) {
   static const size_t sizes[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1};

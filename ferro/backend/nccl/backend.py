@@ -50,6 +50,13 @@ def require_nccl(backend: str) -> None:
                                       f"On a machine without a GPU use backend='tcp' (or 'auto')")
 
 
+def _split_left_out(group: Any, comm: Communicator | None, timeout: float | None) -> None:
+    """Take part in a split as a rank the new sub-group leaves out (NCCL_SPLIT_NOCOLOR), for both NCCL groups."""
+    group._usable("new_group")
+    assert comm is not None
+    comm.split(None, group.timeout if timeout is None else default_timeout(timeout))
+
+
 class NcclBackend(StoreBackend):
     """A process group whose ranks talk through NCCL, one GPU each.
 
@@ -149,9 +156,7 @@ class NcclBackend(StoreBackend):
 
     def split_excluded(self, *, timeout: float | None = None) -> None:
         """Take part in ``ncclCommSplit`` as a rank left out of the new group."""
-        self._usable("new_group")
-        assert self._comm is not None
-        self._comm.split(None, self._timeout if timeout is None else default_timeout(timeout))
+        _split_left_out(self, self._comm, timeout)
 
     def _release(self) -> None:
         if self._comm is not None:
@@ -217,9 +222,7 @@ class HybridBackend(TcpBackend):
 
     def split_excluded(self, *, timeout: float | None = None) -> None:
         """Take part in ``ncclCommSplit`` as a rank left out of the new group (TCP needs nothing)."""
-        self._usable("new_group")
-        assert self._comm is not None
-        self._comm.split(None, self._timeout if timeout is None else default_timeout(timeout))
+        _split_left_out(self, self._comm, timeout)
 
     def _release(self) -> None:
         try:
