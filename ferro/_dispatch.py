@@ -136,6 +136,8 @@ def execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, 
     worker = worker_of(group)
     guarded = lambda: _run_guarded(group, name, body)  # noqa: E731 - a closure over this call's arguments
     if async_op:
+        if group.nonblocking_collectives:  # MPI: the calls start now and complete in the handle's wait()
+            return group.issue_nonblocking(guarded, name, f"{name} on rank {group.rank}", buffers)
         return worker.submit(guarded, f"{name} on rank {group.rank}", buffers)
     return worker.run(guarded, f"{name} on rank {group.rank}", buffers)
 

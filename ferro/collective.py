@@ -218,8 +218,8 @@ def _direct_path(g: Backend) -> Any:
     """
     native = g.native
     arena = native.direct_arena if native is not None else None
-    direct = None
-    if arena is not None:
+    direct = native.make_direct_allreduce(lambda exc: _failed(g, exc)) if native is not None else None
+    if direct is None and arena is not None:
         # Built by (and, by the thread rule of ferro.work, only ever taken by) the calling thread:
         # its plans carry this thread's tag.
         direct = DirectAllreduce(arena, g.state, lambda plans, key, op: _direct_plan(plans, key, op, g),
@@ -227,6 +227,12 @@ def _direct_path(g: Backend) -> Any:
                                  ReduceOp)
     g.state.direct_allreduce = direct
     return direct
+
+
+def _failed(group: Backend, exc: BaseException) -> BaseException:
+    """Tell the group's peers about a direct call's failure; return the error to raise."""
+    fail_together(group, "allreduce", exc)
+    return exc
 
 
 def _allreduce_algorithm(nbytes: int, world_size: int) -> str:
@@ -322,8 +328,10 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
             algo.reduce_scatter_ring(link, scratch, bounds, data.dtype, reduce_op.kernel_code)
             _finish_mean(mine, data.dtype, reduce_op, g.world_size)
         part = mine.reshape((row_bounds[g.rank + 1] - row_bounds[g.rank],) + data.array.shape[1:])
-        # A copy, so the result does not keep the whole input-sized scratch alive (N times its own size).
-        return wrap_like(part.copy() if part.size < scratch.size else part, data)
+        # A copy, so the result does not keep the whole input-sized scratch alive (N times its own size);
+        # made once the part is final (after MPI's nonblocking call completes, for an async call there).
+        result = lambda: wrap_like(part.copy() if part.size < scratch.size else part, data)  # noqa: E731
+        return native.when_complete(result) if native is not None else result()
 
     return execute(g, "reduce_scatter", body, async_op, (x,))
 
@@ -475,10 +483,13 @@ def gather(x: Any, dst: int = 0, *, group: Backend | None = None, timeout: float
     def body() -> Any:
         out = np.empty(shape, data.array.dtype) if g.rank == root else None
         flat = data.array.reshape(-1)
+        native = g.native
         if g.world_size == 1 or flat.size == 0:
             if out is not None:
                 out.reshape(-1)[:] = flat
-        else:
+        elif native is None or not native.native_gather(
+                flat.view(np.uint8), out.reshape(-1).view(np.uint8) if out is not None else None, root,
+                link.fingerprint, link.timeout):
             algo.gather_direct(link, flat, out, root)
         return wrap_like(out, data) if out is not None else None
 
@@ -531,15 +542,26 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None
                 if dst != root:
                     link.send(encode_meta(block), dst)
             out = np.empty_like(blocks[root].array)
-            algo.scatter_direct(link, [b.array for b in blocks], out, root)
+            if not _native_scatter(g, link, [b.array for b in blocks], out, root):
+                algo.scatter_direct(link, [b.array for b in blocks], out, root)
             return wrap_like(out, blocks[root])
         meta = np.empty(META_BYTES, np.uint8)
         link.recv(meta, root)
         incoming = array_from_meta(decode_meta(meta), None, f"rank {g.rank}: scatter")
-        algo.scatter_direct(link, None, incoming.array, root)
+        if not _native_scatter(g, link, None, incoming.array, root):
+            algo.scatter_direct(link, None, incoming.array, root)
         return wrap_like(incoming.array, incoming)
 
     return execute(g, "scatter", body, async_op, tuple(chunks) if chunks is not None else ())
+
+
+def _native_scatter(group: Backend, link: algo.Link, blocks: list[np.ndarray] | None, out: np.ndarray,
+                    root: int) -> bool:
+    """Run scatter's data step natively where the backend has it (the descriptions went first)."""
+    native = group.native
+    as_bytes = [b.reshape(-1).view(np.uint8) for b in blocks] if blocks is not None else None
+    return native is not None and native.native_scatter(as_bytes, out.reshape(-1).view(np.uint8), root,
+                                                        link.fingerprint, link.timeout)
 
 
 def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = None, async_op: bool = False) -> Any:

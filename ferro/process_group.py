@@ -41,6 +41,8 @@ __all__ = [
 log = logging.getLogger("ferro.process_group")
 
 LOG_LEVEL_ENV = "FERRO_LOG_LEVEL"
+#: Names the backend ``backend="auto"`` takes, overriding its choice (``FERRO_BACKEND=mpi`` under mpirun).
+BACKEND_ENV = "FERRO_BACKEND"
 
 _default_group: Backend | None = None  # the documented default group; see the module docstring
 
@@ -81,7 +83,9 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
             ``"hierarchical"`` otherwise (shared memory inside each host, TCP between
             one leader per host); or name one of :data:`ferro.backend.BACKENDS`:
             ``"tcp"``, ``"shm"``, ``"hierarchical"``; on GPUs ``"nccl"`` (GPU memory only)
-            or ``"hybrid"`` (TCP for host memory, NCCL for GPU memory).
+            or ``"hybrid"`` (TCP for host memory, NCCL for GPU memory); under mpirun or srun,
+            ``"mpi"`` (the cluster's MPI through mpi4py: rank and size are MPI's, and no
+            master address or secret is needed). ``$FERRO_BACKEND`` overrides ``"auto"``.
         init_method: ``"env://"``, ``"tcp://host:port"`` (the master), or
             ``"file:///path"`` (rendezvous through a file every rank can open).
         rank: This rank.
@@ -111,8 +115,16 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     _configure_logging()
     if _default_group is not None:
         raise ConfigurationError("init_process_group: already initialised; call destroy_process_group() first")
+    if backend == "auto" and os.environ.get(BACKEND_ENV):
+        backend = os.environ[BACKEND_ENV]  # the job's launcher chose (FERRO_BACKEND=mpi under mpirun)
     if backend != "auto":
         backend_entry(backend)  # an unknown or unavailable backend is refused before any rendezvous
+    if backend == "mpi":  # MPI's launcher already started and connected the ranks: no store, no address
+        from ferro.backend.mpi import join_world
+
+        _default_group = join_world(rank, world_size, timeout)
+        log.debug("init_process_group: MPI rank %s of %s", _default_group.rank, _default_group.world_size)
+        return _default_group
     master_addr: str | None = None
     master_port: int | None = None
     store: Any = None

@@ -64,6 +64,12 @@ class BackendEntry:
     gpu: bool = False
 
 
+def _join_mpi(spec: JoinSpec) -> Backend:
+    from ferro.backend.mpi import MpiBackend  # imports mpi4py (and so initialises MPI) only here
+
+    return MpiBackend.join(spec)
+
+
 def _join_nccl(spec: JoinSpec) -> Backend:
     from ferro.backend.nccl import NcclBackend  # imports no library: those load when the group is made
 
@@ -82,7 +88,11 @@ BACKENDS = MappingProxyType({entry.name: entry for entry in (
     BackendEntry("shm", "shared memory, every rank on one host", ShmBackend.join),
     BackendEntry("hierarchical", "shared memory inside each host, TCP between one leader per host",
                  HierarchicalBackend.join),
-    BackendEntry("mpi", "MPI through mpi4py", None, "the MPI backend is not part of this ferro yet; use 'tcp'"),
+    BackendEntry("mpi", "the cluster's MPI, through mpi4py (ranks started by mpirun or srun)", _join_mpi),
+    BackendEntry("ucc", "UCC collectives", None,
+                 "UCC has no Python binding; Open MPI reaches UCC's collectives itself (its coll/ucc component): use "
+                 "backend='mpi' with an Open MPI built with UCC, selected by `mpirun --mca coll_ucc_enable 1 "
+                 "--mca coll_ucc_priority 100 ...`"),
     BackendEntry("nccl", "NCCL on GPUs (one per rank), through ctypes", _join_nccl, gpu=True),
     BackendEntry("hybrid", "TCP for host memory, NCCL for GPU memory", _join_hybrid, gpu=True),
 )})

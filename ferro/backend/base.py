@@ -64,6 +64,9 @@ class Backend(abc.ABC):
     #: Whether making a sub-group is collective over every rank of this group (NCCL's ``ncclCommSplit``):
     #: then :func:`ferro.new_group` calls :meth:`split_excluded` on the ranks left out.
     splits_collectively: bool = False
+    #: Whether ``async_op=True`` starts the backend's own nonblocking calls (MPI's ``Iallreduce``, ...)
+    #: through :meth:`issue_nonblocking`, instead of running the collective on the group's worker thread.
+    nonblocking_collectives: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -280,6 +283,15 @@ class Backend(abc.ABC):
 
         """
         raise BackendUnavailableError(f"{type(self).__name__} cannot create sub-groups (it does not implement split)")
+
+    def issue_nonblocking(self, body: Callable[[], Any], call: str, description: str,
+                          buffers: tuple[Any, ...]) -> Any:
+        """Run a collective's ``body`` so that its calls start nonblocking; return its pending handle.
+
+        Only for backends with :attr:`nonblocking_collectives`; the handle is a
+        :class:`~ferro.PendingCollective` that completes the calls in ``wait()``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} runs async collectives on its worker")
 
     def split_excluded(self, *, timeout: float | None = None) -> None:  # noqa: B027 - a no-op unless collective
         """Take part in a sub-group's creation as a rank left out of it (see :attr:`splits_collectively`)."""

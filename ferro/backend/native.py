@@ -3,7 +3,7 @@
 :mod:`ferro.collective` validates a call once, then asks the group's
 :attr:`~ferro.backend.base.Backend.native` object to run it. A backend that has
 its own engine for a collective (TCP's compiled rings and trees, shared memory's
-arena, a hierarchy of both; MPI and NCCL later) implements the method and returns
+arena, a hierarchy of both, MPI's own calls) implements the method and returns
 True; every method it does not implement returns False, and the collective runs
 a generic algorithm over the backend's tagged send/recv instead. So a backend
 offers exactly the collectives it does better, and nothing is found by probing
@@ -29,6 +29,7 @@ then tells the peers and marks the group failed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ferro.types import DType, ReduceOp
@@ -50,6 +51,15 @@ class NativeCollectives:
 
         A backend whose allreduce can run as one compiled call from a NumPy array
         (shared memory) offers it here; the call skips every Python-level step.
+        """
+        return None
+
+    def make_direct_allreduce(self, on_failure: Callable[[BaseException], BaseException]) -> Any:
+        """Return a direct allreduce call for ``ferro.allreduce`` (``call(x, op, timeout) -> bool``), or None.
+
+        A backend whose allreduce is one foreign call (MPI's) builds
+        :class:`ferro._core.foreign.DirectForeignAllreduce` here; ``on_failure(exc)``
+        tells the group and returns the exception to raise.
         """
         return None
 
@@ -106,3 +116,27 @@ class NativeCollectives:
         this rank; the caller checked that this rank's block to itself fits.
         """
         return False
+
+    def native_gather(self, flat: Any, out: Any, root: int, fingerprint: int, timeout: float) -> bool:
+        """Concatenate every rank's byte buffer ``flat`` (equal sizes), in rank order, into ``out`` on ``root``.
+
+        ``out`` is None on the other ranks.
+        """
+        return False
+
+    def native_scatter(self, blocks: list[Any] | None, out: Any, root: int, fingerprint: int, timeout: float) -> bool:
+        """Copy byte block ``i`` of the root's ``blocks`` into ``out`` on rank ``i``.
+
+        ``blocks`` is None except on ``root``; every rank's ``out`` has its block's
+        size (the root sent each rank its block's description first).
+        """
+        return False
+
+    def when_complete(self, result: Callable[[], Any]) -> Any:
+        """Return ``result()``, computed once the data of the collective just run is final.
+
+        Collectives call it for a step that reads the data after the native call
+        (a part copied out). The default runs it now; a backend that starts async
+        collectives as its own nonblocking calls (MPI) runs it when they complete.
+        """
+        return result()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ferro._core.state import GroupState
@@ -31,6 +31,12 @@ class SubBackend(Backend):
         self.tags_threads = parent.tags_threads  # simulated ranks stay untagged in their sub-groups too
         self.host_memory = channel.host_memory
         self.splits_collectively = channel.splits_collectively
+        self.nonblocking_collectives = channel.nonblocking_collectives
+
+    def issue_nonblocking(self, body: Callable[[], Any], call: str, description: str,
+                          buffers: tuple[Any, ...]) -> Any:
+        """Start the collective as the channel's nonblocking calls."""
+        return self._channel.issue_nonblocking(body, call, description, buffers)
 
     @property
     def state(self) -> GroupState:

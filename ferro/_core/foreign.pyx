@@ -1,0 +1,119 @@
+# cython: boundscheck=False, wraparound=False
+"""The direct path of ``ferro.allreduce`` on a group whose engine is a foreign library's call (MPI's).
+
+The collective layer's full path costs microseconds of Python per call, as
+much as a small MPI_Allreduce itself. This class does what that path does for
+the common case -- a writable C-contiguous NumPy array, a known dtype and op,
+nothing queued on the group -- in C, then makes the library's call: one
+Python call out of C. Anything else returns False and the full path takes it.
+It needs no MPI at build time: the communicator and the datatypes are Python
+objects handed to it.
+"""
+
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+
+from ferro._core.reduce cimport ferro_divide
+from ferro._core.state cimport GroupState, ferro_count_call
+from ferro._core.transport cimport monotonic_ns
+
+cdef int ALLREDUCE_SLOT = 1  # ferro.types.COLLECTIVE_IDS["allreduce"]
+
+
+cdef class DirectForeignAllreduce:
+    """Call ``(x, op, timeout)``: run ``allreduce(in_place, [x, datatype], op=library_op)`` and return True, or False.
+
+    Args:
+        allreduce: The library's blocking in-place allreduce (``comm.Allreduce``).
+        in_place: Its in-place marker (``MPI.IN_PLACE``).
+        group_state: The group's state: the path steps aside while it records a failure,
+            a running operation or queued async ones, and counts its calls there.
+        watchdog: An object whose ``armed`` attribute is set to ``(deadline, "allreduce", seconds)``
+            (``time.monotonic`` seconds) around the call, and to None after it.
+        make_plan: ``make_plan(dtype, op)`` returns ``(datatype, library_op, dtype_code, divisor,
+            max_count)`` (``divisor`` 0 but for MEAN) or False for the full path.
+        on_failure: ``on_failure(exc)`` returns the exception to raise for one the call raised
+            (after telling the group, as the fail-together guard does).
+        ndarray: ``numpy.ndarray``.
+        default_timeout: The group's default seconds.
+        resolve_timeout: Turns a caller's timeout into seconds (validating it).
+
+    """
+
+    cdef object allreduce
+    cdef object in_place
+    cdef GroupState group_state
+    cdef object watchdog
+    cdef object make_plan
+    cdef object on_failure
+    cdef object ndarray
+    cdef double default_timeout
+    cdef object resolve_timeout
+    cdef dict plans
+    cdef object name
+    # The last call's signature and plan.
+    cdef object last_dtype
+    cdef object last_op
+    cdef object datatype
+    cdef object library_op
+    cdef int dtype_code
+    cdef double divisor
+    cdef Py_ssize_t max_count
+
+    def __cinit__(self, allreduce, in_place, GroupState group_state, watchdog, make_plan, on_failure, ndarray,
+                  double default_timeout, resolve_timeout):
+        self.allreduce = allreduce
+        self.in_place = in_place
+        self.group_state = group_state
+        self.watchdog = watchdog
+        self.make_plan = make_plan
+        self.on_failure = on_failure
+        self.ndarray = ndarray
+        self.default_timeout = default_timeout
+        self.resolve_timeout = resolve_timeout
+        self.plans = {}
+        self.name = "allreduce"
+        self.last_dtype = None
+        self.last_op = None
+
+    def __call__(self, x, op, timeout) -> bool:
+        cdef Py_buffer view
+        cdef double seconds
+        cdef Py_ssize_t count
+        if type(x) is not self.ndarray:
+            return False
+        state = self.group_state
+        if state.failure is not None or state.busy or state.queued:
+            return False
+        dtype = x.dtype
+        if dtype is not self.last_dtype or op is not self.last_op:
+            key = (dtype, op)
+            plan = self.plans.get(key)
+            if plan is None:
+                plan = self.plans[key] = self.make_plan(dtype, op)
+            if plan is False:
+                return False
+            self.datatype, self.library_op, self.dtype_code, self.divisor, self.max_count = plan
+            self.last_dtype, self.last_op = dtype, op
+        try:
+            PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+        except (BufferError, ValueError, TypeError):
+            return False  # read-only or not contiguous: the full path explains
+        try:
+            count = view.len // view.itemsize if view.itemsize else 0
+            if count == 0 or count > self.max_count:
+                return False
+            seconds = self.default_timeout if timeout is None else self.resolve_timeout(timeout)
+            datatype, library_op, divisor, dtype_code = self.datatype, self.library_op, self.divisor, self.dtype_code
+            ferro_count_call(&state.stats, ALLREDUCE_SLOT)
+            self.watchdog.armed = (monotonic_ns() * 1e-9 + seconds, self.name, seconds)
+            try:
+                self.allreduce(self.in_place, [x, datatype], op=library_op)
+            except BaseException as exc:
+                raise self.on_failure(exc)
+            finally:
+                self.watchdog.armed = None
+            if divisor != 0.0:
+                ferro_divide(view.buf, <size_t>count, dtype_code, divisor)
+            return True
+        finally:
+            PyBuffer_Release(&view)

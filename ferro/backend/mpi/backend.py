@@ -1,0 +1,754 @@
+"""The MPI process group (``backend="mpi"``): ferro's collectives as the calls of the cluster's own MPI.
+
+Every collective runs as one MPI call (``Allreduce``, ``Bcast``, ``Reduce``,
+``Allgather``, ``Reduce_scatter``, ``Alltoall(v)``, ``Gather``, ``Scatterv``,
+``Barrier``), or as its nonblocking twin (``Iallreduce``, ...) with
+``async_op=True``. Point-to-point messages are ``Isend``/``Irecv`` polled
+against their timeout. Counts never exceed ``2**31 - 1``: larger messages go
+in several calls, because mpi4py's counts are C ints wherever the MPI library
+lacks MPI-4's large-count calls (Open MPI 5 reports MPI 3.1).
+
+What MPI does not offer, and what ferro does instead:
+
+* **Timeouts.** A blocking MPI call cannot be cancelled; the group's
+  :class:`~ferro.backend.mpi.watchdog.Watchdog` ends the job with
+  ``MPI_Abort`` when one outlives its timeout, naming the rank and the call.
+* **Mismatched calls.** MPI does not check that ranks call the same
+  collective with the same sizes. ``check_calls=True`` (or
+  ``FERRO_MPI_CHECK_CALLS=1``) makes every collective first agree on its call
+  fingerprint, one small ``Allreduce``, and raise
+  :class:`~ferro.CollectiveMismatchError` naming the ranks that differ;
+  it is off by default because it doubles the latency of small messages.
+  Point-to-point messages always carry their call in the MPI tag and are
+  checked before they are received.
+* **A rank that raises.** An uncaught exception on one rank would leave the
+  others blocked in MPI forever; the group installs an exception hook that
+  prints the traceback and calls ``MPI_Abort`` naming the rank (what
+  ``python -m mpi4py`` does).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ferro._buffers import byte_view
+from ferro._core.foreign import DirectForeignAllreduce
+from ferro._core.reduce import divide, has_kernel
+from ferro._core.status import KIND_COLLECTIVE, kind_name
+from ferro.backend.base import FramedBackend
+from ferro.backend.joined import JoinSpec
+from ferro.backend.mpi.library import MpiTypes, load_mpi, mpi_error
+from ferro.backend.mpi.watchdog import Watchdog
+from ferro.backend.native import NativeCollectives
+from ferro.errors import (
+    BackendClosedError,
+    CollectiveMismatchError,
+    ConfigurationError,
+    DistributedTimeoutError,
+    SizeMismatchError,
+)
+from ferro.rendezvous.settings import default_timeout
+from ferro.types import (
+    COLLECTIVE_IDS,
+    KERNEL_CODES,
+    DType,
+    ReduceOp,
+    collective_name,
+    describe_fingerprint,
+    dtype_by_name,
+)
+from ferro.work import PendingCollective
+
+__all__ = ["CHECK_CALLS_ENV", "MAX_COUNT_ENV", "MpiBackend", "MpiPending"]
+
+CHECK_CALLS_ENV = "FERRO_MPI_CHECK_CALLS"
+#: The largest count passed to one MPI call (elements, or bytes for data movement). Lowering it
+#: is for tests: it makes small messages take the split path that messages over 2 GiB take.
+MAX_COUNT_ENV = "FERRO_MPI_MAX_COUNT"
+MAX_COUNT = 2**31 - 1
+# Point-to-point waits spin this long on MPI's test calls, then sleep in growing steps up to the cap.
+SPIN_SECONDS = 50e-6
+MAX_SLEEP_SECONDS = 1e-3
+# The MPI tag of a point-to-point message: its frame kind, its collective and a hash of the rest
+# of its fingerprint, so a receiver names the call a mismatched message belongs to.
+_TAG_KIND_SHIFT, _TAG_CALL_SHIFT, _TAG_HASH_BITS = 28, 22, 22
+
+
+def _spans(total: int, limit: int) -> list[tuple[int, int]]:
+    """Split ``range(total)`` into consecutive spans of at most ``limit``."""
+    return [(start, min(start + limit, total)) for start in range(0, total, limit)] or [(0, 0)]
+
+
+class _Issued:
+    """What one nonblocking call started: its MPI requests, the steps to run after them, and its result."""
+
+    __slots__ = ("finishers", "requests", "result", "timeout")
+
+    def __init__(self, timeout: float) -> None:
+        self.requests: list[Any] = []
+        self.finishers: list[Callable[[], None]] = []
+        self.result: Callable[[], Any] | None = None
+        self.timeout = timeout  # the collective's, as its calls were given it
+
+
+class MpiPending(PendingCollective):
+    """A collective started with ``async_op=True`` on an MPI group: MPI requests in flight.
+
+    :meth:`wait` completes them (``MPI_Waitall``, watched by the group's
+    timeout), then finishes the call (MEAN's division, a part copied out) and
+    returns its result. :meth:`is_completed` tests them, which also lets MPI
+    progress them.
+    """
+
+    def __init__(self, group: MpiBackend, call: str, description: str, buffers: tuple[Any, ...], issued: _Issued,
+                 result: Any) -> None:
+        super().__init__(description, buffers)
+        self._group, self._call, self._issued, self._value = group, call, issued, result
+        self._deadline = time.monotonic() + issued.timeout
+        self._lock = threading.Lock()
+        if not issued.requests:
+            self._complete()
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished; tests (and so progresses) its MPI requests."""
+        if not self._done.is_set():
+            with self._lock:
+                if not self._done.is_set() and self._group.test_all(self._issued.requests, self._call):
+                    self._complete()
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Complete the collective and return its result (see :meth:`PendingCollective.wait`).
+
+        Args:
+            timeout: Seconds to wait; ``None`` waits up to the collective's own timeout,
+                after which the group's watchdog ends the job (MPI cannot cancel it).
+
+        """
+        if not self._done.is_set():
+            with self._lock:
+                if not self._done.is_set():
+                    try:
+                        if timeout is None:
+                            self._group.wait_all(self._issued.requests, self._call,
+                                                 max(self._deadline - time.monotonic(), 0.0))
+                        elif not self._group.poll(lambda: self._group.test_all(self._issued.requests, self._call),
+                                                  time.monotonic() + timeout):
+                            raise DistributedTimeoutError(f"{self._description} has not completed after "
+                                                          f"{timeout:g} s (it keeps running)")
+                    except DistributedTimeoutError:
+                        raise
+                    except BaseException as exc:
+                        self._group.mark_failed(f"{self._call} failed: {exc}")
+                        self._finish(None, exc)
+                    else:
+                        self._complete()
+        return super().wait(0)
+
+    def _complete(self) -> None:
+        try:
+            for step in self._issued.finishers:
+                step()
+            value = self._issued.result() if self._issued.result is not None else self._value
+        except BaseException as exc:  # handed to the caller by wait()
+            self._finish(None, exc)
+        else:
+            self._finish(value, None)
+        self._issued = _Issued(0.0)  # drop the requests and steps: they hold the call's buffers
+
+
+class MpiBackend(FramedBackend, NativeCollectives):
+    """A process group over an MPI communicator, through mpi4py.
+
+    Ranks and size are the communicator's. No store, address or job secret is
+    involved: MPI's launcher (mpirun, srun) started and connected the ranks,
+    and ferro's traffic runs on a duplicate of the communicator, apart from the
+    program's own MPI messages.
+
+    Args:
+        comm: An mpi4py intracommunicator (default ``MPI.COMM_WORLD``). Every rank of it
+            calls the constructor (``MPI_Comm_dup`` is collective).
+        timeout: Default seconds for every blocking operation (default ``$FERRO_TIMEOUT`` or 60).
+            A blocking MPI call still running after it ends the job (see the module).
+        check_calls: Make every collective first check that all ranks made the same call
+            (default ``$FERRO_MPI_CHECK_CALLS``, else off).
+        abort_on_exception: Install the hook that calls ``MPI_Abort`` when this rank
+            raises an uncaught exception (default on).
+
+    Raises:
+        BackendUnavailableError: mpi4py or an MPI library is missing (the message says how to get them).
+        ConfigurationError: ``comm`` is not an mpi4py intracommunicator.
+
+    Example::
+
+        # mpirun -n 2 python train.py
+        group = ferro.init_process_group(backend="mpi")   # or MpiBackend.from_comm(MPI.COMM_WORLD)
+        x = np.ones(4)
+        ferro.allreduce(x)            # x == [2, 2, 2, 2] on both ranks, one MPI_Allreduce
+
+    """
+
+    nonblocking_collectives = True
+
+    def __init__(self, comm: Any = None, *, timeout: float | None = None, check_calls: bool | None = None,
+                 abort_on_exception: bool = True) -> None:
+        mpi = load_mpi()
+        base = mpi.COMM_WORLD if comm is None else comm
+        if not isinstance(base, mpi.Intracomm) or base == mpi.COMM_NULL:
+            raise ConfigurationError(f"MpiBackend needs an mpi4py intracommunicator, got {base!r}")
+        self._init(mpi, base.Dup(), timeout, check_calls)
+        self._hook: Any = _install_abort_hook(mpi, self._world_rank) if abort_on_exception else None
+
+    def _init(self, mpi: Any, comm: Any, timeout: float | None, check_calls: bool | None) -> None:
+        self._mpi, self._comm = mpi, comm
+        self._rank, self._world_size = comm.Get_rank(), comm.Get_size()
+        self._world_rank = mpi.COMM_WORLD.Get_rank()
+        self._timeout = default_timeout(timeout)
+        if check_calls is None:
+            check_calls = os.environ.get(CHECK_CALLS_ENV, "0") not in ("", "0", "false", "no")
+        self._check_calls = check_calls
+        raw = os.environ.get(MAX_COUNT_ENV)
+        try:
+            self._max_count = MAX_COUNT if not raw else int(raw)
+        except ValueError:
+            raise ConfigurationError(f"{MAX_COUNT_ENV}={raw!r} is not a count") from None
+        if not 1 <= self._max_count <= MAX_COUNT:
+            raise ConfigurationError(f"{MAX_COUNT_ENV}={raw!r} must be in [1, {MAX_COUNT}]")
+        self._types = MpiTypes(mpi)
+        self._tag_ub = int(mpi.COMM_WORLD.Get_attr(mpi.TAG_UB))  # MPI attaches it to COMM_WORLD only
+        self._closed = False
+        self._issuing: _Issued | None = None  # set while an async call starts its requests
+        self._abandoned: list[Any] = []  # requests a timeout gave up on, with their buffers: MPI may still use them
+        self._watchdog = Watchdog(self._describe, comm.Abort)
+        self._hook = None
+        self._splits: dict[tuple[int, ...], int] = {}
+
+    @classmethod
+    def from_comm(cls, comm: Any, **kwargs: Any) -> MpiBackend:
+        """Wrap an mpi4py communicator (``COMM_WORLD``, or one made by ``Split``/``Create_group``).
+
+        Every rank of ``comm`` calls it. Keyword arguments are the constructor's.
+
+        Example::
+
+            from mpi4py import MPI
+            half = MPI.COMM_WORLD.Split(color=MPI.COMM_WORLD.rank % 2)
+            group = MpiBackend.from_comm(half)
+            ferro.allreduce(x, group=group)   # among the ranks of one parity
+
+        """
+        return cls(comm, **kwargs)
+
+    @classmethod
+    def join(cls, spec: JoinSpec) -> MpiBackend:
+        """Join ``MPI.COMM_WORLD`` (the backend registry's entry point); ``spec``'s rank and size must be MPI's.
+
+        Raises:
+            ConfigurationError: The rank or size the job was given differ from MPI's
+                (the ranks were not started by one mpirun/srun).
+
+        """
+        group = cls(timeout=spec.timeout)
+        if (spec.rank, spec.world_size) != (group.rank, group.world_size):
+            group.close()
+            raise ConfigurationError(
+                f"backend 'mpi': this process was given rank {spec.rank} of {spec.world_size}, but MPI says rank "
+                f"{group.rank} of {group.world_size}; start every rank with one mpirun (or srun) command")
+        return group
+
+    # --- what the group is ---------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """The calling process's rank in the communicator."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The communicator's size."""
+        return self._world_size
+
+    @property
+    def timeout(self) -> float:
+        """Default seconds for blocking operations."""
+        return self._timeout
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    @property
+    def comm(self) -> Any:
+        """The mpi4py communicator ferro's traffic runs on (a duplicate of the one given)."""
+        return self._comm
+
+    @property
+    def check_calls(self) -> bool:
+        """Whether collectives check that every rank made the same call."""
+        return self._check_calls
+
+    def _describe(self) -> str:
+        return f"rank {self._rank} of an MPI group of {self._world_size} (MPI_COMM_WORLD rank {self._world_rank})"
+
+    def _usable(self, op: str) -> None:
+        if self._closed:
+            raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
+
+    # --- blocking calls, watched; nonblocking ones, collected -------------------------------
+
+    def _run(self, call: str, timeout: float, start: Callable[..., Any], *args: Any,
+             finish: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        """Run one MPI call: blocking under the watchdog, or started and collected while an async call issues.
+
+        ``start`` is the blocking call (``comm.Allreduce``); its nonblocking twin is
+        the same name with an ``I`` (``comm.Iallreduce``). ``finish`` runs once the
+        call's data is final.
+        """
+        issued = self._issuing
+        try:
+            if issued is not None:
+                issued.timeout = timeout
+                issued.requests.append(getattr(self._comm, "I" + start.__name__.lower())(*args, **kwargs))
+                if finish is not None:
+                    issued.finishers.append(finish)
+                return
+            watchdog = self._watchdog
+            watchdog.arm(call, timeout)
+            try:
+                start(*args, **kwargs)
+            finally:
+                watchdog.disarm()
+        except self._mpi.Exception as exc:
+            raise mpi_error(exc, self._rank, call) from None
+        if finish is not None:
+            finish()
+
+    def test_all(self, requests: list[Any], call: str) -> bool:
+        """Test (and progress) ``requests``; whether all completed."""
+        try:
+            return bool(self._mpi.Request.Testall(requests))
+        except self._mpi.Exception as exc:
+            raise mpi_error(exc, self._rank, call) from None
+
+    def wait_all(self, requests: list[Any], call: str, timeout: float) -> None:
+        """Complete ``requests`` in ``MPI_Waitall`` under the watchdog."""
+        self._watchdog.arm(call, timeout)
+        try:
+            self._mpi.Request.Waitall(requests)
+        except self._mpi.Exception as exc:
+            raise mpi_error(exc, self._rank, call) from None
+        finally:
+            self._watchdog.disarm()
+
+    @staticmethod
+    def poll(test: Callable[[], bool], deadline: float) -> bool:
+        """Call ``test`` until it returns True (then True) or ``deadline`` passes (then False).
+
+        It spins for :data:`SPIN_SECONDS`, then sleeps between tests in steps
+        growing to :data:`MAX_SLEEP_SECONDS`: MPI progresses only inside its calls.
+        """
+        if test():
+            return True
+        spin_until = time.monotonic() + SPIN_SECONDS
+        pause = 5e-6
+        while True:
+            if test():
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if now > spin_until:
+                time.sleep(pause)
+                pause = min(pause * 2, MAX_SLEEP_SECONDS)
+
+    def issue_nonblocking(self, body: Callable[[], Any], call: str, description: str,
+                          buffers: tuple[Any, ...]) -> PendingCollective:
+        """Run ``body`` with every MPI call it makes started nonblocking; return the handle that completes them."""
+        issued = _Issued(self._timeout)
+        self._issuing = issued
+        try:
+            result = body()
+        finally:
+            self._issuing = None
+        return MpiPending(self, call, description, buffers, issued, result)
+
+    def when_complete(self, result: Callable[[], Any]) -> Any:
+        """Return ``result()`` now, or from the handle once an async call's requests complete."""
+        if self._issuing is not None:
+            self._issuing.result = result
+            return None
+        return result()
+
+    def _agree(self, call: str, fingerprint: int, timeout: float) -> None:
+        """With ``check_calls``: check that every rank is making the call ``fingerprint`` describes."""
+        if not self._check_calls:
+            return
+        signed = fingerprint - (1 << 63)
+        bounds = np.array([signed, -signed - 1], np.int64)  # -x-1 never overflows int64
+        self._blocking_check(call, timeout, bounds)
+        if bounds[0] == signed and bounds[1] == -signed - 1:
+            return
+        everyone = np.empty(self._world_size, np.int64)
+        self._blocking_check(call, timeout, None, np.array([signed], np.int64), everyone)
+        calls: dict[int, list[int]] = {}
+        for rank, value in enumerate(everyone.tolist()):
+            calls.setdefault(value, []).append(rank)
+        described = "; ".join(f"rank(s) {ranks} called {describe_fingerprint(value + (1 << 63))}"
+                              for value, ranks in calls.items())
+        peer = next(ranks[0] for value, ranks in calls.items() if value != signed)
+        raise CollectiveMismatchError(f"rank {self._rank}: the ranks' calls differ: {described}", peer)
+
+    def _blocking_check(self, call: str, timeout: float, bounds: np.ndarray | None, mine: Any = None,
+                        everyone: Any = None) -> None:
+        watchdog = self._watchdog
+        watchdog.arm(f"{call} (checking that every rank called it)", timeout)
+        try:
+            if bounds is not None:
+                self._comm.Allreduce(self._mpi.IN_PLACE, bounds, op=self._mpi.MAX)
+            else:
+                self._comm.Allgather(mine, everyone)
+        except self._mpi.Exception as exc:
+            raise mpi_error(exc, self._rank, call) from None
+        finally:
+            watchdog.disarm()
+
+    # --- native collectives ------------------------------------------------------------------
+
+    def _mean(self, flat: np.ndarray, dtype: DType, op: ReduceOp) -> Callable[[], None] | None:
+        if op is not ReduceOp.MEAN:
+            return None
+        divisor = float(self._world_size)
+        return lambda: divide(flat, dtype.code, divisor, dtype.itemsize)
+
+    def make_direct_allreduce(self, on_failure: Callable[[BaseException], BaseException]) -> Any:
+        """Return the compiled direct path: one ``MPI_Allreduce`` called from C (none with ``check_calls``)."""
+        if self._check_calls:
+            return None
+        mpi = self._mpi
+
+        def failed(exc: BaseException) -> BaseException:
+            return on_failure(mpi_error(exc, self._rank, "allreduce") if isinstance(exc, mpi.Exception) else exc)
+
+        return DirectForeignAllreduce(self._comm.Allreduce, mpi.IN_PLACE, self.state, self._watchdog,
+                                      self._direct_plan, failed, np.ndarray, self._timeout, default_timeout)
+
+    def _direct_plan(self, numpy_dtype: np.dtype, op: Any) -> tuple[Any, Any, int, float, int] | bool:
+        """``(datatype, MPI.Op, dtype code, MEAN's divisor or 0, count limit)`` for the direct path, or False."""
+        dtype = dtype_by_name(numpy_dtype.name) if numpy_dtype.isnative else None
+        if dtype is None or not isinstance(op, ReduceOp) or not has_kernel(dtype.code, KERNEL_CODES[op]) or (
+                op is ReduceOp.MEAN and dtype.kind != "f"):
+            return False  # the full path validates (and explains) everything else
+        datatype, mpi_op = self._types.reduction(dtype, op)
+        return datatype, mpi_op, dtype.code, float(self._world_size) if op is ReduceOp.MEAN else 0.0, self._max_count
+
+    def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,
+                         algorithm: str) -> bool:
+        """``MPI_Allreduce`` in place (MPI picks its own algorithm); MEAN divides the final sum."""
+        self._agree("allreduce", fingerprint, timeout)
+        datatype, mpi_op = self._types.reduction(dtype, op)
+        spans = _spans(flat.size, self._max_count)
+        finish = self._mean(flat, dtype, op)
+        for index, (start, end) in enumerate(spans):
+            self._run("allreduce", timeout, self._comm.Allreduce, self._mpi.IN_PLACE, [flat[start:end], datatype],
+                      op=mpi_op, finish=finish if index == len(spans) - 1 else None)
+        return True
+
+    def native_reduce(self, flat: Any, root: int, dtype: DType, op: ReduceOp, fingerprint: int,
+                      timeout: float) -> bool:
+        """``MPI_Reduce``, in place on ``root``."""
+        self._agree("reduce", fingerprint, timeout)
+        datatype, mpi_op = self._types.reduction(dtype, op)
+        spans = _spans(flat.size, self._max_count)
+        finish = self._mean(flat, dtype, op) if self._rank == root else None
+        for index, (start, end) in enumerate(spans):
+            part = [flat[start:end], datatype]
+            send, recv = (self._mpi.IN_PLACE, part) if self._rank == root else (part, None)
+            self._run("reduce", timeout, self._comm.Reduce, send, recv, op=mpi_op, root=root,
+                      finish=finish if index == len(spans) - 1 else None)
+        return True
+
+    def native_reduce_scatter(self, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp, fingerprint: int,
+                              timeout: float) -> bool:
+        """``MPI_Reduce_scatter`` into this rank's part; parts over the count limit reduce one ``MPI_Reduce`` each."""
+        self._agree("reduce_scatter", fingerprint, timeout)
+        datatype, mpi_op = self._types.reduction(dtype, op)
+        counts = [bounds[i + 1] - bounds[i] for i in range(self._world_size)]
+        mine = flat[bounds[self._rank]:bounds[self._rank + 1]]
+        if flat.size <= self._max_count:
+            received = np.empty_like(mine)
+            mean = self._mean(mine, dtype, op)
+
+            def finish() -> None:
+                mine[:] = received
+                if mean is not None:
+                    mean()
+            self._run("reduce_scatter", timeout, self._comm.Reduce_scatter, [flat, datatype],
+                      [received, datatype], counts, op=mpi_op, finish=finish)
+            return True
+        for owner in range(self._world_size):  # each part reduced onto its owner, in spans
+            part = flat[bounds[owner]:bounds[owner + 1]]
+            for start, end in _spans(part.size, self._max_count):
+                piece = [part[start:end], datatype]
+                send, recv = (self._mpi.IN_PLACE, piece) if owner == self._rank else (piece, None)
+                self._run("reduce_scatter", timeout, self._comm.Reduce, send, recv, op=mpi_op, root=owner)
+        if op is ReduceOp.MEAN:
+            self._run_after(self._mean(mine, dtype, op))
+        return True
+
+    def _run_after(self, step: Callable[[], None] | None) -> None:
+        """Run ``step`` once the calls made so far are complete: now, or after an async call's requests."""
+        if step is None:
+            return
+        if self._issuing is not None:
+            self._issuing.finishers.append(step)
+        else:
+            step()
+
+    def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
+        """``MPI_Allgather`` in place; parts over the count limit are broadcast by their owners, in spans."""
+        self._agree("all_gather", fingerprint, timeout)
+        part = bounds[1] - bounds[0]
+        byte = self._types.byte
+        if part <= self._max_count:
+            self._run("all_gather", timeout, self._comm.Allgather, self._mpi.IN_PLACE,
+                      [flat, part, byte])
+            return True
+        for owner in range(self._world_size):
+            for start, end in _spans(part, self._max_count):
+                base = bounds[owner]
+                self._run("all_gather", timeout, self._comm.Bcast, [flat[base + start:base + end], byte], root=owner)
+        return True
+
+    def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:
+        """``MPI_Bcast`` of the bytes, in spans of at most the count limit."""
+        self._agree("broadcast", fingerprint, timeout)
+        for start, end in _spans(flat.size, self._max_count):
+            self._run("broadcast", timeout, self._comm.Bcast, [flat[start:end], self._types.byte], root=root)
+        return True
+
+    def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
+                          fingerprint: int, timeout: float) -> bool:
+        """``MPI_Alltoall`` for equal blocks, ``MPI_Alltoallv`` for others.
+
+        Blocks or offsets over the count limit return False: the collective then
+        runs ferro's pairwise exchange over this group's point-to-point messages,
+        which split large messages themselves.
+        """
+        if max(send_offsets[-1], recv_offsets[-1]) > self._max_count:
+            return False
+        self._agree("all_to_all", fingerprint, timeout)
+        n, byte = self._world_size, self._types.byte
+        send_counts = [send_offsets[i + 1] - send_offsets[i] for i in range(n)]
+        recv_counts = [recv_offsets[i + 1] - recv_offsets[i] for i in range(n)]
+        if len(set(send_counts)) == 1 and send_counts == recv_counts:
+            self._run("all_to_all", timeout, self._comm.Alltoall, [send, send_counts[0], byte],
+                      [recv, recv_counts[0], byte])
+        else:
+            self._run("all_to_all", timeout, self._comm.Alltoallv, [send, (send_counts, send_offsets[:-1]), byte],
+                      [recv, (recv_counts, recv_offsets[:-1]), byte])
+        return True
+
+    def native_gather(self, flat: Any, out: Any, root: int, fingerprint: int, timeout: float) -> bool:
+        """``MPI_Gather`` of equal byte blocks into ``out`` on ``root``; blocks over the limit go as messages."""
+        if flat.size * self._world_size > self._max_count:
+            return False
+        self._agree("gather", fingerprint, timeout)
+        byte = self._types.byte
+        self._run("gather", timeout, self._comm.Gather, [flat, byte], [out, byte] if self._rank == root else None,
+                  root=root)
+        return True
+
+    def native_scatter(self, blocks: list[Any] | None, out: Any, root: int, fingerprint: int,
+                       timeout: float) -> bool:
+        """``MPI_Scatterv`` of the root's byte blocks (joined into one buffer) into ``out`` on every rank."""
+        if out.size > self._max_count or (blocks is not None and sum(b.size for b in blocks) > self._max_count):
+            return False
+        self._agree("scatter", fingerprint, timeout)
+        byte = self._types.byte
+        send = None
+        if blocks is not None:
+            counts = [b.size for b in blocks]
+            offsets = np.cumsum([0, *counts[:-1]]).tolist()
+            send = [np.concatenate(blocks) if blocks else np.empty(0, np.uint8), (counts, offsets), byte]
+        self._run("scatter", timeout, self._comm.Scatterv, send, [out, byte], root=root)
+        return True
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """``MPI_Barrier`` (``MPI_Ibarrier`` inside an async call)."""
+        self._usable("barrier")
+        seconds = self._timeout if timeout is None else timeout
+        self._agree("barrier", COLLECTIVE_IDS["barrier"] << 58, seconds)
+        self._run("barrier", seconds, self._comm.Barrier)
+
+    # --- point to point: Isend/Irecv, the call in the tag, checked before receiving ---------
+
+    def _tag(self, kind: int, fingerprint: int) -> int:
+        folded = (fingerprint ^ (fingerprint >> _TAG_HASH_BITS) ^ (fingerprint >> 44)) & ((1 << _TAG_HASH_BITS) - 1)
+        if self._tag_ub >= (1 << 31) - 1:
+            return (kind & 0x7) << _TAG_KIND_SHIFT | ((fingerprint >> 58) & 0x3F) << _TAG_CALL_SHIFT | folded
+        return (kind * 0x9E3779B1 ^ fingerprint ^ (fingerprint >> 32)) % (self._tag_ub + 1)
+
+    def _tag_call(self, tag: int) -> str:
+        if self._tag_ub < (1 << 31) - 1:
+            return "another call"
+        kind = tag >> _TAG_KIND_SHIFT
+        if kind == KIND_COLLECTIVE:
+            return f"a {collective_name((tag >> _TAG_CALL_SHIFT) & 0x3F)} call"
+        return f"a {kind_name(kind)} call"
+
+    def _complete(self, request: Any, deadline: float, call: str, peer: int, buffer: Any) -> None:
+        """Complete a point-to-point request by ``deadline``, else abandon it, mark the group failed and raise."""
+        if self.poll(lambda: self.test_all([request], call), deadline):
+            return
+        self._abandoned.append((request, buffer))  # MPI may still read or write it: never free it
+        reason = (f"rank {self._rank}: {call} with rank {peer} did not complete before its timeout; MPI cannot "
+                  f"withdraw a message half-way, so this group is unusable")
+        self.mark_failed(reason)
+        raise DistributedTimeoutError(reason)
+
+    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Send ``buf`` as ``MPI_Isend`` messages of at most the count limit, tagged with the call."""
+        self._usable("send")
+        dst = self.check_peer(dst, "send")
+        view = byte_view(buf, "send", writable=False)
+        deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+        tag = self._tag(kind, fingerprint)
+        for start, end in _spans(len(view), self._max_count):
+            piece = view[start:end]
+            try:
+                request = self._comm.Isend([piece, self._types.byte], dst, tag)
+            except self._mpi.Exception as exc:
+                raise mpi_error(exc, self._rank, "send") from None
+            self._complete(request, deadline, "send", dst, piece)
+
+    def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Receive a message from ``src``: probed first, so another call's or size's message stays queued."""
+        self._usable("recv")
+        src = self.check_peer(src, "recv")
+        view = byte_view(buf, "recv", writable=True)
+        deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+        tag = self._tag(kind, fingerprint)
+        mpi = self._mpi
+        status = mpi.Status()
+        if not self.poll(lambda: bool(self._comm.Iprobe(src, mpi.ANY_TAG, status)), deadline):
+            raise DistributedTimeoutError(f"rank {self._rank}: recv from rank {src}: no message within "
+                                          f"{self._timeout if timeout is None else timeout:g} s")
+        if status.Get_tag() != tag:
+            mine = describe_fingerprint(fingerprint) if kind == KIND_COLLECTIVE else kind_name(kind)
+            raise CollectiveMismatchError(
+                f"rank {self._rank} called {mine} but rank {src}'s next message belongs to "
+                f"{self._tag_call(status.Get_tag())}: the ranks' calls differ", src)
+        spans = _spans(len(view), self._max_count)
+        first = status.Get_count(mpi.BYTE)
+        if first != spans[0][1] - spans[0][0]:
+            sent = first if len(spans) == 1 else None
+            raise SizeMismatchError(f"rank {self._rank}: recv from rank {src}: the message does not fit the "
+                                    f"{len(view)}-byte buffer", len(view), sent)
+        for start, end in spans:
+            piece = view[start:end]
+            try:
+                request = self._comm.Irecv([piece, mpi.BYTE], src, tag)
+            except mpi.Exception as exc:
+                raise mpi_error(exc, self._rank, "recv") from None
+            self._complete(request, deadline, "recv", src, piece)
+
+    def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
+                        timeout: float | None = None) -> None:
+        """Start the send, receive, then complete the send: both directions progress together."""
+        self._usable("sendrecv")
+        dst = self.check_peer(dst, "sendrecv")
+        view = byte_view(send_buf, "sendrecv", writable=False)
+        seconds = self._timeout if timeout is None else timeout
+        deadline = time.monotonic() + seconds
+        tag = self._tag(kind, fingerprint)
+        requests = []
+        for start, end in _spans(len(view), self._max_count):
+            try:
+                requests.append((self._comm.Isend([view[start:end], self._types.byte], dst, tag), view[start:end]))
+            except self._mpi.Exception as exc:
+                raise mpi_error(exc, self._rank, "sendrecv") from None
+        try:
+            self.recv_tagged(recv_buf, src, kind=kind, fingerprint=fingerprint, timeout=seconds)
+        finally:
+            for request, piece in requests:
+                self._complete(request, deadline, "sendrecv", dst, piece)
+
+    def abort_peers(self, payload: bytes) -> None:
+        """Do nothing: MPI cannot interrupt a peer's call short of ``MPI_Abort`` (see the module)."""
+
+    # --- sub-groups and closing --------------------------------------------------------------
+
+    def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> MpiBackend:
+        """``MPI_Comm_create_group`` among ``ranks`` (collective over them only, as :func:`ferro.new_group` is)."""
+        self._usable("new_group")
+        members = tuple(ranks)
+        # Groups of the same members made one after another must not meet each other's creation.
+        count = self._splits.get(members, 0)
+        self._splits[members] = count + 1
+        seconds = self._timeout if timeout is None else default_timeout(timeout)
+        self._watchdog.arm("new_group (MPI_Comm_create_group)", seconds)
+        try:
+            group = self._comm.Get_group().Incl(list(members))
+            comm = self._comm.Create_group(group, tag=count % (self._tag_ub + 1))
+            group.Free()
+        except self._mpi.Exception as exc:
+            raise mpi_error(exc, self._rank, "new_group") from None
+        finally:
+            self._watchdog.disarm()
+        child = type(self).__new__(type(self))
+        child._init(self._mpi, comm, seconds, self._check_calls)
+        return child
+
+    def close(self) -> None:
+        """Free the communicator and stop the watchdog. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.state.direct_allreduce = None  # the full path, which refuses a closed group
+        self._watchdog.stop()
+        if self._hook is not None:
+            _remove_abort_hook(self._hook)
+            self._hook = None
+        if not self._mpi.Is_finalized() and not self._abandoned:
+            try:
+                self._comm.Free()
+            except self._mpi.Exception:
+                pass  # a communicator MPI already considers broken: nothing more to release
+
+
+def _install_abort_hook(mpi: Any, world_rank: int) -> Any:
+    """Make an uncaught exception end the whole MPI job (``MPI_Abort``) instead of leaving the others waiting.
+
+    Returns:
+        The hook, for :func:`_remove_abort_hook`; None when one is already installed.
+
+    """
+    previous = sys.excepthook
+    if getattr(previous, "ferro_mpi_abort", False):
+        return None
+
+    def abort_job(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        previous(kind, value, traceback)
+        print(f"ferro: MPI_COMM_WORLD rank {world_rank} raised {kind.__name__}; calling MPI_Abort so the other "
+              f"ranks do not wait in MPI forever", file=sys.stderr, flush=True)
+        if not mpi.Is_finalized():
+            mpi.COMM_WORLD.Abort(1)
+
+    abort_job.ferro_mpi_abort = True  # type: ignore[attr-defined]
+    abort_job.previous = previous  # type: ignore[attr-defined]
+    sys.excepthook = abort_job
+    return abort_job
+
+
+def _remove_abort_hook(hook: Any) -> None:
+    current: Any = sys.excepthook
+    if current is hook:
+        sys.excepthook = hook.previous
