@@ -393,11 +393,12 @@ class MpiBackend(FramedBackend, NativeCollectives):
             return
         signed = fingerprint - (1 << 63)
         bounds = np.array([signed, -signed - 1], np.int64)  # -x-1 never overflows int64
-        self._blocking_check(call, timeout, bounds)
+        checking = f"{call} (checking that every rank called it)"
+        self._blocking(checking, timeout, self._comm.Allreduce, self._mpi.IN_PLACE, bounds, op=self._mpi.MAX)
         if bounds[0] == signed and bounds[1] == -signed - 1:
             return
         everyone = np.empty(self._world_size, np.int64)
-        self._blocking_check(call, timeout, None, np.array([signed], np.int64), everyone)
+        self._blocking(checking, timeout, self._comm.Allgather, np.array([signed], np.int64), everyone)
         calls: dict[int, list[int]] = {}
         for rank, value in enumerate(everyone.tolist()):
             calls.setdefault(value, []).append(rank)
@@ -406,15 +407,12 @@ class MpiBackend(FramedBackend, NativeCollectives):
         peer = next(ranks[0] for value, ranks in calls.items() if value != signed)
         raise CollectiveMismatchError(f"rank {self._rank}: the ranks' calls differ: {described}", peer)
 
-    def _blocking_check(self, call: str, timeout: float, bounds: np.ndarray | None, mine: Any = None,
-                        everyone: Any = None) -> None:
+    def _blocking(self, call: str, timeout: float, start: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run one blocking MPI call under the watchdog, even while an async call issues (a size to agree on)."""
         watchdog = self._watchdog
-        watchdog.arm(f"{call} (checking that every rank called it)", timeout)
+        watchdog.arm(call, timeout)
         try:
-            if bounds is not None:
-                self._comm.Allreduce(self._mpi.IN_PLACE, bounds, op=self._mpi.MAX)
-            else:
-                self._comm.Allgather(mine, everyone)
+            start(*args, **kwargs)
         except self._mpi.Exception as exc:
             raise mpi_error(exc, self._rank, call) from None
         finally:
@@ -538,17 +536,24 @@ class MpiBackend(FramedBackend, NativeCollectives):
                           fingerprint: int, timeout: float) -> bool:
         """``MPI_Alltoall`` for equal blocks, ``MPI_Alltoallv`` for others.
 
-        Blocks or offsets over the count limit return False: the collective then
-        runs ferro's pairwise exchange over this group's point-to-point messages,
-        which split large messages themselves.
+        When some rank's blocks or offsets exceed the count limit (uneven blocks
+        first agree on it, one ``MPI_Allreduce``), this returns False: the
+        collective then runs ferro's pairwise exchange over this group's
+        point-to-point messages, which split large messages themselves.
         """
-        if max(send_offsets[-1], recv_offsets[-1]) > self._max_count:
-            return False
-        self._agree("all_to_all", fingerprint, timeout)
         n, byte = self._world_size, self._types.byte
         send_counts = [send_offsets[i + 1] - send_offsets[i] for i in range(n)]
         recv_counts = [recv_offsets[i + 1] - recv_offsets[i] for i in range(n)]
-        if len(set(send_counts)) == 1 and send_counts == recv_counts:
+        equal = len(set(send_counts)) == 1 and send_counts == recv_counts  # then so are every rank's
+        largest = max(send_offsets[-1], recv_offsets[-1])
+        if not equal:  # totals differ between ranks: all must take the same path
+            agreed = np.array([largest], np.int64)
+            self._blocking("all_to_all", timeout, self._comm.Allreduce, self._mpi.IN_PLACE, agreed, op=self._mpi.MAX)
+            largest = int(agreed[0])
+        if largest > self._max_count:
+            return False
+        self._agree("all_to_all", fingerprint, timeout)
+        if equal:
             self._run("all_to_all", timeout, self._comm.Alltoall, [send, send_counts[0], byte],
                       [recv, recv_counts[0], byte])
         else:
@@ -558,7 +563,7 @@ class MpiBackend(FramedBackend, NativeCollectives):
 
     def native_gather(self, flat: Any, out: Any, root: int, fingerprint: int, timeout: float) -> bool:
         """``MPI_Gather`` of equal byte blocks into ``out`` on ``root``; blocks over the limit go as messages."""
-        if flat.size * self._world_size > self._max_count:
+        if flat.size * self._world_size > self._max_count:  # equal sizes: every rank decides alike
             return False
         self._agree("gather", fingerprint, timeout)
         byte = self._types.byte
@@ -568,17 +573,26 @@ class MpiBackend(FramedBackend, NativeCollectives):
 
     def native_scatter(self, blocks: list[Any] | None, out: Any, root: int, fingerprint: int,
                        timeout: float) -> bool:
-        """``MPI_Scatterv`` of the root's byte blocks (joined into one buffer) into ``out`` on every rank."""
-        if out.size > self._max_count or (blocks is not None and sum(b.size for b in blocks) > self._max_count):
-            return False
+        """``MPI_Scatterv`` of the root's byte blocks into ``out`` on every rank, in rounds under the count limit.
+
+        The root first broadcasts its largest block's size (one ``MPI_Bcast``), so
+        every rank runs the same number of rounds; each round sends every rank
+        at most ``limit / world_size`` bytes, so no count or offset overflows.
+        """
         self._agree("scatter", fingerprint, timeout)
-        byte = self._types.byte
-        send = None
-        if blocks is not None:
-            counts = [b.size for b in blocks]
-            offsets = np.cumsum([0, *counts[:-1]]).tolist()
-            send = [np.concatenate(blocks) if blocks else np.empty(0, np.uint8), (counts, offsets), byte]
-        self._run("scatter", timeout, self._comm.Scatterv, send, [out, byte], root=root)
+        n, byte = self._world_size, self._types.byte
+        largest = np.array([max((b.size for b in blocks), default=0) if blocks is not None else 0], np.int64)
+        self._blocking("scatter", timeout, self._comm.Bcast, largest, root=root)
+        per_round = max(1, self._max_count // n)
+        for start in range(0, max(int(largest[0]), 1), per_round):
+            send = None
+            if blocks is not None:
+                pieces = [b[start:start + per_round] for b in blocks]
+                counts = [p.size for p in pieces]
+                offsets = np.cumsum([0, *counts[:-1]]).tolist()
+                send = [np.concatenate(pieces), (counts, offsets), byte]
+            mine = out[start:start + per_round]
+            self._run("scatter", timeout, self._comm.Scatterv, send, [mine, byte], root=root)
         return True
 
     def barrier(self, *, timeout: float | None = None) -> None:
