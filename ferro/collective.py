@@ -33,6 +33,7 @@ import numpy as np
 
 from ferro import _algorithms as algo
 from ferro import gpu
+from ferro import process_group as _groups
 from ferro._buffers import Operand, is_device_array, operand, wrap_like
 from ferro._core.arena import DirectAllreduce
 from ferro._core.reduce import divide, has_kernel
@@ -142,9 +143,16 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
         # rank 0: x = [11., 22.]  rank 1: x = [11., 22.]
 
     """
-    # The direct path: one compiled call where the group has one (see _direct_path).
-    g = group if group is not None and is_backend_type(type(group)) else resolve_group(group, "allreduce")
-    direct = g.state.direct_allreduce
+    # The direct path: one compiled call where the group has one (see _direct_path). Every step here
+    # is paid on every call, so the common cases skip function calls: the default group read off its
+    # module, the state off the group's own dictionary (a sub-group's comes through the property).
+    g = group if group is not None and is_backend_type(type(group)) else (
+        _groups._default_group if group is None and _groups._default_group is not None
+        else resolve_group(group, "allreduce"))
+    try:
+        direct = g._group_state.direct_allreduce
+    except AttributeError:
+        direct = g.state.direct_allreduce
     if direct is UNSET:
         direct = _direct_path(g)
     if direct is not None and not async_op and algorithm is None and direct(x, op, timeout):

@@ -92,7 +92,7 @@ def mismatch(group):
 
 def ddp(group):
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_ddp import data, numpy_model, train_numpy, train_torch, torch_model
+    from test_ddp import data, numpy_model, torch_model, train_numpy, train_torch
 
     numpy_params = train_numpy(numpy_model(seed=group.rank + 100), data(), (group.rank, group.world_size),
                                lambda m: ferro.DDP(m, group=group, bucket_cap_mb=0.0005, first_bucket_mb=0.0001))

@@ -91,9 +91,9 @@ def test_check_calls_names_the_ranks_that_differ(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [3])  # uneven buckets and a three-way mean; two ranks add nothing new
 def test_ddp_over_mpi_equals_single_process_training(tmp_path, nproc):
-    from test_ddp import data, numpy_model, train_numpy, train_torch, torch_model
+    from test_ddp import data, numpy_model, torch_model, train_numpy, train_torch
 
     results, _ = mpirun("ddp", nproc, tmp_path)
     expected_numpy = train_numpy(numpy_model(seed=100), data())

@@ -19,6 +19,26 @@ from ferro._core.transport cimport monotonic_ns
 cdef int ALLREDUCE_SLOT = 1  # ferro.types.COLLECTIVE_IDS["allreduce"]
 
 
+cdef class WatchSlot:
+    """The blocking call a group is in, for its watchdog thread: set from C on the direct path, from Python elsewhere.
+
+    Attributes:
+        deadline: ``time.monotonic()`` seconds by which the call should have returned; 0 while none runs.
+        call: The call's name.
+        seconds: Its timeout.
+
+    """
+
+    cdef public double deadline
+    cdef public object call
+    cdef public double seconds
+
+    def __cinit__(self):
+        self.deadline = 0.0
+        self.call = ""
+        self.seconds = 0.0
+
+
 cdef class DirectForeignAllreduce:
     """Call ``(x, op, timeout)``: run ``allreduce(in_place, [x, datatype], op=library_op)`` and return True, or False.
 
@@ -27,10 +47,10 @@ cdef class DirectForeignAllreduce:
         in_place: Its in-place marker (``MPI.IN_PLACE``).
         group_state: The group's state: the path steps aside while it records a failure,
             a running operation or queued async ones, and counts its calls there.
-        watchdog: An object whose ``armed`` attribute is set to ``(deadline, "allreduce", seconds)``
-            (``time.monotonic`` seconds) around the call, and to None after it.
+        watch: The group's :class:`WatchSlot`, armed around the call.
         make_plan: ``make_plan(dtype, op)`` returns ``(datatype, library_op, dtype_code, divisor,
-            max_count)`` (``divisor`` 0 but for MEAN) or False for the full path.
+            max_count)`` (``divisor`` 0 but for MEAN; ``datatype`` None where the library infers it from
+            the array) or False for the full path.
         on_failure: ``on_failure(exc)`` returns the exception to raise for one the call raised
             (after telling the group, as the fail-together guard does).
         ndarray: ``numpy.ndarray``.
@@ -42,7 +62,7 @@ cdef class DirectForeignAllreduce:
     cdef object allreduce
     cdef object in_place
     cdef GroupState group_state
-    cdef object watchdog
+    cdef WatchSlot watch
     cdef object make_plan
     cdef object on_failure
     cdef object ndarray
@@ -59,12 +79,12 @@ cdef class DirectForeignAllreduce:
     cdef double divisor
     cdef Py_ssize_t max_count
 
-    def __cinit__(self, allreduce, in_place, GroupState group_state, watchdog, make_plan, on_failure, ndarray,
+    def __cinit__(self, allreduce, in_place, GroupState group_state, WatchSlot watch, make_plan, on_failure, ndarray,
                   double default_timeout, resolve_timeout):
         self.allreduce = allreduce
         self.in_place = in_place
         self.group_state = group_state
-        self.watchdog = watchdog
+        self.watch = watch
         self.make_plan = make_plan
         self.on_failure = on_failure
         self.ndarray = ndarray
@@ -105,13 +125,17 @@ cdef class DirectForeignAllreduce:
             seconds = self.default_timeout if timeout is None else self.resolve_timeout(timeout)
             datatype, library_op, divisor, dtype_code = self.datatype, self.library_op, self.divisor, self.dtype_code
             ferro_count_call(&state.stats, ALLREDUCE_SLOT)
-            self.watchdog.armed = (monotonic_ns() * 1e-9 + seconds, self.name, seconds)
+            watch = self.watch
+            watch.call, watch.seconds = self.name, seconds
+            watch.deadline = monotonic_ns() * 1e-9 + seconds
             try:
-                self.allreduce(self.in_place, [x, datatype], op=library_op)
+                # Positional arguments, and the array itself where its format names the datatype:
+                # each saves mpi4py a step on every call.
+                self.allreduce(self.in_place, x if datatype is None else [x, datatype], library_op)
             except BaseException as exc:
                 raise self.on_failure(exc)
             finally:
-                self.watchdog.armed = None
+                watch.deadline = 0.0
             if divisor != 0.0:
                 ferro_divide(view.buf, <size_t>count, dtype_code, divisor)
             return True

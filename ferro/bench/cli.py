@@ -1,9 +1,10 @@
 """``ferro bench``: sweep collectives over message sizes and print nccl-tests' table.
 
-With ``-n N`` it starts N local ranks itself (through ``ferro run``); inside a
+With ``-n N`` it starts N local ranks itself (through ``ferro run``, or
+``mpirun`` for ``--backend mpi`` and the MPI peers); inside a
 launcher (``ferro run``, torchrun, mpirun) it is one of the ranks. ``--compare
 torch-gloo,mpi,ferro-tcp`` runs the same sweep on torch.distributed's gloo, on
-Open MPI (mpi4py) and on another ferro backend, and prints ferro's ratio to each
+Open MPI (raw mpi4py calls) and on another ferro backend, and prints ferro's ratio to each
 (``--backend nccl --compare torch-nccl`` compares the GPU groups, on CUDA tensors)
 per size, beside the time one core takes to copy that many bytes (the physical
 reference: a collective moves every byte at least once).
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -103,23 +103,30 @@ def _worker_args(args: argparse.Namespace, ops: list[str], library: str, out: st
 
 def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: str) -> int:
     worker = _worker_args(args, ops, library, out)
-    if library == "mpi":
-        mpirun = shutil.which("mpirun")
-        if mpirun is None:
-            print("# mpi: mpirun not found; skipped (apt-get install openmpi-bin; pip install mpi4py)")
+    if _needs_mpirun(library, args.backend):
+        from ferro.backend.mpi.launch import find_mpirun, mpirun_command, mpirun_environment
+
+        if find_mpirun() is None:
+            print(f"# {library}: mpirun not found; skipped (pip install 'ferro[mpi]')")
             return 0
         # Like for like: beside ferro's TCP, Open MPI's TCP path; beside shared memory, its own default
         # on one host (its shared-memory transport).
-        transport = ["--mca", "btl", "self,tcp"] if args.backend == "tcp" else []
-        command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(args.nproc), *transport,
-                   sys.executable, "-m", "ferro.bench.worker", *worker]
-        return subprocess.run(command, check=False).returncode
+        transport = ["btl", "self,tcp"] if args.backend == "tcp" else []
+        command = mpirun_command(args.nproc, [sys.executable, "-m", "ferro.bench.worker", *worker], transport)
+        return subprocess.run(command, env=mpirun_environment(), check=False).returncode
     # A free port, as `ferro run` picks on one node: never a fixed one another job may hold.
     return run_job(LaunchConfig(target=["-m", "ferro.bench.worker", *worker], nproc_per_node=args.nproc,
                                 master_port=free_port(), prefix=False))
 
 
-def _available(library: str) -> str | None:
+def _needs_mpirun(library: str, backend: str) -> bool:
+    """Whether the library's ranks are started by mpirun: raw mpi4py, and ferro's MPI backend."""
+    return library in ("mpi", "ferro-mpi") or (library == "ferro" and backend == "mpi")
+
+
+def _available(library: str, backend: str = "") -> str | None:
+    if library == "ferro-mpi" or (library == "ferro" and backend == "mpi"):
+        library = "mpi"
     if library.startswith("ferro"):
         return None
     if library == "torch-nccl":
@@ -181,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         except BackendUnavailableError as exc:
             print(f"ferro bench: {exc}", file=sys.stderr)
             return 2
+    if args.backend == "mpi" and _available("mpi"):
+        print(f"ferro bench: backend 'mpi' needs mpi4py: {_available('mpi')}; pip install 'ferro[mpi]'",
+              file=sys.stderr)
+        return 2
     peers = [p for p in args.compare.split(",") if p]
     bad = [p for p in peers if p not in PEERS]
     if bad:
@@ -206,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         for world_size in world_sizes:
             args.nproc = world_size
             for library in ["ferro", *peers]:
-                reason = _available(library)
+                reason = _available(library, args.backend)
                 if reason:
                     print(f"# {library}: {reason}; skipped")
                     continue

@@ -64,7 +64,6 @@ from ferro.types import (
     describe_fingerprint,
     dtype_by_name,
 )
-from ferro.work import PendingCollective
 
 __all__ = ["CHECK_CALLS_ENV", "MAX_COUNT_ENV", "MpiBackend", "MpiPending"]
 
@@ -98,43 +97,64 @@ class _Issued:
         self.timeout = timeout  # the collective's, as its calls were given it
 
 
-class MpiPending(PendingCollective):
+class MpiPending:
     """A collective started with ``async_op=True`` on an MPI group: MPI requests in flight.
 
-    :meth:`wait` completes them (``MPI_Waitall``, watched by the group's
-    timeout), then finishes the call (MEAN's division, a part copied out) and
-    returns its result. :meth:`is_completed` tests them, which also lets MPI
-    progress them.
+    It behaves as :class:`~ferro.PendingCollective` does. :meth:`wait` completes
+    the requests (``MPI_Waitall``, watched by the group's timeout), then finishes
+    the call (MEAN's division, a part copied out) and returns its result.
+    :meth:`is_completed` tests them, which also lets MPI progress them: MPI moves
+    a nonblocking collective's data only inside MPI calls (unless the MPI library
+    runs a progress thread), so a long computation between start and ``wait``
+    overlaps little of a large one.
+
+    Example::
+
+        pending = ferro.allreduce(grads, group=mpi_group, async_op=True)   # MPI_Iallreduce
+        ...                                   # compute meanwhile
+        grads = pending.wait()                # MPI_Waitall, then the result
     """
 
     def __init__(self, group: MpiBackend, call: str, description: str, buffers: tuple[Any, ...], issued: _Issued,
                  result: Any) -> None:
-        super().__init__(description, buffers)
-        self._group, self._call, self._issued, self._value = group, call, issued, result
+        self._group, self._call, self._description = group, call, description
+        self._buffers: tuple[Any, ...] | None = buffers  # owned until completion
+        self._issued, self._value = issued, result
         self._deadline = time.monotonic() + issued.timeout
         self._lock = threading.Lock()
+        self._done = False
+        self._result: Any = None
+        self._error: BaseException | None = None
         if not issued.requests:
             self._complete()
 
     def is_completed(self) -> bool:
         """Whether the collective has finished; tests (and so progresses) its MPI requests."""
-        if not self._done.is_set():
+        if not self._done:
             with self._lock:
-                if not self._done.is_set() and self._group.test_all(self._issued.requests, self._call):
-                    self._complete()
-        return self._done.is_set()
+                if not self._done:
+                    try:
+                        if self._group.test_all(self._issued.requests, self._call):
+                            self._complete()
+                    except BaseException as exc:
+                        self._fail(exc)
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Complete the collective and return its result (see :meth:`PendingCollective.wait`).
+        """Complete the collective and return its result.
 
         Args:
             timeout: Seconds to wait; ``None`` waits up to the collective's own timeout,
                 after which the group's watchdog ends the job (MPI cannot cancel it).
 
+        Raises:
+            DistributedTimeoutError: Still running after ``timeout`` (it keeps running).
+            Whatever the collective raised.
+
         """
-        if not self._done.is_set():
+        if not self._done:
             with self._lock:
-                if not self._done.is_set():
+                if not self._done:
                     try:
                         if timeout is None:
                             self._group.wait_all(self._issued.requests, self._call,
@@ -146,11 +166,16 @@ class MpiPending(PendingCollective):
                     except DistributedTimeoutError:
                         raise
                     except BaseException as exc:
-                        self._group.mark_failed(f"{self._call} failed: {exc}")
-                        self._finish(None, exc)
+                        self._fail(exc)
                     else:
                         self._complete()
-        return super().wait(0)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _fail(self, exc: BaseException) -> None:
+        self._group.mark_failed(f"{self._call} failed: {exc}")
+        self._finish(None, exc)
 
     def _complete(self) -> None:
         try:
@@ -161,7 +186,14 @@ class MpiPending(PendingCollective):
             self._finish(None, exc)
         else:
             self._finish(value, None)
+
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        self._result, self._error, self._done = result, error, True
+        self._buffers = None
         self._issued = _Issued(0.0)  # drop the requests and steps: they hold the call's buffers
+
+    def __repr__(self) -> str:
+        return f"<MpiPending {self._description} {'completed' if self._done else 'pending'}>"
 
 
 class MpiBackend(FramedBackend, NativeCollectives):
@@ -370,7 +402,7 @@ class MpiBackend(FramedBackend, NativeCollectives):
                 pause = min(pause * 2, MAX_SLEEP_SECONDS)
 
     def issue_nonblocking(self, body: Callable[[], Any], call: str, description: str,
-                          buffers: tuple[Any, ...]) -> PendingCollective:
+                          buffers: tuple[Any, ...]) -> MpiPending:
         """Run ``body`` with every MPI call it makes started nonblocking; return the handle that completes them."""
         issued = _Issued(self._timeout)
         self._issuing = issued
@@ -435,7 +467,8 @@ class MpiBackend(FramedBackend, NativeCollectives):
         def failed(exc: BaseException) -> BaseException:
             return on_failure(mpi_error(exc, self._rank, "allreduce") if isinstance(exc, mpi.Exception) else exc)
 
-        return DirectForeignAllreduce(self._comm.Allreduce, mpi.IN_PLACE, self.state, self._watchdog,
+        self._watchdog.start()
+        return DirectForeignAllreduce(self._comm.Allreduce, mpi.IN_PLACE, self.state, self._watchdog.slot,
                                       self._direct_plan, failed, np.ndarray, self._timeout, default_timeout)
 
     def _direct_plan(self, numpy_dtype: np.dtype, op: Any) -> tuple[Any, Any, int, float, int] | bool:
@@ -445,6 +478,8 @@ class MpiBackend(FramedBackend, NativeCollectives):
                 op is ReduceOp.MEAN and dtype.kind != "f"):
             return False  # the full path validates (and explains) everything else
         datatype, mpi_op = self._types.reduction(dtype, op)
+        if self._types.inferred(numpy_dtype) == datatype:
+            datatype = None  # mpi4py reads it off the array's format: a step saved on every call
         return datatype, mpi_op, dtype.code, float(self._world_size) if op is ReduceOp.MEAN else 0.0, self._max_count
 
     def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,

@@ -111,6 +111,13 @@ class MpiTypes:
             self._reductions[key] = found
         return found
 
+    def inferred(self, numpy_dtype: Any) -> Any:
+        """Return the datatype mpi4py infers from an array of ``numpy_dtype``, or None where it infers none."""
+        try:
+            return self._mpi.Datatype.fromcode(numpy_dtype.char)
+        except (KeyError, ValueError):
+            return None
+
     def _wraps(self, dtype: DType, op: ReduceOp, datatype: Any) -> bool:
         """Whether MPI's own op overflows integers as ferro does, wrapping around; checked locally, once.
 

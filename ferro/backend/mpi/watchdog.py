@@ -18,6 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from ferro._core.foreign import WatchSlot
+
 __all__ = ["ABORT_EXIT_CODE", "Watchdog"]
 
 #: The exit code ``MPI_Abort`` gives the job when a call timed out (a rank that raised uses 1).
@@ -27,7 +29,10 @@ CHECK_SECONDS = 0.2
 
 
 class Watchdog:
-    """Watches one group's blocking MPI calls; arming and disarming cost one attribute write each.
+    """Watches one group's blocking MPI calls; arming and disarming cost a few attribute writes.
+
+    The call in progress lives in a :class:`~ferro._core.foreign.WatchSlot`, which
+    the compiled direct allreduce path arms from C.
 
     Args:
         describe: Returns the group's description for the message (rank, size).
@@ -38,32 +43,39 @@ class Watchdog:
     def __init__(self, describe: Callable[[], str], abort: Callable[[int], None]) -> None:
         self._describe = describe
         self._abort = abort
-        # (deadline, call, timeout) of the call in progress, or None; replaced whole, never mutated, so the
-        # watchdog's thread reads a consistent tuple without a lock.
-        self.armed: tuple[float, str, float] | None = None
+        self.slot = WatchSlot()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def arm(self, call: str, timeout: float) -> None:
         """Start watching ``call``, which may block for ``timeout`` seconds."""
-        self.armed = (time.monotonic() + timeout, call, timeout)
+        slot = self.slot
+        slot.call, slot.seconds = call, timeout
+        slot.deadline = time.monotonic() + timeout
         if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, name="ferro-mpi-watchdog", daemon=True)
-            self._thread.start()
+            self.start()
 
     def disarm(self) -> None:
         """Stop watching: the call returned."""
-        self.armed = None
+        self.slot.deadline = 0.0
+
+    def start(self) -> None:
+        """Start the watching thread (the first :meth:`arm` does; the direct path's group does it up front)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="ferro-mpi-watchdog", daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
         """End the watchdog's thread (the group closed)."""
         self._stop.set()
 
     def _watch(self) -> None:
+        slot = self.slot
         while not self._stop.wait(CHECK_SECONDS):
-            armed = self.armed
-            if armed is not None and time.monotonic() > armed[0]:
-                deadline, call, timeout = armed
+            deadline = slot.deadline
+            call, timeout = slot.call, slot.seconds
+            # Read twice around the names: a call that ended (0) or another that began meanwhile is not stuck.
+            if deadline != 0.0 and time.monotonic() > deadline and slot.deadline == deadline:
                 print(f"ferro: {self._describe()}: {call} has not returned after its timeout of {timeout:g} s "
                       f"(a peer that never called it, called something else, or hangs). MPI cannot cancel a "
                       f"blocking call, so ferro ends the job with MPI_Abort rather than let every rank wait "
