@@ -7,7 +7,9 @@ rounds, per world size. The first library named in ``--peers`` is the subject;
 every other column's ratio is against it.
 
 Libraries: ``ferro-tcp`` (alias ``ferro``) and ``ferro-shm``, ferro's TCP and
-shared-memory backends; ``gloo``; ``mpi``, Open MPI restricted to its TCP path
+shared-memory backends; ``ferro-mpi``, ferro's MPI backend (``ferro.allreduce``
+on ``init_process_group(backend="mpi")``, with Open MPI's default settings, as
+``mpi-sm``); ``gloo``; ``mpi``, Open MPI restricted to its TCP path
 (``--mca btl self,tcp``, the fair peer for a socket transport); ``mpi-sm``, Open
 MPI with its default settings (its shared-memory transport on one host).
 
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -38,7 +39,9 @@ import numpy as np
 
 from ferro.bench.reference import memcpy_seconds
 
-PEERS = ["ferro", "ferro-tcp", "ferro-shm", "gloo", "mpi", "mpi-sm"]
+PEERS = ["ferro", "ferro-tcp", "ferro-shm", "ferro-mpi", "gloo", "mpi", "mpi-sm"]
+# Started by mpirun: raw mpi4py, and ferro's MPI backend over the same Open MPI (its default transport).
+MPI_LAUNCHED = ("mpi", "mpi-sm", "ferro-mpi")
 
 
 def sizes(max_bytes: int) -> list[int]:
@@ -99,6 +102,16 @@ def worker_mpi(max_bytes: int) -> tuple[int, dict[int, float]]:
                                      comm.Get_rank(), max_bytes)
 
 
+def worker_ferro_mpi(max_bytes: int) -> tuple[int, dict[int, float]]:
+    import ferro
+
+    group = ferro.init_process_group(backend="mpi", timeout=300)
+    try:
+        return group.rank, _measure(lambda b: ferro.allreduce(b), ferro.barrier, group.rank, max_bytes)
+    finally:
+        ferro.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,14 +120,16 @@ def _free_port() -> int:
 
 def run_peer(peer: str, world: int, max_bytes: int, out: str) -> bool:
     script = os.path.abspath(__file__)
-    if peer in ("mpi", "mpi-sm"):
-        mpirun = shutil.which("mpirun")
-        if mpirun is None:
+    if peer in MPI_LAUNCHED:
+        from ferro.backend.mpi.launch import find_mpirun, mpirun_command, mpirun_environment
+
+        if find_mpirun() is None:
             return False
-        transport = ["--mca", "btl", "self,tcp"] if peer == "mpi" else []
-        command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(world), *transport,
-                   sys.executable, script, "--worker", "mpi", "--max-bytes", str(max_bytes), "--out", out]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        transport = ["btl", "self,tcp"] if peer == "mpi" else []
+        worker = "ferro-mpi" if peer == "ferro-mpi" else "mpi"
+        command = mpirun_command(world, [sys.executable, script, "--worker", worker, "--max-bytes", str(max_bytes),
+                                         "--out", out], transport)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=mpirun_environment())
         if done.returncode != 0:
             print(f"# mpi run failed: {done.stderr[-500:]}", file=sys.stderr)
         return done.returncode == 0
@@ -130,10 +145,12 @@ def available(peer: str) -> bool:
     try:
         if peer == "gloo":
             import torch.distributed  # noqa: F401
-        if peer in ("mpi", "mpi-sm"):
+        if peer in MPI_LAUNCHED:
             import mpi4py  # noqa: F401
 
-            return shutil.which("mpirun") is not None
+            from ferro.backend.mpi.launch import find_mpirun
+
+            return find_mpirun() is not None
     except ImportError:
         return False
     return True
@@ -142,6 +159,8 @@ def available(peer: str) -> bool:
 def _worker(args: argparse.Namespace) -> int:
     if args.worker == "mpi":
         rank, results = worker_mpi(args.max_bytes)
+    elif args.worker == "ferro-mpi":
+        rank, results = worker_ferro_mpi(args.max_bytes)
     elif args.worker == "gloo":
         rank, results = args.rank, worker_gloo(args.rank, args.world, args.port, args.max_bytes)
     else:

@@ -6,6 +6,7 @@ should not be needed.
 
 from ferro import checkpoint, nn, p2p, pipeline
 from ferro.backend import Backend, HierarchicalBackend, ShmBackend, SimulatedBackend, SubBackend, TcpBackend
+from ferro.backend.mpi import MpiBackend
 from ferro.backend.nccl import HybridBackend, NcclBackend, nccl_version
 from ferro.collective import (
     all_gather,
@@ -39,6 +40,7 @@ from ferro.errors import (
     InvalidBufferError,
     InvalidRankError,
     InvalidWorldSizeError,
+    MpiError,
     NcclError,
     PeerLostError,
     ProtocolError,
@@ -130,6 +132,8 @@ __all__ = [
     "sendrecv",
     "HierarchicalBackend",
     "HybridBackend",
+    "MpiBackend",
+    "MpiError",
     "NcclBackend",
     "NcclError",
     "nccl_version",

@@ -25,6 +25,7 @@ __all__ = [
     "InvalidBufferError",
     "InvalidRankError",
     "InvalidWorldSizeError",
+    "MpiError",
     "NcclError",
     "PeerLostError",
     "ProtocolError",
@@ -228,3 +229,19 @@ class CudaError(DistributedError, RuntimeError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.code))
+
+
+class MpiError(DistributedError, RuntimeError):
+    """The MPI library reported an error; the message carries MPI's own error string.
+
+    Attributes:
+        error_class: MPI's error class (``MPI_ERR_*``), or -1.
+
+    """
+
+    def __init__(self, message: str, error_class: int = -1) -> None:
+        super().__init__(message)
+        self.error_class = error_class
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.error_class))

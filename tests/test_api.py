@@ -30,6 +30,7 @@ BUILTIN_OF = {
     ferro.CheckpointCorruptError: ValueError,
     ferro.NcclError: RuntimeError,
     ferro.CudaError: RuntimeError,
+    ferro.MpiError: RuntimeError,
 }
 
 
@@ -57,7 +58,7 @@ def test_every_error_is_a_distributed_error_and_its_builtin():
 
 @pytest.mark.parametrize("error", [ferro.PeerLostError("lost", peer=3), ferro.SizeMismatchError("m", 4, 8),
                                    ferro.RankFailedError("r", 2, "tb"), ferro.NcclError("n", 6),
-                                   ferro.CudaError("c", 100)])
+                                   ferro.CudaError("c", 100), ferro.MpiError("m", 5)])
 def test_errors_keep_their_fields_across_pickling(error):
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is type(error) and str(copy) == str(error) and copy.__dict__ == error.__dict__

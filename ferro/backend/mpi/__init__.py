@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ferro.backend.mpi.backend import MpiBackend, MpiPending
 from ferro.backend.mpi.launch import find_mpirun, join_world, mpirun_command
-from ferro.backend.mpi.library import MpiError, load_mpi
+from ferro.backend.mpi.library import load_mpi
+from ferro.errors import MpiError
 
 __all__ = ["MpiBackend", "MpiError", "MpiPending", "find_mpirun", "join_world", "load_mpi", "mpirun_command"]

