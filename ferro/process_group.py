@@ -122,7 +122,12 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     if backend == "mpi":  # MPI's launcher already started and connected the ranks: no store, no address
         from ferro.backend.mpi import join_world
 
-        _default_group = join_world(rank, world_size, timeout)
+        # Checked against what the launcher said: ranks started by ferro run or torchrun would each be an
+        # MPI world of one, and train alone without a word.
+        launched = detect(os.environ)
+        _default_group = join_world(rank if rank is not None else launched.rank if launched else None,
+                                    world_size if world_size is not None else launched.world_size if launched
+                                    else None, timeout)
         log.debug("init_process_group: MPI rank %s of %s", _default_group.rank, _default_group.world_size)
         return _default_group
     master_addr: str | None = None

@@ -154,6 +154,20 @@ def test_missing_mpi4py_is_a_clear_error(tmp_path):
     assert "pip install 'ferro[mpi]'" in done.stdout
 
 
+@needs_mpi
+def test_ranks_not_started_by_mpi_are_refused(tmp_path):
+    # Under ferro run (RANK/WORLD_SIZE), each process would be an MPI world of one.
+    script = ("import ferro\n"
+              "try:\n    ferro.init_process_group(backend='mpi')\n"
+              "except ferro.ConfigurationError as exc:\n    print('REFUSED', exc)\n")
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert "REFUSED init_process_group(backend='mpi'): this process was given rank 1" in done.stdout, (
+        done.stdout + done.stderr)
+    assert "start the ranks with mpirun or srun" in done.stdout
+
+
 def test_ucc_points_at_open_mpi_coll_ucc():
     with pytest.raises(BackendUnavailableError, match="coll_ucc_enable 1"):
         ferro.init_process_group(backend="ucc", rank=0, world_size=1)

@@ -64,6 +64,7 @@ def join_world(rank: int | None = None, world_size: int | None = None, timeout: 
     for name, given, actual in (("rank", rank, group.rank), ("world_size", world_size, group.world_size)):
         if given is not None and given != actual:
             group.close()
-            raise ConfigurationError(f"init_process_group(backend='mpi'): {name}={given} was given but MPI says "
-                                     f"{actual}; with MPI, rank and size come from mpirun/srun")
+            raise ConfigurationError(f"init_process_group(backend='mpi'): this process was given {name} {given} "
+                                     f"(arguments or the launcher's environment) but MPI says {actual}: start "
+                                     f"the ranks with mpirun or srun, or use another backend under ferro run")
     return group
