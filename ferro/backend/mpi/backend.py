@@ -18,7 +18,8 @@ What MPI does not offer, and what ferro does instead:
   ``FERRO_MPI_CHECK_CALLS=1``) makes every collective first agree on its call
   fingerprint, one small ``Allreduce``, and raise
   :class:`~ferro.CollectiveMismatchError` naming the ranks that differ;
-  it is off by default because it doubles the latency of small messages.
+  it is off by default: a debugging mode, it takes every call off the direct path (about 100 us per small
+  allreduce instead of 5 on the development VM).
   Point-to-point messages always carry their call in the MPI tag and are
   checked before they are received.
 * **A rank that raises.** An uncaught exception on one rank would leave the
