@@ -257,7 +257,10 @@ class MpiBackend(FramedBackend, NativeCollectives):
         self._types = MpiTypes(mpi)
         self._tag_ub = int(mpi.COMM_WORLD.Get_attr(mpi.TAG_UB))  # MPI attaches it to COMM_WORLD only
         self._closed = False
-        self._issuing: _Issued | None = None  # set while an async call starts its requests
+        # Set while an async call starts its requests, with the thread doing it: another thread's calls
+        # meanwhile (against the thread rule of ferro.work, but possible) stay blocking.
+        self._issuing: _Issued | None = None
+        self._issuer = 0
         self._abandoned: list[Any] = []  # requests a timeout gave up on, with their buffers: MPI may still use them
         self._watchdog = Watchdog(self._describe, comm.Abort)
         self._hook = None
@@ -345,7 +348,7 @@ class MpiBackend(FramedBackend, NativeCollectives):
         the same name with an ``I`` (``comm.Iallreduce``). ``finish`` runs once the
         call's data is final.
         """
-        issued = self._issuing
+        issued = self._current_issue()
         try:
             if issued is not None:
                 issued.timeout = timeout
@@ -406,17 +409,22 @@ class MpiBackend(FramedBackend, NativeCollectives):
                           buffers: tuple[Any, ...]) -> MpiPending:
         """Run ``body`` with every MPI call it makes started nonblocking; return the handle that completes them."""
         issued = _Issued(self._timeout)
-        self._issuing = issued
+        self._issuing, self._issuer = issued, threading.get_ident()
         try:
             result = body()
         finally:
             self._issuing = None
         return MpiPending(self, call, description, buffers, issued, result)
 
+    def _current_issue(self) -> _Issued | None:
+        """Return the async call this thread is starting, if any."""
+        return self._issuing if self._issuing is not None and self._issuer == threading.get_ident() else None
+
     def when_complete(self, result: Callable[[], Any]) -> Any:
         """Return ``result()`` now, or from the handle once an async call's requests complete."""
-        if self._issuing is not None:
-            self._issuing.result = result
+        issued = self._current_issue()
+        if issued is not None:
+            issued.result = result
             return None
         return result()
 
@@ -541,8 +549,9 @@ class MpiBackend(FramedBackend, NativeCollectives):
         """Run ``step`` once the calls made so far are complete: now, or after an async call's requests."""
         if step is None:
             return
-        if self._issuing is not None:
-            self._issuing.finishers.append(step)
+        issued = self._current_issue()
+        if issued is not None:
+            issued.finishers.append(step)
         else:
             step()
 
