@@ -120,14 +120,15 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     if backend != "auto":
         backend_entry(backend)  # an unknown or unavailable backend is refused before any rendezvous
     if backend == "mpi":  # MPI's launcher already started and connected the ranks: no store, no address
-        from ferro.backend.mpi import join_world
+        from ferro.backend.mpi import MpiBackend
 
         # Checked against what the launcher said: ranks started by ferro run or torchrun would each be an
         # MPI world of one, and train alone without a word.
         launched = detect(os.environ)
-        _default_group = join_world(rank if rank is not None else launched.rank if launched else None,
-                                    world_size if world_size is not None else launched.world_size if launched
-                                    else None, timeout)
+        if launched is not None:
+            rank = launched.rank if rank is None else rank
+            world_size = launched.world_size if world_size is None else world_size
+        _default_group = MpiBackend.join_world(rank, world_size, timeout)
         log.debug("init_process_group: MPI rank %s of %s", _default_group.rank, _default_group.world_size)
         return _default_group
     master_addr: str | None = None

@@ -53,6 +53,7 @@ from ferro._core.posix cimport (
 )
 from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
 from ferro._core.state cimport (
+    ALLREDUCE_SLOT,
     GroupState,
     ferro_count_call,
     ferro_count_received,
@@ -114,7 +115,6 @@ cdef enum:
 cdef int64_t DEADLINE_AT_FIRST_WAIT = -2   # set the deadline when a wait first has to wait
 
 cdef uint64_t KIND_COLLECTIVE_C = KIND_COLLECTIVE
-cdef int ALLREDUCE_SLOT = 1  # ferro.types.COLLECTIVE_IDS["allreduce"]
 cdef uint64_t KIND_BARRIER_C = KIND_BARRIER
 
 

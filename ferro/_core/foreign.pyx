@@ -13,10 +13,9 @@ objects handed to it.
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 
 from ferro._core.reduce cimport ferro_divide
-from ferro._core.state cimport GroupState, ferro_count_call
+from ferro._core.state cimport ALLREDUCE_SLOT, GroupState, ferro_count_call
 from ferro._core.transport cimport monotonic_ns
 
-cdef int ALLREDUCE_SLOT = 1  # ferro.types.COLLECTIVE_IDS["allreduce"]
 
 
 cdef class WatchSlot:

@@ -14,6 +14,10 @@ cdef extern from "stats.h" nogil:
     void ferro_count_received(ferro_stats* s, int slot, uint64_t n)
     void ferro_count_call(ferro_stats* s, int slot)
 
+# The counters' slot of allreduce (ferro.types.COLLECTIVE_IDS["allreduce"]), for the compiled direct paths.
+cdef enum:
+    ALLREDUCE_SLOT = 1
+
 
 cdef class GroupState:
     cdef public object failure           # why the group is unusable after a failed collective, or None

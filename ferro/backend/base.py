@@ -11,10 +11,16 @@ from typing import Any, TypeVar
 from ferro._core.state import GroupState
 from ferro._core.transport import KIND_DATA
 from ferro.backend.native import NativeCollectives
-from ferro.errors import BackendUnavailableError, ConfigurationError, InvalidRankError, SelfSendError
+from ferro.errors import (
+    BackendClosedError,
+    BackendUnavailableError,
+    ConfigurationError,
+    InvalidRankError,
+    SelfSendError,
+)
 from ferro.types import COLLECTIVE_IDS, collective_name
 
-__all__ = ["Backend", "FramedBackend", "add_counters", "default_spin_us", "dissemination_barrier"]
+__all__ = ["Backend", "FramedBackend", "KeptIdentity", "add_counters", "default_spin_us", "dissemination_barrier"]
 
 SPIN_ENV = "FERRO_SPIN_US"
 _P2P = COLLECTIVE_IDS["p2p"]
@@ -361,6 +367,42 @@ class FramedBackend(Backend):
     def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
                         timeout: float | None = None) -> None:
         """Exchange tagged frames, both directions at once (see :meth:`Backend.sendrecv_tagged`)."""
+
+
+class KeptIdentity:
+    """A group that keeps its rank, size, timeout and closed flag in attributes (``_rank``, ...), as most do.
+
+    Mixed in before :class:`Backend`, its properties stand for the abstract ones.
+    """
+
+    _rank: int
+    _world_size: int
+    _timeout: float
+    _closed: bool
+
+    @property
+    def rank(self) -> int:
+        """The calling process's rank in the group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the group."""
+        return self._world_size
+
+    @property
+    def timeout(self) -> float:
+        """Default seconds for blocking operations."""
+        return self._timeout
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def _usable(self, op: str) -> None:
+        if self._closed:
+            raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
 
 
 def _stats_by_name(counters: dict[int, tuple[int, int, int]]) -> dict[str, dict[str, int]]:

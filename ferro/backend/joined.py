@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferro._buffers import as_buffer
-from ferro.backend.base import FramedBackend
-from ferro.errors import BackendClosedError, DistributedTimeoutError
+from ferro.backend.base import FramedBackend, KeptIdentity
+from ferro.errors import DistributedTimeoutError
 from ferro.rendezvous.connect import claim_rank, release_rank, time_left
 from ferro.rendezvous.settings import RendezvousConfig, default_timeout
 from ferro.rendezvous.store import Store
@@ -50,7 +50,7 @@ class JoinSpec:
     device_id: int | None = None
 
 
-class StoreBackend(FramedBackend):
+class StoreBackend(KeptIdentity, FramedBackend):
     """A framed backend whose ranks meet through the job's store.
 
     Rank 0 serves the store unless one is given. Each rank counts its own joins
@@ -116,33 +116,9 @@ class StoreBackend(FramedBackend):
         return f"{self._prefix}/sub/{digest}/{count}"
 
     @property
-    def rank(self) -> int:
-        """The calling process's rank in the group."""
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks in the group."""
-        return self._world_size
-
-    @property
-    def timeout(self) -> float:
-        """Default seconds for blocking operations."""
-        return self._timeout
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
-
-    @property
     def store(self) -> Store:
         """The rendezvous store this group was built through."""
         return self._store
-
-    def _usable(self, op: str) -> None:
-        if self._closed:
-            raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
 
     def _seconds(self, timeout: float | None) -> float:
         return self._timeout if timeout is None else timeout

@@ -9,8 +9,8 @@ optional extra (``pip install 'ferro[mpi]'``), imported only when a group is mad
 from __future__ import annotations
 
 from ferro.backend.mpi.backend import MpiBackend, MpiPending
-from ferro.backend.mpi.launch import find_mpirun, join_world, mpirun_command
+from ferro.backend.mpi.launch import find_mpirun, mpirun_command
 from ferro.backend.mpi.library import load_mpi
 from ferro.errors import MpiError
 
-__all__ = ["MpiBackend", "MpiError", "MpiPending", "find_mpirun", "join_world", "load_mpi", "mpirun_command"]
+__all__ = ["MpiBackend", "MpiError", "MpiPending", "find_mpirun", "load_mpi", "mpirun_command"]

@@ -43,13 +43,12 @@ from ferro._buffers import byte_view
 from ferro._core.foreign import DirectForeignAllreduce
 from ferro._core.reduce import divide, has_kernel
 from ferro._core.status import KIND_COLLECTIVE, kind_name
-from ferro.backend.base import FramedBackend
+from ferro.backend.base import FramedBackend, KeptIdentity
 from ferro.backend.joined import JoinSpec
 from ferro.backend.mpi.library import MpiTypes, load_mpi, mpi_error
 from ferro.backend.mpi.watchdog import Watchdog
 from ferro.backend.native import NativeCollectives
 from ferro.errors import (
-    BackendClosedError,
     CollectiveMismatchError,
     ConfigurationError,
     DistributedTimeoutError,
@@ -197,7 +196,7 @@ class MpiPending:
         return f"<MpiPending {self._description} {'completed' if self._done else 'pending'}>"
 
 
-class MpiBackend(FramedBackend, NativeCollectives):
+class MpiBackend(KeptIdentity, FramedBackend, NativeCollectives):
     """A process group over an MPI communicator, through mpi4py.
 
     Ranks and size are the communicator's. No store, address or job secret is
@@ -291,35 +290,28 @@ class MpiBackend(FramedBackend, NativeCollectives):
                 (the ranks were not started by one mpirun/srun).
 
         """
-        group = cls(timeout=spec.timeout)
-        if (spec.rank, spec.world_size) != (group.rank, group.world_size):
-            group.close()
-            raise ConfigurationError(
-                f"backend 'mpi': this process was given rank {spec.rank} of {spec.world_size}, but MPI says rank "
-                f"{group.rank} of {group.world_size}; start every rank with one mpirun (or srun) command")
+        return cls.join_world(spec.rank, spec.world_size, spec.timeout)
+
+    @classmethod
+    def join_world(cls, rank: int | None = None, world_size: int | None = None,
+                   timeout: float | None = None) -> MpiBackend:
+        """Return the group of ``MPI_COMM_WORLD``, checking any rank and size given against MPI's.
+
+        Raises:
+            ConfigurationError: ``rank`` or ``world_size`` differ from MPI's.
+
+        """
+        group = cls(timeout=timeout)
+        for name, given, actual in (("rank", rank, group.rank), ("world_size", world_size, group.world_size)):
+            if given is not None and given != actual:
+                group.close()
+                raise ConfigurationError(
+                    f"init_process_group(backend='mpi'): this process was given {name} {given} (arguments or the "
+                    f"launcher's environment) but MPI says {actual}: start the ranks with mpirun or srun, or use "
+                    f"another backend under ferro run")
         return group
 
     # --- what the group is ---------------------------------------------------------------
-
-    @property
-    def rank(self) -> int:
-        """The calling process's rank in the communicator."""
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        """The communicator's size."""
-        return self._world_size
-
-    @property
-    def timeout(self) -> float:
-        """Default seconds for blocking operations."""
-        return self._timeout
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
 
     @property
     def comm(self) -> Any:
@@ -333,10 +325,6 @@ class MpiBackend(FramedBackend, NativeCollectives):
 
     def _describe(self) -> str:
         return f"rank {self._rank} of an MPI group of {self._world_size} (MPI_COMM_WORLD rank {self._world_rank})"
-
-    def _usable(self, op: str) -> None:
-        if self._closed:
-            raise BackendClosedError(f"rank {self._rank}: {op}: this process group was closed")
 
     # --- blocking calls, watched; nonblocking ones, collected -------------------------------
 
@@ -673,19 +661,30 @@ class MpiBackend(FramedBackend, NativeCollectives):
         self.mark_failed(reason)
         raise DistributedTimeoutError(reason)
 
-    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
-        """Send ``buf`` as ``MPI_Isend`` messages of at most the count limit, tagged with the call."""
-        self._usable("send")
-        dst = self.check_peer(dst, "send")
-        view = byte_view(buf, "send", writable=False)
-        deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+    def _start_sends(self, buf: Any, dst: int, kind: int, fingerprint: int, call: str) -> list[tuple[Any, Any]]:
+        """Start ``buf`` to ``dst`` as ``MPI_Isend`` messages of at most the count limit, tagged with the call.
+
+        Returns:
+            ``(request, piece)`` per message, for :meth:`_complete`.
+
+        """
+        view = byte_view(buf, call, writable=False)
         tag = self._tag(kind, fingerprint)
+        started = []
         for start, end in _spans(len(view), self._max_count):
             piece = view[start:end]
             try:
-                request = self._comm.Isend([piece, self._types.byte], dst, tag)
+                started.append((self._comm.Isend([piece, self._types.byte], dst, tag), piece))
             except self._mpi.Exception as exc:
-                raise mpi_error(exc, self._rank, "send") from None
+                raise mpi_error(exc, self._rank, call) from None
+        return started
+
+    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Send ``buf`` as ``MPI_Isend`` messages, completed by the timeout (see :meth:`_start_sends`)."""
+        self._usable("send")
+        dst = self.check_peer(dst, "send")
+        deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+        for request, piece in self._start_sends(buf, dst, kind, fingerprint, "send"):
             self._complete(request, deadline, "send", dst, piece)
 
     def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
@@ -724,20 +723,13 @@ class MpiBackend(FramedBackend, NativeCollectives):
         """Start the send, receive, then complete the send: both directions progress together."""
         self._usable("sendrecv")
         dst = self.check_peer(dst, "sendrecv")
-        view = byte_view(send_buf, "sendrecv", writable=False)
         seconds = self._timeout if timeout is None else timeout
         deadline = time.monotonic() + seconds
-        tag = self._tag(kind, fingerprint)
-        requests = []
-        for start, end in _spans(len(view), self._max_count):
-            try:
-                requests.append((self._comm.Isend([view[start:end], self._types.byte], dst, tag), view[start:end]))
-            except self._mpi.Exception as exc:
-                raise mpi_error(exc, self._rank, "sendrecv") from None
+        started = self._start_sends(send_buf, dst, kind, fingerprint, "sendrecv")
         try:
             self.recv_tagged(recv_buf, src, kind=kind, fingerprint=fingerprint, timeout=seconds)
         finally:
-            for request, piece in requests:
+            for request, piece in started:
                 self._complete(request, deadline, "sendrecv", dst, piece)
 
     def abort_peers(self, payload: bytes) -> None:

@@ -1,4 +1,4 @@
-"""Starting and joining MPI jobs: finding ``mpirun``, the command line ferro's tools use, the world group."""
+"""Starting MPI jobs: finding ``mpirun``, and the command line and environment ferro's tools use."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ferro.backend.mpi.backend import MpiBackend
-from ferro.errors import BackendUnavailableError, ConfigurationError
+from ferro.errors import BackendUnavailableError
 
-__all__ = ["find_mpirun", "join_world", "mpirun_command", "mpirun_environment"]
+__all__ = ["find_mpirun", "mpirun_command", "mpirun_environment"]
 
 
 def find_mpirun() -> str | None:
@@ -51,20 +50,3 @@ def mpirun_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     return env
-
-
-def join_world(rank: int | None = None, world_size: int | None = None, timeout: float | None = None) -> MpiBackend:
-    """Return the group of ``MPI_COMM_WORLD``, checking any rank and size given against MPI's.
-
-    Raises:
-        ConfigurationError: ``rank`` or ``world_size`` differ from MPI's.
-
-    """
-    group = MpiBackend(timeout=timeout)
-    for name, given, actual in (("rank", rank, group.rank), ("world_size", world_size, group.world_size)):
-        if given is not None and given != actual:
-            group.close()
-            raise ConfigurationError(f"init_process_group(backend='mpi'): this process was given {name} {given} "
-                                     f"(arguments or the launcher's environment) but MPI says {actual}: start "
-                                     f"the ranks with mpirun or srun, or use another backend under ferro run")
-    return group
