@@ -291,18 +291,20 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend 
 
 
 def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,
-                   timeout: float | None = None, async_op: bool = False, tag: int = 0) -> Any:
+                   timeout: float | None = None, async_op: bool = False, tag: int = 0, out: Any = None) -> Any:
     """Reduce ``x`` across ranks and give each rank one part of the result.
 
     ``x`` is split along axis 0 as ``numpy.array_split(x, world_size)`` splits
     it (sizes may differ by one row); rank ``i`` gets reduced part ``i``.
-    ``tag`` works as in :func:`all_gather`.
+    ``tag`` works as in :func:`all_gather`; ``out`` (optional) receives this
+    rank's part: an array of the part's shape and ``x``'s dtype.
 
     Returns:
-        A new array (a tensor for tensor input) holding this rank's part.
+        ``out``, or a new array (a tensor for tensor input) holding this rank's part.
 
     Raises:
         InvalidBufferError: A 0-d input, or as :func:`allreduce`.
+        SizeMismatchError: ``out`` has the wrong shape or dtype.
 
     Example::
 
@@ -313,6 +315,7 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
     """
     g = resolve_group(group, "reduce_scatter")
     if type(x) is not np.ndarray and is_device_array(x):
+        _no_device_out(out, "reduce_scatter")
         return gpu.device_reduce_scatter(g, x, op, timeout, async_op)
     data = operand(x, "reduce_scatter", writable=False)
     if data.array.ndim == 0:
@@ -324,6 +327,8 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
     row_size = int(np.prod(data.array.shape[1:], dtype=np.int64))
     row_bounds = algo.chunk_bounds(rows, g.world_size)
     bounds = [b * row_size for b in row_bounds]
+    part_shape = (row_bounds[g.rank + 1] - row_bounds[g.rank],) + data.array.shape[1:]
+    given = _output(out, part_shape, data, "reduce_scatter") if out is not None else None
 
     def body() -> Any:
         scratch = data.array.reshape(-1).copy()
@@ -335,13 +340,19 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
                                                                 link.fingerprint, link.timeout):
             algo.reduce_scatter_ring(link, scratch, bounds, data.dtype, reduce_op.kernel_code)
             _finish_mean(mine, data.dtype, reduce_op, g.world_size)
-        part = mine.reshape((row_bounds[g.rank + 1] - row_bounds[g.rank],) + data.array.shape[1:])
-        # A copy, so the result does not keep the whole input-sized scratch alive (N times its own size);
-        # made once the part is final (after MPI's nonblocking call completes, for an async call there).
-        result = lambda: wrap_like(part.copy() if part.size < scratch.size else part, data)  # noqa: E731
+        part = mine.reshape(part_shape)
+
+        def result() -> Any:
+            # Made once the part is final (after MPI's nonblocking call completes, for an async call there).
+            if given is not None:
+                np.copyto(given.array, part)
+                return out
+            # A copy, so the result does not keep the whole input-sized scratch alive (N times its own size).
+            return wrap_like(part.copy() if part.size < scratch.size else part, data)
+
         return native.when_complete(result) if native is not None else result()
 
-    return execute(g, "reduce_scatter", body, async_op, (x,))
+    return execute(g, "reduce_scatter", body, async_op, (x,) if given is None else (x, given.array))
 
 
 # --- data movement ------------------------------------------------------------------
@@ -449,6 +460,21 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
         return out if out is not None else wrap_like(result.array, data)
 
     return execute(g, "all_gather", body, async_op, (x, result.array))
+
+
+def _separate_output(out: Any, shape: tuple[int, ...], like: Operand, name: str) -> Operand | None:
+    """Return ``out`` checked as :func:`_output` checks it and not overlapping the input (None if not given)."""
+    if out is None:
+        return None
+    result = _output(out, shape, like, name)
+    if np.may_share_memory(result.array, like.array):
+        raise InvalidBufferError(f"{name}: out overlaps the input; blocks would be overwritten before they are sent")
+    return result
+
+
+def _no_device_out(out: Any, name: str) -> None:
+    if out is not None:
+        raise InvalidBufferError(f"{name}: out= takes host arrays; for GPU arrays use the returned result")
 
 
 def _tag(tag: Any, group: Backend, name: str) -> int:
@@ -572,16 +598,19 @@ def _native_scatter(group: Backend, link: algo.Link, blocks: list[np.ndarray] | 
                                                         link.fingerprint, link.timeout)
 
 
-def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = None, async_op: bool = False) -> Any:
+def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = None, async_op: bool = False,
+               out: Any = None) -> Any:
     """Exchange equal blocks: block ``j`` of ``x`` on rank ``i`` becomes block ``i`` of the result on rank ``j``.
 
-    ``x`` is split along axis 0 into ``world_size`` equal blocks.
+    ``x`` is split along axis 0 into ``world_size`` equal blocks. ``out``
+    (optional, not ``x`` itself) receives the result: ``x``'s shape and dtype.
 
     Returns:
-        A new array of ``x``'s shape.
+        ``out``, or a new array of ``x``'s shape.
 
     Raises:
         InvalidBufferError: ``x.shape[0]`` not divisible by the world size.
+        SizeMismatchError: ``out`` has the wrong shape or dtype.
 
     Example::
 
@@ -592,27 +621,29 @@ def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = 
     """
     g = resolve_group(group, "all_to_all")
     if type(x) is not np.ndarray and is_device_array(x):
+        _no_device_out(out, "all_to_all")
         return gpu.device_all_to_all(g, x, timeout, async_op)
     data = operand(x, "all_to_all", writable=False)
     if data.array.ndim == 0 or data.array.shape[0] % g.world_size:
         raise InvalidBufferError(
             f"all_to_all: axis 0 of shape {data.array.shape} must split into {g.world_size} equal blocks; "
             f"use all_to_all_single_uneven for uneven blocks")
+    given = _separate_output(out, data.array.shape, data, "all_to_all")
     link = make_link(g, "all_to_all", resolve_timeout(g, timeout), data, 0, 0, data.array.size, data.array.shape)
 
     def body() -> Any:
-        out = np.empty_like(data.array)
+        result = np.empty_like(data.array) if given is None else given.array
         block = data.array.nbytes // g.world_size
         offsets = [i * block for i in range(g.world_size + 1)]
-        _exchange_blocks(g, link, data.array, offsets, out, offsets)
-        return wrap_like(out, data)
+        _exchange_blocks(g, link, data.array, offsets, result, offsets)
+        return wrap_like(result, data) if given is None else out
 
-    return execute(g, "all_to_all", body, async_op, (x,))
+    return execute(g, "all_to_all", body, async_op, (x,) if given is None else (x, given.array))
 
 
 def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Sequence[int], *,
                              group: Backend | None = None, timeout: float | None = None,
-                             async_op: bool = False) -> Any:
+                             async_op: bool = False, out: Any = None) -> Any:
     """Exchange blocks of any size: rows ``send_counts[j]`` of ``x`` go to rank ``j``.
 
     Args:
@@ -623,13 +654,16 @@ def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Se
         group: The process group.
         timeout: Seconds (default: the group's).
         async_op: Return a :class:`~ferro.PendingCollective` instead of waiting.
+        out: Optional result array (not ``x`` itself): ``sum(recv_counts)`` rows
+            shaped like ``x``'s, of ``x``'s dtype.
 
     Returns:
-        A new array of ``sum(recv_counts)`` rows, blocks in source order.
+        ``out``, or a new array of ``sum(recv_counts)`` rows, blocks in source order.
 
     Raises:
         ValueError: Counts of the wrong length, negative, or not summing to ``x.shape[0]``.
-        SizeMismatchError: A source sends a block of another size than expected.
+        SizeMismatchError: A source sends a block of another size than expected; ``out``
+            of the wrong shape or dtype.
 
     Example::
 
@@ -653,16 +687,18 @@ def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Se
     if recvs[g.rank] != sends[g.rank]:
         raise SizeMismatchError(f"all_to_all_single_uneven: rank {g.rank} sends itself {sends[g.rank]} rows "
                                 f"but expects {recvs[g.rank]}", recvs[g.rank], sends[g.rank])
+    out_shape = (sum(recvs),) + row_shape
+    given = _separate_output(out, out_shape, data, "all_to_all_single_uneven")
 
     def body() -> Any:
-        out = np.empty((sum(recvs),) + row_shape, data.array.dtype)
+        result = np.empty(out_shape, data.array.dtype) if given is None else given.array
         send_offsets = [0, *np.cumsum(sends).tolist()]
         recv_offsets = [0, *np.cumsum(recvs).tolist()]
-        _exchange_blocks(g, link, data.array, [o * row_bytes for o in send_offsets], out,
+        _exchange_blocks(g, link, data.array, [o * row_bytes for o in send_offsets], result,
                          [o * row_bytes for o in recv_offsets])
-        return wrap_like(out, data)
+        return wrap_like(result, data) if given is None else out
 
-    return execute(g, "all_to_all_single_uneven", body, async_op, (x,))
+    return execute(g, "all_to_all_single_uneven", body, async_op, (x,) if given is None else (x, given.array))
 
 
 def _exchange_blocks(group: Backend, link: algo.Link, send: np.ndarray, send_offsets: list[int], recv: np.ndarray,

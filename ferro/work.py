@@ -15,6 +15,7 @@ made the call.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from ferro.errors import DistributedTimeoutError
 from ferro.types import thread_tag
 
 __all__ = ["GroupWorker", "PendingCollective", "issuer_tag", "worker_of"]
+
+log = logging.getLogger("ferro.work")
 
 class _Issuing(threading.local):
     """Per thread: the tag of the call a worker thread is running (while it runs), and the thread's own tag."""
@@ -72,6 +75,7 @@ class PendingCollective:
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[PendingCollective], None]] | None = None
 
     def is_completed(self) -> bool:
         """Whether the collective has finished (successfully or not)."""
@@ -95,14 +99,46 @@ class PendingCollective:
             raise self._error
         return self._result
 
+    def add_done_callback(self, fn: Callable[[PendingCollective], None]) -> None:
+        """Call ``fn(self)`` once the collective finishes (at once, on this thread, if it has).
+
+        Callbacks run on the thread that completes the collective (the group's
+        worker), in the order they were added, before the worker takes the
+        group's next call; one that raises is logged and the others still run.
+        This is how an adapter completes a future of its own (torch's, in
+        :mod:`ferro.interop.torch`) without a thread of its own waiting.
+        """
+        with _callbacks_lock:
+            if not self._done.is_set():
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        _call_back(fn, self)
+
     def _finish(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error = result, error
         self._buffers = None
-        self._done.set()
+        with _callbacks_lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            _call_back(fn, self)
 
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<PendingCollective {self._description} {state}>"
+
+
+# Guards the hand-over of callbacks between add_done_callback and _finish (held for a few instructions).
+_callbacks_lock = threading.Lock()
+
+
+def _call_back(fn: Callable[[PendingCollective], None], pending: PendingCollective) -> None:
+    try:
+        fn(pending)
+    except Exception:  # a callback's bug must not kill the worker or skip the callbacks after it
+        log.exception("a done-callback of %s raised", pending._description)
 
 
 class GroupWorker:

@@ -1,0 +1,7 @@
+"""ferro under other libraries' APIs.
+
+* :mod:`ferro.interop.torch`: ferro as a ``torch.distributed`` backend
+  (``init_process_group("ferro")``), so torch's own DDP and FSDP run on ferro's
+  transports. Importing this package imports nothing optional; the torch module
+  needs torch.
+"""

@@ -1,0 +1,573 @@
+"""ferro as a ``torch.distributed`` backend: torch's own DDP and FSDP over ferro's transports.
+
+Importing this module registers the backend name ``"ferro"`` for CPU tensors
+(:func:`register` does it again, harmlessly). Then::
+
+    import ferro.interop.torch  # noqa: F401 - registers "ferro"
+    torch.distributed.init_process_group("ferro")       # under `ferro run` or torchrun
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+builds a ferro group (``backend="auto"``: shared memory when every rank shares
+a host, hierarchical or TCP otherwise; ``$FERRO_BACKEND`` names one) through
+torch's own rendezvous store, and hands torch a :class:`ProcessGroupFerro`
+around it. ``torch.distributed.new_group(ranks, backend="ferro")`` builds
+another. Every rank needs the job secret in ``$FERRO_SECRET`` (``ferro run``
+sets it; under torchrun, export the same random string on every node).
+
+Each torch call becomes one ferro collective per tensor, issued on the group's
+worker (:mod:`ferro.work`) in call order, straight into the caller's tensors
+where torch's call has an output tensor of the right layout (no staging copy).
+The returned :class:`FerroWork` completes its torch future on the worker, so
+DDP's gradient buckets reduce while backward goes on. Errors are ferro's
+exceptions, which are also the builtins torch users catch (``TimeoutError``,
+``ConnectionError``, ``ValueError``).
+
+What torch cannot route here, or ferro does not do, raises a clear error:
+receives from any source, GPU tensors (use ``"nccl"``), and ``ReduceOp.AVG``
+on integers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ferro import collective, p2p
+from ferro.backend import JoinSpec, join_backend
+from ferro.backend.base import Backend
+from ferro.errors import ConfigurationError, DistributedTimeoutError, InvalidBufferError
+from ferro.interop._torch_store import TorchStore
+from ferro.process_group import BACKEND_ENV, choose_backend
+from ferro.rendezvous.hosts import exchange_host_identities
+from ferro.types import ReduceOp
+from ferro.work import PendingCollective, worker_of
+
+__all__ = ["BACKEND_NAME", "FerroWork", "ProcessGroupFerro", "register"]
+
+#: The name ``torch.distributed.init_process_group`` takes.
+BACKEND_NAME = "ferro"
+#: The ferro backends a torch group can run on (host memory, ranks from torch).
+HOST_BACKENDS = ("auto", "tcp", "shm", "hierarchical")
+
+_RedOpType = dist.ReduceOp.RedOpType
+_OPS = {
+    _RedOpType.SUM: ReduceOp.SUM, _RedOpType.AVG: ReduceOp.MEAN, _RedOpType.PRODUCT: ReduceOp.PRODUCT,
+    _RedOpType.MIN: ReduceOp.MIN, _RedOpType.MAX: ReduceOp.MAX, _RedOpType.BAND: ReduceOp.BAND,
+    _RedOpType.BOR: ReduceOp.BOR, _RedOpType.BXOR: ReduceOp.BXOR,
+}
+
+
+def register() -> None:
+    """Register ``"ferro"`` with ``torch.distributed`` for CPU tensors (again: nothing happens).
+
+    Example::
+
+        ferro.interop.torch.register()
+        torch.distributed.init_process_group("ferro")
+    """
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create_process_group, extended_api=True, devices=["cpu"])
+
+
+def _store_address(store: Any) -> str | None:
+    """Return the host of the TCPStore under torch's prefix stores, or None (a file or hash store)."""
+    seen = 0
+    while store is not None and seen < 8:
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store, seen = getattr(store, "underlying_store", None), seen + 1
+    return None
+
+
+def _create_process_group(options: Any, backend_options: Any) -> ProcessGroupFerro:
+    """Build a ferro group through torch's store; torch calls this for ``init_process_group("ferro")``."""
+    rank, size = int(options.group_rank), int(options.group_size)
+    seconds = options.timeout.total_seconds()
+    chosen = os.environ.get(BACKEND_ENV) or "auto"
+    if chosen not in HOST_BACKENDS:
+        raise ConfigurationError(
+            f"rank {rank}: torch's 'ferro' backend runs on {', '.join(HOST_BACKENDS)}; {BACKEND_ENV}={chosen!r} is "
+            f"not one of them (for GPUs use torch's 'nccl'; under mpirun use ferro's own init_process_group('mpi'))")
+    store = TorchStore(options.store, seconds)
+    if chosen == "auto":
+        hosts = [host for host, _ in exchange_host_identities(store, rank, size, seconds)]
+        chosen = choose_backend(hosts)
+    master = _store_address(options.store)
+    # Listen where the peers can reach us: the route towards the store's host, else loopback.
+    bind_addr = None if master else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
+    spec = JoinSpec(rank, size, master or "127.0.0.1", timeout=seconds, store=store, bind_addr=bind_addr)
+    return ProcessGroupFerro(join_backend(chosen, spec), str(options.group_id))
+
+
+def _reduce_op(op: Any, name: str) -> tuple[ReduceOp, Any]:
+    """Return ferro's op for torch's, and PREMUL_SUM's factor (None for the others)."""
+    kind = getattr(op, "op", op)
+    if kind == _RedOpType.PREMUL_SUM:
+        return ReduceOp.SUM, op.factor
+    try:
+        return _OPS[kind], None
+    except (KeyError, TypeError):
+        raise ValueError(f"{name}: torch's reduce op {kind} has no ferro equivalent") from None
+
+
+def _timeout(options: Any) -> float | None:
+    """Return the seconds torch's options carry, or None for the group's own (torch's unset is negative)."""
+    value = getattr(options, "timeout", None)
+    if isinstance(value, datetime.timedelta) and value.total_seconds() > 0:
+        return value.total_seconds()
+    return None
+
+
+def _flat(tensor: Any, name: str) -> Any:
+    """Return a detached, flat view of a CPU tensor (torch's collectives ignore autograd; so does this)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidBufferError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise InvalidBufferError(
+            f"{name}: the tensor lives on {tensor.device}; the 'ferro' backend moves CPU tensors (use 'nccl' for "
+            f"GPU tensors, e.g. init_process_group('cpu:ferro,cuda:nccl'))")
+    if not tensor.is_contiguous():
+        raise InvalidBufferError(f"{name}: the tensor is not contiguous; pass tensor.contiguous()")
+    return tensor.detach().view(-1)
+
+
+def _factor(factor: Any) -> float:
+    """Return PREMUL_SUM's factor (a number, or a one-element tensor) as a number."""
+    return float(factor.to(device="cpu").reshape(()).item()) if isinstance(factor, torch.Tensor) else float(factor)
+
+
+def _scaled(tensor: Any, factor: Any) -> Any:
+    """Return ``tensor * factor`` as a new tensor of its dtype (PREMUL_SUM's input)."""
+    return tensor.mul(_factor(factor))
+
+
+def _as_list(tensors: Any) -> list[Any]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+class FerroWork(dist.Work):
+    """One torch call in flight on a ferro group: torch's ``Work``, whose future holds the output tensors.
+
+    It completes when the last of its ferro calls does (a group completes its
+    calls in order); the future's callbacks (DDP's) run on the group's worker.
+
+    Example::
+
+        work = dist.all_reduce(t, async_op=True)   # on a "ferro" group
+        work.wait()                                 # t holds the sum
+    """
+
+    def __init__(self, what: str, pendings: Sequence[PendingCollective], value: Any,
+                 finish: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self._what = what
+        self._pendings = tuple(pendings)
+        self._value = value
+        self._finish = finish
+        self._future: Any = torch.futures.Future()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        if self._pendings:
+            self._pendings[-1].add_done_callback(self._complete)
+        else:
+            self._complete(None)
+
+    def _complete(self, _: Any) -> None:
+        try:
+            for pending in self._pendings:
+                pending.wait(0)  # raises the first failure; all are done once the last is
+            if self._finish is not None:
+                self._finish()
+        except BaseException as exc:  # handed to the waiter, through wait() and the future
+            self._error = exc
+            self._future.set_exception(exc)
+        else:
+            self._future.set_result(self._value)
+        finally:
+            self._pendings, self._finish = (), None  # the buffers they hold are free to go
+            self._done.set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the call completes; raise its error, if any.
+
+        Args:
+            timeout: A ``timedelta`` or seconds; None or zero waits for the call's own timeout.
+
+        Raises:
+            DistributedTimeoutError: Not complete within ``timeout`` (the call goes on).
+
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if not self._done.wait(seconds if seconds else None):
+            raise DistributedTimeoutError(f"{self._what} has not completed after {seconds:g} s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> Any:
+        """Return the ``torch.futures.Future`` completed with the call's output tensors."""
+        return self._future
+
+    def is_completed(self) -> bool:
+        """Whether the call has finished, successfully or not."""
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        """Whether the call has finished without an error."""
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        """Return the call's error (None while running or after success)."""
+        return self._error
+
+    def result(self) -> Any:
+        """Return the output tensors (after :meth:`wait`)."""
+        return self._value
+
+    def synchronize(self) -> None:
+        """Do nothing: CPU tensors need no stream synchronisation."""
+
+    def __repr__(self) -> str:
+        return f"<FerroWork {self._what} {'completed' if self.is_completed() else 'pending'}>"
+
+
+class ProcessGroupFerro(dist.ProcessGroup):
+    """A ``torch.distributed.ProcessGroup`` whose collectives run on a ferro group.
+
+    torch builds it for ``init_process_group("ferro")`` and
+    ``new_group(backend="ferro")``; :attr:`ferro_group` is the ferro group
+    underneath, for ferro's own calls. Method names and arguments are torch's
+    (``allreduce(tensors, opts)`` and so on); each returns a :class:`FerroWork`.
+
+    Args:
+        group: The connected ferro group.
+        name: torch's name for the group (for messages).
+
+    Example::
+
+        dist.init_process_group("ferro")
+        pg = dist.distributed_c10d._get_default_group()
+        pg.ferro_group          # e.g. <ShmBackend rank 0 of 2>
+
+    """
+
+    def __init__(self, group: Backend, name: str = "") -> None:
+        super().__init__(group.rank, group.world_size)
+        self._ferro = group
+        self._torch_name = name
+        self._coalescing: list[FerroWork] | None = None
+
+    @property
+    def ferro_group(self) -> Backend:
+        """The ferro group this torch group runs on."""
+        return self._ferro
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name, called from C++
+        """Return ``"ferro"``."""
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        """Return ``"ferro"``."""
+        return BACKEND_NAME
+
+    def _work(self, what: str, pendings: Sequence[PendingCollective], value: Any,
+              finish: Callable[[], None] | None = None) -> FerroWork:
+        work = FerroWork(f"{what} on rank {self._ferro.rank}", pendings, value, finish)
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return work
+
+    def _run_after(self, what: str, fn: Callable[[], Any], buffers: tuple[Any, ...]) -> PendingCollective:
+        """Queue ``fn`` on the group's worker, behind the calls issued before it."""
+        return worker_of(self._ferro).submit(fn, f"{what} on rank {self._ferro.rank}", buffers)
+
+    # --- reductions -------------------------------------------------------------------
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> FerroWork:
+        """Reduce each tensor across ranks, in place (torch's ``all_reduce``)."""
+        tensors = _as_list(tensors)
+        op, factor = _reduce_op(opts if isinstance(opts, (dist.ReduceOp, _RedOpType)) else
+                                getattr(opts, "reduceOp", dist.ReduceOp.SUM), "allreduce")
+        flats = [_flat(t, "allreduce") for t in tensors]
+        if factor is not None:  # PREMUL_SUM: the inputs are the outputs, so they are scaled where they are
+            for flat in flats:
+                flat.mul_(_factor(factor))
+        timeout = _timeout(opts)
+        pendings = [collective.allreduce(flat, op, group=self._ferro, timeout=timeout, async_op=True)
+                    for flat in flats]
+        return self._work("allreduce", pendings, tensors)
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> FerroWork:
+        """Reduce every tensor of the list across ranks, in place (one call of the list)."""
+        return self.allreduce(tensors, opts)
+
+    def reduce(self, tensors: Any, opts: Any = None) -> FerroWork:
+        """Reduce each tensor into the copy on ``opts.rootRank``; the others' are left as they were."""
+        tensors = _as_list(tensors)
+        op, factor = _reduce_op(getattr(opts, "reduceOp", dist.ReduceOp.SUM), "reduce")
+        root = int(getattr(opts, "rootRank", 0))
+        flats = [_flat(t, "reduce") for t in tensors]
+        sources = [flat if factor is None else _scaled(flat, factor) for flat in flats]
+        pendings = [collective.reduce(src, root, op, group=self._ferro, timeout=_timeout(opts), async_op=True)
+                    for src in sources]
+
+        def finish() -> None:
+            if factor is not None and self._ferro.rank == root:
+                for flat, src in zip(flats, sources):
+                    flat.copy_(src)
+
+        return self._work("reduce", pendings, tensors, finish)
+
+    def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> FerroWork:  # noqa: A002
+        """Reduce ``input`` across ranks; this rank's equal part lands in ``output``."""
+        op, factor = _reduce_op(getattr(opts, "reduceOp", dist.ReduceOp.SUM), "reduce_scatter")
+        out, source = _flat(output, "reduce_scatter"), _flat(input, "reduce_scatter")
+        if source.numel() != out.numel() * self._ferro.world_size:
+            raise InvalidBufferError(
+                f"rank {self._ferro.rank}: reduce_scatter: the input has {source.numel()} elements; it needs the "
+                f"output's {out.numel()} times the world size {self._ferro.world_size}")
+        if factor is not None:
+            source = _scaled(source, factor)
+        pending = collective.reduce_scatter(source, op, group=self._ferro, timeout=_timeout(opts), async_op=True,
+                                            out=out)
+        return self._work("reduce_scatter", [pending], [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
+        """:meth:`reduce_scatter_single` of each ``(output, input)`` pair, as one call."""
+        return self._join("reduce_scatter", [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)],
+                          list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
+        """Reduce list ``inputs[i]`` across ranks; element ``rank`` of the result lands in ``outputs[i]``."""
+        outputs = _as_list(outputs)
+        works = [self.reduce_scatter_single(out, torch.cat([_flat(t, "reduce_scatter") for t in parts]), opts)
+                 for out, parts in zip(outputs, inputs)]
+        return self._join("reduce_scatter", works, outputs)
+
+    # --- data movement ------------------------------------------------------------------
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> FerroWork:
+        """Copy each tensor from ``opts.rootRank`` into the others' tensors, in place."""
+        tensors = _as_list(tensors)
+        root = int(getattr(opts, "rootRank", 0) if not isinstance(opts, int) else opts)
+        pendings = [collective.broadcast(_flat(t, "broadcast"), root, group=self._ferro, timeout=_timeout(opts),
+                                         async_op=True) for t in tensors]
+        return self._work("broadcast", pendings, tensors)
+
+    def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> FerroWork:  # noqa: A002
+        """Concatenate every rank's ``input`` into ``output``, in rank order (torch's ``all_gather_into_tensor``)."""
+        out, source = _flat(output, "all_gather"), _flat(input, "all_gather")
+        if out.numel() != source.numel() * self._ferro.world_size:
+            raise InvalidBufferError(
+                f"rank {self._ferro.rank}: all_gather: the output has {out.numel()} elements; it needs the input's "
+                f"{source.numel()} times the world size {self._ferro.world_size}")
+        pending = collective.all_gather(source, out=out, group=self._ferro, timeout=_timeout(opts), async_op=True)
+        return self._work("all_gather", [pending], [output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
+        """:meth:`all_gather_single` of each ``(output, input)`` pair, as one call."""
+        return self._join("all_gather", [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)],
+                          list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
+        """Gather each ``inputs[i]`` from every rank into the list ``outputs[i]`` (torch's ``all_gather``)."""
+        inputs = _as_list(inputs)
+        works = []
+        for parts, tensor in zip(outputs, inputs):
+            source = _flat(tensor, "all_gather")
+            for part in parts:
+                if _flat(part, "all_gather").numel() != source.numel() or part.dtype != tensor.dtype:
+                    raise InvalidBufferError(f"rank {self._ferro.rank}: all_gather: every output tensor needs the "
+                                             f"input's {source.numel()} elements of {tensor.dtype}")
+            gathered = torch.empty(source.numel() * self._ferro.world_size, dtype=source.dtype)
+            work = self.all_gather_single(gathered, source, opts)
+            works.append(self._copying(work, gathered, parts))
+        return self._join("all_gather", works, list(outputs))
+
+    def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
+        """Gather every tensor of ``inputs`` from every rank (``outputs[r][i]`` is rank ``r``'s ``inputs[i]``)."""
+        per_input = [[outputs[r][i] for r in range(self._ferro.world_size)] for i in range(len(inputs))]
+        work = self.allgather(per_input, inputs, opts)
+        return self._join("all_gather", [work], list(outputs))
+
+    def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
+        """Gather every rank's ``inputs[0]`` into the list ``outputs[0]`` on ``opts.rootRank``."""
+        root = int(getattr(opts, "rootRank", 0))
+        inputs = _as_list(inputs)
+        source = _flat(inputs[0], "gather")
+        parts = list(outputs[0]) if self._ferro.rank == root and len(outputs) else []
+        if self._ferro.rank == root and len(parts) != self._ferro.world_size:
+            raise ValueError(f"rank {root}: gather: the root needs {self._ferro.world_size} output tensors, got "
+                             f"{len(parts)}")
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["gathered"] = collective.gather(source, root, group=self._ferro, timeout=_timeout(opts))
+
+        def finish() -> None:
+            if parts:
+                _copy_parts(result["gathered"], parts)
+
+        return self._work("gather", [self._run_after("gather", run, (source,))], list(outputs), finish)
+
+    def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
+        """Send ``inputs[0][i]`` from ``opts.rootRank`` into ``outputs[0]`` on rank ``i``."""
+        root = int(getattr(opts, "rootRank", 0))
+        outputs = _as_list(outputs)
+        out = _flat(outputs[0], "scatter")
+        chunks = [_flat(t, "scatter") for t in inputs[0]] if self._ferro.rank == root else None
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["mine"] = collective.scatter(chunks, root, group=self._ferro, timeout=_timeout(opts))
+
+        def finish() -> None:
+            mine = result["mine"]
+            if mine.numel() != out.numel() or mine.dtype != out.dtype:
+                raise InvalidBufferError(
+                    f"rank {self._ferro.rank}: scatter: rank {root} sent {mine.numel()} elements of {mine.dtype}; "
+                    f"the output holds {out.numel()} of {out.dtype}")
+            out.copy_(mine.view(-1))
+
+        return self._work("scatter", [self._run_after("scatter", run, (out,))], outputs, finish)
+
+    def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Sequence[int],  # noqa: A002
+                          input_split_sizes: Sequence[int], opts: Any = None) -> FerroWork:
+        """Exchange rows of ``input`` (split by ``input_split_sizes``, else evenly) into ``output``."""
+        n = self._ferro.world_size
+        if input.dim() == 0 or output.dim() == 0:
+            raise InvalidBufferError("all_to_all: tensors need at least one dimension to split along")
+        rows_in, rows_out = input.shape[0], output.shape[0]
+        sends = list(input_split_sizes) or _even(rows_in, n, "input")
+        recvs = list(output_split_sizes) or _even(rows_out, n, "output")
+        row_shape = tuple(input.shape[1:])
+        source = _flat(input, "all_to_all").view((rows_in,) + row_shape)
+        out = _flat(output, "all_to_all")
+        if out.numel() != sum(recvs) * _prod(row_shape):
+            raise InvalidBufferError(f"rank {self._ferro.rank}: all_to_all: the output has {out.numel()} elements; "
+                                     f"the split sizes {recvs} need {sum(recvs)} rows of shape {row_shape}")
+        pending = collective.all_to_all_single_uneven(
+            source, sends, recvs, group=self._ferro, timeout=_timeout(opts), async_op=True,
+            out=out.view((sum(recvs),) + row_shape))
+        return self._work("all_to_all", [pending], [output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
+        """Send ``inputs[j]`` to rank ``j``; ``outputs[i]`` receives rank ``i``'s (sizes may differ)."""
+        sources = [_flat(t, "all_to_all") for t in inputs]
+        outs = [_flat(t, "all_to_all") for t in outputs]
+        if len({t.dtype for t in sources + outs}) > 1:
+            raise InvalidBufferError("all_to_all: every input and output tensor needs one dtype")
+        received = torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype)
+        work = self.all_to_all_single(received, torch.cat(sources), [t.numel() for t in outs],
+                                      [t.numel() for t in sources], opts)
+        return self._join("all_to_all", [self._copying(work, received, outs)], list(outputs))
+
+    def barrier(self, opts: Any = None) -> FerroWork:
+        """Complete once every rank has called ``barrier``."""
+        return self._work("barrier", [collective.barrier(group=self._ferro, timeout=_timeout(opts), async_op=True)],
+                          [])
+
+    # --- point to point ----------------------------------------------------------------
+
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> FerroWork:
+        """Send ``tensors[0]`` to group rank ``dst`` with ``tag`` (in call order with this group's collectives)."""
+        tensors = _as_list(tensors)
+        pendings = [p2p.isend(_flat(t, "send"), dst, tag=tag, group=self._ferro) for t in tensors]
+        return self._work("send", pendings, tensors)
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> FerroWork:
+        """Receive the next message with ``tag`` from group rank ``src`` into ``tensors[0]``."""
+        tensors = _as_list(tensors)
+        flats = [_flat(t, "recv") for t in tensors]
+        self._ferro.check_peer(src, "recv")
+        pendings = [self._run_after(f"recv from rank {src}",
+                                    lambda flat=flat: p2p.recv_into(flat, src, tag=tag, group=self._ferro), (flat,))
+                    for flat in flats]
+        return self._work("recv", pendings, tensors)
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> FerroWork:
+        """Refuse: ferro receives from a named rank only."""
+        raise NotImplementedError(
+            "recv from any source: the 'ferro' backend receives from a named rank only; pass src=")
+
+    # --- coalescing and life cycle ------------------------------------------------------------
+
+    def start_coalescing(self, device: Any = None) -> None:
+        """Start collecting the calls that :meth:`end_coalescing` returns as one work."""
+        self._coalescing = []
+
+    def end_coalescing(self, device: Any = None) -> FerroWork:
+        """Return one work for the calls made since :meth:`start_coalescing`."""
+        works, self._coalescing = self._coalescing or [], None
+        return self._join("coalesced calls", works, [])
+
+    def _join(self, what: str, works: Sequence[FerroWork], value: Any) -> FerroWork:
+        """Return one work that completes (with ``value``) when every work of ``works`` has."""
+        if self._coalescing is not None:
+            for work in works:  # the parts were recorded as they were made; the whole is what counts
+                if work in self._coalescing:
+                    self._coalescing.remove(work)
+        # Queued behind every part (a group completes its calls in order), so the waits return at once.
+        pending = self._run_after(what, lambda: [work.wait() for work in works], ())
+        return self._work(what, [pending], value)
+
+    def _copying(self, work: FerroWork, source: Any, parts: Sequence[Any]) -> FerroWork:
+        """Return a work that, once ``work`` completes, copies ``source`` into ``parts`` (in order)."""
+        return FerroWork(f"{work._what} (copy out)", [self._run_after("copy out", work.wait, ())], list(parts),
+                         lambda: _copy_parts(source, parts))
+
+    def shutdown(self) -> None:
+        """Close the ferro group (``destroy_process_group`` calls this)."""
+        self._ferro.close()
+
+    def abort(self) -> None:
+        """Close the ferro group at once; calls in flight fail."""
+        self._ferro.close()
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupFerro {self._torch_name or 'group'} over {self._ferro!r}>"
+
+
+def _even(rows: int, n: int, which: str) -> list[int]:
+    if rows % n:
+        raise InvalidBufferError(f"all_to_all: the {which}'s {rows} rows do not split evenly among {n} ranks; "
+                                 f"pass split sizes")
+    return [rows // n] * n
+
+
+def _prod(shape: Sequence[int]) -> int:
+    total = 1
+    for extent in shape:
+        total *= int(extent)
+    return total
+
+
+def _copy_parts(source: Any, parts: Sequence[Any]) -> None:
+    """Copy consecutive slices of flat ``source`` into each tensor of ``parts``."""
+    flat = source.reshape(-1)
+    offset = 0
+    for part in parts:
+        size = part.numel()
+        part.detach().view(-1).copy_(flat[offset:offset + size])
+        offset += size
+
+
+register()
