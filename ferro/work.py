@@ -103,8 +103,9 @@ class PendingCollective:
         """Call ``fn(self)`` once the collective finishes (at once, on this thread, if it has).
 
         Callbacks run on the thread that completes the collective (the group's
-        worker), in the order they were added, before the worker takes the
-        group's next call; one that raises is logged and the others still run.
+        worker), in the order they were added, after :meth:`wait` has been
+        released and before the worker takes the group's next queued call; one
+        that raises is logged and the others still run.
         This is how an adapter completes a future of its own (torch's, in
         :mod:`ferro.interop.torch`) without a thread of its own waiting.
         """

@@ -263,3 +263,62 @@ def test_tag_out_of_range_is_refused():
     for bad in (-1, 1024, 1.5, True):
         with pytest.raises(ValueError, match=r"tag must be an int in \[0, 1023\]"):
             ferro.all_gather(np.ones(2), group=group, tag=bad)
+
+
+def rank_outputs_given(group):
+    n, r = group.world_size, group.rank
+    x = np.arange(3.0 * n) + 10 * r
+    part = np.full(3, -1.0)
+    returned = ferro.reduce_scatter(x, out=part, group=group)
+    exchanged = np.full(3 * n, -1.0)
+    same = ferro.all_to_all(x, out=exchanged, group=group)
+    sends = [j + 1 for j in range(n)]  # rank r sends j + 1 rows to rank j
+    uneven = np.full(n * (r + 1), -1.0)
+    rows = np.arange(float(sum(sends))) + 100 * r
+    ferro.all_to_all_single_uneven(rows, sends, [r + 1] * n, out=uneven, group=group)
+    refused = []
+    for call in (lambda: ferro.all_to_all(x, out=x, group=group),
+                 lambda: ferro.reduce_scatter(x, out=np.zeros(4), group=group),
+                 lambda: ferro.all_to_all(x, out=np.zeros(3 * n, np.float32), group=group)):
+        try:
+            call()
+            refused.append("accepted")
+        except ValueError as exc:
+            refused.append(type(exc).__name__)
+    ferro.barrier(group=group)
+    return part.tolist(), returned is part, exchanged.tolist(), same is exchanged, uneven.tolist(), refused
+
+
+def test_results_land_in_the_outputs_given(run):
+    n = 3
+    results = run(rank_outputs_given, n)
+    inputs = [np.arange(3.0 * n) + 10 * r for r in range(n)]
+    total = sum(inputs)
+    for r, (part, is_part, exchanged, is_same, uneven, refused) in enumerate(results):
+        assert part == total[3 * r:3 * r + 3].tolist() and is_part
+        assert exchanged == np.concatenate([inputs[s][3 * r:3 * r + 3] for s in range(n)]).tolist() and is_same
+        starts = [sum(j + 1 for j in range(r)) for _ in range(n)]  # where rank r's block starts in every sender's rows
+        assert uneven == np.concatenate([np.arange(starts[s], starts[s] + r + 1) + 100.0 * s
+                                         for s in range(n)]).tolist()
+        assert refused == ["InvalidBufferError", "SizeMismatchError", "SizeMismatchError"]
+
+
+def rank_done_callbacks(group):
+    import threading
+
+    seen, ran = [], threading.Event()
+    pending = ferro.allreduce(np.ones(4), group=group, async_op=True)
+    pending.add_done_callback(lambda p: seen.append(("first", p.wait(0).tolist())))
+    pending.add_done_callback(lambda p: 1 / 0)  # logged; the next still runs
+    pending.add_done_callback(lambda p: (seen.append(("third", p.is_completed())), ran.set()))
+    pending.wait()
+    late = []
+    pending.add_done_callback(lambda p: late.append(p.is_completed()))  # runs at once, on this thread
+    assert ran.wait(10)  # on the worker, just after wait() returned
+    return seen, late
+
+
+def test_done_callbacks_run_in_order_once_the_call_completes(run):
+    for seen, late in run(rank_done_callbacks, 2):
+        assert seen == [("first", [2.0] * 4), ("third", True)]
+        assert late == [True]

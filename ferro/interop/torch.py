@@ -57,9 +57,9 @@ HOST_BACKENDS = ("auto", "tcp", "shm", "hierarchical")
 
 _RedOpType = dist.ReduceOp.RedOpType
 _OPS = {
-    _RedOpType.SUM: ReduceOp.SUM, _RedOpType.AVG: ReduceOp.MEAN, _RedOpType.PRODUCT: ReduceOp.PRODUCT,
-    _RedOpType.MIN: ReduceOp.MIN, _RedOpType.MAX: ReduceOp.MAX, _RedOpType.BAND: ReduceOp.BAND,
-    _RedOpType.BOR: ReduceOp.BOR, _RedOpType.BXOR: ReduceOp.BXOR,
+    dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.MEAN, dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+    dist.ReduceOp.MIN: ReduceOp.MIN, dist.ReduceOp.MAX: ReduceOp.MAX, dist.ReduceOp.BAND: ReduceOp.BAND,
+    dist.ReduceOp.BOR: ReduceOp.BOR, dist.ReduceOp.BXOR: ReduceOp.BXOR,
 }
 
 
@@ -110,7 +110,7 @@ def _create_process_group(options: Any, backend_options: Any) -> ProcessGroupFer
 def _reduce_op(op: Any, name: str) -> tuple[ReduceOp, Any]:
     """Return ferro's op for torch's, and PREMUL_SUM's factor (None for the others)."""
     kind = getattr(op, "op", op)
-    if kind == _RedOpType.PREMUL_SUM:
+    if kind == dist.ReduceOp.PREMUL_SUM:
         return ReduceOp.SUM, op.factor
     try:
         return _OPS[kind], None
@@ -263,7 +263,25 @@ class ProcessGroupFerro(dist.ProcessGroup):
         super().__init__(group.rank, group.world_size)
         self._ferro = group
         self._torch_name = name
+        self._torch_desc = ""
         self._coalescing: list[FerroWork] | None = None
+
+    # torch keeps a group's name and description in its backends; this group has none, so it keeps its own.
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name, called from C++
+        """Return torch's name for this group."""
+        return self._torch_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's name, called from C++
+        """Record torch's name for this group."""
+        self._torch_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name, called from C++
+        """Return torch's description of this group."""
+        return self._torch_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802 - torch's name, called from C++
+        """Record torch's description of this group."""
+        self._torch_desc = desc
 
     @property
     def ferro_group(self) -> Backend:
@@ -321,7 +339,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
         def finish() -> None:
             if factor is not None and self._ferro.rank == root:
-                for flat, src in zip(flats, sources):
+                for flat, src in zip(flats, sources, strict=True):
                     flat.copy_(src)
 
         return self._work("reduce", pendings, tensors, finish)
@@ -344,8 +362,8 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
         """:meth:`reduce_scatter_single` of each ``(output, input)`` pair, as one call."""
-        return self._join("reduce_scatter", [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)],
-                          list(outputs))
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return self._join("reduce_scatter", works, list(outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -353,7 +371,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
         """Reduce list ``inputs[i]`` across ranks; element ``rank`` of the result lands in ``outputs[i]``."""
         outputs = _as_list(outputs)
         works = [self.reduce_scatter_single(out, torch.cat([_flat(t, "reduce_scatter") for t in parts]), opts)
-                 for out, parts in zip(outputs, inputs)]
+                 for out, parts in zip(outputs, inputs, strict=True)]
         return self._join("reduce_scatter", works, outputs)
 
     # --- data movement ------------------------------------------------------------------
@@ -380,8 +398,8 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
         """:meth:`all_gather_single` of each ``(output, input)`` pair, as one call."""
-        return self._join("all_gather", [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)],
-                          list(outputs))
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return self._join("all_gather", works, list(outputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -389,7 +407,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
         """Gather each ``inputs[i]`` from every rank into the list ``outputs[i]`` (torch's ``all_gather``)."""
         inputs = _as_list(inputs)
         works = []
-        for parts, tensor in zip(outputs, inputs):
+        for parts, tensor in zip(outputs, inputs, strict=True):
             source = _flat(tensor, "all_gather")
             for part in parts:
                 if _flat(part, "all_gather").numel() != source.numel() or part.dtype != tensor.dtype:
@@ -498,9 +516,10 @@ class ProcessGroupFerro(dist.ProcessGroup):
         tensors = _as_list(tensors)
         flats = [_flat(t, "recv") for t in tensors]
         self._ferro.check_peer(src, "recv")
-        pendings = [self._run_after(f"recv from rank {src}",
-                                    lambda flat=flat: p2p.recv_into(flat, src, tag=tag, group=self._ferro), (flat,))
-                    for flat in flats]
+        def receiver(flat: Any) -> Callable[[], Any]:
+            return lambda: p2p.recv_into(flat, src, tag=tag, group=self._ferro)
+
+        pendings = [self._run_after(f"recv from rank {src}", receiver(flat), (flat,)) for flat in flats]
         return self._work("recv", pendings, tensors)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> FerroWork:
