@@ -118,6 +118,15 @@ def _reduce_op(op: Any, name: str) -> tuple[ReduceOp, Any]:
         raise ValueError(f"{name}: torch's reduce op {kind} has no ferro equivalent") from None
 
 
+def _async(options: Any) -> bool:
+    """Whether torch will hand the work back to its caller (``async_op=True``, DDP's buckets).
+
+    torch's own blocking calls say ``asyncOp=False`` and wait at once: those run on
+    the calling thread, through ferro's direct paths, and return a completed work.
+    """
+    return bool(getattr(options, "asyncOp", True))
+
+
 def _timeout(options: Any) -> float | None:
     """Return the seconds torch's options carry, or None for the group's own (torch's unset is negative)."""
     value = getattr(options, "timeout", None)
@@ -303,9 +312,13 @@ class ProcessGroupFerro(dist.ProcessGroup):
             self._coalescing.append(work)
         return work
 
-    def _run_after(self, what: str, fn: Callable[[], Any], buffers: tuple[Any, ...]) -> PendingCollective:
-        """Queue ``fn`` on the group's worker, behind the calls issued before it."""
-        return worker_of(self._ferro).submit(fn, f"{what} on rank {self._ferro.rank}", buffers)
+    def _queue(self, what: str, fn: Callable[[], Any], buffers: tuple[Any, ...],
+               async_op: bool = True) -> list[PendingCollective]:
+        """Queue ``fn`` on the group's worker, behind the calls issued before it; or run it now, in call order."""
+        if async_op:
+            return [worker_of(self._ferro).submit(fn, f"{what} on rank {self._ferro.rank}", buffers)]
+        worker_of(self._ferro).run(fn, f"{what} on rank {self._ferro.rank}", buffers)
+        return []
 
     # --- reductions -------------------------------------------------------------------
 
@@ -318,10 +331,10 @@ class ProcessGroupFerro(dist.ProcessGroup):
         if factor is not None:  # PREMUL_SUM: the inputs are the outputs, so they are scaled where they are
             for flat in flats:
                 flat.mul_(_factor(factor))
-        timeout = _timeout(opts)
-        pendings = [collective.allreduce(flat, op, group=self._ferro, timeout=timeout, async_op=True)
-                    for flat in flats]
-        return self._work("allreduce", pendings, tensors)
+        timeout, async_op = _timeout(opts), _async(opts)
+        issued = [collective.allreduce(flat, op, group=self._ferro, timeout=timeout, async_op=async_op)
+                  for flat in flats]
+        return self._work("allreduce", issued if async_op else [], tensors)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> FerroWork:
         """Reduce every tensor of the list across ranks, in place (one call of the list)."""
@@ -334,15 +347,16 @@ class ProcessGroupFerro(dist.ProcessGroup):
         root = int(getattr(opts, "rootRank", 0))
         flats = [_flat(t, "reduce") for t in tensors]
         sources = [flat if factor is None else _scaled(flat, factor) for flat in flats]
-        pendings = [collective.reduce(src, root, op, group=self._ferro, timeout=_timeout(opts), async_op=True)
-                    for src in sources]
+        async_op = _async(opts)
+        issued = [collective.reduce(src, root, op, group=self._ferro, timeout=_timeout(opts), async_op=async_op)
+                  for src in sources]
 
         def finish() -> None:
             if factor is not None and self._ferro.rank == root:
                 for flat, src in zip(flats, sources, strict=True):
                     flat.copy_(src)
 
-        return self._work("reduce", pendings, tensors, finish)
+        return self._work("reduce", issued if async_op else [], tensors, finish)
 
     def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> FerroWork:  # noqa: A002
         """Reduce ``input`` across ranks; this rank's equal part lands in ``output``."""
@@ -354,9 +368,10 @@ class ProcessGroupFerro(dist.ProcessGroup):
                 f"output's {out.numel()} times the world size {self._ferro.world_size}")
         if factor is not None:
             source = _scaled(source, factor)
-        pending = collective.reduce_scatter(source, op, group=self._ferro, timeout=_timeout(opts), async_op=True,
-                                            out=out)
-        return self._work("reduce_scatter", [pending], [output])
+        async_op = _async(opts)
+        issued = collective.reduce_scatter(source, op, group=self._ferro, timeout=_timeout(opts), async_op=async_op,
+                                           out=out)
+        return self._work("reduce_scatter", [issued] if async_op else [], [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -380,9 +395,10 @@ class ProcessGroupFerro(dist.ProcessGroup):
         """Copy each tensor from ``opts.rootRank`` into the others' tensors, in place."""
         tensors = _as_list(tensors)
         root = int(getattr(opts, "rootRank", 0) if not isinstance(opts, int) else opts)
-        pendings = [collective.broadcast(_flat(t, "broadcast"), root, group=self._ferro, timeout=_timeout(opts),
-                                         async_op=True) for t in tensors]
-        return self._work("broadcast", pendings, tensors)
+        async_op = _async(opts)
+        issued = [collective.broadcast(_flat(t, "broadcast"), root, group=self._ferro, timeout=_timeout(opts),
+                                       async_op=async_op) for t in tensors]
+        return self._work("broadcast", issued if async_op else [], tensors)
 
     def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> FerroWork:  # noqa: A002
         """Concatenate every rank's ``input`` into ``output``, in rank order (torch's ``all_gather_into_tensor``)."""
@@ -391,8 +407,9 @@ class ProcessGroupFerro(dist.ProcessGroup):
             raise InvalidBufferError(
                 f"rank {self._ferro.rank}: all_gather: the output has {out.numel()} elements; it needs the input's "
                 f"{source.numel()} times the world size {self._ferro.world_size}")
-        pending = collective.all_gather(source, out=out, group=self._ferro, timeout=_timeout(opts), async_op=True)
-        return self._work("all_gather", [pending], [output])
+        async_op = _async(opts)
+        issued = collective.all_gather(source, out=out, group=self._ferro, timeout=_timeout(opts), async_op=async_op)
+        return self._work("all_gather", [issued] if async_op else [], [output])
 
     _allgather_base = all_gather_single
 
@@ -415,7 +432,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
                                              f"input's {source.numel()} elements of {tensor.dtype}")
             gathered = torch.empty(source.numel() * self._ferro.world_size, dtype=source.dtype)
             work = self.all_gather_single(gathered, source, opts)
-            works.append(self._copying(work, gathered, parts))
+            works.append(self._copying(work, gathered, parts, _async(opts)))
         return self._join("all_gather", works, list(outputs))
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
@@ -442,7 +459,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
             if parts:
                 _copy_parts(result["gathered"], parts)
 
-        return self._work("gather", [self._run_after("gather", run, (source,))], list(outputs), finish)
+        return self._work("gather", self._queue("gather", run, (source,), _async(opts)), list(outputs), finish)
 
     def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
         """Send ``inputs[0][i]`` from ``opts.rootRank`` into ``outputs[0]`` on rank ``i``."""
@@ -463,7 +480,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
                     f"the output holds {out.numel()} of {out.dtype}")
             out.copy_(mine.view(-1))
 
-        return self._work("scatter", [self._run_after("scatter", run, (out,))], outputs, finish)
+        return self._work("scatter", self._queue("scatter", run, (out,), _async(opts)), outputs, finish)
 
     def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Sequence[int],  # noqa: A002
                           input_split_sizes: Sequence[int], opts: Any = None) -> FerroWork:
@@ -480,10 +497,11 @@ class ProcessGroupFerro(dist.ProcessGroup):
         if out.numel() != sum(recvs) * _prod(row_shape):
             raise InvalidBufferError(f"rank {self._ferro.rank}: all_to_all: the output has {out.numel()} elements; "
                                      f"the split sizes {recvs} need {sum(recvs)} rows of shape {row_shape}")
-        pending = collective.all_to_all_single_uneven(
-            source, sends, recvs, group=self._ferro, timeout=_timeout(opts), async_op=True,
+        async_op = _async(opts)
+        issued = collective.all_to_all_single_uneven(
+            source, sends, recvs, group=self._ferro, timeout=_timeout(opts), async_op=async_op,
             out=out.view((sum(recvs),) + row_shape))
-        return self._work("all_to_all", [pending], [output])
+        return self._work("all_to_all", [issued] if async_op else [], [output])
 
     alltoall_base = all_to_all_single
 
@@ -496,12 +514,13 @@ class ProcessGroupFerro(dist.ProcessGroup):
         received = torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype)
         work = self.all_to_all_single(received, torch.cat(sources), [t.numel() for t in outs],
                                       [t.numel() for t in sources], opts)
-        return self._join("all_to_all", [self._copying(work, received, outs)], list(outputs))
+        return self._join("all_to_all", [self._copying(work, received, outs, _async(opts))], list(outputs))
 
     def barrier(self, opts: Any = None) -> FerroWork:
         """Complete once every rank has called ``barrier``."""
-        return self._work("barrier", [collective.barrier(group=self._ferro, timeout=_timeout(opts), async_op=True)],
-                          [])
+        async_op = _async(opts)
+        issued = collective.barrier(group=self._ferro, timeout=_timeout(opts), async_op=async_op)
+        return self._work("barrier", [issued] if async_op else [], [])
 
     # --- point to point ----------------------------------------------------------------
 
@@ -519,7 +538,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
         def receiver(flat: Any) -> Callable[[], Any]:
             return lambda: p2p.recv_into(flat, src, tag=tag, group=self._ferro)
 
-        pendings = [self._run_after(f"recv from rank {src}", receiver(flat), (flat,)) for flat in flats]
+        pendings = [p for flat in flats for p in self._queue(f"recv from rank {src}", receiver(flat), (flat,))]
         return self._work("recv", pendings, tensors)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> FerroWork:
@@ -545,13 +564,22 @@ class ProcessGroupFerro(dist.ProcessGroup):
                 if work in self._coalescing:
                     self._coalescing.remove(work)
         # Queued behind every part (a group completes its calls in order), so the waits return at once.
-        pending = self._run_after(what, lambda: [work.wait() for work in works], ())
-        return self._work(what, [pending], value)
+        def wait_all() -> None:
+            for work in works:
+                work.wait()
 
-    def _copying(self, work: FerroWork, source: Any, parts: Sequence[Any]) -> FerroWork:
+        unfinished = [work for work in works if not work.is_completed()]
+        pendings = self._queue(what, wait_all, ()) if unfinished else []
+        return self._work(what, pendings, value, None if unfinished else wait_all)
+
+    def _copying(self, work: FerroWork, source: Any, parts: Sequence[Any], async_op: bool) -> FerroWork:
         """Return a work that, once ``work`` completes, copies ``source`` into ``parts`` (in order)."""
-        return FerroWork(f"{work._what} (copy out)", [self._run_after("copy out", work.wait, ())], list(parts),
-                         lambda: _copy_parts(source, parts))
+        def copy_out() -> None:
+            work.wait()
+            _copy_parts(source, parts)
+
+        return FerroWork(f"{work._what} (copy out)", self._queue("copy out", work.wait, (), async_op), list(parts),
+                         copy_out)
 
     def shutdown(self) -> None:
         """Close the ferro group (``destroy_process_group`` calls this)."""
