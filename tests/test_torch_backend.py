@@ -279,6 +279,22 @@ def rank_collectives(rank, world_size):
         return torch.cat(out).numpy()
     both("send_recv", send_recv)
 
+    def batch_isend_irecv_receives_first(group):
+        # Every rank posts its receive before its send, as pipeline code does: nothing may wait on anything.
+        nxt, prev = (me + 1) % n, (me - 1) % n
+        out = torch.zeros(4, dtype=torch.float64)
+        ops = [dist.P2POp(dist.irecv, out, prev, group=group), dist.P2POp(dist.isend, _ints(me, 4), nxt, group=group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return out.numpy()
+    both("batch_isend_irecv_receives_first", batch_isend_irecv_receives_first)
+
+    def all_gather_object(group):
+        found = [None] * n
+        dist.all_gather_object(found, {"rank": me, "name": "x" * me}, group=group)
+        return np.array([len(f["name"]) + 10 * f["rank"] for f in found])
+    both("all_gather_object", all_gather_object)
+
     dist.destroy_process_group()
     return found
 
@@ -286,7 +302,7 @@ def rank_collectives(rank, world_size):
 def test_every_collective_matches_gloo_on_the_same_inputs():
     results = run_processes(rank_collectives, 3, backend=None, timeout=120, env={"FERRO_BACKEND": "tcp"})
     names = set(results[0])
-    assert len(names) == 27
+    assert len(names) == 29
     for rank, found in enumerate(results):
         for name, got in found.items():
             want = got.get("gloo", got.get("expected"))
@@ -371,6 +387,18 @@ def rank_bad_input(rank, world_size):
             errors[name] = None
         except Exception as exc:
             errors[name] = (type(exc).__name__, str(exc))
+    # A receive whose tag differs from the message's is refused, and the message waits for the right one.
+    if rank == 0:
+        dist.send(torch.full((3,), 7.0), 1, tag=1)
+    else:
+        got = torch.zeros(3)
+        try:
+            dist.recv(got, 0, tag=2)
+            errors["wrong_tag"] = None
+        except Exception as exc:
+            errors["wrong_tag"] = (type(exc).__name__, str(exc))
+        dist.recv(got, 0, tag=1)
+        errors["right_tag"] = got.tolist()
     # After refused calls the group still works: nothing was sent.
     t = torch.ones(2, dtype=torch.float64)
     dist.all_reduce(t)
@@ -386,6 +414,9 @@ def test_bad_input_is_refused_at_the_call_and_the_group_goes_on():
         assert errors["avg_of_ints"][0] == "InvalidBufferError" and "MEAN" in errors["avg_of_ints"][1]
         assert errors["gather_size"][0] == "InvalidBufferError" and "world size" in errors["gather_size"][1]
         assert after == [2.0, 2.0]
+    errors = results[1][0]
+    assert errors["wrong_tag"][0] == "CollectiveMismatchError" and "point-to-point" in errors["wrong_tag"][1], errors
+    assert errors["right_tag"] == [7.0] * 3
 
 
 def rank_without_secret(rank, world_size):

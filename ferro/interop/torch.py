@@ -29,6 +29,7 @@ on integers.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import os
 import threading
@@ -38,10 +39,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ferro import collective, p2p
+from ferro import collective
 from ferro.backend import JoinSpec, join_backend
 from ferro.backend.base import Backend
 from ferro.errors import ConfigurationError, DistributedTimeoutError, InvalidBufferError
+from ferro.interop._peer_links import PeerLinks
 from ferro.interop._torch_store import TorchStore
 from ferro.process_group import BACKEND_ENV, choose_backend
 from ferro.rendezvous.hosts import exchange_host_identities
@@ -56,6 +58,8 @@ BACKEND_NAME = "ferro"
 HOST_BACKENDS = ("auto", "tcp", "shm", "hierarchical")
 
 _RedOpType = dist.ReduceOp.RedOpType
+_SUM = dist.ReduceOp.SUM
+_AllreduceOptions = dist.AllreduceOptions
 _OPS = {
     dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.MEAN, dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
     dist.ReduceOp.MIN: ReduceOp.MIN, dist.ReduceOp.MAX: ReduceOp.MAX, dist.ReduceOp.BAND: ReduceOp.BAND,
@@ -104,7 +108,14 @@ def _create_process_group(options: Any, backend_options: Any) -> ProcessGroupFer
     # Listen where the peers can reach us: the route towards the store's host, else loopback.
     bind_addr = None if master else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
     spec = JoinSpec(rank, size, master or "127.0.0.1", timeout=seconds, store=store, bind_addr=bind_addr)
-    return ProcessGroupFerro(join_backend(chosen, spec), str(options.group_id))
+    group = join_backend(chosen, spec)
+    try:
+        # Point-to-point gets a TCP mesh of its own (see ferro.interop._peer_links for why).
+        links = PeerLinks(join_backend("tcp", spec), seconds) if size > 1 else None
+    except BaseException:
+        group.close()
+        raise
+    return ProcessGroupFerro(group, str(options.group_id), links)
 
 
 def _reduce_op(op: Any, name: str) -> tuple[ReduceOp, Any]:
@@ -174,7 +185,7 @@ class FerroWork(dist.Work):
         work.wait()                                 # t holds the sum
     """
 
-    def __init__(self, what: str, pendings: Sequence[PendingCollective], value: Any,
+    def __init__(self, what: str, pendings: Sequence[PendingCollective | concurrent.futures.Future], value: Any,
                  finish: Callable[[], None] | None = None) -> None:
         super().__init__()
         self._what = what
@@ -191,8 +202,11 @@ class FerroWork(dist.Work):
 
     def _complete(self, _: Any) -> None:
         try:
-            for pending in self._pendings:
-                pending.wait(0)  # raises the first failure; all are done once the last is
+            for pending in self._pendings:  # raises the first failure; all are done once the last is
+                if isinstance(pending, concurrent.futures.Future):
+                    pending.result(0)
+                else:
+                    pending.wait(0)
             if self._finish is not None:
                 self._finish()
         except BaseException as exc:  # handed to the waiter, through wait() and the future
@@ -268,9 +282,10 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     """
 
-    def __init__(self, group: Backend, name: str = "") -> None:
+    def __init__(self, group: Backend, name: str = "", links: PeerLinks | None = None) -> None:
         super().__init__(group.rank, group.world_size)
         self._ferro = group
+        self._links = links
         self._torch_name = name
         self._torch_desc = ""
         self._coalescing: list[FerroWork] | None = None
@@ -305,7 +320,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
         """Return ``"ferro"``."""
         return BACKEND_NAME
 
-    def _work(self, what: str, pendings: Sequence[PendingCollective], value: Any,
+    def _work(self, what: str, pendings: Sequence[PendingCollective | concurrent.futures.Future], value: Any,
               finish: Callable[[], None] | None = None) -> FerroWork:
         work = FerroWork(f"{what} on rank {self._ferro.rank}", pendings, value, finish)
         if self._coalescing is not None:
@@ -322,8 +337,26 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     # --- reductions -------------------------------------------------------------------
 
-    def allreduce(self, tensors: Any, opts: Any = None) -> FerroWork:
+    def allreduce(self, tensors: Any, opts: Any = None) -> FerroWork | None:
         """Reduce each tensor across ranks, in place (torch's ``all_reduce``)."""
+        # The fast path of torch's blocking all_reduce of one plain CPU tensor: a NumPy view to ferro's
+        # compiled direct call, and no work at all (torch takes None as "done" from a blocking call).
+        if type(opts) is _AllreduceOptions and not opts.asyncOp and len(tensors) == 1:
+            tensor = tensors[0]
+            if opts.reduceOp == _SUM and not tensor.requires_grad and tensor.is_contiguous():
+                try:
+                    array = tensor.numpy()
+                except TypeError:  # off the CPU, or a dtype NumPy lacks (bfloat16): the general path says
+                    pass
+                else:
+                    timeout = opts.timeout.total_seconds()
+                    collective.allreduce(array, ReduceOp.SUM, group=self._ferro,
+                                         timeout=timeout if timeout > 0 else None)
+                    return None
+        return self.allreduce_coalesced(tensors, opts)
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> FerroWork:
+        """Reduce every tensor of the list across ranks, in place (a call per tensor, in list order)."""
         tensors = _as_list(tensors)
         op, factor = _reduce_op(opts if isinstance(opts, (dist.ReduceOp, _RedOpType)) else
                                 getattr(opts, "reduceOp", dist.ReduceOp.SUM), "allreduce")
@@ -335,10 +368,6 @@ class ProcessGroupFerro(dist.ProcessGroup):
         issued = [collective.allreduce(flat, op, group=self._ferro, timeout=timeout, async_op=async_op)
                   for flat in flats]
         return self._work("allreduce", issued if async_op else [], tensors)
-
-    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> FerroWork:
-        """Reduce every tensor of the list across ranks, in place (one call of the list)."""
-        return self.allreduce(tensors, opts)
 
     def reduce(self, tensors: Any, opts: Any = None) -> FerroWork:
         """Reduce each tensor into the copy on ``opts.rootRank``; the others' are left as they were."""
@@ -524,22 +553,28 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     # --- point to point ----------------------------------------------------------------
 
+    def _peer_links(self, name: str) -> PeerLinks:
+        if self._links is None:
+            raise ValueError(f"{name}: a group of one rank has no peer to send to or receive from")
+        return self._links
+
     def send(self, tensors: Any, dst: int, tag: int = 0) -> FerroWork:
-        """Send ``tensors[0]`` to group rank ``dst`` with ``tag`` (in call order with this group's collectives)."""
+        """Send each tensor to group rank ``dst`` with ``tag``; returns once queued (``wait()`` for sent).
+
+        Sends to a peer leave in call order, on a connection of their own: they
+        never wait behind this group's collectives or its receives.
+        """
         tensors = _as_list(tensors)
-        pendings = [p2p.isend(_flat(t, "send"), dst, tag=tag, group=self._ferro) for t in tensors]
-        return self._work("send", pendings, tensors)
+        links = self._peer_links("send")
+        pendings = [links.send(_flat(t, "send"), dst, tag) for t in tensors]
+        return self._work(f"send to rank {dst}", pendings, tensors)
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> FerroWork:
-        """Receive the next message with ``tag`` from group rank ``src`` into ``tensors[0]``."""
+        """Receive ``src``'s next messages into the tensors; they must carry ``tag``, dtype and size alike."""
         tensors = _as_list(tensors)
-        flats = [_flat(t, "recv") for t in tensors]
-        self._ferro.check_peer(src, "recv")
-        def receiver(flat: Any) -> Callable[[], Any]:
-            return lambda: p2p.recv_into(flat, src, tag=tag, group=self._ferro)
-
-        pendings = [p for flat in flats for p in self._queue(f"recv from rank {src}", receiver(flat), (flat,))]
-        return self._work("recv", pendings, tensors)
+        links = self._peer_links("recv")
+        pendings = [links.recv(_flat(t, "recv"), src, tag) for t in tensors]
+        return self._work(f"recv from rank {src}", pendings, tensors)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> FerroWork:
         """Refuse: ferro receives from a named rank only."""
@@ -583,11 +618,13 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Close the ferro group (``destroy_process_group`` calls this)."""
+        if self._links is not None:
+            self._links.close()
         self._ferro.close()
 
     def abort(self) -> None:
         """Close the ferro group at once; calls in flight fail."""
-        self._ferro.close()
+        self.shutdown()
 
     def __repr__(self) -> str:
         return f"<ProcessGroupFerro {self._torch_name or 'group'} over {self._ferro!r}>"
