@@ -29,6 +29,9 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # two ranks share this machine's two cores
 
 WIDTH, LAYERS, BATCH = 1600, 4, 64
+# gloo's objects live until the process exits: torch 2.13 can deadlock destroying a gloo group or DDP reducer with
+# the GIL held (its worker thread waits for the GIL to drop a finished work).
+_KEEP_ALIVE: list = []
 SIZES = (4, 64 * 1024, 16 * 1024 * 1024)
 
 
@@ -95,6 +98,7 @@ def rank_main(rank: int, world_size: int, rounds: int, steps: int) -> dict:
             if round_:
                 step_times[name].append(statistics.median(_per_call(step, 1, barrier) for _ in range(steps)))
     results["ddp"] = {name: statistics.median(v) for name, v in step_times.items()}
+    _KEEP_ALIVE.extend([gloo, nets])
     dist.destroy_process_group()
     return results
 

@@ -20,12 +20,19 @@ from ferro.testing import RankExit, run_processes  # noqa: E402
 STEPS = 3
 BATCH = 12  # divisible by 2 and 3: every rank's share is equal, so the mean of means is the mean
 
+# gloo's objects live until the rank's process exits. torch 2.13 can deadlock destroying a gloo group (or the DDP
+# reducer holding one) with the GIL held: ~ProcessGroupGloo joins its worker thread, which may still be dropping a
+# finished work and waits for the GIL to release the work's Python state (seen here as a rank stuck in teardown).
+_KEEP_ALIVE = []
+
 
 def _init(timeout=60):
     import ferro.interop.torch  # noqa: F401 - registers "ferro"
 
     dist.init_process_group("ferro", timeout=datetime.timedelta(seconds=timeout))
-    return dist.new_group(backend="gloo")
+    gloo = dist.new_group(backend="gloo")
+    _KEEP_ALIVE.append(gloo)
+    return gloo
 
 
 def _model(dtype=torch.float64):
@@ -65,6 +72,7 @@ def rank_ddp(rank, world_size):
     for name, group in (("ferro", None), ("gloo", gloo)):
         # Tiny buckets: several allreduces per step, issued while backward goes on.
         ddp = torch.nn.parallel.DistributedDataParallel(_model(), process_group=group, bucket_cap_mb=0.001)
+        _KEEP_ALIVE.append(ddp)
         _train(ddp, rank, world_size)
         results[name] = _params(ddp.module)
     results["backend"] = repr(dist.distributed_c10d._get_default_group())
@@ -100,6 +108,7 @@ def rank_fsdp(rank, world_size, dtype_name, divide_factor):
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        _KEEP_ALIVE.append(model)
         if divide_factor:
             model.set_gradient_divide_factor(float(world_size))  # reduce-scatters with PREMUL_SUM(1/world)
         _train(model, rank, world_size, dtype)

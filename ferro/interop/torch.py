@@ -152,8 +152,8 @@ def _flat(tensor: Any, name: str) -> Any:
         raise InvalidBufferError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
         raise InvalidBufferError(
-            f"{name}: the tensor lives on {tensor.device}; the 'ferro' backend moves CPU tensors (use 'nccl' for "
-            f"GPU tensors, e.g. init_process_group('cpu:ferro,cuda:nccl'))")
+            f"{name}: the tensor lives on {tensor.device}; the 'ferro' backend moves CPU tensors (reduce GPU "
+            f"tensors on a group of torch's 'nccl' backend, or move them with .cpu())")
     if not tensor.is_contiguous():
         raise InvalidBufferError(f"{name}: the tensor is not contiguous; pass tensor.contiguous()")
     return tensor.detach().view(-1)
