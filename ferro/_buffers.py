@@ -23,7 +23,7 @@ from ferro.errors import InvalidBufferError
 from ferro.types import DType, dtype_by_name
 
 __all__ = ["Operand", "as_buffer", "before_writing", "byte_view", "is_device_array", "is_torch_tensor", "operand",
-           "torch_view", "wrap_like"]
+           "plain_tensor_view", "torch_view", "wrap_like"]
 
 _PASS_THROUGH = (np.ndarray, bytes, bytearray, memoryview)
 # Extension dtypes whose arrays NumPy cannot export through the buffer protocol.
@@ -98,6 +98,31 @@ def before_writing(tensor: Any, op: str) -> None:
     from torch.autograd.graph import increment_version
 
     increment_version(tensor)
+
+
+def plain_tensor_view(obj: Any) -> np.ndarray | None:
+    """Return a writable NumPy view of a plain CPU tensor, or None for anything else.
+
+    Plain: a contiguous CPU tensor that does not require grad, of a dtype NumPy
+    has. The compiled direct paths take such a view as they take an array (the
+    full path handles every other case, with its messages). The tensor's version
+    counter moves, as :func:`before_writing` moves it.
+    """
+    if not is_torch_tensor(obj) or obj.requires_grad or not obj.is_contiguous():
+        return None
+    try:
+        view = obj.numpy()  # refuses tensors off the CPU, sparse ones and dtypes NumPy lacks
+    except (TypeError, RuntimeError):
+        return None
+    _increment_version()(obj)
+    return cast(np.ndarray, view)
+
+
+@functools.cache
+def _increment_version() -> Any:
+    from torch.autograd.graph import increment_version  # reached with a tensor in hand: torch is loaded
+
+    return increment_version
 
 
 def as_buffer(obj: Any, op: str, writable: bool = False) -> Any:

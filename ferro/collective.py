@@ -34,7 +34,7 @@ import numpy as np
 from ferro import _algorithms as algo
 from ferro import gpu
 from ferro import process_group as _groups
-from ferro._buffers import Operand, is_device_array, operand, wrap_like
+from ferro._buffers import Operand, is_device_array, operand, plain_tensor_view, wrap_like
 from ferro._core.arena import DirectAllreduce
 from ferro._core.reduce import divide, has_kernel
 from ferro._core.state import UNSET
@@ -155,8 +155,13 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
         direct = g.state.direct_allreduce
     if direct is UNSET:
         direct = _direct_path(g)
-    if direct is not None and not async_op and algorithm is None and direct(x, op, timeout):
-        return x
+    if direct is not None and not async_op and algorithm is None:
+        if direct(x, op, timeout):
+            return x
+        if type(x) is not np.ndarray:  # a plain CPU tensor takes the direct path as its NumPy view
+            view = plain_tensor_view(x)
+            if view is not None and direct(view, op, timeout):
+                return x
     return _allreduce(g, x, op, timeout, async_op, algorithm)
 
 

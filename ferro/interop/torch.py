@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ferro import collective
+from ferro._buffers import plain_tensor_view
 from ferro.backend import JoinSpec, join_backend
 from ferro.backend.base import Backend
 from ferro.errors import ConfigurationError, DistributedTimeoutError, InvalidBufferError
@@ -341,18 +342,12 @@ class ProcessGroupFerro(dist.ProcessGroup):
         """Reduce each tensor across ranks, in place (torch's ``all_reduce``)."""
         # The fast path of torch's blocking all_reduce of one plain CPU tensor: a NumPy view to ferro's
         # compiled direct call, and no work at all (torch takes None as "done" from a blocking call).
-        if type(opts) is _AllreduceOptions and not opts.asyncOp and len(tensors) == 1:
-            tensor = tensors[0]
-            if opts.reduceOp == _SUM and not tensor.requires_grad and tensor.is_contiguous():
-                try:
-                    array = tensor.numpy()
-                except TypeError:  # off the CPU, or a dtype NumPy lacks (bfloat16): the general path says
-                    pass
-                else:
-                    timeout = opts.timeout.total_seconds()
-                    collective.allreduce(array, ReduceOp.SUM, group=self._ferro,
-                                         timeout=timeout if timeout > 0 else None)
-                    return None
+        if type(opts) is _AllreduceOptions and not opts.asyncOp and len(tensors) == 1 and opts.reduceOp == _SUM:
+            array = plain_tensor_view(tensors[0])  # None off the CPU, for bfloat16, ...: the general path says
+            if array is not None:
+                timeout = opts.timeout.total_seconds()
+                collective.allreduce(array, ReduceOp.SUM, group=self._ferro, timeout=timeout if timeout > 0 else None)
+                return None
         return self.allreduce_coalesced(tensors, opts)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> FerroWork:
