@@ -443,10 +443,15 @@ def test_a_rank_without_the_job_secret_is_told_what_to_set():
         assert result is not None and "FERRO_SECRET" in result[1], result
 
 
-def test_importing_ferro_interop_imports_no_torch():
+def test_importing_ferro_interop_imports_no_torch(tmp_path):
     import subprocess
     import sys
 
+    import ferro
+
+    # The ferro this test imported (the installed one under .ci/run), not a source tree in the working directory.
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(ferro.__file__))}
     code = "import sys, ferro, ferro.interop; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
