@@ -155,13 +155,14 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
         direct = g.state.direct_allreduce
     if direct is UNSET:
         direct = _direct_path(g)
-    if direct is not None and not async_op and algorithm is None:
-        if direct(x, op, timeout):
+    if direct is not None and not async_op and algorithm is None and direct(x, op, timeout):
+        return x
+    if type(x) is not np.ndarray and not async_op:
+        view = plain_tensor_view(x)  # a plain CPU tensor travels as its NumPy view, on either path
+        if view is not None:
+            if not (direct is not None and algorithm is None and direct(view, op, timeout)):
+                _allreduce(g, view, op, timeout, False, algorithm)
             return x
-        if type(x) is not np.ndarray:  # a plain CPU tensor takes the direct path as its NumPy view
-            view = plain_tensor_view(x)
-            if view is not None and direct(view, op, timeout):
-                return x
     return _allreduce(g, x, op, timeout, async_op, algorithm)
 
 

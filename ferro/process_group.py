@@ -179,8 +179,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
             store = Store(master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
                           secret=job_secret(secret), timeout=default_timeout(timeout), serve=(rank == 0))
             close_store = True
-        identities = exchange_host_identities(store, rank, world_size, default_timeout(timeout))
-        backend = choose_backend([host for host, _ in identities])
+        backend = backend_by_hosts(store, rank, world_size, default_timeout(timeout))
         log.debug("init_process_group: backend auto -> %s", backend)
     # Listen where the peers can reach us: the route towards the master, unless only a file names the job.
     bind_addr = None if master_addr else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
@@ -189,6 +188,12 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     group = join_backend(backend, spec)
     _default_group = group
     return group
+
+
+def backend_by_hosts(store: Any, rank: int, world_size: int, timeout: float) -> str:
+    """Exchange the ranks' host identities through ``store`` and return what ``backend="auto"`` picks."""
+    identities = exchange_host_identities(store, rank, world_size, timeout)
+    return choose_backend([host for host, _ in identities])
 
 
 def choose_backend(hosts: list[str]) -> str:

@@ -6,6 +6,8 @@ import datetime
 from collections.abc import Iterable
 from typing import Any
 
+from torch.distributed import DistError, DistStoreError
+
 from ferro.errors import TransportError
 from ferro.rendezvous.store import StoreKeyTimeoutError
 
@@ -38,8 +40,6 @@ class TorchStore:
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         """Run one request of torch's store; its failures become ferro's errors."""
-        from torch.distributed import DistError
-
         try:
             return fn(*args)
         except DistError as exc:  # the store's host is gone (the job ended) or unreachable
@@ -47,8 +47,6 @@ class TorchStore:
 
     def _wait(self, keys: list[str], timeout: float | None) -> None:
         seconds = self._timeout if timeout is None else timeout
-        from torch.distributed import DistStoreError
-
         try:
             self._store.wait(keys, datetime.timedelta(seconds=max(seconds, 0.001)))
         except DistStoreError as exc:
@@ -57,7 +55,7 @@ class TorchStore:
             missing = tuple(key for key in keys if not self._call("check", self._store.check, [key]))
             raise StoreKeyTimeoutError(
                 f"store: keys still missing after {seconds:g} s: {', '.join(map(repr, missing))}", missing) from None
-        except RuntimeError as exc:  # DistNetworkError and the like: not a timeout
+        except DistError as exc:  # DistNetworkError: the store's host is gone
             raise TransportError(f"torch's store failed while waiting for {keys}: {exc}") from exc
 
     def set(self, key: str, value: bytes | str, timeout: float | None = None) -> None:

@@ -40,14 +40,12 @@ import torch
 import torch.distributed as dist
 
 from ferro import collective
-from ferro._buffers import plain_tensor_view
 from ferro.backend import JoinSpec, join_backend
 from ferro.backend.base import Backend
 from ferro.errors import ConfigurationError, DistributedTimeoutError, InvalidBufferError
 from ferro.interop._peer_links import PeerLinks
 from ferro.interop._torch_store import TorchStore
-from ferro.process_group import BACKEND_ENV, choose_backend
-from ferro.rendezvous.hosts import exchange_host_identities
+from ferro.process_group import BACKEND_ENV, backend_by_hosts
 from ferro.types import ReduceOp
 from ferro.work import PendingCollective, worker_of
 
@@ -61,6 +59,7 @@ HOST_BACKENDS = ("auto", "tcp", "shm", "hierarchical")
 _RedOpType = dist.ReduceOp.RedOpType
 _SUM = dist.ReduceOp.SUM
 _AllreduceOptions = dist.AllreduceOptions
+_HANDLES = (PendingCollective, concurrent.futures.Future)
 _OPS = {
     dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.MEAN, dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
     dist.ReduceOp.MIN: ReduceOp.MIN, dist.ReduceOp.MAX: ReduceOp.MAX, dist.ReduceOp.BAND: ReduceOp.BAND,
@@ -103,8 +102,7 @@ def _create_process_group(options: Any, backend_options: Any) -> ProcessGroupFer
             f"not one of them (for GPUs use torch's 'nccl'; under mpirun use ferro's own init_process_group('mpi'))")
     store = TorchStore(options.store, seconds)
     if chosen == "auto":
-        hosts = [host for host, _ in exchange_host_identities(store, rank, size, seconds)]
-        chosen = choose_backend(hosts)
+        chosen = backend_by_hosts(store, rank, size, seconds)
     master = _store_address(options.store)
     # Listen where the peers can reach us: the route towards the store's host, else loopback.
     bind_addr = None if master else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
@@ -321,12 +319,21 @@ class ProcessGroupFerro(dist.ProcessGroup):
         """Return ``"ferro"``."""
         return BACKEND_NAME
 
-    def _work(self, what: str, pendings: Sequence[PendingCollective | concurrent.futures.Future], value: Any,
-              finish: Callable[[], None] | None = None) -> FerroWork:
+    def _work(self, what: str, issued: Sequence[Any], value: Any, finish: Callable[[], None] | None = None
+              ) -> FerroWork:
+        """Return the work of a call; ``issued`` is what ferro returned (handles of async calls, results of others)."""
+        pendings = [handle for handle in issued if isinstance(handle, _HANDLES)]
         work = FerroWork(f"{what} on rank {self._ferro.rank}", pendings, value, finish)
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
+
+    def _check_world_times(self, whole: Any, whole_name: str, part: Any, part_name: str, name: str) -> None:
+        """Refuse a ``whole`` tensor that does not hold world-size times ``part``'s elements."""
+        n = self._ferro.world_size
+        if whole.numel() != part.numel() * n:
+            raise InvalidBufferError(f"rank {self._ferro.rank}: {name}: the {whole_name} has {whole.numel()} elements; "
+                                     f"it needs the {part_name}'s {part.numel()} times the world size {n}")
 
     def _queue(self, what: str, fn: Callable[[], Any], buffers: tuple[Any, ...],
                async_op: bool = True) -> list[PendingCollective]:
@@ -340,14 +347,13 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     def allreduce(self, tensors: Any, opts: Any = None) -> FerroWork | None:
         """Reduce each tensor across ranks, in place (torch's ``all_reduce``)."""
-        # The fast path of torch's blocking all_reduce of one plain CPU tensor: a NumPy view to ferro's
-        # compiled direct call, and no work at all (torch takes None as "done" from a blocking call).
-        if type(opts) is _AllreduceOptions and not opts.asyncOp and len(tensors) == 1 and opts.reduceOp == _SUM:
-            array = plain_tensor_view(tensors[0])  # None off the CPU, for bfloat16, ...: the general path says
-            if array is not None:
-                timeout = opts.timeout.total_seconds()
-                collective.allreduce(array, ReduceOp.SUM, group=self._ferro, timeout=timeout if timeout > 0 else None)
-                return None
+        # The fast path of torch's blocking all_reduce of one tensor: ferro's compiled direct call, and no
+        # work at all (torch takes None as "done" from a blocking call).
+        # ferro.allreduce takes a plain CPU tensor through its NumPy view, and refuses what it cannot take.
+        if (type(opts) is _AllreduceOptions and not opts.asyncOp and len(tensors) == 1 and opts.reduceOp == _SUM
+                and not tensors[0].requires_grad):  # those are detached first, as the general path does
+            collective.allreduce(tensors[0], ReduceOp.SUM, group=self._ferro, timeout=_timeout(opts))
+            return None
         return self.allreduce_coalesced(tensors, opts)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> FerroWork:
@@ -362,7 +368,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
         timeout, async_op = _timeout(opts), _async(opts)
         issued = [collective.allreduce(flat, op, group=self._ferro, timeout=timeout, async_op=async_op)
                   for flat in flats]
-        return self._work("allreduce", issued if async_op else [], tensors)
+        return self._work("allreduce", issued, tensors)
 
     def reduce(self, tensors: Any, opts: Any = None) -> FerroWork:
         """Reduce each tensor into the copy on ``opts.rootRank``; the others' are left as they were."""
@@ -380,22 +386,19 @@ class ProcessGroupFerro(dist.ProcessGroup):
                 for flat, src in zip(flats, sources, strict=True):
                     flat.copy_(src)
 
-        return self._work("reduce", issued if async_op else [], tensors, finish)
+        return self._work("reduce", issued, tensors, finish)
 
     def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> FerroWork:  # noqa: A002
         """Reduce ``input`` across ranks; this rank's equal part lands in ``output``."""
         op, factor = _reduce_op(getattr(opts, "reduceOp", dist.ReduceOp.SUM), "reduce_scatter")
         out, source = _flat(output, "reduce_scatter"), _flat(input, "reduce_scatter")
-        if source.numel() != out.numel() * self._ferro.world_size:
-            raise InvalidBufferError(
-                f"rank {self._ferro.rank}: reduce_scatter: the input has {source.numel()} elements; it needs the "
-                f"output's {out.numel()} times the world size {self._ferro.world_size}")
+        self._check_world_times(source, "input", out, "output", "reduce_scatter")
         if factor is not None:
             source = _scaled(source, factor)
         async_op = _async(opts)
         issued = collective.reduce_scatter(source, op, group=self._ferro, timeout=_timeout(opts), async_op=async_op,
                                            out=out)
-        return self._work("reduce_scatter", [issued] if async_op else [], [output])
+        return self._work("reduce_scatter", [issued], [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -422,18 +425,15 @@ class ProcessGroupFerro(dist.ProcessGroup):
         async_op = _async(opts)
         issued = [collective.broadcast(_flat(t, "broadcast"), root, group=self._ferro, timeout=_timeout(opts),
                                        async_op=async_op) for t in tensors]
-        return self._work("broadcast", issued if async_op else [], tensors)
+        return self._work("broadcast", issued, tensors)
 
     def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> FerroWork:  # noqa: A002
         """Concatenate every rank's ``input`` into ``output``, in rank order (torch's ``all_gather_into_tensor``)."""
         out, source = _flat(output, "all_gather"), _flat(input, "all_gather")
-        if out.numel() != source.numel() * self._ferro.world_size:
-            raise InvalidBufferError(
-                f"rank {self._ferro.rank}: all_gather: the output has {out.numel()} elements; it needs the input's "
-                f"{source.numel()} times the world size {self._ferro.world_size}")
+        self._check_world_times(out, "output", source, "input", "all_gather")
         async_op = _async(opts)
         issued = collective.all_gather(source, out=out, group=self._ferro, timeout=_timeout(opts), async_op=async_op)
-        return self._work("all_gather", [issued] if async_op else [], [output])
+        return self._work("all_gather", [issued], [output])
 
     _allgather_base = all_gather_single
 
@@ -525,7 +525,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
         issued = collective.all_to_all_single_uneven(
             source, sends, recvs, group=self._ferro, timeout=_timeout(opts), async_op=async_op,
             out=out.view((sum(recvs),) + row_shape))
-        return self._work("all_to_all", [issued] if async_op else [], [output])
+        return self._work("all_to_all", [issued], [output])
 
     alltoall_base = all_to_all_single
 
@@ -544,7 +544,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
         """Complete once every rank has called ``barrier``."""
         async_op = _async(opts)
         issued = collective.barrier(group=self._ferro, timeout=_timeout(opts), async_op=async_op)
-        return self._work("barrier", [issued] if async_op else [], [])
+        return self._work("barrier", [issued], [])
 
     # --- point to point ----------------------------------------------------------------
 
