@@ -150,3 +150,116 @@ def test_chunks_follow_torch_chunk():
         chunks += [0] * (k - len(chunks))
         ours = [local_box((n,), (Shard(0),), (k,), (i,))[0][1] for i in range(k)]
         assert ours == chunks, (n, k)
+
+
+# --- a tensor-parallel MLP -------------------------------------------------------------------------------------
+
+def _mlp_data():
+    rng = np.random.default_rng(7)
+    return {"x": rng.standard_normal((6, 5)), "t": rng.standard_normal((6, 3)),
+            "w1": rng.standard_normal((5, 7)), "b1": rng.standard_normal(7),
+            "w2": rng.standard_normal((7, 3)), "b2": rng.standard_normal(3)}
+
+
+def _mlp_reference(d):
+    pre = d["x"] @ d["w1"] + d["b1"]
+    h = pre * (pre > 0)
+    y = h @ d["w2"] + d["b2"]
+    dy = y - d["t"]
+    dpre = (dy @ d["w2"].T) * (pre > 0)
+    return {"y": y, "loss": 0.5 * (dy ** 2).sum(), "w2": h.T @ dy, "b2": dy.sum(0), "w1": d["x"].T @ dpre,
+            "b1": dpre.sum(0), "x": dpre @ d["w1"].T}
+
+
+def tensor_parallel_mlp(group, as_torch):
+    """Column-wise W1 (Shard(1)), row-wise W2 (Shard(0)): forward and a hand-written backward in DTensor ops."""
+    d = _mlp_data()
+    if as_torch:
+        import torch
+        d = {k: torch.from_numpy(v) for k, v in d.items()}
+    mesh = ferro.init_device_mesh((group.world_size,), group=group)
+    x, t, b2 = (distribute_tensor(d[k], mesh, [Replicate()]) for k in ("x", "t", "b2"))
+    w1, b1 = distribute_tensor(d["w1"], mesh, [Shard(1)]), distribute_tensor(d["b1"], mesh, [Shard(0)])
+    w2 = distribute_tensor(d["w2"], mesh, [Shard(0)])
+    group.reset_stats()
+    pre = x @ w1 + b1                                        # Shard(1): each rank its hidden units
+    mask = pre > 0
+    h = pre * mask
+    partial = h @ w2                                         # Partial(sum)
+    y = partial.redistribute([Replicate()]) + b2             # the forward's one allreduce
+    dy = y - t
+    loss = (dy * dy).sum() * 0.5                             # Replicate: every rank has it
+    grads = {"w2": h.T @ dy, "b2": dy.sum(0)}                # Shard(0) like w2; Replicate
+    dpre = (dy @ w2.T) * mask                                # Shard(1)
+    grads.update(w1=x.T @ dpre, b1=dpre.sum(0))              # Shard(1) like w1; Shard(0) like b1
+    grads["x"] = (dpre @ w1.T).redistribute([Replicate()])   # the backward's one allreduce
+    stats = {name: entry["calls"] for name, entry in group.stats().items()}
+    placements = {k: g.placements for k, g in grads.items()}
+    full = {k: np.asarray(g.full_tensor()) for k, g in grads.items()}
+    full.update(y=np.asarray(y.to_local()), loss=float(np.asarray(loss.to_local())))
+    return {"partial": partial.placements, "stats": stats, "placements": placements, "values": full}
+
+
+@pytest.mark.parametrize("as_torch", [False, True])
+def test_tensor_parallel_mlp_equals_one_process(as_torch):
+    if as_torch:
+        pytest.importorskip("torch")
+    want = _mlp_reference(_mlp_data())
+    results = run_processes(tensor_parallel_mlp, 2, args=(as_torch,), backend="tcp", timeout=120)
+    for r in results:
+        assert r["partial"] == (Partial(),)
+        assert r["stats"] == {"allreduce": 2}, r["stats"]  # nothing but the two allreduces moved
+        assert r["placements"] == {"w2": (Shard(0),), "b2": (Replicate(),), "w1": (Shard(1),), "b1": (Shard(0),),
+                                   "x": (Replicate(),)}
+        for name, value in want.items():
+            np.testing.assert_allclose(r["values"][name], value, rtol=0, atol=1e-12, err_msg=name)
+
+
+# --- rules and refusals ----------------------------------------------------------------------------------------
+
+def rules_and_refusals(group):
+    mesh = ferro.init_device_mesh((group.world_size,), group=group)
+    full = np.arange(12.0).reshape(4, 3)
+    s0, s1 = distribute_tensor(full, mesh, [Shard(0)]), distribute_tensor(full, mesh, [Shard(1)])
+    p = distribute_tensor(full, mesh, [Partial()])
+    seen = {}
+    seen["sum0"] = (s0.sum(0).placements, s0.sum(0).full_tensor().tolist())
+    seen["sum1"] = (s0.sum(1).placements, s0.sum(1).full_tensor().tolist())
+    seen["mean"] = s1.mean().full_tensor().tolist()
+    seen["scaled"] = (p * 2 - p).full_tensor().tolist()
+    seen["ufunc"] = (np.exp(s1).placements, np.allclose(np.exp(s1).full_tensor(), np.exp(full)))
+    for name, call in {"mixed": lambda: s0 + s1, "partial_mul": lambda: p * p, "partial_ufunc": lambda: np.exp(p),
+                       "plain_array": lambda: s0 + full, "matmul_rule": lambda: s0 @ s0.T.T.T,
+                       "attribute": lambda: s0.reshape}.items():
+        try:
+            call()
+            seen[name] = None
+        except Exception as exc:  # noqa: BLE001 - the test records which error
+            seen[name] = f"{type(exc).__name__}: {exc}"
+    local = np.zeros((3 if group.rank == 0 else 1, 3))  # 4 rows split 2 + 2: rank 0's 3 rows are wrong
+    try:
+        DTensor.from_local(local, mesh, [Shard(0)], timeout=30)
+        seen["from_local"] = None
+    except ferro.SizeMismatchError as exc:
+        seen["from_local"] = str(exc)
+    return seen
+
+
+def test_rules_and_refusals():
+    for seen in run_threads(rules_and_refusals, 2, timeout=60):
+        full = np.arange(12.0).reshape(4, 3)
+        assert seen["sum0"] == ((Partial(),), full.sum(0).tolist())
+        assert seen["sum1"] == ((Shard(0),), full.sum(1).tolist())
+        assert seen["mean"] == full.mean()
+        assert seen["scaled"] == full.tolist()
+        assert seen["ufunc"] == ((Shard(1),), True)
+        assert seen["mixed"].startswith("NotImplementedError: DTensor: add of DTensors placed [Shard(0)] and "
+                                        "[Shard(1)]")
+        assert "multiply on a Partial (Partial(sum)) DTensor" in seen["partial_mul"]
+        assert "exp on a Partial" in seen["partial_ufunc"]
+        assert seen["plain_array"].startswith("TypeError: DTensor: add of a DTensor and a ndarray")
+        assert "no rule for Shard(0) @ Shard(1) on mesh dimension 0" in seen["matmul_rule"]
+        assert seen["attribute"].startswith("AttributeError: DTensor: 'reshape' is not supported")
+        # Every rank reports the rank whose piece is wrong, not only that rank.
+        assert ("rank 0 (mesh coordinate (0,)) holds a piece of shape (3, 3), but the pieces make a (4, 3) tensor "
+                "placed [Shard(0)], whose piece there has shape (2, 3)") in seen["from_local"]

@@ -38,7 +38,7 @@ def local_box(shape: Sequence[int], placements: Sequence[Placement], mesh_shape:
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Shard):
             offset, length = box[placement.dim]
-            start, stop = chunk_bounds(length, mesh_shape[mesh_dim], coordinate[mesh_dim])
+            start, stop = chunk_bounds(length, int(mesh_shape[mesh_dim]), int(coordinate[mesh_dim]))
             box[placement.dim] = (offset + start, stop - start)
     return box
 
