@@ -13,6 +13,7 @@ from test_fsdp import numpy_model  # the same Linear/Tanh stack FSDP is tested o
 
 import ferro
 from ferro import checkpoint, nn
+from ferro.dtensor import Partial, Replicate, Shard, distribute_tensor
 from ferro.parallel.fsdp import ShardedEntry
 from ferro.testing import run_processes, run_threads
 
@@ -144,6 +145,64 @@ def test_fsdp_at_four_resumes_at_any_layout(saved_at_four, kind, world_size, har
         assert_close(result["continued"], reference["continued"])
         assert result["plain"] == {"step": plain["step"], "loader": plain["loader"], "rng": plain["rng"]}
         assert isinstance(result["plain"]["loader"]["order"], tuple)
+
+
+def rank_load_as_dtensors(group, path):
+    """Load FSDP's flat shards of every weight into DTensors, column- and row-sharded over 3 ranks."""
+    mesh = ferro.init_device_mesh((group.world_size,), group=group)
+    model = make_model(0)
+    out = {}
+    for placement in (Shard(0), Shard(1)):
+        state = {"model": {name: distribute_tensor(np.zeros_like(p.data), mesh, [placement])
+                           for name, p in model.named_parameters() if p.data.ndim == 2}}
+        checkpoint.load(state, path, group)
+        out[placement.dim] = {name: d.full_tensor() for name, d in state["model"].items()}
+    return out
+
+
+def test_fsdp_flat_shards_load_into_dtensors(saved_at_four):
+    path, reference = saved_at_four
+    for result in run_threads(rank_load_as_dtensors, 3, args=(path,), timeout=120):
+        for loaded in result.values():
+            assert loaded.keys() == {k for k, v in reference["saved"][0].items() if v.ndim == 2}
+            for name, value in loaded.items():
+                assert np.array_equal(value, reference["saved"][0][name]), name
+
+
+def rank_save_dtensors(group, path):
+    mesh = ferro.init_device_mesh((group.world_size,), group=group)
+    full = {"w": np.arange(35.0).reshape(5, 7), "t": torch.arange(24.0).reshape(6, 4), "r": np.arange(3.0)}
+    state = {"w": distribute_tensor(full["w"], mesh, [Shard(1)]), "t": distribute_tensor(full["t"], mesh, [Shard(0)]),
+             "r": distribute_tensor(full["r"], mesh, [Replicate()]), "step": 3}
+    checkpoint.save(state, path, group)
+    try:
+        checkpoint.save({"p": distribute_tensor(full["w"], mesh, [Partial()])}, path + "-partial", group)
+    except ferro.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def rank_load_dtensors(group, path):
+    mesh = ferro.init_device_mesh((group.world_size,), group=group)
+    state = {"w": distribute_tensor(np.zeros((5, 7)), mesh, [Shard(0)]),
+             "t": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)]),
+             "r": distribute_tensor(np.zeros(3), mesh, [Shard(0)]), "step": 0}
+    checkpoint.load(state, path, group)
+    return {k: (np.asarray(v.full_tensor()), type(v.to_local()).__name__) for k, v in state.items() if k != "step"}
+
+
+def test_dtensors_save_at_two_and_load_at_three_and_at_one(tmp_path):
+    path = str(tmp_path / "dt")
+    refusals = run_processes(rank_save_dtensors, 2, args=(path,), timeout=120)
+    assert all("p is a DTensor placed [Partial(sum)]: a Partial holds terms" in r for r in refusals)
+    want = {"w": np.arange(35.0).reshape(5, 7), "t": np.arange(24.0).reshape(6, 4), "r": np.arange(3.0)}
+    for result in run_threads(rank_load_dtensors, 3, args=(path,), timeout=120):
+        assert {k: t for k, (_, t) in result.items()} == {"w": "ndarray", "t": "Tensor", "r": "ndarray"}
+        for name, (value, _) in result.items():
+            assert np.array_equal(value, want[name]), name
+    plain = {"w": np.zeros((5, 7)), "t": torch.zeros(6, 4), "r": np.zeros(3), "step": 0}
+    checkpoint.load(plain, path)
+    assert plain["step"] == 3 and all(np.array_equal(np.asarray(plain[k]), v) for k, v in want.items())
 
 
 def test_one_process_resumes_at_four_fsdp_ranks(tmp_path):

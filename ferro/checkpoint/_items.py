@@ -2,7 +2,7 @@
 
 A state dict is a nested structure of dicts (string or integer keys), lists and
 tuples whose leaves are arrays, tensors, FSDP :class:`~ferro.parallel.fsdp.ShardedEntry`
-pieces, or plain Python values. Each leaf is addressed by its *path*, the tuple
+pieces, DTensors, or plain Python values. Each leaf is addressed by its *path*, the tuple
 of keys and indices that reaches it. Lists and tuples are walked only where they
 hold a tensor; otherwise they are plain values as a whole.
 
@@ -10,7 +10,8 @@ Every tensor becomes a :class:`TensorItem`: a contiguous range ``[start, stop)``
 of the global tensor flattened in row-major order, seen as a 1-d NumPy array
 (torch tensors through the one zero-copy view in :mod:`ferro._buffers`; dtypes
 NumPy lacks, such as bfloat16, as same-width integers). A plain array or tensor
-is the whole range. That one shape of piece is what makes resharding simple: a
+is the whole range; a DTensor's piece is one range per contiguous run (a row
+block one, a column block one per row). That one shape of piece is what makes resharding simple: a
 load asks for a range, and every saved piece that overlaps it contributes.
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ferro._buffers import is_torch_tensor, torch_view
+from ferro.dtensor import DTensor, Partial
 from ferro.errors import CheckpointError
 
 __all__ = ["Path", "PlainItem", "TensorItem", "decode_value", "dotted", "encode_value", "flatten", "put_values"]
@@ -102,6 +104,9 @@ def flatten(state: dict[Any, Any], *, writable: bool) -> tuple[list[TensorItem],
     tensors: list[TensorItem] = []
     plain: list[PlainItem] = []
     for path, leaf in _leaves(state, ()):
+        if isinstance(leaf, DTensor):
+            tensors.extend(_dtensor_items(path, leaf, writable))
+            continue
         item = _tensor_item(path, leaf, writable)
         if item is not None:
             tensors.append(item)
@@ -125,7 +130,7 @@ def _leaves(node: Any, path: Path) -> Iterator[tuple[Path, Any]]:
 
 
 def _is_tensor_leaf(value: Any) -> bool:
-    return isinstance(value, np.ndarray) or is_torch_tensor(value) or _is_sharded_entry(value)
+    return (isinstance(value, (np.ndarray, DTensor)) or is_torch_tensor(value) or _is_sharded_entry(value))
 
 
 def _is_sharded_entry(value: Any) -> bool:
@@ -155,6 +160,20 @@ def _tensor_item(path: Path, leaf: Any, writable: bool) -> TensorItem | None:
         values, code = _flat_view(leaf, path, writable)
         return TensorItem(path, code, tuple(int(n) for n in leaf.shape), 0, values.size, values)
     return None
+
+
+def _dtensor_items(path: Path, leaf: DTensor, writable: bool) -> list[TensorItem]:
+    """A DTensor's piece as the flat ranges it covers: one for a row block, one per row for a column block."""
+    if any(isinstance(p, Partial) for p in leaf.placements):
+        raise CheckpointError(f"checkpoint: {dotted(path)} is a DTensor placed {list(leaf.placements)}: a Partial "
+                              f"holds terms, not values; redistribute it to Replicate or Shard before saving")
+    values, code = _flat_view(leaf.to_local(), path, writable)
+    shape = tuple(int(n) for n in leaf.shape)
+    items, offset = [], 0
+    for start, stop in leaf.flat_ranges().tolist():
+        items.append(TensorItem(path, code, shape, start, stop, values[offset:offset + stop - start]))
+        offset += stop - start
+    return items
 
 
 def _flat_view(tensor: Any, path: Path, writable: bool) -> tuple[np.ndarray, str]:

@@ -59,7 +59,8 @@ def save(state_dict: dict[Any, Any], path: str | os.PathLike[str], group: Backen
 
     Collective: every rank calls it with its own state dict. Values may be NumPy
     arrays, CPU torch tensors, FSDP :class:`~ferro.parallel.fsdp.ShardedEntry`
-    pieces (``FSDP.sharded_state_dict()``) and plain values (numbers, strings,
+    pieces (``FSDP.sharded_state_dict()``), :class:`~ferro.dtensor.DTensor` pieces
+    (Shard or Replicate; a Partial is refused) and plain values (numbers, strings,
     lists, tuples, dicts: the step, RNG and data-loader state). A tensor held by
     several ranks (replicated under DDP) is written once, by one of them; plain
     values must be equal on every rank that has them (give per-rank values
