@@ -4,7 +4,7 @@ The public names live here; everything else is reachable by module path but
 should not be needed.
 """
 
-from ferro import checkpoint, nn, p2p, pipeline
+from ferro import checkpoint, dtensor, nn, p2p, pipeline
 from ferro.backend import Backend, HierarchicalBackend, ShmBackend, SimulatedBackend, SubBackend, TcpBackend
 from ferro.backend.mpi import MpiBackend
 from ferro.backend.nccl import HybridBackend, NcclBackend, nccl_version
@@ -52,7 +52,15 @@ from ferro.errors import (
 )
 from ferro.gpu import gpu_allreduce, gpu_broadcast
 from ferro.p2p import irecv, isend, recv, recv_into, send, sendrecv
-from ferro.parallel import DDP, FSDP, MixedPrecision, ShardingStrategy, size_based_policy
+from ferro.parallel import (
+    DDP,
+    FSDP,
+    MixedPrecision,
+    ShardingStrategy,
+    SyncBatchNorm,
+    convert_sync_batchnorm,
+    size_based_policy,
+)
 from ferro.process_group import (
     destroy_process_group,
     get_default_group,
@@ -88,9 +96,11 @@ __all__ = [
     "CollectiveMismatchError",
     "ConfigurationError",
     "ConnectionBrokenError",
+    "convert_sync_batchnorm",
     "CudaError",
     "DDP",
     "DeviceMesh",
+    "dtensor",
     "destroy_process_group",
     "DistributedError",
     "DistributedTimeoutError",
@@ -128,6 +138,7 @@ __all__ = [
     "SelfSendError",
     "ShardingStrategy",
     "size_based_policy",
+    "SyncBatchNorm",
     "send",
     "sendrecv",
     "HierarchicalBackend",

@@ -44,6 +44,32 @@ def test_mlp_backward_matches_finite_differences(activation):
     check_module(model, x, nn.MSELoss(), rng.standard_normal((4, 3)))
 
 
+@pytest.mark.parametrize(("layer", "shape"), [(nn.BatchNorm1d, (6, 3)), (nn.BatchNorm1d, (4, 3, 5)),
+                                              (nn.BatchNorm2d, (3, 2, 3, 2)), (nn.BatchNorm3d, (2, 2, 2, 3, 2))])
+def test_batch_norm_backward_matches_finite_differences(layer, shape):
+    rng = np.random.default_rng(1)
+    bn = layer(shape[1], dtype=np.float64)
+    bn.weight.data[...] = rng.uniform(0.5, 1.5, shape[1])
+    bn.bias.data[...] = rng.uniform(-1, 1, shape[1])
+    model = nn.Sequential(bn, nn.Tanh())
+    x = rng.standard_normal(shape) * 2 + 1
+    target = rng.standard_normal(shape)
+    check_module(model, x, _FlatMSE(), target)  # training: through the batch statistics
+    model.eval()
+    check_module(model, x, _FlatMSE(), target)  # evaluation: through the running statistics
+
+
+class _FlatMSE(nn.MSELoss):
+    """MSELoss over inputs of any shape."""
+
+    def __call__(self, y, target):
+        self._shape = y.shape
+        return super().__call__(y.reshape(len(y), -1), target.reshape(len(target), -1))
+
+    def backward(self):
+        return super().backward().reshape(self._shape)
+
+
 def test_linear_without_bias():
     rng = np.random.default_rng(1)
     layer = nn.Linear(3, 2, bias=False, rng=rng, dtype=np.float64)

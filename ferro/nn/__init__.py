@@ -13,9 +13,10 @@ Example::
     optimizer.step()
 """
 
+from ferro.nn.batch_norm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from ferro.nn.layers import CrossEntropyLoss, Linear, MSELoss, ReLU, Sequential, Tanh
 from ferro.nn.module import Module, Parameter
 from ferro.nn.optim import SGD, Adam, Optimizer
 
-__all__ = ["SGD", "Adam", "CrossEntropyLoss", "Linear", "MSELoss", "Module", "Optimizer", "Parameter", "ReLU",
+__all__ = ["SGD", "Adam", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "CrossEntropyLoss", "Linear", "MSELoss", "Module", "Optimizer", "Parameter", "ReLU",
            "Sequential", "Tanh"]

@@ -80,12 +80,14 @@ class Module:
     """
 
     _parameters: dict[str, Parameter]
+    _buffers: dict[str, np.ndarray]
     _modules: dict[str, Module]
     _saved: dict[str, Any]
     training: bool
 
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", {})
+        object.__setattr__(self, "_buffers", {})
         object.__setattr__(self, "_modules", {})
         object.__setattr__(self, "_saved", {})
         object.__setattr__(self, "training", True)
@@ -193,6 +195,24 @@ class Module:
         for name, module in self._modules.items():
             yield from module.named_parameters(f"{prefix}{name}.")
 
+    def register_buffer(self, name: str, value: np.ndarray) -> np.ndarray:
+        """Keep an array that is state but not trained (running statistics): saved in :meth:`state_dict`.
+
+        Returns:
+            ``value``, which the module updates in place.
+
+        """
+        self._buffers[name] = value
+        object.__setattr__(self, name, value)
+        return value
+
+    def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, np.ndarray]]:
+        """Yield ``(dotted name, array)`` for this module's buffers, then its children's."""
+        for name, value in self._buffers.items():
+            yield prefix + name, value
+        for name, module in self._modules.items():
+            yield from module.named_buffers(f"{prefix}{name}.")
+
     def parameters(self) -> Iterator[Parameter]:
         """Yield every parameter, in definition order."""
         for _, param in self.named_parameters():
@@ -220,19 +240,22 @@ class Module:
                 param.grad[...] = 0
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Return copies of every parameter's values by dotted name."""
-        return {name: param.data.copy() for name, param in self.named_parameters()}
+        """Return copies of every parameter's values, then every buffer's, by dotted name."""
+        state = {name: param.data.copy() for name, param in self.named_parameters()}
+        state.update((name, value.copy()) for name, value in self.named_buffers())
+        return state
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        """Copy values into the existing parameters in place.
+        """Copy values into the existing parameters and buffers in place.
 
         Raises:
-            KeyError: A parameter is missing from ``state``.
+            KeyError: A parameter or buffer is missing from ``state``.
             ValueError: A shape differs.
 
         """
-        for name, param in self.named_parameters():
+        targets = [(name, param.data) for name, param in self.named_parameters()] + list(self.named_buffers())
+        for name, target in targets:
             value = np.asarray(state[name])
-            if value.shape != param.shape:
-                raise ValueError(f"load_state_dict: {name} has shape {param.shape}, the state has {value.shape}")
-            param.data[...] = value
+            if value.shape != target.shape:
+                raise ValueError(f"load_state_dict: {name} has shape {target.shape}, the state has {value.shape}")
+            target[...] = value
