@@ -34,7 +34,7 @@ BUILTIN_OF = {
 }
 
 
-EXPORTED_MODULES = {"p2p", "nn", "pipeline", "checkpoint"}  # public as namespaces, as the issues name them
+EXPORTED_MODULES = {"p2p", "nn", "pipeline", "checkpoint", "dtensor"}  # public as namespaces, as the issues name them
 
 
 def test_all_lists_exactly_the_public_names():

@@ -75,14 +75,14 @@ def sync_rank(group, kind, momentum):
 def assert_matches(results, want, offsets=OFFSETS):
     for rank, got in enumerate(results):
         rows = slice(offsets[rank], offsets[rank + 1])
-        for (y, dx), (y_ref, dx_ref) in zip(got["outputs"], want["outputs"]):
+        for (y, dx), (y_ref, dx_ref) in zip(got["outputs"], want["outputs"], strict=True):
             assert y.shape == y_ref[rows].shape
             np.testing.assert_allclose(y, y_ref[rows], rtol=0, atol=1e-12)
             np.testing.assert_allclose(dx, dx_ref[rows], rtol=0, atol=1e-12)
-        for ours, theirs in zip(got["running"][:2], want["running"][:2]):
+        for ours, theirs in zip(got["running"][:2], want["running"][:2], strict=True):
             np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
         assert got["running"][2] == want["running"][2] == STEPS
-    for ours, theirs in zip([sum(r["grads"][i] for r in results) for i in range(2)], want["grads"]):
+    for ours, theirs in zip([sum(r["grads"][i] for r in results) for i in range(2)], want["grads"], strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
 
 

@@ -163,7 +163,7 @@ def _tensor_item(path: Path, leaf: Any, writable: bool) -> TensorItem | None:
 
 
 def _dtensor_items(path: Path, leaf: DTensor, writable: bool) -> list[TensorItem]:
-    """A DTensor's piece as the flat ranges it covers: one for a row block, one per row for a column block."""
+    """Return a DTensor's piece as the flat ranges it covers: one for a row block, one per row for a column block."""
     if any(isinstance(p, Partial) for p in leaf.placements):
         raise CheckpointError(f"checkpoint: {dotted(path)} is a DTensor placed {list(leaf.placements)}: a Partial "
                               f"holds terms, not values; redistribute it to Replicate or Shard before saving")

@@ -24,7 +24,7 @@ from ferro.device_mesh import DeviceMesh
 from ferro.dtensor import _arrays as xp
 from ferro.dtensor import ops
 from ferro.dtensor.layout import flat_ranges, local_box
-from ferro.dtensor.placements import Partial, Placement, Replicate, Shard, normalize_placements
+from ferro.dtensor.placements import Placement, Replicate, Shard, normalize_placements
 from ferro.dtensor.redistribute import Step, plan_redistribute, run_plan
 from ferro.errors import SizeMismatchError
 
@@ -297,7 +297,7 @@ class DTensor:
 
 
 def _piece(x: Any) -> Any:
-    """A DTensor's parts for the rules in ops; anything else as it is."""
+    """Return a DTensor's parts for the rules in ops; anything else as it is."""
     return x._piece() if isinstance(x, DTensor) else x
 
 
@@ -347,11 +347,11 @@ def _infer_shape(local_shape: tuple[int, ...], placements: tuple[Placement, ...]
     for dim in range(len(local_shape)):
         sharded = [m for m, p in enumerate(placements) if p == Shard(dim)]
         # Sum the pieces along the sharding mesh dimensions, at coordinate 0 of the others.
-        found[dim] = sum(int(shapes[rank][dim]) for rank, coordinate in zip(ranks, coordinates)
+        found[dim] = sum(int(shapes[rank][dim]) for rank, coordinate in zip(ranks, coordinates, strict=True)
                          if all(coordinate[m] == 0 for m in range(mesh.ndim) if m not in sharded))
     shape = tuple(found)
     # Every rank checks every piece, so a wrong one is reported everywhere, not only where it lies.
-    for rank, coordinate in zip(ranks, coordinates):
+    for rank, coordinate in zip(ranks, coordinates, strict=True):
         expected = tuple(length for _, length in local_box(shape, placements, mesh.shape, tuple(coordinate)))
         if expected != tuple(int(n) for n in shapes[rank]):
             raise SizeMismatchError(

@@ -142,7 +142,7 @@ def matmul_placements(left: Placement, right: Placement) -> Placement | None:
 
 
 def matmul(a: Any, b: Any) -> Result:
-    """``a @ b`` for 2-d DTensors whose placements have a rule (:func:`matmul_placements`) on every mesh dimension.
+    """Return ``a @ b`` for 2-d DTensors with a rule (:func:`matmul_placements`) on every mesh dimension.
 
     Raises:
         TypeError: An operand is not a DTensor.
@@ -159,7 +159,7 @@ def matmul(a: Any, b: Any) -> Result:
     if a.mesh is not b.mesh:
         raise NotImplementedError("DTensor: matmul of DTensors on different meshes")
     placements = []
-    for mesh_dim, (left, right) in enumerate(zip(a.placements, b.placements)):
+    for mesh_dim, (left, right) in enumerate(zip(a.placements, b.placements, strict=True)):
         made = matmul_placements(left, right)
         if made is None:
             raise NotImplementedError(
@@ -170,7 +170,7 @@ def matmul(a: Any, b: Any) -> Result:
 
 
 def transpose(a: Piece) -> Result:
-    """The transpose of a 1-d or 2-d DTensor (its local piece's ``.T``, a view)."""
+    """Return the transpose of a 1-d or 2-d DTensor (its local piece's ``.T``, a view)."""
     if len(a.shape) > 2:
         raise NotImplementedError(f"DTensor: .T of a {len(a.shape)}-d DTensor; only 1-d and 2-d")
     placements = tuple(Shard(1 - p.dim) if isinstance(p, Shard) and len(a.shape) == 2 else p for p in a.placements)

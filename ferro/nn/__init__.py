@@ -18,5 +18,5 @@ from ferro.nn.layers import CrossEntropyLoss, Linear, MSELoss, ReLU, Sequential,
 from ferro.nn.module import Module, Parameter
 from ferro.nn.optim import SGD, Adam, Optimizer
 
-__all__ = ["SGD", "Adam", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "CrossEntropyLoss", "Linear", "MSELoss", "Module", "Optimizer", "Parameter", "ReLU",
-           "Sequential", "Tanh"]
+__all__ = ["SGD", "Adam", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "CrossEntropyLoss", "Linear", "MSELoss",
+           "Module", "Optimizer", "Parameter", "ReLU", "Sequential", "Tanh"]

@@ -227,6 +227,6 @@ class BatchNorm2d(_BatchNorm):
 
 
 class BatchNorm3d(_BatchNorm):
-    """Batch normalisation of ``(N, C, D, H, W)`` inputs (torch's ``BatchNorm3d``); arguments as :class:`BatchNorm1d`."""
+    """Batch normalisation of ``(N, C, D, H, W)`` inputs (torch's ``BatchNorm3d``); arguments as ``BatchNorm1d``."""
 
     _input_ndims = (5,)

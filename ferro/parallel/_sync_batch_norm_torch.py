@@ -44,8 +44,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                              f"{int(count)} over the group (this rank's input: {tuple(x.shape)})")
         if layer.track_running_stats:
             with torch.no_grad():
-                bn.update_running(layer.running_mean.numpy(), layer.running_var.numpy(),
-                                  layer.num_batches_tracked.numpy(), layer.momentum, count, mean, m2)
+                bn.update_running(layer.buffer("running_mean").numpy(), layer.buffer("running_var").numpy(),
+                                  layer.buffer("num_batches_tracked").numpy(), layer.momentum, count, mean, m2)
         w = _as_numpy(weight) if weight is not None else None
         b = _as_numpy(bias) if bias is not None else None
         y, x_hat, invstd = bn.normalize(data, mean, m2 / count, layer.eps, w, b)
@@ -106,10 +106,17 @@ class TorchSyncBatchNorm(torch.nn.Module):
                              f"(for GPU tensors use torch.nn.SyncBatchNorm over NCCL)")
         if not self.training:
             use_batch = not self.track_running_stats
-            return torch.nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                                                  use_batch, 0.0, self.eps)
+            running = (None, None) if use_batch else (self.buffer("running_mean"), self.buffer("running_var"))
+            return torch.nn.functional.batch_norm(x, running[0], running[1], self.weight, self.bias, use_batch, 0.0,
+                                                  self.eps)
         result: torch.Tensor = _SyncBatchNormFunction.apply(x, self.weight, self.bias, self)
         return result
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """Return the running-statistics buffer ``name``."""
+        value = self._buffers[name]
+        assert value is not None, f"{name} is tracked only with track_running_stats=True"
+        return value
 
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
