@@ -12,19 +12,12 @@ import numpy as np
 
 from ferro._buffers import is_torch_tensor
 
-__all__ = ["cat", "contiguous", "copy", "empty", "is_torch", "movedim", "narrow", "zeros", "zeros_like"]
+__all__ = ["contiguous", "copy", "copy_into", "empty", "is_torch", "narrow", "zeros", "zeros_like"]
 
 
 def is_torch(x: Any) -> bool:
     """Whether ``x`` is a torch tensor (never imports torch)."""
     return is_torch_tensor(x)
-
-
-def movedim(x: Any, source: int, destination: int) -> Any:
-    """Move axis ``source`` to ``destination`` (a view)."""
-    if source == destination:
-        return x
-    return x.movedim(source, destination) if is_torch(x) else np.moveaxis(x, source, destination)
 
 
 def contiguous(x: Any) -> Any:
@@ -39,6 +32,14 @@ def copy(x: Any) -> Any:
 
         return x.clone(memory_format=torch.contiguous_format)
     return np.array(x, order="C", copy=True)
+
+
+def copy_into(destination: Any, source: Any) -> None:
+    """Copy ``source`` into the view ``destination`` (same shape)."""
+    if is_torch(destination):
+        destination.copy_(source)
+    else:
+        destination[...] = source
 
 
 def narrow(x: Any, dim: int, start: int, length: int) -> Any:
@@ -72,12 +73,3 @@ def zeros_like(x: Any) -> Any:
 
         return torch.zeros_like(x)
     return np.zeros_like(x)
-
-
-def cat(parts: list[Any], dim: int) -> Any:
-    """Concatenate along ``dim``."""
-    if parts and is_torch(parts[0]):
-        import torch
-
-        return torch.cat(parts, dim)
-    return np.concatenate(parts, axis=dim)

@@ -1,9 +1,8 @@
-"""The torch side of SyncBatchNorm: a CPU ``nn.Module`` whose autograd function runs ferro's batch-norm math.
+"""The torch side of SyncBatchNorm: a CPU ``nn.Module`` with an autograd function over ferro's collectives.
 
 Imported only by :func:`ferro.parallel.sync_batch_norm.convert_sync_batchnorm`
-(it imports torch). The math is :mod:`ferro.nn.batch_norm`'s, on zero-copy
-NumPy views of the CPU tensors (float16 and bfloat16 are computed in float32),
-so ferro.nn and torch layers normalise identically.
+(it imports torch). Statistics are combined exactly as ferro.nn's layers combine
+them (:mod:`ferro.nn.batch_norm`); the per-element passes are torch's kernels.
 """
 
 from __future__ import annotations
@@ -19,55 +18,76 @@ from ferro.nn import batch_norm as bn
 
 __all__ = ["TorchSyncBatchNorm", "convert"]
 
-_NUMPY_NATIVE = (torch.float32, torch.float64)
-
-
-def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach()
-    if tensor.dtype not in _NUMPY_NATIVE:
-        tensor = tensor.float()
-    return tensor.contiguous().numpy()
-
-
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Forward: one all_gather of the moments; backward: one allreduce of the gradient sums."""
+    """Forward: one all_gather of the moments; backward: one allreduce of the gradient sums.
+
+    The per-element work is torch's own fused CPU kernels:
+    ``batch_norm_update_stats`` for this rank's moments, ``batch_norm`` in evaluation form with the group's mean and
+    variance, ``native_batch_norm_backward`` for the two per-channel sums, and
+    ``dx = dy * k1 + x * k2 + k3`` (per-channel constants) in two ``addcmul``
+    passes. The small per-channel arithmetic is :mod:`ferro.nn.batch_norm`'s.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 layer: TorchSyncBatchNorm) -> torch.Tensor:
-        data = _as_numpy(x)
-        moments = bn.batch_moments(data)
+        channels = x.shape[1]
+        count_here = x.numel() // channels if channels else 0
+        moments = np.zeros(1 + 2 * channels)
+        moments[0] = count_here
+        if count_here:
+            # This rank's mean and biased variance in one fused pass (torch's CPU Welford kernel).
+            mean, var = torch.batch_norm_update_stats(x.detach(), None, None, 0.0)
+            moments[1:1 + channels] = mean.double().numpy() * count_here
+            moments[1 + channels:] = var.double().numpy() * count_here
         rows = collective.all_gather(moments, group=layer.group, timeout=layer.timeout).reshape(-1, moments.size)
-        count, mean, m2 = bn.combine_moments(rows)
+        count, mean64, m2 = bn.combine_moments(rows)
         if count <= 1:
             raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel when training, got "
                              f"{int(count)} over the group (this rank's input: {tuple(x.shape)})")
         if layer.track_running_stats:
             with torch.no_grad():
                 bn.update_running(layer.buffer("running_mean").numpy(), layer.buffer("running_var").numpy(),
-                                  layer.buffer("num_batches_tracked").numpy(), layer.momentum, count, mean, m2)
-        w = _as_numpy(weight) if weight is not None else None
-        b = _as_numpy(bias) if bias is not None else None
-        y, x_hat, invstd = bn.normalize(data, mean, m2 / count, layer.eps, w, b)
-        ctx.saved = (x_hat, invstd, w, count, layer)
-        ctx.dtypes = (x.dtype, None if weight is None else weight.dtype)
-        return torch.from_numpy(np.ascontiguousarray(y)).to(x.dtype)
+                                  layer.buffer("num_batches_tracked").numpy(), layer.momentum, count, mean64, m2)
+        var64 = m2 / count
+        stat_dtype = x.dtype if x.dtype == torch.float64 else torch.float32
+        mean_t, var_t = torch.from_numpy(mean64).to(stat_dtype), torch.from_numpy(var64).to(stat_dtype)
+        invstd = torch.from_numpy(1.0 / np.sqrt(var64 + layer.eps)).to(stat_dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.stats = (mean_t, invstd, count, layer)
+        if count_here == 0:  # torch's CPU kernels divide by the batch size (SIGFPE on an empty one)
+            return x.detach().clone()
+        y = torch.nn.functional.batch_norm(x.detach(), mean_t, var_t, None if weight is None else weight.detach(),
+                                           None if bias is None else bias.detach(), False, 0.0, layer.eps)
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
-        x_hat, invstd, w, count, layer = ctx.saved
-        dy = _as_numpy(grad_output).astype(x_hat.dtype, copy=False)
-        local = bn.gradient_sums(dy, x_hat)
+        x, weight = ctx.saved_tensors
+        mean, invstd, count, layer = ctx.stats
+        dy = grad_output.contiguous()
+        channels = x.shape[1]
+        if x.numel():
+            # Sum dy and sum dy * x_hat over this rank's batch, in one fused pass.
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy, x, weight, None, None, mean, invstd, True, layer.eps, [False, True, True])
+        else:
+            sum_dy_xhat = sum_dy = torch.zeros(channels, dtype=mean.dtype)
+        local = np.concatenate([sum_dy.double().numpy(), sum_dy_xhat.double().numpy()])
         total = local.copy()
         collective.allreduce(total, group=layer.group, timeout=layer.timeout)
-        dx = bn.input_gradient(dy, x_hat, invstd, w, count, total)
-        x_dtype, w_dtype = ctx.dtypes
-        grad_x = torch.from_numpy(np.ascontiguousarray(dx)).to(x_dtype)
-        if w is None:
+        mean_dy = torch.from_numpy(total[:channels] / count).to(mean.dtype)
+        mean_dy_xhat = torch.from_numpy(total[channels:] / count).to(mean.dtype)
+        # dx = w * invstd * (dy - mean_dy - x_hat * mean_dy_xhat) = dy * k1 + x * k2 + k3, per channel.
+        k1 = invstd if weight is None else invstd * weight.detach().to(invstd.dtype)
+        k2 = -k1 * invstd * mean_dy_xhat
+        k3 = -k1 * mean_dy - k2 * mean
+        shape = (1, channels) + (1,) * (x.dim() - 2)
+        grad_x = torch.addcmul(k3.reshape(shape).to(x.dtype), x, k2.reshape(shape).to(x.dtype))
+        grad_x.addcmul_(dy, k1.reshape(shape).to(x.dtype))
+        if weight is None:
             return grad_x, None, None, None
-        channels = local.size // 2
-        return (grad_x, torch.from_numpy(local[channels:]).to(w_dtype), torch.from_numpy(local[:channels]).to(w_dtype),
-                None)
+        return grad_x, sum_dy_xhat.to(weight.dtype), sum_dy.to(weight.dtype), None
 
 
 class TorchSyncBatchNorm(torch.nn.Module):
