@@ -211,3 +211,40 @@ def test_convert_keeps_parameters_and_buffers_of_ferro_layers():
     assert isinstance(layer, ferro.SyncBatchNorm) and layer.weight is weight and layer.running_mean is running
     assert list(converted.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
                                             "1.running_var", "1.num_batches_tracked"]
+
+
+# --- with DDP on the same group ---------------------------------------------------------------------------------
+
+def _ddp_model(sync, group=None):
+    rng = np.random.default_rng(5)
+    norm = ferro.SyncBatchNorm(6, group=group, dtype=np.float64) if sync else nn.BatchNorm1d(6, dtype=np.float64)
+    return nn.Sequential(nn.Linear(4, 6, rng=rng, dtype=np.float64), norm, nn.Tanh(),
+                         nn.Linear(6, 2, rng=rng, dtype=np.float64))
+
+
+def _ddp_data():
+    rng = np.random.default_rng(6)
+    return rng.standard_normal((int(OFFSETS[-1]), 4)), rng.standard_normal((int(OFFSETS[-1]), 2))
+
+
+def ddp_rank(group):
+    """DDP's bucket allreduces (async, tiny buckets) interleave with SyncBatchNorm's blocking allreduce."""
+    net = ferro.DDP(_ddp_model(True, group), group=group, bucket_cap_mb=1e-5)
+    x, dy = _ddp_data()
+    rows = slice(OFFSETS[group.rank], OFFSETS[group.rank + 1])
+    y = net(x[rows])
+    net.backward(dy[rows])
+    return y, {name: p.grad.copy() for name, p in net.module.named_parameters()}
+
+
+def test_ddp_with_sync_batch_norm_on_one_group_equals_one_process():
+    reference = _ddp_model(False)
+    x, dy = _ddp_data()
+    y_ref = reference(x)
+    reference.backward(dy)
+    results = run_processes(ddp_rank, 3, backend="tcp", timeout=120)
+    for rank, (y, grads) in enumerate(results):
+        np.testing.assert_allclose(y, y_ref[OFFSETS[rank]:OFFSETS[rank + 1]], rtol=0, atol=1e-12)
+        for name, p in reference.named_parameters():
+            # DDP averages over 3 ranks; the whole batch's gradient is the sum of the ranks' parts.
+            np.testing.assert_allclose(grads[name] * 3, p.grad, rtol=0, atol=1e-12, err_msg=name)
