@@ -263,3 +263,20 @@ def test_rules_and_refusals():
         # Every rank reports the rank whose piece is wrong, not only that rank.
         assert ("rank 0 (mesh coordinate (0,)) holds a piece of shape (3, 3), but the pieces make a (4, 3) tensor "
                 "placed [Shard(0)], whose piece there has shape (2, 3)") in seen["from_local"]
+
+
+def overlapping_entries(group):
+    from ferro.parallel.fsdp import ShardedEntry
+    start, stop = [(0, 3), (2, 6)][group.rank]
+    entry = ShardedEntry(np.zeros(stop - start), (2, 3), start, stop)
+    with pytest.raises(ValueError, match=r"w: rank 1 holds \[2, 6\) but the ranges must tile the 6 elements"):
+        ferro.dtensor.from_sharded_entries({"w": entry, "step": 3}, group, timeout=30)
+    start, stop = [(0, 4), (4, 6)][group.rank]
+    made = ferro.dtensor.from_sharded_entries(
+        {"w": ShardedEntry(np.arange(start, stop, dtype=np.float64), (2, 3), start, stop), "step": 3}, group)
+    return made["step"], made["w"].placements, made["w"].to_local().tolist()
+
+
+def test_flat_ranges_become_row_shards_and_bad_ranges_are_refused():
+    results = run_threads(overlapping_entries, 2, timeout=60)
+    assert results == [(3, (Shard(0),), [[0.0, 1.0, 2.0]]), (3, (Shard(0),), [[3.0, 4.0, 5.0]])]

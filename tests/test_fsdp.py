@@ -5,6 +5,7 @@ import pytest
 
 import ferro
 from ferro import nn
+from ferro.dtensor import Replicate, Shard
 from ferro.testing import run_processes, run_threads
 
 torch = pytest.importorskip("torch")
@@ -208,12 +209,14 @@ def rank_state(group, framework, strategy):
     rank0 = {k: as_numpy(v) for k, v in fsdp.full_state_dict(rank0_only=True).items()}
     sharded = {name: (as_numpy(e.local), e.global_shape, e.start, e.stop)
                for name, e in fsdp.sharded_state_dict().items()}
+    as_dtensors = {name: (d.placements, as_numpy(d.to_local()), as_numpy(d.full_tensor()), type(d.to_local()))
+                   for name, d in fsdp.sharded_state_dict(as_dtensor=True).items()}
     optimizer = make_optimizer(framework, fsdp.parameters())
     other = make_model(framework, seed=99).state_dict()
     fsdp.load_full_state_dict(other)
     loaded = {k: as_numpy(v) for k, v in fsdp.full_state_dict().items()}
     train_steps(group, framework, fsdp, optimizer, batches()[:1])  # the optimizer made before loading still works
-    return {"initial": initial, "rank0": rank0, "sharded": sharded, "loaded": loaded,
+    return {"initial": initial, "rank0": rank0, "sharded": sharded, "loaded": loaded, "dtensors": as_dtensors,
             "same_objects": all(a is b for a, b in zip(optimizer_params(optimizer), fsdp.parameters(), strict=True))}
 
 
@@ -245,6 +248,16 @@ def test_state_dicts_are_bit_exact(framework, strategy):
             assert np.isnan(flat[start:stop]).all()
             flat[start:stop] = local
         assert np.array_equal(flat.reshape(value.shape), value), name
+    # As DTensors (torch fully_shard's layout): Shard(0) rows by torch.chunk over the shard group.
+    shard_size = {"no_shard": 1, "hybrid_shard": 2}.get(strategy, world_size)
+    for rank, result in enumerate(results):
+        for name, value in single.items():
+            placements, local, full, kind = result["dtensors"][name]
+            assert placements == ((Replicate(),) if strategy == "no_shard" else (Shard(0),))
+            assert kind is (np.ndarray if framework == "numpy" else torch.Tensor)
+            rows = torch.arange(value.shape[0]).chunk(shard_size)
+            mine = rows[rank % shard_size].numpy() if rank % shard_size < len(rows) else np.array([], np.int64)
+            assert np.array_equal(local, value[mine]) and np.array_equal(full, value), name
 
 
 def rank_resume(group, framework, saved, first_steps):

@@ -36,6 +36,7 @@ import numpy as np
 
 from ferro.backend.base import Backend
 from ferro.collective import ReduceOp, all_gather, allreduce, broadcast, gather, reduce_scatter
+from ferro.dtensor import DTensor, Replicate, from_sharded_entries
 from ferro.errors import CollectiveMismatchError, ConfigurationError, DistributedError
 from ferro.parallel.fsdp._tensors import Tensors, TorchTensors, named_param_groups, tensors_for
 from ferro.parallel.fsdp.flat import FlatGroup, ShardedEntry, Slot
@@ -682,11 +683,19 @@ class FSDP:
                     if name in state:
                         buffer.copy_(state[name])
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """Return each parameter's part held by this rank, with its global shape and offsets (no communication).
+    def sharded_state_dict(self, *, as_dtensor: bool = False, timeout: float | None = None) -> dict[str, Any]:
+        """Return each parameter's part held by this rank, with its global shape and offsets.
 
         Every parameter has a :class:`ShardedEntry`; where this rank holds none of it,
         ``local`` is empty. torch modules' buffers follow, whole (every rank has them).
+
+        Args:
+            as_dtensor: Return each parameter as a ``Shard(0)`` :class:`~ferro.dtensor.DTensor`
+                over the shard group instead (torch ``fully_shard``'s layout): collective, one
+                all_to_all per parameter (:func:`ferro.dtensor.from_sharded_entries`).
+                Without a shard group (NO_SHARD) the DTensors are ``Replicate()`` over the group.
+            timeout: Seconds for that communication.
+
         """
         self._require_idle("sharded_state_dict")
         entries: dict[str, ShardedEntry] = {}
@@ -697,6 +706,11 @@ class FSDP:
                     entries[slot.fqn] = ShardedEntry(
                         self._tensors.shard_slice(group.shard, position, position + hi - lo), slot.shape, lo, hi)
         state: dict[str, Any] = {fqn: entries[fqn] for fqn in self._fqns}
+        if as_dtensor and self.shard_group is not None:
+            state = from_sharded_entries(state, self.shard_group, timeout=timeout)
+        elif as_dtensor:  # NO_SHARD: every rank holds every parameter whole
+            state = {fqn: DTensor.from_local(entry.local.reshape(entry.global_shape), self.group, [Replicate()],
+                                             shape=entry.global_shape) for fqn, entry in state.items()}
         if self._torch:
             state.update(self.module.named_buffers())
         return state
