@@ -168,7 +168,9 @@ class DTensor:
         dimension: Shard -> Replicate ``all_gather``, Partial -> Replicate
         ``allreduce``, Partial -> Shard ``reduce_scatter``, Shard(i) -> Shard(j)
         ``all_to_all``; Replicate -> Shard and Replicate -> Partial are local.
-        This DTensor is left as it was. Not differentiable.
+        This DTensor is left as it was. With a torch piece that requires grad
+        it is differentiable: backward redistributes the gradient the other way
+        (a Partial's gradient is Replicate).
 
         Raises:
             ValueError: Bad placements.
@@ -181,8 +183,14 @@ class DTensor:
 
         """
         target = normalize_placements(placements, self.device_mesh.ndim, self.ndim, "DTensor.redistribute")
-        steps = plan_redistribute(self.placements, target)
-        local = run_plan(self._local, self.shape, self.placements, steps, self.device_mesh, timeout)
+        if ops.tracks_grad(self._local):
+            from ferro.dtensor import _autograd
+
+            local = _autograd.redistribute(self._local, self.shape, self.placements, target, self.device_mesh,
+                                           timeout)
+        else:
+            steps = plan_redistribute(self.placements, target)
+            local = run_plan(self._local, self.shape, self.placements, steps, self.device_mesh, timeout)
         return DTensor(local, self.device_mesh, target, self.shape)
 
     def redistribute_plan(self, placements: Sequence[Placement]) -> list[Step]:

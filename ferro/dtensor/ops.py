@@ -19,7 +19,7 @@ from ferro.dtensor import _arrays as xp
 from ferro.dtensor.placements import Partial, Placement, Replicate, Shard
 from ferro.types import ReduceOp
 
-__all__ = ["Piece", "elementwise", "matmul", "matmul_placements", "reduce_sum", "transpose"]
+__all__ = ["Piece", "elementwise", "tracks_grad", "matmul", "matmul_placements", "reduce_sum", "transpose"]
 
 Result = tuple[Any, tuple[Placement, ...], tuple[int, ...]]
 
@@ -144,6 +144,10 @@ def matmul_placements(left: Placement, right: Placement) -> Placement | None:
 def matmul(a: Any, b: Any) -> Result:
     """Return ``a @ b`` for 2-d DTensors with a rule (:func:`matmul_placements`) on every mesh dimension.
 
+    With torch pieces that require grad, the product is differentiable, and a
+    gradient the rule leaves Partial for a Replicate operand is allreduced in
+    backward (see :mod:`ferro.dtensor._autograd`).
+
     Raises:
         TypeError: An operand is not a DTensor.
         ValueError: Not 2-d, or the inner dimensions differ.
@@ -166,7 +170,20 @@ def matmul(a: Any, b: Any) -> Result:
                 f"DTensor: matmul has no rule for {left!r} @ {right!r} on mesh dimension {mesh_dim} (rules: "
                 f"R@R, R@Shard(1), Shard(0)@R, Shard(1)@Shard(0), Partial@R, R@Partial); redistribute first")
         placements.append(made)
+    if tracks_grad(a.local) or tracks_grad(b.local):
+        from ferro.dtensor import _autograd
+
+        return _autograd.matmul(a, b, tuple(placements)), tuple(placements), (a.shape[0], b.shape[1])
     return a.local @ b.local, tuple(placements), (a.shape[0], b.shape[1])
+
+
+def tracks_grad(local: Any) -> bool:
+    """Whether autograd records operations on this torch piece (False for NumPy)."""
+    if not xp.is_torch(local) or not local.requires_grad:
+        return False
+    import torch
+
+    return bool(torch.is_grad_enabled())
 
 
 def transpose(a: Piece) -> Result:
