@@ -248,3 +248,32 @@ def test_ddp_with_sync_batch_norm_on_one_group_equals_one_process():
         for name, p in reference.named_parameters():
             # DDP averages over 3 ranks; the whole batch's gradient is the sum of the ranks' parts.
             np.testing.assert_allclose(grads[name] * 3, p.grad, rtol=0, atol=1e-12, err_msg=name)
+
+
+def _torch_ddp_model(torch):
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Tanh(),
+                               torch.nn.Linear(6, 2)).double()
+
+
+def torch_ddp_rank(group):
+    import torch
+    model = ferro.convert_sync_batchnorm(_torch_ddp_model(torch), group=group)
+    net = ferro.DDP(model, group=group, bucket_cap_mb=1e-5)
+    x, dy = (torch.from_numpy(a) for a in _ddp_data())
+    rows = slice(int(OFFSETS[group.rank]), int(OFFSETS[group.rank + 1]))
+    y = net(x[rows])
+    y.backward(dy[rows])
+    return y.detach().numpy(), {name: p.grad.numpy().copy() for name, p in model.named_parameters()}
+
+
+def test_torch_ddp_with_converted_sync_batch_norm_equals_one_process():
+    torch = pytest.importorskip("torch")
+    reference = _torch_ddp_model(torch)
+    x, dy = (torch.from_numpy(a) for a in _ddp_data())
+    y_ref = reference(x)
+    y_ref.backward(dy)
+    for rank, (y, grads) in enumerate(run_processes(torch_ddp_rank, 3, backend="tcp", timeout=120)):
+        np.testing.assert_allclose(y, y_ref.detach().numpy()[OFFSETS[rank]:OFFSETS[rank + 1]], rtol=0, atol=1e-12)
+        for name, p in reference.named_parameters():
+            np.testing.assert_allclose(grads[name] * 3, p.grad.numpy(), rtol=0, atol=1e-12, err_msg=name)
