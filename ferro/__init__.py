@@ -4,7 +4,7 @@ The public names live here; everything else is reachable by module path but
 should not be needed.
 """
 
-from ferro import checkpoint, dtensor, nn, p2p, pipeline
+from ferro import checkpoint, dtensor, nn, p2p, pipeline, rpc
 from ferro.backend import Backend, HierarchicalBackend, ShmBackend, SimulatedBackend, SubBackend, TcpBackend
 from ferro.backend.mpi import MpiBackend
 from ferro.backend.nccl import HybridBackend, NcclBackend, nccl_version
@@ -45,6 +45,7 @@ from ferro.errors import (
     PeerLostError,
     ProtocolError,
     RankFailedError,
+    RemoteError,
     SelfSendError,
     SizeMismatchError,
     StoreError,
@@ -129,6 +130,8 @@ __all__ = [
     "PendingCollective",
     "ProtocolError",
     "RankFailedError",
+    "RemoteError",
+    "rpc",
     "recv",
     "recv_into",
     "reduce",

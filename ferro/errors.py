@@ -30,6 +30,7 @@ __all__ = [
     "PeerLostError",
     "ProtocolError",
     "RankFailedError",
+    "RemoteError",
     "SelfSendError",
     "SizeMismatchError",
     "StoreError",
@@ -245,3 +246,25 @@ class MpiError(DistributedError, RuntimeError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.error_class))
+
+
+class RemoteError(DistributedError, RuntimeError):
+    """A remote procedure call raised on its worker, and the exception itself could not travel back.
+
+    Exceptions that pickle re-raise on the caller as themselves, with the remote
+    traceback as their cause; this one stands in for the others.
+
+    Attributes:
+        worker: The name of the worker the call ran on.
+        remote_type: The qualified name of the exception's type there.
+        remote_traceback: The formatted traceback on the worker.
+
+    """
+
+    def __init__(self, message: str, worker: str = "", remote_type: str = "", remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.worker, self.remote_type, self.remote_traceback = worker, remote_type, remote_traceback
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.worker, self.remote_type, self.remote_traceback))
+

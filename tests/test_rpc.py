@@ -1,0 +1,145 @@
+"""ferro.rpc: every worker calls every other over real processes; errors, timeouts, lost workers, shutdown."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+import ferro
+from ferro import rpc
+from ferro.testing import run_processes
+
+
+def add(a, b):
+    return a + b
+
+
+def whoami():
+    return rpc.get_worker_info().name
+
+
+def fail(message):
+    raise KeyError(message)
+
+
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def relay(to, value):
+    """A nested call: this worker asks another one."""
+    return rpc.rpc_sync(to, add, (value, 1)) * 10
+
+
+def rank_all_pairs(rank, world_size):
+    rpc.init_rpc(f"w{rank}", timeout=60)
+    seen = {}
+    for peer in range(world_size):
+        name = f"w{peer}"
+        seen[f"sync {name}"] = rpc.rpc_sync(name, whoami)
+        seen[f"async {name}"] = rpc.rpc_async(peer, add, (rank, peer)).wait()
+        seen[f"nested {name}"] = rpc.rpc_sync(name, relay, (f"w{(peer + 1) % world_size}", rank))
+        array = np.arange(1000.0) * rank
+        seen[f"array {name}"] = float(rpc.rpc_sync(name, np.add, (array, 1.0)).sum())
+    futures = [rpc.rpc_async(f"w{p}", add, (p, 100)) for p in range(world_size) for _ in range(5)]
+    seen["many"] = sorted(f.wait() for f in futures)
+    seen["then"] = rpc.rpc_async("w0", add, (1, 2)).then(lambda f: f.wait() * 2).wait()
+    rpc.shutdown()
+    return seen
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_every_worker_calls_every_worker(world):
+    for rank, seen in enumerate(run_processes(rank_all_pairs, world, backend=None, timeout=120)):
+        for peer in range(world):
+            assert seen[f"sync w{peer}"] == f"w{peer}"
+            assert seen[f"async w{peer}"] == rank + peer
+            assert seen[f"nested w{peer}"] == (rank + 1) * 10
+            assert seen[f"array w{peer}"] == pytest.approx(np.arange(1000.0).sum() * rank + 1000)
+        assert seen["many"] == sorted(p + 100 for p in range(world) for _ in range(5))
+        assert seen["then"] == 6
+
+
+def rank_errors(rank, world_size):
+    rpc.init_rpc(f"w{rank}", timeout=60)
+    seen = {}
+    if rank == 0:
+        try:
+            rpc.rpc_sync("w1", fail, ("no such key",))
+        except KeyError as exc:
+            seen["remote"] = (str(exc), "".join(getattr(exc, "__notes__", [])), str(exc.__cause__))
+        try:
+            rpc.rpc_sync("w1", sleep_then, (2.0, "late"), timeout=0.3)
+        except ferro.DistributedTimeoutError as exc:
+            seen["timeout"] = str(exc)
+        seen["after timeout"] = rpc.rpc_sync("w1", add, (2, 3))  # the agent stays usable
+        try:
+            rpc.rpc_sync("w1", lambda: 1)
+        except Exception as exc:  # noqa: BLE001 - a lambda cannot travel by reference
+            seen["lambda"] = type(exc).__name__
+        try:
+            rpc.rpc_sync("nobody", add, (1, 2))
+        except ferro.InvalidRankError as exc:
+            seen["unknown"] = str(exc)
+    rpc.shutdown()
+    return seen
+
+
+def test_remote_exceptions_timeouts_and_bad_targets():
+    seen = run_processes(rank_errors, 2, backend=None, timeout=120)[0]
+    message, notes, cause = seen["remote"]
+    assert message == "'no such key'" and "raised on RPC worker w1" in notes
+    assert "in fail" in cause and "KeyError: 'no such key'" in cause
+    assert "rpc to w1 (test_rpc.sleep_then): no answer within 0.3 s" in seen["timeout"]
+    assert seen["after timeout"] == 5
+    assert seen["lambda"] in ("PicklingError", "AttributeError")
+    assert "no worker is named 'nobody' (workers: w0, w1)" in seen["unknown"]
+
+
+def rank_killed(rank, world_size):
+    rpc.init_rpc(f"w{rank}", timeout=30)
+    if rank == 1:
+        rpc.rpc_sync("w0", add, (1, 1))
+        time.sleep(0.5)
+        os._exit(9)  # dies while w0 waits on it (SIGKILL-like: no goodbye)
+    seen = {}
+    try:
+        rpc.rpc_sync("w1", sleep_then, (30, "never"))
+    except ferro.PeerLostError as exc:
+        seen["lost"] = str(exc)
+    try:
+        rpc.rpc_sync("w1", add, (1, 1))
+    except ferro.PeerLostError as exc:
+        seen["after"] = str(exc)
+    start = time.monotonic()
+    rpc.shutdown(timeout=20)
+    seen["shutdown seconds"] = time.monotonic() - start
+    return seen
+
+
+def test_a_worker_killed_mid_call_fails_the_futures_waiting_on_it():
+    results = run_processes(rank_killed, 3, backend=None, timeout=120, allow_exit=[1])
+    for rank in (0, 2):
+        if rank == 0:
+            assert "worker w1 (rank 1) is gone" in results[0]["lost"]
+            assert "worker w1 is gone" in results[0]["after"]
+        assert results[rank]["shutdown seconds"] < 10  # the survivors do not wait for the dead
+
+
+def rank_without_secret(rank, world_size):
+    if rank == 1:
+        os.environ["FERRO_SECRET"] = "not the job's secret"
+    try:
+        rpc.init_rpc(f"w{rank}", timeout=3)
+    except (ferro.AuthenticationError, ferro.DistributedTimeoutError) as exc:
+        return type(exc).__name__
+    rpc.shutdown()
+    return "joined"
+
+
+def test_a_process_without_the_secret_is_refused():
+    results = run_processes(rank_without_secret, 2, backend=None, timeout=120)
+    assert "joined" not in results
+    assert "AuthenticationError" in results
