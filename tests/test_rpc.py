@@ -143,3 +143,87 @@ def test_a_process_without_the_secret_is_refused():
     results = run_processes(rank_without_secret, 2, backend=None, timeout=120)
     assert "joined" not in results
     assert "AuthenticationError" in results
+
+
+class Counter:
+    def __init__(self, start=0):
+        self.value = start
+
+    def add(self, n):
+        self.value += n
+        return self.value
+
+
+def make_array(n):
+    return np.arange(n, dtype=np.float64)
+
+
+def rref_sum(rref):
+    """Runs on any worker: fetch the value behind an RRef passed as an argument."""
+    return float(np.sum(rref.to_here()))
+
+
+def pass_back(rref):
+    return rref  # an RRef returned: a new copy on the caller
+
+
+def owned():
+    return rpc.owned_count()
+
+
+def rank_rrefs(rank, world_size):
+    rpc.init_rpc(f"w{rank}", timeout=60)
+    seen = {}
+    for owner in range(world_size):
+        ref = rpc.remote(f"w{owner}", make_array, (10 + rank,))
+        seen[f"to_here {owner}"] = ref.to_here().tolist()
+        seen[f"owner {owner}"] = (ref.owner_name(), ref.owner().id, ref.is_owner())
+        other = f"w{(rank + 1) % world_size}"  # the RRef travels to a third worker, which fetches from the owner
+        seen[f"passed {owner}"] = rpc.rpc_sync(other, rref_sum, (ref,))
+        back = rpc.rpc_sync(other, pass_back, (ref,))
+        seen[f"back {owner}"] = back.to_here().tolist()
+        counter = rpc.remote(owner, Counter, (rank,))
+        counter.rpc_sync().add(5)
+        seen[f"proxy {owner}"] = (counter.rpc_async().add(1).wait(), counter.remote().add(0).to_here())
+        if owner == rank:
+            seen["local"] = counter.local_value().value
+        else:
+            try:
+                counter.local_value()
+            except RuntimeError as exc:
+                seen["not owner"] = str(exc)
+        del ref, back, counter
+    failing = rpc.remote("w0", fail, ("made badly",))
+    try:
+        failing.to_here()
+    except KeyError as exc:
+        seen["failed"] = str(exc)
+    del failing
+    import gc
+    gc.collect()
+    # Every holder everywhere dropped its RRefs: every owner's count returns to zero (decrefs are notifications).
+    rpc.rpc_sync("w0", add, (0, 0))  # all workers get here before anyone counts (a round trip is no barrier;
+    deadline = time.monotonic() + 20  # so poll)
+    while True:
+        counts = [rpc.rpc_sync(f"w{w}", owned) for w in range(world_size)]
+        if sum(counts) == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    seen["owned"] = counts
+    rpc.shutdown()
+    return seen
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_remote_references_and_their_counts(world):
+    for rank, seen in enumerate(run_processes(rank_rrefs, world, backend=None, timeout=120)):
+        for owner in range(world):
+            values = list(np.arange(10 + rank, dtype=np.float64))
+            assert seen[f"to_here {owner}"] == values and seen[f"back {owner}"] == values
+            assert seen[f"owner {owner}"] == (f"w{owner}", owner, owner == rank)
+            assert seen[f"passed {owner}"] == sum(values)
+            assert seen[f"proxy {owner}"] == (rank + 6, rank + 6)
+        assert seen["local"] == rank + 6
+        assert "the value lives on w" in seen["not owner"]
+        assert seen["failed"] == "'made badly'"
+        assert seen["owned"] == [0] * world

@@ -17,5 +17,7 @@ Example::
 
 from ferro.rpc.agent import Future, RpcAgent, WorkerInfo
 from ferro.rpc.api import get_worker_info, init_rpc, rpc_async, rpc_sync, shutdown
+from ferro.rpc.rref import RRef, owned_count, remote
 
-__all__ = ["Future", "RpcAgent", "WorkerInfo", "get_worker_info", "init_rpc", "rpc_async", "rpc_sync", "shutdown"]
+__all__ = ["Future", "RRef", "RpcAgent", "WorkerInfo", "get_worker_info", "init_rpc", "owned_count", "remote",
+           "rpc_async", "rpc_sync", "shutdown"]

@@ -23,12 +23,14 @@ every connection has proven the job secret before it carries a request.
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
 import itertools
 import logging
 import socket
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +43,7 @@ from ferro.errors import (
     PeerLostError,
     RemoteError,
 )
+from ferro.rpc.owned import OwnerTable
 from ferro.rpc.wire import Kind, decode, encode, recv_message, send_message
 
 __all__ = ["Future", "RpcAgent", "WorkerInfo"]
@@ -126,7 +129,9 @@ class RpcAgent:
         self._done_peers: set[int] = set()
         self._done_changed = threading.Condition(self._lock)
         self._closed = False
+        self.owned = OwnerTable()  # values this worker owns for RRefs
         self._store: Any = None  # the rendezvous store, closed at shutdown (rank 0 serves it)
+        self._deadlines = _Deadlines(f"ferro-rpc-{name}-deadlines", self._expire)
         self._pool = concurrent.futures.ThreadPoolExecutor(num_worker_threads, thread_name_prefix=f"ferro-rpc-{name}")
         self._readers = [threading.Thread(target=self._read, args=(peer,), name=f"ferro-rpc-{name}-from-{peer}",
                                           daemon=True) for peer in sockets]
@@ -198,14 +203,25 @@ class RpcAgent:
         """Call ``fn(*args, **kwargs)`` on worker ``to`` and return its result (see :meth:`rpc_async`)."""
         return self.rpc_async(to, fn, args, kwargs, timeout).wait()
 
+    def notify(self, to: int, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
+        """Run ``fn(*args)`` on worker ``to`` without waiting or an answer (errors are logged there).
+
+        Used for messages whose loss is harmless, such as dropping a remote reference.
+        """
+        if self._closed or to in self._lost:
+            return
+        if to == self.rank:
+            self._pool.submit(_logged, fn, args)
+            return
+        try:
+            send_message(self._sockets[to], self._send_locks[to], encode(Kind.REQUEST, 0, (fn, tuple(args), {})))
+        except OSError as exc:
+            log.debug("rpc %s: could not notify %s: %s", self.name, self._names[to], exc)
+
     def _with_deadline(self, future: Future, call_id: int | None, timeout: float | None, what: str) -> Future:
         seconds = self.timeout if timeout is None else timeout
-        if seconds <= 0:
-            return future
-        timer = threading.Timer(seconds, self._expire, args=(future, call_id, seconds, what))
-        timer.daemon = True
-        timer.start()
-        future.add_done_callback(lambda _: timer.cancel())
+        if seconds > 0 and not future.done():
+            self._deadlines.add(time.monotonic() + seconds, future, (call_id, seconds, what))
         return future
 
     def _expire(self, future: Future, call_id: int | None, seconds: float, what: str) -> None:
@@ -249,8 +265,14 @@ class RpcAgent:
     def _serve(self, peer: int, call_id: int, body: bytes, buffers: list[bytearray]) -> None:
         try:
             fn, args, kwargs = decode(Kind.REQUEST, call_id, body, buffers).body
+            if call_id == 0:  # a notification: nobody waits for an answer
+                _logged(fn, args)
+                return
             parts = encode(Kind.RESPONSE, call_id, fn(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - sent back to the caller
+            if call_id == 0:
+                log.warning("rpc %s: a notification from %s failed: %s", self.name, self._names[peer], exc)
+                return
             parts = _error_parts(call_id, exc, self.name)
         try:
             send_message(self._sockets[peer], self._send_locks[peer], parts)
@@ -342,9 +364,65 @@ class RpcAgent:
         for reader in self._readers:
             reader.join(timeout=5)
         self._pool.shutdown(wait=graceful, cancel_futures=not graceful)
+        self._deadlines.stop()
         if late:
             raise DistributedTimeoutError(f"rpc shutdown on {self.name}: workers {', '.join(late)} did not finish "
                                           f"their calls within {seconds:g} s")
+
+
+def _logged(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - nobody waits for a notification
+        log.warning("rpc: a notification (%s) failed: %s", _qualified(fn), exc)
+
+
+class _Deadlines:
+    """One thread that fails each call still pending at its deadline (a timer thread per call cost ~50 us a call).
+
+    Futures are held weakly: a completed call's future (and its result, which may
+    be an RRef whose lifetime counts) must not live until its deadline. A call still
+    waiting is held by the agent's pending calls, or by its caller.
+    """
+
+    def __init__(self, name: str, expire: Callable[..., None]) -> None:
+        self._heap: list[tuple[float, int, weakref.ref[Future], tuple[Any, ...]]] = []
+        self._order = itertools.count()
+        self._expire = expire
+        self._changed = threading.Condition()
+        self._stopped = False
+        self._compact_at = 4096
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def add(self, deadline: float, future: Future, info: tuple[Any, ...]) -> None:
+        """Call ``expire(future, *info)`` at ``deadline`` unless the future completed by then."""
+        with self._changed:
+            order = next(self._order)
+            heapq.heappush(self._heap, (deadline, order, weakref.ref(future), info))
+            if len(self._heap) > self._compact_at:  # drop calls that completed long before their deadline
+                self._heap = [e for e in self._heap if (f := e[2]()) is not None and not f.done()]
+                heapq.heapify(self._heap)
+                self._compact_at = max(4096, 2 * len(self._heap))
+            if self._heap[0][1] == order:  # the earliest deadline changed: the thread sleeps less
+                self._changed.notify()
+
+    def stop(self) -> None:
+        """End the thread."""
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._changed.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                if self._stopped:
+                    return
+                _, _, ref, info = heapq.heappop(self._heap)
+            future = ref()
+            if future is not None and not future.done():
+                self._expire(future, *info)
 
 
 def _settle(future: Future, *, result: Any = None, exception: BaseException | None = None) -> None:

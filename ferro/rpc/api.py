@@ -198,13 +198,12 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     """
     global _agent
     agent = _current("shutdown")
-    _agent = None
     try:
-        agent.shutdown(graceful, timeout)
+        agent.shutdown(graceful, timeout)  # serves other workers' calls until they are done: keep it current
     finally:
-        store = getattr(agent, "_store", None)
-        if store is not None:
-            store.close()
+        _agent = None
+        if agent._store is not None:
+            agent._store.close()
 
 
 def _agent_or_none() -> RpcAgent | None:
