@@ -227,3 +227,17 @@ def test_remote_references_and_their_counts(world):
         assert "the value lives on w" in seen["not owner"]
         assert seen["failed"] == "'made badly'"
         assert seen["owned"] == [0] * world
+
+
+def test_parameter_server_example_trains_to_the_single_process_weights(tmp_path):
+    import re
+    import subprocess
+    import sys
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "parameter_server.py")
+    done = subprocess.run([sys.executable, "-m", "ferro", "run", "--nproc-per-node", "3", example, "--steps", "20",
+                           "--check"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "[ps] 20 steps from 2 trainers" in done.stdout
+    worst = float(re.search(r"max \|parameter server - single process\| = ([\d.e+-]+)", done.stdout).group(1))
+    assert worst <= 1e-12
+    assert "is gone" not in done.stdout + done.stderr  # a graceful shutdown is not a lost worker

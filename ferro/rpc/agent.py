@@ -298,13 +298,14 @@ class RpcAgent:
         with self._lock:
             if peer in self._lost:
                 return
-            self._lost[peer] = reason
+            finished = peer in self._done_peers  # it said goodbye first: closing is not a loss
+            self._lost[peer] = "it shut down" if finished else reason
             self._done_peers.add(peer)  # a lost worker will send nothing more: it counts as done
             self._done_changed.notify_all()
             failed = [p for i, p in list(self._pending.items()) if p.peer == peer]
             for call_id in [i for i, p in self._pending.items() if p.peer == peer]:
                 del self._pending[call_id]
-        if not self._closed:
+        if not self._closed and not finished:
             log.warning("rpc %s: worker %s is gone: %s", self.name, self._names[peer], reason)
         for pending in failed:
             _settle(pending.future, exception=PeerLostError(
