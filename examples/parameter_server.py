@@ -30,14 +30,14 @@ BATCH, LR = 24, 0.1
 
 
 def make_model(seed: int = 0) -> nn.Module:
-    """The model every process builds alike (trainers overwrite its weights each step)."""
+    """Build the model every process builds alike (trainers overwrite its weights each step)."""
     rng = np.random.default_rng(seed)
     return nn.Sequential(nn.Linear(SIZES[0], SIZES[1], rng=rng, dtype=np.float64), nn.Tanh(),
                          nn.Linear(SIZES[1], SIZES[2], rng=rng, dtype=np.float64))
 
 
 def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
-    """The whole batch of one step (every process can make it)."""
+    """Return the whole batch of one step (every process can make it)."""
     rng = np.random.default_rng(1000 + step)
     x = rng.standard_normal((BATCH, SIZES[0]))
     return x, np.tanh(x[:, :SIZES[2]] * 2) + 0.1 * rng.standard_normal((BATCH, SIZES[2]))
@@ -81,13 +81,13 @@ _server: ParameterServer | None = None  # on rank 0 only: what the functions bel
 
 
 def get_weights() -> dict[str, np.ndarray]:
-    """Runs on the server: the current weights."""
+    """Return the current weights (runs on the server)."""
     assert _server is not None, "get_weights runs on the parameter server"
     return _server.weights()
 
 
 def push_gradients(step: int, grads: dict[str, np.ndarray]) -> int:
-    """Runs on the server: add this trainer's gradient; returns the step reached."""
+    """Add this trainer's gradient and return the step reached (runs on the server)."""
     assert _server is not None, "push_gradients runs on the parameter server"
     return _server.push(step, grads)
 
@@ -108,7 +108,7 @@ def train(rank: int, trainers: int, steps: int) -> float:
 
 
 def single_process(steps: int) -> dict[str, np.ndarray]:
-    """The reference: SGD on the whole batch in one process."""
+    """Return the reference: SGD on the whole batch in one process."""
     model, criterion = make_model(), nn.MSELoss()
     optimizer = nn.SGD(model.parameters(), lr=LR)
     for step in range(steps):
