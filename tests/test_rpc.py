@@ -1,6 +1,9 @@
 """ferro.rpc: every worker calls every other over real processes; errors, timeouts, lost workers, shutdown."""
 
 import os
+import signal
+import socket
+import struct
 import time
 
 import numpy as np
@@ -43,6 +46,10 @@ def rank_all_pairs(rank, world_size):
         seen[f"nested {name}"] = rpc.rpc_sync(name, relay, (f"w{(peer + 1) % world_size}", rank))
         array = np.arange(1000.0) * rank
         seen[f"array {name}"] = float(rpc.rpc_sync(name, np.add, (array, 1.0)).sum())
+        import torch
+        tensor = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3) * rank
+        back = rpc.rpc_sync(name, torch.mul, (tensor, 2))
+        seen[f"tensor {name}"] = (str(back.dtype), tuple(back.shape), back.float().sum().item())
     futures = [rpc.rpc_async(f"w{p}", add, (p, 100)) for p in range(world_size) for _ in range(5)]
     seen["many"] = sorted(f.wait() for f in futures)
     seen["then"] = rpc.rpc_async("w0", add, (1, 2)).then(lambda f: f.wait() * 2).wait()
@@ -52,12 +59,14 @@ def rank_all_pairs(rank, world_size):
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_every_worker_calls_every_worker(world):
+    pytest.importorskip("torch")
     for rank, seen in enumerate(run_processes(rank_all_pairs, world, backend=None, timeout=120)):
         for peer in range(world):
             assert seen[f"sync w{peer}"] == f"w{peer}"
             assert seen[f"async w{peer}"] == rank + peer
             assert seen[f"nested w{peer}"] == (rank + 1) * 10
             assert seen[f"array w{peer}"] == pytest.approx(np.arange(1000.0).sum() * rank + 1000)
+            assert seen[f"tensor w{peer}"] == ("torch.bfloat16", (2, 3), 30.0 * rank)
         assert seen["many"] == sorted(p + 100 for p in range(world) for _ in range(5))
         assert seen["then"] == 6
 
@@ -103,7 +112,7 @@ def rank_killed(rank, world_size):
     if rank == 1:
         rpc.rpc_sync("w0", add, (1, 1))
         time.sleep(0.5)
-        os._exit(9)  # dies while w0 waits on it (SIGKILL-like: no goodbye)
+        os.kill(os.getpid(), signal.SIGKILL)  # dies while w0 waits on it: no goodbye
     seen = {}
     try:
         rpc.rpc_sync("w1", sleep_then, (30, "never"))
@@ -241,3 +250,38 @@ def test_parameter_server_example_trains_to_the_single_process_weights(tmp_path)
     worst = float(re.search(r"max \|parameter server - single process\| = ([\d.e+-]+)", done.stdout).group(1))
     assert worst <= 1e-12
     assert "is gone" not in done.stdout + done.stderr  # a graceful shutdown is not a lost worker
+
+
+def rank_not_graceful(rank, world_size):
+    rpc.init_rpc(f"w{rank}", timeout=30)
+    seen = {}
+    if rank == 0:
+        future = rpc.rpc_async("w1", sleep_then, (1.0, "late"))
+        rpc.shutdown(graceful=False)
+        try:
+            future.wait()
+        except ferro.BackendClosedError as exc:
+            seen["failed"] = str(exc)
+        return seen
+    start = time.monotonic()
+    rpc.shutdown()  # w0 left without a goodbye: its closed connection counts as done
+    seen["seconds"] = time.monotonic() - start
+    return seen
+
+
+def test_shutdown_without_grace_fails_pending_calls_at_once():
+    first, second = run_processes(rank_not_graceful, 2, backend=None, timeout=120)
+    assert "rpc to w1 (test_rpc.sleep_then): the RPC agent was shut down" in first["failed"]
+    assert second["seconds"] < 10
+
+
+def test_frames_that_lie_are_refused_before_allocating():
+    from ferro.rpc.wire import Receiver
+    for header in (b"HTTP" + bytes(24),  # not an RPC frame
+                   struct.pack("<4sIQQI", b"FRPC", 1, 7, 1 << 40, 0),  # a body of a terabyte
+                   struct.pack("<4sIQQI", b"FRPC", 1, 7, 10, 1 << 20)):  # a million buffers
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            theirs.sendall(header)
+            with pytest.raises(ferro.ProtocolError, match="rpc: "):
+                Receiver(ours).receive()

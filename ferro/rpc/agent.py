@@ -44,7 +44,7 @@ from ferro.errors import (
     RemoteError,
 )
 from ferro.rpc.owned import OwnerTable
-from ferro.rpc.wire import Kind, decode, encode, recv_message, send_message
+from ferro.rpc.wire import Kind, Receiver, decode, encode, send_message
 
 __all__ = ["Future", "RpcAgent", "WorkerInfo"]
 
@@ -243,10 +243,10 @@ class RpcAgent:
     # --- serving -------------------------------------------------------------------------------------------
 
     def _read(self, peer: int) -> None:
-        sock = self._sockets[peer]
+        receiver = Receiver(self._sockets[peer])
         try:
             while True:
-                kind, call_id, body, buffers = recv_message(sock)
+                kind, call_id, body, buffers = receiver.receive()
                 if kind == Kind.REQUEST:
                     self._pool.submit(self._serve, peer, call_id, body, buffers)
                 elif kind == Kind.DONE:

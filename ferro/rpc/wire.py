@@ -26,7 +26,7 @@ import numpy as np
 from ferro._buffers import is_torch_tensor
 from ferro.errors import PeerLostError, ProtocolError
 
-__all__ = ["MAX_BODY_BYTES", "MAX_BUFFERS", "Kind", "Message", "decode", "encode", "recv_message", "send_message"]
+__all__ = ["MAX_BODY_BYTES", "MAX_BUFFERS", "Kind", "Message", "Receiver", "decode", "encode", "send_message"]
 
 _HEADER = struct.Struct("<4sIQQI")
 _MAGIC = b"FRPC"
@@ -111,40 +111,84 @@ def send_message(sock: socket.socket, lock: threading.Lock, parts: list[Any]) ->
                 views[0] = views[0][sent:]
 
 
+class Receiver:
+    """Reads messages from one socket through a 64 KiB staging buffer.
+
+    A small message (header, lengths and body, even its buffers) usually
+    arrives in one ``recv``; large buffers are received straight into their
+    own memory. The staging buffer never holds more than the socket delivered.
+    """
+
+    STAGE_BYTES = 64 * 1024
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._stage = bytearray(self.STAGE_BYTES)
+        self._view = memoryview(self._stage)
+        self._start = self._end = 0
+
+    def _fill(self, wanted: int) -> None:
+        """Have at least ``wanted`` (<= STAGE_BYTES) bytes staged."""
+        if self._end - self._start >= wanted:
+            return
+        if self._start:  # move what is left to the front
+            left = self._end - self._start
+            self._stage[:left] = self._stage[self._start:self._end]
+            self._start, self._end = 0, left
+        while self._end < wanted:
+            got = self._sock.recv_into(self._view[self._end:])
+            if got == 0:
+                raise PeerLostError("the connection closed")
+            self._end += got
+
+    def _take(self, n: int) -> bytes:
+        self._fill(n)
+        data = bytes(self._view[self._start:self._start + n])
+        self._start += n
+        return data
+
+    def _read_into(self, target: memoryview) -> None:
+        staged = min(self._end - self._start, target.nbytes)
+        target[:staged] = self._view[self._start:self._start + staged]
+        self._start += staged
+        rest = target[staged:]
+        if rest.nbytes > self.STAGE_BYTES // 2:
+            _recv_into(self._sock, rest)  # large: straight into its own memory
+        elif rest.nbytes:
+            rest[:] = self._take(rest.nbytes)
+
+    def receive(self) -> tuple[int, int, bytes, list[bytearray]]:
+        """Receive one message: ``(kind, call id, body bytes, raw buffers)``.
+
+        Raises:
+            PeerLostError: The connection closed.
+            ProtocolError: Not an RPC frame, or lengths past the limits.
+
+        """
+        magic, kind, call_id, body_len, count = _HEADER.unpack(self._take(_HEADER.size))
+        if magic != _MAGIC or kind not in Kind.__members__.values():
+            raise ProtocolError(f"rpc: not an RPC frame (magic {bytes(magic)!r}, kind {kind})")
+        if body_len > MAX_BODY_BYTES or count > MAX_BUFFERS:
+            raise ProtocolError(f"rpc: a frame claims {body_len} body bytes and {count} buffers (limits "
+                                f"{MAX_BODY_BYTES}, {MAX_BUFFERS})")
+        lengths_raw = bytearray(8 * count)
+        self._read_into(memoryview(lengths_raw))
+        lengths = struct.unpack(f"<{count}Q", lengths_raw) if count else ()
+        if any(n > MAX_BUFFER_BYTES for n in lengths):
+            raise ProtocolError(f"rpc: a frame claims a buffer of {max(lengths)} bytes (limit {MAX_BUFFER_BYTES})")
+        body = bytearray(body_len)
+        self._read_into(memoryview(body))
+        buffers = []
+        for n in lengths:
+            buffer = bytearray(n)
+            self._read_into(memoryview(buffer))
+            buffers.append(buffer)
+        return kind, call_id, bytes(body), buffers
+
+
 def _recv_into(sock: socket.socket, buffer: memoryview) -> None:
     while buffer.nbytes:
         got = sock.recv_into(buffer)
         if got == 0:
             raise PeerLostError("the connection closed")
         buffer = buffer[got:]
-
-
-def recv_message(sock: socket.socket) -> tuple[int, int, bytes, list[bytearray]]:
-    """Receive one message: ``(kind, call id, body bytes, raw buffers)``.
-
-    Raises:
-        PeerLostError: The connection closed.
-        ProtocolError: Not an RPC frame, or lengths past the limits.
-
-    """
-    header = bytearray(_HEADER.size)
-    _recv_into(sock, memoryview(header))
-    magic, kind, call_id, body_len, count = _HEADER.unpack(header)
-    if magic != _MAGIC or kind not in Kind.__members__.values():
-        raise ProtocolError(f"rpc: not an RPC frame (magic {bytes(magic)!r}, kind {kind})")
-    if body_len > MAX_BODY_BYTES or count > MAX_BUFFERS:
-        raise ProtocolError(f"rpc: a frame claims {body_len} body bytes and {count} buffers (limits "
-                            f"{MAX_BODY_BYTES}, {MAX_BUFFERS})")
-    lengths_raw = bytearray(8 * count)
-    _recv_into(sock, memoryview(lengths_raw))
-    lengths = struct.unpack(f"<{count}Q", lengths_raw) if count else ()
-    if any(n > MAX_BUFFER_BYTES for n in lengths):
-        raise ProtocolError(f"rpc: a frame claims a buffer of {max(lengths)} bytes (limit {MAX_BUFFER_BYTES})")
-    body = bytearray(body_len)
-    _recv_into(sock, memoryview(body))
-    buffers = []
-    for n in lengths:
-        buffer = bytearray(n)
-        _recv_into(sock, memoryview(buffer))
-        buffers.append(buffer)
-    return kind, call_id, bytes(body), buffers
