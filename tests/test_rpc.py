@@ -285,3 +285,18 @@ def test_frames_that_lie_are_refused_before_allocating():
             theirs.sendall(header)
             with pytest.raises(ferro.ProtocolError, match="rpc: "):
                 Receiver(ours).receive()
+
+
+def rank_beside_a_group(rank, world_size):
+    group = ferro.init_process_group("tcp")  # its store on MASTER_PORT, served by rank 0
+    rpc.init_rpc(f"w{rank}")  # the same port: rank 0 joins that store instead of serving a second one
+    total = ferro.allreduce(np.array([rank + 1.0]), group=group)
+    answer = rpc.rpc_sync(f"w{(rank + 1) % world_size}", add, (rank, 10))
+    rpc.shutdown()
+    ferro.destroy_process_group()
+    return float(total[0]), answer
+
+
+def test_rpc_beside_a_process_group_on_the_same_port():
+    results = run_processes(rank_beside_a_group, 3, backend=None, timeout=120)
+    assert results == [(6.0, 10), (6.0, 11), (6.0, 12)]
