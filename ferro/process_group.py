@@ -15,8 +15,8 @@ from urllib.parse import urlparse
 from ferro.backend import JoinSpec, backend_entry, join_backend
 from ferro.backend.base import Backend
 from ferro.backend.sub import SubBackend, sub_group
-from ferro.errors import ConfigurationError, InvalidRankError, InvalidWorldSizeError
-from ferro.rendezvous.env import detect
+from ferro.errors import ConfigurationError
+from ferro.rendezvous.env import detect, job_rank_and_size, master_address
 from ferro.rendezvous.file_store import FileStore
 from ferro.rendezvous.hosts import exchange_host_identities
 from ferro.rendezvous.settings import (
@@ -24,7 +24,6 @@ from ferro.rendezvous.settings import (
     default_timeout,
     job_secret,
     parse_port,
-    validate_rank_and_size,
 )
 from ferro.rendezvous.store import Store
 
@@ -147,27 +146,10 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
             store, via = FileStore(parsed.path), f"init_method {init_method}"
         elif parsed.scheme != "env":
             raise ConfigurationError(f"init_method {init_method!r}: use env://, tcp://host:port or file:///path")
-    found = detect(os.environ)
-    if rank is None or world_size is None:
-        if found is None:
-            raise ConfigurationError(
-                "init_process_group: rank and world size are unknown; pass rank= and world_size=, launch with "
-                "`ferro run` or torchrun (RANK, WORLD_SIZE), or under mpirun or srun")
-        rank = found.rank if rank is None else rank
-        world_size = found.world_size if world_size is None else world_size
-        via = found.source if via == "arguments" else f"{via} and {found.source}"
-    # Checked before any rendezvous: a bad rank, size or timeout is named now, not after a store timeout.
-    try:
-        rank, world_size = validate_rank_and_size(rank, world_size)
-    except (InvalidRankError, InvalidWorldSizeError) as exc:
-        raise type(exc)(f"init_process_group: {exc} (from {via})") from None
-    default_timeout(timeout)
+    rank, world_size, found = job_rank_and_size(rank, world_size, "init_process_group", via)
+    default_timeout(timeout)  # checked before any rendezvous, like the rank and size
     if store is None:
-        master_addr = master_addr or (found.master_addr if found else None) or os.environ.get("MASTER_ADDR")
-        if not master_addr:
-            raise ConfigurationError(
-                "init_process_group: no master address: set MASTER_ADDR (the host of rank 0), or pass "
-                "init_method='tcp://host:port'")
+        master_addr = master_addr or master_address(found, "init_process_group")
         if not master_port:
             env_port = os.environ.get("MASTER_PORT")
             master_port = found.master_port if found else parse_port(env_port) if env_port else DEFAULT_MASTER_PORT

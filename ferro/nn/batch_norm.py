@@ -22,8 +22,8 @@ import numpy as np
 
 from ferro.nn.module import Module, Parameter
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "batch_moments", "combine_moments", "input_gradient",
-           "normalize", "update_running"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "batch_moments", "combine_moments", "gradient_sums",
+           "input_gradient", "moments_row", "normalize", "update_running"]
 
 
 def batch_moments(x: np.ndarray) -> np.ndarray:
@@ -35,7 +35,12 @@ def batch_moments(x: np.ndarray) -> np.ndarray:
     mean = total / max(count, 1)
     deviation = x - mean.astype(x.dtype).reshape(_channel_shape(x.ndim, channels))
     m2 = np.square(deviation, dtype=np.float64).sum(axis=axes) if count else np.zeros(channels)
-    return np.concatenate([[float(count)], total, m2])
+    return moments_row(count, total, m2)
+
+
+def moments_row(count: int, total: np.ndarray, m2: np.ndarray) -> np.ndarray:
+    """Return the ``[count, sum, M2]`` row (float64) that :func:`combine_moments` combines."""
+    return np.concatenate([[float(count)], np.asarray(total, np.float64), np.asarray(m2, np.float64)])
 
 
 def combine_moments(rows: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:

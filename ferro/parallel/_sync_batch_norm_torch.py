@@ -33,13 +33,13 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 layer: TorchSyncBatchNorm) -> torch.Tensor:
         channels = x.shape[1]
         count_here = x.numel() // channels if channels else 0
-        moments = np.zeros(1 + 2 * channels)
-        moments[0] = count_here
         if count_here:
             # This rank's mean and biased variance in one fused pass (torch's CPU Welford kernel).
             mean, var = torch.batch_norm_update_stats(x.detach(), None, None, 0.0)
-            moments[1:1 + channels] = mean.double().numpy() * count_here
-            moments[1 + channels:] = var.double().numpy() * count_here
+            moments = bn.moments_row(count_here, mean.double().numpy() * count_here,
+                                     var.double().numpy() * count_here)
+        else:
+            moments = bn.moments_row(0, np.zeros(channels), np.zeros(channels))
         rows = collective.all_gather(moments, group=layer.group, timeout=layer.timeout).reshape(-1, moments.size)
         count, mean64, m2 = bn.combine_moments(rows)
         if count <= 1:

@@ -10,13 +10,14 @@ master wherever they are set.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ferro.errors import ConfigurationError
-from ferro.rendezvous.settings import DEFAULT_MASTER_PORT, parse_port
+from ferro.errors import ConfigurationError, InvalidRankError, InvalidWorldSizeError
+from ferro.rendezvous.settings import DEFAULT_MASTER_PORT, parse_port, validate_rank_and_size
 
-__all__ = ["JobEnvironment", "detect", "first_slurm_host"]
+__all__ = ["JobEnvironment", "detect", "first_slurm_host", "job_rank_and_size", "master_address"]
 
 # (name, rank variable, size variable, local-rank variable or None)
 _STYLES = [
@@ -121,3 +122,53 @@ def first_slurm_host(nodelist: str) -> str:
     if not item:
         raise ConfigurationError(f"cannot read SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
     return item
+
+
+def job_rank_and_size(rank: int | None, world_size: int | None, caller: str, via: str = "arguments"
+                      ) -> tuple[int, int, JobEnvironment | None]:
+    """Return this process's rank and the world size, from the arguments or else the launcher's environment.
+
+    Checked before any rendezvous, so a bad rank or size is named now, not after a store timeout.
+
+    Args:
+        rank: The caller's ``rank=``, or None.
+        world_size: The caller's ``world_size=``, or None.
+        caller: The public function, for messages.
+        via: Where the caller's own values came from, for messages.
+
+    Returns:
+        ``(rank, world_size, what the launcher's environment said or None)``.
+
+    Raises:
+        ConfigurationError: Neither the arguments nor the environment give them.
+        InvalidRankError, InvalidWorldSizeError: Out of range (the message says where they came from).
+
+    """
+    found = detect(os.environ)
+    if rank is None or world_size is None:
+        if found is None:
+            raise ConfigurationError(
+                f"{caller}: rank and world size are unknown; pass rank= and world_size=, launch with "
+                "`ferro run` or torchrun (RANK, WORLD_SIZE), or under mpirun or srun")
+        rank = found.rank if rank is None else rank
+        world_size = found.world_size if world_size is None else world_size
+        via = found.source if via == "arguments" else f"{via} and {found.source}"
+    try:
+        return (*validate_rank_and_size(rank, world_size), found)
+    except (InvalidRankError, InvalidWorldSizeError) as exc:
+        raise type(exc)(f"{caller}: {exc} (from {via})") from None
+
+
+def master_address(found: JobEnvironment | None, caller: str) -> str:
+    """Return rank 0's host: the launcher's, else ``$MASTER_ADDR``.
+
+    Raises:
+        ConfigurationError: Neither names one.
+
+    """
+    address = (found.master_addr if found else None) or os.environ.get("MASTER_ADDR")
+    if not address:
+        raise ConfigurationError(f"{caller}: no master address: set MASTER_ADDR (the host of rank 0), or pass "
+                                 f"init_method='tcp://host:port'")
+    return address
+

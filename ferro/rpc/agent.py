@@ -99,9 +99,16 @@ class _RemoteTraceback(Exception):
 
 @dataclass
 class _Pending:
+    """A call waiting for its answer; its description is made only when an error needs it."""
+
     future: Future
     peer: int
-    what: str
+    peer_name: str
+    fn: Any
+
+    @property
+    def what(self) -> str:
+        return _describe(self.peer_name, self.fn)
 
 
 class RpcAgent:
@@ -175,28 +182,28 @@ class RpcAgent:
             PeerLostError: That worker is gone (also set on the future when it goes during the call).
 
         """
-        info = self.worker_info(to)
-        what = f"rpc to {info.name} ({_qualified(fn)})"
-        self._usable(what)
-        future = Future()
-        if info.id == self.rank:  # a call to this worker runs in its own pool, without the network
-            self._pool.submit(self._run_local, future, fn, args, kwargs or {})
-            return self._with_deadline(future, None, timeout, what)
+        peer = to if type(to) is int and 0 <= to < self.world_size else self.worker_info(to).id
+        pending = _Pending(Future(), peer, self._names[peer], fn)
+        if self._closed:
+            raise BackendClosedError(f"{pending.what}: this worker's RPC agent was shut down")
+        if peer == self.rank:  # a call to this worker runs in its own pool, without the network
+            self._pool.submit(self._run_local, pending.future, fn, args, kwargs or {})
+            return self._with_deadline(pending, None, timeout)
         with self._lock:
-            if info.id in self._lost:
-                raise PeerLostError(f"{what}: worker {info.name} is gone ({self._lost[info.id]})", info.id)
+            if peer in self._lost:
+                raise PeerLostError(f"{pending.what}: worker {pending.peer_name} is gone ({self._lost[peer]})", peer)
             call_id = next(self._ids)
-            self._pending[call_id] = _Pending(future, info.id, what)
+            self._pending[call_id] = pending
         try:
             parts = encode(Kind.REQUEST, call_id, (fn, tuple(args), kwargs or {}))
-            send_message(self._sockets[info.id], self._send_locks[info.id], parts)
+            send_message(self._sockets[peer], self._send_locks[peer], parts)
         except (OSError, DistributedError) as exc:
             self._forget(call_id)
-            raise PeerLostError(f"{what}: cannot send: {exc}", info.id) from exc
+            raise PeerLostError(f"{pending.what}: cannot send: {exc}", peer) from exc
         except Exception:
             self._forget(call_id)  # the arguments did not pickle: nothing was sent
             raise
-        return self._with_deadline(future, call_id, timeout, what)
+        return self._with_deadline(pending, call_id, timeout)
 
     def rpc_sync(self, to: str | int | WorkerInfo, fn: Callable[..., Any], args: tuple[Any, ...] = (),
                  kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
@@ -218,16 +225,18 @@ class RpcAgent:
         except OSError as exc:
             log.debug("rpc %s: could not notify %s: %s", self.name, self._names[to], exc)
 
-    def _with_deadline(self, future: Future, call_id: int | None, timeout: float | None, what: str) -> Future:
+    def _with_deadline(self, pending: _Pending, call_id: int | None, timeout: float | None) -> Future:
         seconds = self.timeout if timeout is None else timeout
+        future = pending.future
         if seconds > 0 and not future.done():
-            self._deadlines.add(time.monotonic() + seconds, future, (call_id, seconds, what))
+            self._deadlines.add(time.monotonic() + seconds, future, (call_id, seconds, pending.peer_name, pending.fn))
         return future
 
-    def _expire(self, future: Future, call_id: int | None, seconds: float, what: str) -> None:
+    def _expire(self, future: Future, call_id: int | None, seconds: float, peer_name: str, fn: Any) -> None:
         if call_id is not None:
             self._forget(call_id)
-        _settle(future, exception=DistributedTimeoutError(f"{what}: no answer within {seconds:g} s"))
+        _settle(future, exception=DistributedTimeoutError(f"{_describe(peer_name, fn)}: no answer within "
+                                                          f"{seconds:g} s"))
 
     def _forget(self, call_id: int) -> _Pending | None:
         with self._lock:
@@ -302,9 +311,7 @@ class RpcAgent:
             self._lost[peer] = "it shut down" if finished else reason
             self._done_peers.add(peer)  # a lost worker will send nothing more: it counts as done
             self._done_changed.notify_all()
-            failed = [p for i, p in list(self._pending.items()) if p.peer == peer]
-            for call_id in [i for i, p in self._pending.items() if p.peer == peer]:
-                del self._pending[call_id]
+            failed = [self._pending.pop(i) for i in [i for i, p in self._pending.items() if p.peer == peer]]
         if not self._closed and not finished:
             log.warning("rpc %s: worker %s is gone: %s", self.name, self._names[peer], reason)
         for pending in failed:
@@ -312,10 +319,6 @@ class RpcAgent:
                 f"{pending.what}: worker {self._names[peer]} (rank {peer}) is gone: {reason}", peer))
 
     # --- the end -----------------------------------------------------------------------------------------
-
-    def _usable(self, what: str) -> None:
-        if self._closed:
-            raise BackendClosedError(f"{what}: this worker's RPC agent was shut down")
 
     def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
         """Close the agent.
@@ -435,6 +438,10 @@ def _settle(future: Future, *, result: Any = None, exception: BaseException | No
             future.set_result(result)
     except concurrent.futures.InvalidStateError:
         pass
+
+
+def _describe(peer_name: str, fn: Any) -> str:
+    return f"rpc to {peer_name} ({_qualified(fn)})"
 
 
 def _qualified(fn: Any) -> str:

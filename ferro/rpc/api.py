@@ -15,13 +15,12 @@ from typing import Any
 
 from ferro.errors import BackendClosedError, ConfigurationError
 from ferro.rendezvous.connect import build_mesh, claim_rank, local_address_towards, release_rank, wait_for_ranks
-from ferro.rendezvous.env import detect
+from ferro.rendezvous.env import job_rank_and_size, master_address
 from ferro.rendezvous.settings import (
     DEFAULT_MASTER_PORT,
     default_timeout,
     job_secret,
     parse_port,
-    validate_rank_and_size,
 )
 from ferro.rendezvous.store import Store
 from ferro.rpc.agent import Future, RpcAgent, WorkerInfo
@@ -78,14 +77,7 @@ def init_rpc(name: str, rank: int | None = None, world_size: int | None = None, 
                                  f"ferro.rpc.shutdown() first")
     if not isinstance(name, str) or not name:
         raise ConfigurationError(f"init_rpc: the worker name must be a non-empty string, got {name!r}")
-    found = detect(os.environ)
-    if rank is None or world_size is None:
-        if found is None:
-            raise ConfigurationError("init_rpc: rank and world size are unknown; pass rank= and world_size=, or "
-                                     "launch with `ferro run` or torchrun (RANK, WORLD_SIZE)")
-        rank = found.rank if rank is None else rank
-        world_size = found.world_size if world_size is None else world_size
-    rank, world_size = validate_rank_and_size(rank, world_size)
+    rank, world_size, found = job_rank_and_size(rank, world_size, "init_rpc")
     seconds = default_timeout(timeout)
     key = job_secret(secret)
     host, port = _store_address(init_method, found)
@@ -130,10 +122,7 @@ def _store_address(init_method: str | None, found: Any) -> tuple[str, int]:
         if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
             raise ConfigurationError(f"init_rpc: init_method {init_method!r}: use tcp://host:port")
         return parsed.hostname, parsed.port
-    host = (found.master_addr if found else None) or os.environ.get("MASTER_ADDR")
-    if not host:
-        raise ConfigurationError("init_rpc: no master address: set MASTER_ADDR (the host of rank 0), or pass "
-                                 "init_method='tcp://host:port'")
+    host = master_address(found, "init_rpc")
     raw = os.environ.get(RPC_PORT_ENV) or os.environ.get("MASTER_PORT")
     return host, parse_port(raw, RPC_PORT_ENV if os.environ.get(RPC_PORT_ENV) else "MASTER_PORT") if raw else (
         found.master_port if found else DEFAULT_MASTER_PORT)
@@ -204,10 +193,3 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
         _agent = None
         if agent._store is not None:
             agent._store.close()
-
-
-def _agent_or_none() -> RpcAgent | None:
-    return _agent
-
-
-

@@ -29,16 +29,12 @@ from typing import Any
 from ferro.errors import DistributedTimeoutError, RemoteError
 from ferro.rpc import api
 from ferro.rpc.agent import Future, RpcAgent, WorkerInfo
-from ferro.rpc.owned import OwnerTable, RRefId
+from ferro.rpc.owned import RRefId
 
 __all__ = ["RRef", "owned_count", "remote"]
 
 
 _serials = itertools.count(1)  # RRef ids made here; with the rank, unique in the job
-
-
-def _table(agent: RpcAgent) -> OwnerTable:
-    return agent.owned
 
 
 def _agent(what: str) -> RpcAgent:
@@ -48,7 +44,7 @@ def _agent(what: str) -> RpcAgent:
 # --- what runs on the owner ------------------------------------------------------------------------------
 
 def _create(rref_id: RRefId, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    table = _table(_agent("remote"))
+    table = _agent("remote").owned
     try:
         value = fn(*args, **kwargs)
     except BaseException as exc:
@@ -58,7 +54,7 @@ def _create(rref_id: RRefId, fn: Callable[..., Any], args: tuple[Any, ...], kwar
 
 
 def _value(rref_id: RRefId, timeout: float | None) -> Any:
-    entry = _table(_agent("RRef")).entry(rref_id)
+    entry = _agent("RRef").owned.entry(rref_id)
     if not entry.made.wait(timeout):
         raise DistributedTimeoutError(f"RRef {rref_id}: its value was not made within {timeout} s")
     if entry.error is not None:
@@ -79,16 +75,12 @@ def _detached(exc: BaseException) -> BaseException:
     return copied
 
 
-def _fetch(rref_id: RRefId, timeout: float | None) -> Any:
-    return _value(rref_id, timeout)
-
-
 def _incref(rref_id: RRefId) -> None:
-    _table(_agent("RRef")).add(rref_id, 1)
+    _agent("RRef").owned.add(rref_id, 1)
 
 
 def _decref(rref_id: RRefId) -> None:
-    _table(_agent("RRef")).add(rref_id, -1)
+    _agent("RRef").owned.add(rref_id, -1)
 
 
 def _call_method(rref_id: RRefId, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -137,7 +129,7 @@ class RRef:
         seconds = self._agent.timeout if timeout is None else timeout
         if self.is_owner():
             return _value(self._id, seconds)
-        return self._agent.rpc_sync(self._owner, _fetch, (self._id, seconds), timeout=seconds)
+        return self._agent.rpc_sync(self._owner, _value, (self._id, seconds), timeout=seconds)
 
     def rpc_sync(self, timeout: float | None = None) -> Any:
         """Return a proxy whose method calls run on the owner and return their results: ``rref.rpc_sync().f(x)``."""
@@ -154,7 +146,7 @@ class RRef:
     def __reduce__(self) -> tuple[Any, ...]:
         # The copy that will exist at the other end is counted before it can be dropped there.
         if self.is_owner():
-            _table(self._agent).add(self._id, 1)
+            self._agent.owned.add(self._id, 1)
         else:
             self._agent.rpc_sync(self._owner, _incref, (self._id,))
         return _rebuild, (self._owner, self._id)
@@ -167,7 +159,7 @@ class RRef:
         if agent._closed:
             return
         if self._owner == agent.rank:
-            _table(agent).add(self._id, -1)
+            agent.owned.add(self._id, -1)
         else:
             agent.notify(self._owner, _decref, (self._id,))
 
