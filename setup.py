@@ -23,7 +23,7 @@ def core_module(name: str) -> Extension:
     )
 
 
-extensions = [core_module(name) for name in ("state", "status", "transport", "reduce", "collectives", "shm", "arena", "foreign")]
+extensions = [core_module(name) for name in ("state", "status", "transport", "reduce", "direct", "collectives", "shm", "arena", "foreign")]
 
 setup(
     ext_modules=cythonize(

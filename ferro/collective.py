@@ -36,6 +36,7 @@ from ferro import gpu
 from ferro import process_group as _groups
 from ferro._buffers import Operand, is_device_array, operand, plain_tensor_view, wrap_like
 from ferro._core.arena import DirectAllreduce
+from ferro._core.collectives import DirectMeshAllGather, DirectMeshAllreduce, DirectMeshBarrier, DirectMeshBroadcast
 from ferro._core.reduce import divide, has_kernel
 from ferro._core.state import UNSET
 from ferro._dispatch import (
@@ -50,9 +51,9 @@ from ferro._dispatch import (
 )
 from ferro._meta import META_BYTES, array_from_meta, decode_meta, encode_meta
 from ferro.backend.base import Backend
-from ferro.errors import InvalidBufferError, SizeMismatchError
+from ferro.errors import InvalidBufferError, InvalidRankError, SizeMismatchError
 from ferro.rendezvous.settings import default_timeout
-from ferro.types import KERNEL_CODES, MAX_TAG, DType, ReduceOp
+from ferro.types import COLLECTIVE_IDS, KERNEL_CODES, MAX_TAG, DType, ReduceOp
 from ferro.work import PendingCollective
 
 __all__ = [
@@ -198,49 +199,119 @@ def _allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: boo
     return execute(g, "allreduce", body, async_op, (x,))
 
 
-def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, group: Backend
-                 ) -> tuple[int, int, int, float, int] | bool:
-    """Return what a direct in-place allreduce needs (and remember it under ``key``), or False for the full path.
-
-    ``key`` is ``(dtype, shape, op or op's identity)``.
-    """
-    numpy_dtype, shape = key[0], key[1]
-    plan: tuple[int, int, int, float, int] | bool = False
-    try:
-        data = operand(np.empty(0, numpy_dtype), "allreduce", writable=True)
-        reduce_op = _reduce_op(op, data.dtype, "allreduce")
-    except (InvalidBufferError, ValueError):
-        data = None  # the full path raises the error, with the caller's array in the message
-    if data is not None and data.array.dtype == numpy_dtype:  # not viewed as another dtype (ml_dtypes' bfloat16)
-        count = int(np.prod(shape, dtype=np.int64))
-        divisor = float(group.world_size) if reduce_op is ReduceOp.MEAN else 0.0
-        plan = (data.dtype.code, KERNEL_CODES[reduce_op],
-                make_link_fingerprint(group, "allreduce", data, _OP_VALUES[reduce_op], 0, count, shape), divisor,
-                data.dtype.itemsize)
+def _remember(plans: dict[Any, Any], key: Any, plan: Any) -> Any:
     if len(plans) >= DIRECT_PLANS_KEPT:
         plans.clear()
     plans[key] = plan
     return plan
 
 
-def _direct_path(g: Backend) -> Any:
-    """Return the group's compiled allreduce call, or None if its backend offers no arena.
+def _plan_operand(numpy_dtype: Any, name: str, writable: bool) -> Operand | None:
+    """Return the dtype of a direct plan as the full path sees it, or None where the full path must explain."""
+    try:
+        data = operand(np.empty(0, numpy_dtype), name, writable=writable)
+    except (InvalidBufferError, ValueError):
+        return None
+    # Not viewed as another dtype (ml_dtypes' bfloat16): the full path handles those.
+    return data if data.array.dtype == numpy_dtype else None
 
-    A backend offers the path through :attr:`NativeCollectives.direct_arena
-    <ferro.backend.native.NativeCollectives.direct_arena>` (shared memory does). The
-    call is built on first use and kept in the group's state.
+
+def _count(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, group: Backend
+                 ) -> tuple[int, int, int, float, int, bool] | bool:
+    """Return what a direct in-place allreduce needs (and remember it under ``key``), or False for the full path.
+
+    ``key`` is ``(dtype, shape, op or op's identity)``. The plan: dtype code, kernel
+    code, fingerprint, MEAN's divisor (else 0), itemsize, and whether the full path
+    would choose recursive doubling for this size (a mesh must choose alike on every rank).
+    """
+    numpy_dtype, shape = key[0], key[1]
+    plan: tuple[int, int, int, float, int, bool] | bool = False
+    data = _plan_operand(numpy_dtype, "allreduce", True)
+    try:
+        reduce_op = _reduce_op(op, data.dtype, "allreduce") if data is not None else None
+    except (InvalidBufferError, ValueError):
+        reduce_op = None  # the full path raises the error, with the caller's array in the message
+    if data is not None and reduce_op is not None:
+        count = _count(shape)
+        divisor = float(group.world_size) if reduce_op is ReduceOp.MEAN else 0.0
+        doubling = _allreduce_algorithm(count * data.dtype.itemsize, group.world_size) == "recursive_doubling"
+        plan = (data.dtype.code, KERNEL_CODES[reduce_op],
+                make_link_fingerprint(group, "allreduce", data, _OP_VALUES[reduce_op], 0, count, shape), divisor,
+                data.dtype.itemsize, doubling)
+    return _remember(plans, key, plan)
+
+
+def _direct_broadcast_plan(plans: dict[Any, Any], key: Any, root: Any, group: Backend) -> tuple[int, int] | bool:
+    """``(fingerprint, root rank)`` of a direct broadcast (``key``: dtype, shape, root), or False."""
+    numpy_dtype, shape = key[0], key[1]
+    plan: tuple[int, int] | bool = False
+    data = _plan_operand(numpy_dtype, "broadcast", False)
+    try:
+        root_rank = resolve_root(root, group, "broadcast")
+    except InvalidRankError:
+        data = None
+    if data is not None:
+        plan = (make_link_fingerprint(group, "broadcast", data, 0, root_rank, _count(shape), shape), root_rank)
+    return _remember(plans, key, plan)
+
+
+def _direct_all_gather_plan(plans: dict[Any, Any], key: Any, tag: Any, group: Backend
+                            ) -> tuple[int, tuple[int, ...]] | bool:
+    """``(fingerprint, gathered shape)`` of a direct all_gather (``key``: dtype, shape, tag), or False."""
+    numpy_dtype, shape = key[0], key[1]
+    plan: tuple[int, tuple[int, ...]] | bool = False
+    data = _plan_operand(numpy_dtype, "all_gather", False)
+    try:
+        tag_value = _tag(tag, group, "all_gather")
+    except ValueError:
+        data = None
+    if data is not None:
+        plan = (make_link_fingerprint(group, "all_gather", data, 0, tag_value, _count(shape), shape),
+                _gathered_shape(shape, group.world_size))
+    return _remember(plans, key, plan)
+
+
+def _direct_path(g: Backend) -> Any:
+    """Build the group's compiled direct paths, keep them in its state, and return the allreduce's (or None).
+
+    A backend offers them through :class:`~ferro.backend.native.NativeCollectives`:
+    an arena (shared memory: allreduce), a mesh (TCP: allreduce, broadcast,
+    all_gather and barrier) or a foreign call of its own (MPI's allreduce). Built by
+    (and, by the thread rule of :mod:`ferro.work`, only ever taken by) the calling
+    thread: their plans carry this thread's tag.
     """
     native = g.native
-    arena = native.direct_arena if native is not None else None
-    direct = native.make_direct_allreduce(lambda exc: _failed(g, exc)) if native is not None else None
-    if direct is None and arena is not None:
-        # Built by (and, by the thread rule of ferro.work, only ever taken by) the calling thread:
-        # its plans carry this thread's tag.
-        direct = DirectAllreduce(arena, g.state, lambda plans, key, op: _direct_plan(plans, key, op, g),
-                                 lambda exc: fail_together(g, "allreduce", exc), np.ndarray, default_timeout,
-                                 ReduceOp)
-    g.state.direct_allreduce = direct
+    direct = others = None
+    if native is not None:
+        direct = native.make_direct_allreduce(lambda exc: _failed(g, exc))
+        arena, mesh = native.direct_arena, native.direct_mesh
+        if direct is None and arena is not None:
+            direct = DirectAllreduce(*_direct_args(g, "allreduce", _direct_plan), op_type=ReduceOp, engine=arena)
+        elif direct is None and mesh is not None:
+            direct = DirectMeshAllreduce(*_direct_args(g, "allreduce", _direct_plan), op_type=ReduceOp, engine=mesh)
+            others = (DirectMeshBroadcast(*_direct_args(g, "broadcast", _direct_broadcast_plan), engine=mesh),
+                      DirectMeshAllGather(*_direct_args(g, "all_gather", _direct_all_gather_plan), engine=mesh,
+                                          empty=np.empty),
+                      DirectMeshBarrier(*_direct_args(g, "barrier", None), engine=mesh))
+    g.state.set_direct(direct, *(others or (None, None, None)))
     return direct
+
+
+def _direct_args(g: Backend, name: str, make_plan: Any) -> tuple[Any, int, Any, Any, Any, type, Any, float]:
+    """Return the arguments every direct path of ``name`` on ``g`` takes (see ``ferro._core.direct.DirectCall``)."""
+    return (g.state, COLLECTIVE_IDS[name],
+            (lambda plans, key, extra: make_plan(plans, key, extra, g)) if make_plan is not None else None,
+            lambda exc: fail_together(g, name, exc), lambda: _wake(g), np.ndarray, default_timeout, g.timeout)
+
+
+def _wake(group: Backend) -> None:
+    worker = group.state.worker
+    if worker is not None:
+        worker.wake()
 
 
 def _failed(group: Backend, exc: BaseException) -> BaseException:
@@ -383,6 +454,13 @@ def broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeout: f
 
     """
     g = resolve_group(group, "broadcast")
+    if not async_op:  # the direct path: one compiled call where the group has one (see _direct_path)
+        direct = g.state.direct_broadcast
+        if direct is UNSET:
+            _direct_path(g)
+            direct = g.state.direct_broadcast
+        if direct is not None and direct(x, root, timeout):
+            return x
     if type(x) is not np.ndarray and is_device_array(x):
         return gpu.device_broadcast(g, x, root, timeout, async_op)
     root_rank = resolve_root(root, g, "broadcast")
@@ -404,10 +482,10 @@ def broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeout: f
     return execute(g, "broadcast", body, async_op, (x,))
 
 
-def _gathered_shape(array: np.ndarray, world_size: int) -> tuple[int, ...]:
-    if array.ndim == 0:
+def _gathered_shape(shape: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+    if not shape:
         return (world_size,)
-    return (world_size * array.shape[0],) + array.shape[1:]
+    return (world_size * shape[0],) + shape[1:]
 
 
 def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout: float | None = None,
@@ -444,10 +522,19 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
 
     """
     g = resolve_group(group, "all_gather")
+    if not async_op:  # the direct path (see _direct_path)
+        direct = g.state.direct_all_gather
+        if direct is UNSET:
+            _direct_path(g)
+            direct = g.state.direct_all_gather
+        if direct is not None:
+            gathered = direct(x, out, tag, timeout)
+            if gathered is not None:
+                return gathered
     if type(x) is not np.ndarray and is_device_array(x):
         return gpu.device_all_gather(g, x, out, timeout, async_op)
     data = operand(x, "all_gather", writable=False)
-    shape = _gathered_shape(data.array, g.world_size)
+    shape = _gathered_shape(data.array.shape, g.world_size)
     result = _output(out, shape, data, "all_gather")
     link = make_link(g, "all_gather", resolve_timeout(g, timeout), data, 0, _tag(tag, g, "all_gather"),
                      data.array.size, data.array.shape)
@@ -517,7 +604,7 @@ def gather(x: Any, dst: int = 0, *, group: Backend | None = None, timeout: float
     g = resolve_group(group, "gather")
     root = resolve_root(dst, g, "gather", "dst")
     data = operand(x, "gather", writable=False)
-    shape = _gathered_shape(data.array, g.world_size)
+    shape = _gathered_shape(data.array.shape, g.world_size)
     link = make_link(g, "gather", resolve_timeout(g, timeout), data, 0, root, data.array.size, data.array.shape)
 
     def body() -> Any:
@@ -738,6 +825,13 @@ def barrier(*, group: Backend | None = None, timeout: float | None = None, async
         ferro.barrier(group=g)   # no rank passes until all have arrived
     """
     g = resolve_group(group, "barrier")
+    if not async_op:  # the direct path (see _direct_path)
+        direct = g.state.direct_barrier
+        if direct is UNSET:
+            _direct_path(g)
+            direct = g.state.direct_barrier
+        if direct is not None and direct(timeout):
+            return None
     seconds = resolve_timeout(g, timeout)
     return execute(g, "barrier", lambda: g.barrier(timeout=seconds), async_op, ())
 

@@ -146,8 +146,9 @@ class GroupWorker:
     """Runs one group's collectives in call order; synchronous calls wait behind pending async ones.
 
     It keeps the group state's ``busy`` and ``queued`` up to date (under its lock):
-    the direct allreduce path (:class:`ferro._core.arena.DirectAllreduce`) reads
-    them without a lock and steps aside while either is set.
+    the direct paths (:class:`ferro._core.direct.DirectCall`) read them without a
+    lock and step aside while either is set; they mark the group busy while they
+    run and :meth:`wake` the worker after, if something queued meanwhile.
     """
 
     def __init__(self, name: str, state: GroupState) -> None:
@@ -169,6 +170,11 @@ class GroupWorker:
                 self._thread.start()
             self._cond.notify_all()
         return pending
+
+    def wake(self) -> None:
+        """Tell the worker the group is free: a direct path (which marks the group busy while it runs) ended."""
+        with self._cond:
+            self._cond.notify_all()
 
     def run(self, fn: Callable[[], Any], description: str, buffers: tuple[Any, ...]) -> Any:
         """Run ``fn`` now if nothing is queued, else after everything queued; return its result.

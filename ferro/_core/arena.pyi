@@ -1,8 +1,8 @@
 """Type stub for the shared-memory collective arena (ferro/_core/arena.pyx)."""
 
-from collections.abc import Callable
 from typing import Any
 
+from ferro._core.direct import DirectCall
 from ferro._core.state import GroupState
 
 def arena_bytes(world_size: int, buffer_bytes: int) -> int: ...
@@ -26,8 +26,5 @@ class Arena:
     def broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> None: ...
     def barrier(self, timeout: float) -> None: ...
 
-class DirectAllreduce:
-    def __init__(self, arena: Arena, group_state: GroupState,
-                 make_plan: Callable[[dict[Any, Any], Any, Any], Any], on_failure: Callable[[BaseException], None],
-                 ndarray: type, resolve_timeout: Callable[[float], float], op_type: type) -> None: ...
+class DirectAllreduce(DirectCall):
     def __call__(self, x: Any, op: Any, timeout: float | None) -> bool: ...

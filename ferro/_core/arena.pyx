@@ -29,7 +29,6 @@ from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release
 from cpython.pythread cimport (
     NOWAIT_LOCK,
     PyThread_acquire_lock,
-    PyThread_get_thread_ident,
     PyThread_allocate_lock,
     PyThread_free_lock,
     PyThread_release_lock,
@@ -51,11 +50,10 @@ from ferro._core.posix cimport (
     ferro_pace_start,
     kill,
 )
+from ferro._core.direct cimport DirectCall
 from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
 from ferro._core.state cimport (
-    ALLREDUCE_SLOT,
     GroupState,
-    ferro_count_call,
     ferro_count_received,
     ferro_count_sent,
     ferro_stat_slot,
@@ -103,7 +101,6 @@ cdef extern from "arena.h" nogil:
         unsigned char notice[4096]
 
 cdef enum:
-    MAX_DIMS = 64             # NumPy's limit; the direct path remembers the last call's shape
     BUFFERS = 2               # buffers per slot: fill the next chunk while the peers still read the last
     ALIGN = 64                # parts of a buffer start on cache lines
 
@@ -811,125 +808,50 @@ cdef int64_t _deadline(double timeout):
     return -1 if timeout < 0 else monotonic_ns() + <int64_t>(timeout * 1e9)
 
 
-cdef class DirectAllreduce:
-    """The direct path of ``ferro.allreduce`` on a shared-memory group: validation, plan and call in C.
+cdef class DirectAllreduce(DirectCall):
+    """The direct path of ``ferro.allreduce`` on a shared-memory group (see :class:`ferro._core.direct.DirectCall`).
 
     Calling it with ``(x, op, timeout)`` runs the allreduce and returns True, or
-    returns False, having done nothing, when the full path must take the call:
-    not a writable C-contiguous NumPy array, empty, an async operation queued on
-    the group, a failed group, or a signature the plan function refuses. Errors
-    of the collective itself go through ``on_failure`` (the fail-together guard)
-    and propagate. The arena chooses the algorithm by size (:meth:`Arena.allreduce`).
+    returns False, having done nothing, when the full path must take the call.
+    The arena chooses the algorithm by size (:meth:`Arena.allreduce`).
 
     Args:
-        arena: The group's arena.
-        group_state: The group's state: the path steps aside while it records a failure, a
-            running operation or queued async ones, and counts its calls there.
-        make_plan: ``make_plan(plans, key, op)`` returns ``(dtype code, kernel code,
-            fingerprint, divisor, itemsize)`` or False for ``(dtype, shape, op)`` and remembers it in
-            ``plans`` under ``key``.
-        on_failure: ``on_failure(exc)``, called before an error of the collective propagates.
-        ndarray: ``numpy.ndarray``.
-        resolve_timeout: Turns a caller's timeout into seconds (validating it).
-        op_type: The ``ReduceOp`` enum: its members are keyed by identity.
+        *args: :class:`~ferro._core.direct.DirectCall`'s; ``make_plan`` returns ``(dtype code,
+            kernel code, fingerprint, divisor, itemsize)``.
+        engine: The group's arena.
     """
 
     cdef Arena arena
-    cdef GroupState group_state
-    cdef dict plans
-    cdef object make_plan
-    cdef object on_failure
-    cdef object ndarray
-    cdef object resolve_timeout
-    cdef object op_type
-    cdef unsigned long owner  # the thread that built it: its plans carry that thread's tag
-    # The last call's signature and plan.
-    cdef object last_dtype
-    cdef object last_op
-    cdef int last_ndim
-    cdef Py_ssize_t last_shape[MAX_DIMS]
-    cdef int dtype_code
-    cdef int kernel_code
-    cdef uint64_t fingerprint
-    cdef double divisor
-    cdef size_t itemsize
 
-    def __cinit__(self, Arena arena, GroupState group_state, make_plan, on_failure, ndarray,
-                  resolve_timeout, op_type):
-        self.arena = arena
-        self.group_state = group_state
-        self.plans = {}
-        self.make_plan = make_plan
-        self.on_failure = on_failure
-        self.ndarray = ndarray
-        self.resolve_timeout = resolve_timeout
-        self.op_type = op_type
-        self.owner = PyThread_get_thread_ident()
-        self.last_dtype = None
-        self.last_op = None
-        self.last_ndim = -1
+    def __cinit__(self, *args, Arena engine=None, **kwargs):
+        self.arena = engine
 
     def __call__(self, x, op, timeout) -> bool:
         cdef Py_buffer view
-        cdef double seconds, divisor
-        cdef int i, dtype_code, kernel_code
-        cdef uint64_t fingerprint
-        cdef size_t itemsize
-        cdef bint same
-        if type(x) is not self.ndarray or PyThread_get_thread_ident() != self.owner:
-            return False  # another thread's call takes the full path, which tags it with that thread
-        state = self.group_state
-        if state.failure is not None or state.busy or state.queued:
-            return False  # read without the worker's lock: a hint, as ordering across threads is the caller's
+        cdef double seconds
+        cdef tuple plan
+        if not self.may_take(x):
+            return False
         try:
             PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
         except (BufferError, ValueError, TypeError):
             return False  # read-only or not contiguous: the full path explains
         try:
-            if view.len == 0:
+            if view.len == 0 or not self.find_plan(x, op, &view):
                 return False
-            dtype = x.dtype
-            # The plan of the previous call, if this one has the same signature: no key, no lookup.
-            same = dtype is self.last_dtype and op is self.last_op and view.ndim == self.last_ndim
-            i = 0
-            while same and i < view.ndim:
-                same = view.shape[i] == self.last_shape[i]
-                i += 1
-            if not same and not self._load_plan(x, dtype, op, &view):
-                return False
-            # Into locals before anything can let another thread in to change the plan.
-            dtype_code, kernel_code, fingerprint = self.dtype_code, self.kernel_code, self.fingerprint
-            divisor, itemsize = self.divisor, self.itemsize
-            seconds = self.arena.default_timeout if timeout is None else self.resolve_timeout(timeout)
-            ferro_count_call(&state.stats, ALLREDUCE_SLOT)
-            if self.arena.world_size == 1:
-                return True  # every op of one rank is the identity (MEAN divides by 1): nothing to move
+            plan = self.plan  # into a local before anything can let another thread in to change it
+            seconds = self.seconds(timeout)
+            if not self.may_take(x):
+                return False  # the plan or the timeout ran Python code, and another thread took the group
+            self.begin()
             try:
-                self.arena._allreduce(&view, itemsize, dtype_code, kernel_code, fingerprint, seconds, divisor, -1)
+                if self.arena.world_size > 1:  # every op of one rank is the identity (MEAN divides by 1)
+                    self.arena._allreduce(&view, plan[4], plan[0], plan[1], plan[2], seconds, plan[3], -1)
             except BaseException as exc:
-                self.on_failure(exc)
+                self.end()
+                self.fail(exc)
                 raise
+            self.end()
             return True
         finally:
             PyBuffer_Release(&view)
-
-    cdef bint _load_plan(self, x, dtype, op, Py_buffer* view) except -1:
-        # Find (or make) the plan of this signature and remember it as the last one.
-        cdef int i
-        # ReduceOp members live forever, so their address is a safe key (and cheaper than their hash).
-        key = (dtype, x.shape, <Py_ssize_t><void*>op if type(op) is self.op_type else op)
-        found = self.plans.get(key)
-        if found is None:
-            found = self.make_plan(self.plans, key, op)
-        self.last_dtype = None  # until the new plan is complete
-        if found is False or view.ndim > MAX_DIMS:
-            return False
-        plan = <tuple>found
-        self.dtype_code, self.kernel_code, self.fingerprint = plan[0], plan[1], plan[2]
-        self.divisor, self.itemsize = plan[3], plan[4]
-        for i in range(view.ndim):
-            self.last_shape[i] = view.shape[i]
-        self.last_ndim = view.ndim
-        self.last_op = op
-        self.last_dtype = dtype
-        return True

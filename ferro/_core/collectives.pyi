@@ -2,15 +2,35 @@
 
 from typing import Any
 
+from ferro._core.direct import DirectCall
 from ferro._core.transport import Connection
 
 ALGORITHM_RING: int
 ALGORITHM_RECURSIVE_DOUBLING: int
 DEFAULT_SEGMENT_BYTES: int
+DEFAULT_CHAIN_BYTES: int
+
+class Mesh:
+    connections: tuple[Connection | None, ...]
+    rank: int
+    n: int
+    chain_bytes: int
+    def __init__(self, connections: tuple[Connection | None, ...], rank: int, chain_bytes: int = ...) -> None: ...
+
+class DirectMeshAllreduce(DirectCall):
+    def __call__(self, x: Any, op: Any, timeout: float | None) -> bool: ...
+
+class DirectMeshBroadcast(DirectCall):
+    def __call__(self, x: Any, root: Any, timeout: float | None) -> bool: ...
+
+class DirectMeshAllGather(DirectCall):
+    def __call__(self, x: Any, out: Any, tag: Any, timeout: float | None) -> Any: ...
+
+class DirectMeshBarrier(DirectCall):
+    def __call__(self, timeout: float | None) -> bool: ...
 
 def allreduce(
-    connections: tuple[Connection | None, ...],
-    rank: int,
+    mesh: Mesh,
     buf: Any,
     dtype: int,
     op: int,
@@ -22,8 +42,7 @@ def allreduce(
     divisor: float = ...,
 ) -> None: ...
 def ring(
-    connections: tuple[Connection | None, ...],
-    rank: int,
+    mesh: Mesh,
     buf: Any,
     bounds: list[int],
     dtype: int,
@@ -37,18 +56,15 @@ def ring(
     divisor: float = ...,
 ) -> None: ...
 def broadcast(
-    connections: tuple[Connection | None, ...],
-    rank: int,
+    mesh: Mesh,
     buf: Any,
     root: int,
     fingerprint: int,
     timeout: float,
-    chain: bool,
     segment_bytes: int = ...,
 ) -> None: ...
 def all_to_all(
-    connections: tuple[Connection | None, ...],
-    rank: int,
+    mesh: Mesh,
     send_buf: Any,
     send_offsets: list[int],
     recv_buf: Any,
@@ -56,4 +72,4 @@ def all_to_all(
     fingerprint: int,
     timeout: float,
 ) -> None: ...
-def barrier(connections: tuple[Connection | None, ...], rank: int, timeout: float) -> None: ...
+def barrier(mesh: Mesh, timeout: float) -> None: ...

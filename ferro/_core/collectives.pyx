@@ -14,8 +14,9 @@ from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release
 from cpython.pythread cimport PyThread_release_lock
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy, memmove, memset
 
+from ferro._core.direct cimport DirectCall
 from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
 from ferro._core.state cimport ferro_stat_slot
 from ferro._core.status cimport ST_OK
@@ -39,7 +40,10 @@ cdef enum:
 ALGORITHM_RING = RING
 ALGORITHM_RECURSIVE_DOUBLING = RECURSIVE_DOUBLING
 # 1 MiB measured best on loopback (256 KiB: -25% at 64 MB; 4 MiB: -10%); fits in L2 for the reduce.
-DEFAULT_SEGMENT_BYTES = 1024 * 1024
+cdef size_t SEGMENT_BYTES = 1024 * 1024
+DEFAULT_SEGMENT_BYTES = SEGMENT_BYTES
+# 64 KiB: below it a broadcast's log2(n) tree rounds cost less than the chain's n - 1 hops.
+DEFAULT_CHAIN_BYTES = 64 * 1024
 
 cdef uint32_t KIND_BARRIER = 2
 cdef uint32_t KIND_COLLECTIVE = 3
@@ -177,58 +181,162 @@ cdef int _recursive_doubling(ConnState** conns, int rank, int n, unsigned char* 
     return 0
 
 
-cdef class _Call:
-    """What one native collective holds while it runs: the buffer, the peers' states and their locks."""
+cdef class Mesh:
+    """A group's full mesh of connections as the compiled collectives hold it, call after call.
 
+    It keeps the peers' C states in an array indexed by rank and, for the
+    allreduce, a scratch buffer and the ring's bounds that grow to the largest call.
+    Every collective takes all the mesh's locks for its whole run (see
+    :meth:`acquire`), so whatever runs holds these alone.
+
+    Args:
+        connections: One :class:`~ferro._core.transport.Connection` per rank, None at ``rank``.
+        rank: This rank.
+        chain_bytes: Broadcasts above this size (to more than two ranks) take the pipelined
+            chain, where every link carries the message once, all at the same time; smaller
+            ones the binomial tree's log2(n) rounds.
+    """
+
+    cdef readonly tuple connections
+    cdef readonly int rank
+    cdef readonly int n
+    cdef ConnState** states
+    cdef int locked
+    cdef unsigned char* scratch
+    cdef size_t scratch_cap
+    cdef size_t* bounds
+    cdef readonly size_t chain_bytes
+
+    def __cinit__(self, tuple connections, int rank, size_t chain_bytes=DEFAULT_CHAIN_BYTES):
+        cdef int i
+        cdef Connection conn
+        self.connections = connections
+        self.rank = rank
+        self.n = len(connections)
+        if not 0 <= rank < self.n:
+            raise ValueError(f"rank {rank} is outside a mesh of {self.n}")
+        self.states = <ConnState**>malloc(self.n * sizeof(ConnState*))
+        self.bounds = <size_t*>malloc((self.n + 1) * sizeof(size_t))
+        if self.states == NULL or self.bounds == NULL:
+            raise MemoryError()
+        for i in range(self.n):
+            self.states[i] = NULL
+            if i != rank:
+                conn = connections[i]  # a None elsewhere than at rank is a TypeError here, not a crash later
+                self.states[i] = &conn.st
+
+    def __dealloc__(self):
+        free(self.states)
+        free(self.bounds)
+        free(self.scratch)
+
+    cdef int acquire(self, double timeout, str op) except -1:
+        """Check every connection and take its locks: one fixed order (sends, then receives, by rank).
+
+        One order everywhere, so no other thread's operation can deadlock against
+        this one. On an error, whatever was taken is released again.
+        """
+        cdef int i, which
+        cdef Connection conn
+        try:
+            for i in range(self.n):
+                if i != self.rank:
+                    (<Connection>self.connections[i]).check_usable(op)
+            for which in range(2):
+                for i in range(self.n):
+                    if i != self.rank:
+                        conn = self.connections[i]
+                        conn.lock(conn.send_lock if which == 0 else conn.recv_lock, timeout, op)
+                        self.locked += 1
+        except BaseException:
+            self.release()
+            raise
+        return 0
+
+    cdef void release(self) noexcept:
+        cdef int i, which, released = 0
+        cdef Connection conn
+        for which in range(2):  # in the order taken: send locks, then receive locks
+            for i in range(self.n):
+                if i != self.rank and released < self.locked:
+                    conn = self.connections[i]
+                    PyThread_release_lock(conn.send_lock if which == 0 else conn.recv_lock)
+                    released += 1
+        self.locked = 0
+
+    cdef inline bint chain(self, size_t nbytes) noexcept nogil:
+        return nbytes > self.chain_bytes and self.n > 2
+
+    cdef unsigned char* scratch_for(self, size_t nbytes) except NULL:
+        """A scratch buffer of at least ``nbytes`` (while the locks are held)."""
+        cdef unsigned char* grown
+        if nbytes > self.scratch_cap or self.scratch == NULL:
+            grown = <unsigned char*>malloc(nbytes if nbytes else 1)
+            if grown == NULL:
+                raise MemoryError()
+            free(self.scratch)
+            self.scratch = grown
+            self.scratch_cap = nbytes
+        return self.scratch
+
+    cdef int prepare_allreduce(self, size_t count, size_t itemsize, int algorithm, size_t segment) except -1:
+        """Scratch (and the ring's chunk bounds) for an allreduce of ``count`` elements."""
+        cdef int i
+        if algorithm == RECURSIVE_DOUBLING:
+            self.scratch_for(count * itemsize)
+        else:
+            for i in range(self.n + 1):
+                self.bounds[i] = _bound(count, self.n, i)
+            self.scratch_for(min(segment, count * itemsize))
+        return 0
+
+
+cdef int _allreduce_locked(Mesh mesh, unsigned char* buf, size_t count, size_t itemsize, int dtype,
+                           ferro_reduce_fn kernel, uint64_t fingerprint, int64_t deadline, int algorithm,
+                           size_t segment, double divisor, SendOp* s, RecvOp* r) except -1 nogil:
+    """The allreduce itself, once :meth:`Mesh.prepare_allreduce` ran and the locks are held."""
+    cdef int rc
+    if algorithm == RECURSIVE_DOUBLING:
+        rc = _recursive_doubling(mesh.states, mesh.rank, mesh.n, buf, count * itemsize, itemsize, kernel,
+                                 mesh.scratch, fingerprint, deadline, s, r)
+        if rc == 0 and divisor != 0:
+            ferro_divide(buf, count, dtype, divisor)
+        return rc
+    return _ring(mesh.states, mesh.rank, mesh.n, buf, mesh.bounds, itemsize, kernel, mesh.scratch, segment,
+                 fingerprint, deadline, s, r, PHASE_REDUCE_SCATTER | PHASE_ALL_GATHER, dtype, divisor)
+
+
+cdef class _Call:
+    """What one native collective holds while it runs: the buffer and the mesh's locks."""
+
+    cdef Mesh mesh
+    cdef ConnState** states
+    cdef int rank
+    cdef int n
     cdef Py_buffer view       # the writable buffer the collective works in
     cdef bint has_view
     cdef Py_buffer input      # a read-only input, for collectives with separate in and out buffers
     cdef bint has_input
-    cdef tuple connections
-    cdef int rank
-    cdef int n
-    cdef ConnState** states
-    cdef int locked
+    cdef bint holds           # the mesh's locks are taken
     cdef unsigned char* scratch
     cdef size_t* bounds
 
     def __cinit__(self):
         self.has_view = False
         self.has_input = False
-        self.states = NULL
+        self.holds = False
         self.scratch = NULL
         self.bounds = NULL
-        self.locked = 0
 
-    cdef int take(self, tuple connections, int rank, buf, double timeout, str op) except -1:
-        cdef int i
-        cdef Connection conn
-        self.connections = connections
-        self.rank = rank
-        self.n = len(connections)
+    cdef int take(self, Mesh mesh, buf, double timeout, str op) except -1:
+        self.mesh = mesh
+        self.states = mesh.states
+        self.rank = mesh.rank
+        self.n = mesh.n
         PyObject_GetBuffer(buf, &self.view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
         self.has_view = True
-        self.states = <ConnState**>malloc(self.n * sizeof(ConnState*))
-        if self.states == NULL:
-            raise MemoryError()
-        for i in range(self.n):
-            self.states[i] = NULL
-            if i != rank:
-                conn = connections[i]
-                conn.check_usable(op)
-                self.states[i] = &conn.st
-        # Every peer's locks in rank order (sends, then receives): one fixed order,
-        # so no other thread's operation can deadlock against this one.
-        for i in range(self.n):
-            if i != rank:
-                conn = connections[i]
-                conn.lock(conn.send_lock, timeout, op)
-                self.locked += 1
-        for i in range(self.n):
-            if i != rank:
-                conn = connections[i]
-                conn.lock(conn.recv_lock, timeout, op)
-                self.locked += 1
+        mesh.acquire(timeout, op)
+        self.holds = True
         return 0
 
     cdef int take_input(self, buf) except -1:
@@ -252,24 +360,12 @@ cdef class _Call:
         return 0
 
     cdef void release(self):
-        cdef int i, released = 0
-        cdef Connection conn
-        for i in range(self.n):  # in the order taken: send locks, then receive locks
-            if i != self.rank and released < self.locked:
-                conn = self.connections[i]
-                PyThread_release_lock(conn.send_lock)
-                released += 1
-        for i in range(self.n):
-            if i != self.rank and released < self.locked:
-                conn = self.connections[i]
-                PyThread_release_lock(conn.recv_lock)
-                released += 1
-        self.locked = 0
+        if self.holds:
+            self.mesh.release()
+            self.holds = False
         free(self.scratch)
-        free(self.states)
         free(self.bounds)
         self.scratch = NULL
-        self.states = NULL
         self.bounds = NULL
         if self.has_view:
             PyBuffer_Release(&self.view)
@@ -285,14 +381,12 @@ cdef size_t _segment_size(Py_ssize_t segment_bytes, Py_ssize_t itemsize) except 
     return <size_t>(segment_bytes - segment_bytes % itemsize)
 
 
-def allreduce(tuple connections, int rank, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t fingerprint,
-              double timeout, int algorithm, Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES,
-              double divisor=0) -> None:
-    """Allreduce ``buf`` in place over ``connections`` (indexed by rank; None at ``rank``).
+def allreduce(Mesh mesh, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t fingerprint, double timeout,
+              int algorithm, Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES, double divisor=0) -> None:
+    """Allreduce ``buf`` in place over the mesh.
 
     Args:
-        connections: One :class:`Connection` per peer rank, ``None`` for this rank.
-        rank: This rank.
+        mesh: The group's :class:`Mesh`.
         buf: Writable C-contiguous buffer of ``itemsize``-byte elements.
         dtype: ``FERRO_*`` dtype code.
         op: ``FERRO_*`` op code (MEAN's division is the caller's).
@@ -314,49 +408,37 @@ def allreduce(tuple connections, int rank, buf, int dtype, int op, Py_ssize_t it
     cdef ferro_reduce_fn kernel = ferro_reduce_kernel(dtype, op)
     cdef size_t segment = _segment_size(segment_bytes, itemsize), count, nbytes
     cdef int64_t deadline
-    cdef int rc = 0, n = len(connections)
+    cdef int rc = 0
     if kernel == NULL:
         raise ValueError(f"no reduction kernel for dtype code {dtype} and op code {op}")
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     try:
-        call.take(connections, rank, buf, timeout, "allreduce")
+        call.take(mesh, buf, timeout, "allreduce")
         nbytes = <size_t>call.view.len
         if nbytes % itemsize:
             raise InvalidBufferError(f"allreduce: {nbytes} bytes is not a whole number of {itemsize}-byte elements")
         count = nbytes // itemsize
-        if n < 2 or count == 0:
+        if mesh.n < 2 or count == 0:
             return
-        if algorithm == RECURSIVE_DOUBLING:
-            call.make_scratch(nbytes)
-        else:
-            call.set_bounds([_bound(count, n, i) for i in range(n + 1)])
-            call.make_scratch(min(segment, nbytes))
+        mesh.prepare_allreduce(count, itemsize, algorithm, segment)
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
-            if algorithm == RECURSIVE_DOUBLING:
-                rc = _recursive_doubling(call.states, rank, n, <unsigned char*>call.view.buf, nbytes, itemsize,
-                                         kernel, call.scratch, fingerprint, deadline, &s, &r)
-                if rc == 0 and divisor != 0:
-                    ferro_divide(call.view.buf, count, dtype, divisor)
-            else:
-                rc = _ring(call.states, rank, n, <unsigned char*>call.view.buf, call.bounds, itemsize, kernel,
-                           call.scratch, segment, fingerprint, deadline, &s, &r,
-                           PHASE_REDUCE_SCATTER | PHASE_ALL_GATHER, dtype, divisor)
+            rc = _allreduce_locked(mesh, <unsigned char*>call.view.buf, count, itemsize, dtype, kernel, fingerprint,
+                                   deadline, algorithm, segment, divisor, &s, &r)
     finally:
         call.release()
     if rc:
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "allreduce", timeout)
 
 
-def ring(tuple connections, int rank, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
+def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
          uint64_t fingerprint, double timeout, bint reduce_scatter, bint all_gather,
          Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES, double divisor=0) -> None:
     """Run a ring reduce-scatter and/or all-gather in place on ``buf``.
 
     Args:
-        connections: As for :func:`allreduce`.
-        rank: This rank.
+        mesh: The group's :class:`Mesh`.
         buf: Writable C-contiguous buffer.
         bounds: ``n + 1`` element offsets: chunk ``i`` is ``[bounds[i], bounds[i+1])``.
         dtype: ``FERRO_*`` dtype code (any value when only gathering).
@@ -375,7 +457,7 @@ def ring(tuple connections, int rank, buf, object bounds, int dtype, int op, Py_
     cdef ferro_reduce_fn kernel = NULL
     cdef size_t segment = _segment_size(segment_bytes, itemsize), largest = 0
     cdef int64_t deadline
-    cdef int rc = 0, n = len(connections), i
+    cdef int rc = 0, n = mesh.n, i
     cdef int phases = (PHASE_REDUCE_SCATTER if reduce_scatter else 0) | (PHASE_ALL_GATHER if all_gather else 0)
     if reduce_scatter:
         kernel = ferro_reduce_kernel(dtype, op)
@@ -386,7 +468,7 @@ def ring(tuple connections, int rank, buf, object bounds, int dtype, int op, Py_
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     try:
-        call.take(connections, rank, buf, timeout, "ring")
+        call.take(mesh, buf, timeout, "ring")
         if n < 2 or phases == 0:
             return
         call.set_bounds(bounds)
@@ -397,7 +479,7 @@ def ring(tuple connections, int rank, buf, object bounds, int dtype, int op, Py_
         call.make_scratch(min(segment, largest))
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
-            rc = _ring(call.states, rank, n, <unsigned char*>call.view.buf, call.bounds, itemsize, kernel,
+            rc = _ring(call.states, mesh.rank, n, <unsigned char*>call.view.buf, call.bounds, itemsize, kernel,
                        call.scratch, segment, fingerprint, deadline, &s, &r, phases, dtype, divisor)
     finally:
         call.release()
@@ -450,36 +532,39 @@ cdef int _broadcast_chain(ConnState** conns, int rank, int n, int root, unsigned
     return 0
 
 
-def broadcast(tuple connections, int rank, buf, int root, uint64_t fingerprint, double timeout, bint chain,
+cdef int _broadcast_locked(Mesh mesh, int root, unsigned char* buf, size_t nbytes, size_t segment,
+                           uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
+    if mesh.chain(nbytes):
+        return _broadcast_chain(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, segment, fingerprint, deadline, s, r)
+    return _broadcast_tree(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, fingerprint, deadline, s, r)
+
+
+def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
               Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES) -> None:
-    """Broadcast ``buf`` (bytes) from ``root`` in place: binomial tree, or pipelined chain when ``chain``."""
+    """Broadcast ``buf`` (bytes) from ``root`` in place: binomial tree, or pipelined chain (see :class:`Mesh`)."""
     cdef _Call call = _Call()
     cdef SendOp s
     cdef RecvOp r
-    cdef int rc = 0, n = len(connections)
+    cdef int rc = 0
     cdef int64_t deadline
     cdef size_t segment = _segment_size(segment_bytes, 1)
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     try:
-        call.take(connections, rank, buf, timeout, "broadcast")
-        if n < 2 or call.view.len == 0:
+        call.take(mesh, buf, timeout, "broadcast")
+        if mesh.n < 2 or call.view.len == 0:
             return
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
-            if chain:
-                rc = _broadcast_chain(call.states, rank, n, root, <unsigned char*>call.view.buf, <size_t>call.view.len,
-                                      segment, fingerprint, deadline, &s, &r)
-            else:
-                rc = _broadcast_tree(call.states, rank, n, root, <unsigned char*>call.view.buf, <size_t>call.view.len,
-                                     fingerprint, deadline, &s, &r)
+            rc = _broadcast_locked(mesh, root, <unsigned char*>call.view.buf, <size_t>call.view.len, segment,
+                                   fingerprint, deadline, &s, &r)
     finally:
         call.release()
     if rc:
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "broadcast", timeout)
 
 
-def all_to_all(tuple connections, int rank, send_buf, object send_offsets, recv_buf, object recv_offsets,
+def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_offsets,
                uint64_t fingerprint, double timeout) -> None:
     """Pairwise exchange: bytes ``[send_offsets[j], send_offsets[j+1])`` go to rank ``j``.
 
@@ -489,7 +574,7 @@ def all_to_all(tuple connections, int rank, send_buf, object send_offsets, recv_
     cdef _Call call = _Call()
     cdef SendOp s
     cdef RecvOp r
-    cdef int rc = 0, n = len(connections), step, dst, src, i
+    cdef int rc = 0, n = mesh.n, rank = mesh.rank, step, dst, src, i
     cdef int64_t deadline
     cdef size_t* send_at = NULL
     cdef size_t* recv_at = NULL
@@ -500,7 +585,7 @@ def all_to_all(tuple connections, int rank, send_buf, object send_offsets, recv_
     if len(send_offsets) != n + 1 or len(recv_offsets) != n + 1:
         raise ValueError(f"all_to_all: {n + 1} offsets needed on each side")
     try:
-        call.take(connections, rank, recv_buf, timeout, "all_to_all")
+        call.take(mesh, recv_buf, timeout, "all_to_all")
         call.take_input(send_buf)
         send_at = <size_t*>malloc((n + 1) * sizeof(size_t))
         recv_at = <size_t*>malloc((n + 1) * sizeof(size_t))
@@ -534,27 +619,286 @@ def all_to_all(tuple connections, int rank, send_buf, object send_offsets, recv_
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "all_to_all", timeout)
 
 
-def barrier(tuple connections, int rank, double timeout) -> None:
+cdef int _barrier_locked(Mesh mesh, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
+    """Dissemination: in round k signal rank+2^k and wait for rank-2^k (empty barrier frames)."""
+    cdef int distance = 1, rank = mesh.rank, n = mesh.n
+    while distance < n:
+        if _exchange(s, mesh.states[(rank + distance) % n], NULL, 0,
+                     r, mesh.states[(rank - distance + n) % n], NULL, 0, 0, deadline, KIND_BARRIER):
+            return 1
+        distance *= 2
+    return 0
+
+
+def barrier(Mesh mesh, double timeout) -> None:
     """Dissemination barrier: in round k signal rank+2^k and wait for rank-2^k (empty barrier frames)."""
     cdef _Call call = _Call()
     cdef SendOp s
     cdef RecvOp r
-    cdef int rc = 0, n = len(connections), distance = 1
+    cdef int rc = 0
     cdef int64_t deadline
     cdef bytearray nothing = bytearray(1)
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     try:
-        call.take(connections, rank, nothing, timeout, "barrier")
+        call.take(mesh, nothing, timeout, "barrier")
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
-            while distance < n:
-                if _exchange(&s, call.states[(rank + distance) % n], NULL, 0,
-                             &r, call.states[(rank - distance + n) % n], NULL, 0, 0, deadline, KIND_BARRIER):
-                    rc = 1
-                    break
-                distance *= 2
+            rc = _barrier_locked(mesh, deadline, &s, &r)
     finally:
         call.release()
     if rc:
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "barrier", timeout)
+
+
+# --- the direct paths (see ferro._core.direct) ------------------------------------------
+
+cdef int _fail_call(SendOp* s, RecvOp* r, str op, double timeout) except -1:
+    return raise_failure(s if s.conn != NULL else NULL, r if r.conn != NULL else NULL, op, timeout)
+
+
+cdef class _MeshCall(DirectCall):
+    """A direct path over a :class:`Mesh` (its ``engine``)."""
+
+    cdef Mesh mesh
+    cdef object empty
+
+    def __cinit__(self, *args, Mesh engine=None, empty=None, **kwargs):
+        self.mesh = engine
+        self.empty = empty
+
+
+cdef class DirectMeshAllreduce(_MeshCall):
+    """``ferro.allreduce``'s direct path on a TCP group: ``(x, op, timeout) -> bool``.
+
+    ``make_plan`` returns ``(dtype code, kernel code, fingerprint, divisor, itemsize,
+    recursive doubling?)``: the algorithm the full path would choose for that size.
+    """
+
+    def __call__(self, x, op, timeout) -> bool:
+        cdef Py_buffer view
+        cdef tuple plan
+        cdef SendOp s
+        cdef RecvOp r
+        cdef Mesh mesh = self.mesh
+        cdef ferro_reduce_fn kernel
+        cdef double seconds, divisor
+        cdef size_t itemsize, count, segment = SEGMENT_BYTES
+        cdef uint64_t fingerprint
+        cdef int rc = 0, dtype, algorithm
+        cdef int64_t deadline
+        if not self.may_take(x):
+            return False
+        try:
+            PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+        except (BufferError, ValueError, TypeError):
+            return False  # read-only or not contiguous: the full path explains
+        try:
+            if view.len == 0 or not self.find_plan(x, op, &view):
+                return False
+            plan = self.plan
+            seconds = self.seconds(timeout)
+            if not self.may_take(x):
+                return False  # the plan or the timeout ran Python code, and another thread took the group
+            dtype, fingerprint, divisor, itemsize = plan[0], plan[2], plan[3], plan[4]
+            kernel = ferro_reduce_kernel(dtype, plan[1])
+            algorithm = RECURSIVE_DOUBLING if plan[5] else RING
+            count = <size_t>view.len // itemsize
+            segment -= segment % itemsize
+            memset(&s, 0, sizeof(SendOp))
+            memset(&r, 0, sizeof(RecvOp))
+            self.begin()
+            try:
+                if mesh.n > 1:  # every op of one rank is the identity (MEAN divides by 1)
+                    mesh.acquire(seconds, "allreduce")
+                    try:
+                        mesh.prepare_allreduce(count, itemsize, algorithm, segment)
+                        deadline = monotonic_ns() + <int64_t>(seconds * 1e9)
+                        with nogil:
+                            rc = _allreduce_locked(mesh, <unsigned char*>view.buf, count, itemsize, dtype, kernel,
+                                                   fingerprint, deadline, algorithm, segment, divisor, &s, &r)
+                    finally:
+                        mesh.release()
+                    if rc:
+                        _fail_call(&s, &r, "allreduce", seconds)
+            except BaseException as exc:
+                self.end()
+                self.fail(exc)
+                raise
+            self.end()
+            return True
+        finally:
+            PyBuffer_Release(&view)
+
+
+cdef class DirectMeshBroadcast(_MeshCall):
+    """``ferro.broadcast``'s direct path on a TCP group: ``(x, root, timeout) -> bool``.
+
+    ``make_plan`` returns ``(fingerprint, root)`` (root as an int in the group), or False.
+    """
+
+    def __call__(self, x, root, timeout) -> bool:
+        cdef Py_buffer view
+        cdef tuple plan
+        cdef SendOp s
+        cdef RecvOp r
+        cdef Mesh mesh = self.mesh
+        cdef double seconds
+        cdef uint64_t fingerprint
+        cdef int rc = 0, root_rank
+        cdef int64_t deadline
+        if not self.may_take(x):
+            return False
+        try:
+            PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS)  # writable is checked below, where it matters
+        except (BufferError, ValueError, TypeError):
+            return False
+        try:
+            if view.len == 0 or not self.find_plan(x, root, &view):
+                return False
+            plan = self.plan
+            fingerprint, root_rank = plan[0], plan[1]
+            if view.readonly and mesh.rank != root_rank:
+                return False  # a receiving rank's read-only array: the full path explains
+            seconds = self.seconds(timeout)
+            if not self.may_take(x):
+                return False
+            memset(&s, 0, sizeof(SendOp))
+            memset(&r, 0, sizeof(RecvOp))
+            self.begin()
+            try:
+                if mesh.n > 1:
+                    mesh.acquire(seconds, "broadcast")
+                    try:
+                        deadline = monotonic_ns() + <int64_t>(seconds * 1e9)
+                        with nogil:
+                            rc = _broadcast_locked(mesh, root_rank, <unsigned char*>view.buf, <size_t>view.len,
+                                                   SEGMENT_BYTES, fingerprint, deadline, &s, &r)
+                    finally:
+                        mesh.release()
+                    if rc:
+                        _fail_call(&s, &r, "broadcast", seconds)
+            except BaseException as exc:
+                self.end()
+                self.fail(exc)
+                raise
+            self.end()
+            return True
+        finally:
+            PyBuffer_Release(&view)
+
+
+cdef class DirectMeshAllGather(_MeshCall):
+    """``ferro.all_gather``'s direct path on a TCP group: ``(x, out, tag, timeout) -> result or None``.
+
+    ``make_plan`` returns ``(fingerprint, gathered shape)``, or False. ``out`` must be a
+    NumPy array of exactly that shape and ``x``'s dtype (else the full path checks it);
+    without one, the result is a new array (``empty``, the engine's second argument,
+    is ``numpy.empty``). None means the full path must take the call.
+    """
+
+    def __call__(self, x, out, tag, timeout):
+        cdef Py_buffer view, into
+        cdef tuple plan
+        cdef SendOp s
+        cdef RecvOp r
+        cdef Mesh mesh = self.mesh
+        cdef double seconds
+        cdef uint64_t fingerprint
+        cdef size_t nbytes
+        cdef int rc = 0, i
+        cdef int64_t deadline
+        cdef bint has_into = False
+        if not self.may_take(x) or (out is not None and type(out) is not self.ndarray):
+            return None
+        try:
+            PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS)
+        except (BufferError, ValueError, TypeError):
+            return None
+        try:
+            if view.len == 0 or not self.find_plan(x, tag, &view):
+                return None
+            plan = self.plan
+            fingerprint, shape = plan[0], plan[1]
+            if out is None:
+                result = self.empty(shape, x.dtype)
+            elif out.dtype == x.dtype and out.shape == shape:
+                result = out
+            else:
+                return None  # the full path says what is wrong with out
+            try:
+                PyObject_GetBuffer(result, &into, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+            except (BufferError, ValueError, TypeError):
+                return None
+            has_into = True
+            nbytes = <size_t>view.len
+            seconds = self.seconds(timeout)
+            if not self.may_take(x):
+                return None
+            memset(&s, 0, sizeof(SendOp))
+            memset(&r, 0, sizeof(RecvOp))
+            self.begin()
+            try:
+                # memmove: x may be this rank's part of out (an in-place gather).
+                memmove(<unsigned char*>into.buf + mesh.rank * nbytes, view.buf, nbytes)
+                if mesh.n > 1:
+                    mesh.acquire(seconds, "all_gather")
+                    try:
+                        for i in range(mesh.n + 1):
+                            mesh.bounds[i] = i * nbytes
+                        deadline = monotonic_ns() + <int64_t>(seconds * 1e9)
+                        with nogil:
+                            rc = _ring(mesh.states, mesh.rank, mesh.n, <unsigned char*>into.buf, mesh.bounds, 1,
+                                       NULL, NULL, SEGMENT_BYTES, fingerprint, deadline, &s, &r,
+                                       PHASE_ALL_GATHER)
+                    finally:
+                        mesh.release()
+                    if rc:
+                        _fail_call(&s, &r, "all_gather", seconds)
+            except BaseException as exc:
+                self.end()
+                self.fail(exc)
+                raise
+            self.end()
+            return result
+        finally:
+            PyBuffer_Release(&view)
+            if has_into:
+                PyBuffer_Release(&into)
+
+
+cdef class DirectMeshBarrier(_MeshCall):
+    """``ferro.barrier``'s direct path on a TCP group: ``(timeout) -> bool``."""
+
+    def __call__(self, timeout) -> bool:
+        cdef SendOp s
+        cdef RecvOp r
+        cdef Mesh mesh = self.mesh
+        cdef double seconds
+        cdef int rc = 0
+        cdef int64_t deadline
+        if not self.may_take(None):
+            return False
+        seconds = self.seconds(timeout)
+        if not self.may_take(None):
+            return False
+        memset(&s, 0, sizeof(SendOp))
+        memset(&r, 0, sizeof(RecvOp))
+        self.begin()
+        try:
+            if mesh.n > 1:
+                mesh.acquire(seconds, "barrier")
+                try:
+                    deadline = monotonic_ns() + <int64_t>(seconds * 1e9)
+                    with nogil:
+                        rc = _barrier_locked(mesh, deadline, &s, &r)
+                finally:
+                    mesh.release()
+                if rc:
+                    _fail_call(&s, &r, "barrier", seconds)
+        except BaseException as exc:
+            self.end()
+            self.fail(exc)
+            raise
+        self.end()
+        return True

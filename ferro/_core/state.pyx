@@ -12,7 +12,7 @@ and every transport of the group adds the bytes it moves to its counters in C.
 
 from libc.string cimport memset
 
-#: Marks ``direct_allreduce`` as not looked up yet (None means "this group has none").
+#: Marks the direct paths (``direct_allreduce``, ...) as not looked up yet (None means "this group has none").
 UNSET = object()
 
 
@@ -24,6 +24,9 @@ cdef class GroupState:
         self.worker = None
         self.p2p = None
         self.direct_allreduce = UNSET
+        self.direct_broadcast = UNSET
+        self.direct_all_gather = UNSET
+        self.direct_barrier = UNSET
         self.busy = False
         self.queued = 0
         memset(&self.stats, 0, sizeof(ferro_stats))
@@ -42,6 +45,13 @@ cdef class GroupState:
         if self.p2p is None:
             self.p2p = candidate
         return self.p2p
+
+    def set_direct(self, allreduce, broadcast, all_gather, barrier) -> None:
+        """Install the group's direct paths (each a compiled call or None); None for all: the full path only."""
+        self.direct_allreduce = allreduce
+        self.direct_broadcast = broadcast
+        self.direct_all_gather = all_gather
+        self.direct_barrier = barrier
 
     def count_call(self, int collective_id) -> None:
         """Count one call of the operation with this collective id."""

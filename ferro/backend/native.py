@@ -54,6 +54,15 @@ class NativeCollectives:
         """
         return None
 
+    @property
+    def direct_mesh(self) -> Any:
+        """A compiled mesh (:class:`ferro._core.collectives.Mesh`) the collectives call directly, or None.
+
+        A TCP group offers it: then ``ferro.allreduce``, ``broadcast``, ``all_gather`` and
+        ``barrier`` run their common cases as one compiled call each.
+        """
+        return None
+
     def make_direct_allreduce(self, on_failure: Callable[[BaseException], BaseException]) -> Any:
         """Return a direct allreduce call for ``ferro.allreduce`` (``call(x, op, timeout) -> bool``), or None.
 

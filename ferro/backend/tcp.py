@@ -9,6 +9,7 @@ from typing import Any
 
 from ferro._buffers import as_buffer
 from ferro._core import collectives as native
+from ferro._core.collectives import Mesh
 from ferro._core.transport import KIND_ABORT, Connection, sendrecv
 from ferro.backend.base import default_spin_us
 from ferro.backend.joined import JoinSpec, StoreBackend
@@ -25,9 +26,6 @@ SOCKET_BUFFER_ENV = "FERRO_SOCKET_BUFFER_BYTES"
 # Measured on loopback (bench/, DESIGN.md): fixed 4 MiB buffers take a 1 MiB allreduce
 # from ~565 to ~350 us, where autotuning starts too small; 0 restores autotuning.
 DEFAULT_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-# Broadcasts above this size (to more than two ranks) take the pipelined chain: every link carries
-# the message once, all at the same time; smaller ones the binomial tree's log2(n) rounds.
-CHAIN_BROADCAST_BYTES = 64 * 1024
 
 
 def _size_socket_buffers(sock: socket.socket) -> None:
@@ -146,8 +144,8 @@ class TcpBackend(StoreBackend, NativeCollectives):
         for peer, sock in sockets.items():
             _size_socket_buffers(sock)
             self._links[peer] = Connection(sock, self._rank, peer, spin_us=spin_us, group_state=self.state)
-        # Indexed by rank, for the native collectives (None stands for this rank).
-        self._conn_table = tuple(self._links.get(peer) for peer in range(self._world_size))
+        # Indexed by rank, for the native collectives and the direct paths (None stands for this rank).
+        self._mesh = Mesh(tuple(self._links.get(peer) for peer in range(self._world_size)), self._rank)
 
     def connection(self, peer: int) -> Connection:
         """Return the compiled connection to ``peer`` (for ferro's own algorithms)."""
@@ -165,12 +163,17 @@ class TcpBackend(StoreBackend, NativeCollectives):
 
     # --- native collectives (ferro.backend.native), each one compiled call ------------------
 
+    @property
+    def direct_mesh(self) -> Mesh:
+        """The compiled mesh behind the direct paths of allreduce, broadcast, all_gather and barrier."""
+        return self._mesh
+
     def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,
                          algorithm: str) -> bool:
         """Run a segmented ring or recursive doubling; MEAN divides inside, each chunk once, while in cache."""
         self._usable("allreduce")
         code = native.ALGORITHM_RING if algorithm == "ring" else native.ALGORITHM_RECURSIVE_DOUBLING
-        native.allreduce(self._conn_table, self._rank, flat, dtype.code, op.kernel_code, dtype.itemsize,
+        native.allreduce(self._mesh, flat, dtype.code, op.kernel_code, dtype.itemsize,
                          fingerprint, timeout, code, native.DEFAULT_SEGMENT_BYTES, _divisor(op, self._world_size))
         return True
 
@@ -178,28 +181,27 @@ class TcpBackend(StoreBackend, NativeCollectives):
                               timeout: float) -> bool:
         """Run the ring's reduce-scatter half."""
         self._usable("reduce_scatter")
-        native.ring(self._conn_table, self._rank, flat, bounds, dtype.code, op.kernel_code, dtype.itemsize,
+        native.ring(self._mesh, flat, bounds, dtype.code, op.kernel_code, dtype.itemsize,
                     fingerprint, timeout, True, False, native.DEFAULT_SEGMENT_BYTES, _divisor(op, self._world_size))
         return True
 
     def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
         """Run the ring's all-gather half, over bytes."""
         self._usable("all_gather")
-        native.ring(self._conn_table, self._rank, flat, bounds, -1, 0, 1, fingerprint, timeout, False, True)
+        native.ring(self._mesh, flat, bounds, -1, 0, 1, fingerprint, timeout, False, True)
         return True
 
     def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:
         """Run a binomial tree for small messages (and two ranks), a pipelined chain for large ones."""
         self._usable("broadcast")
-        chain = flat.nbytes > CHAIN_BROADCAST_BYTES and self._world_size > 2
-        native.broadcast(self._conn_table, self._rank, flat, root, fingerprint, timeout, chain)
+        native.broadcast(self._mesh, flat, root, fingerprint, timeout)
         return True
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
                           fingerprint: int, timeout: float) -> bool:
         """Pairwise exchange of byte blocks."""
         self._usable("all_to_all")
-        native.all_to_all(self._conn_table, self._rank, send, send_offsets, recv, recv_offsets, fingerprint, timeout)
+        native.all_to_all(self._mesh, send, send_offsets, recv, recv_offsets, fingerprint, timeout)
         return True
 
     def abort_peers(self, payload: bytes) -> None:
@@ -214,7 +216,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
     def barrier(self, *, timeout: float | None = None) -> None:
         """Block until every rank has entered the barrier (dissemination algorithm)."""
         self._usable("barrier")
-        native.barrier(self._conn_table, self._rank, self._seconds(timeout))
+        native.barrier(self._mesh, self._seconds(timeout))
 
     def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> TcpBackend:
         """Connect a new mesh among ``ranks`` through this group's store (see :meth:`Backend.split`)."""

@@ -763,7 +763,7 @@ class MpiBackend(KeptIdentity, FramedBackend, NativeCollectives):
         if self._closed:
             return
         self._closed = True
-        self.state.direct_allreduce = None  # the full path, which refuses a closed group
+        self.state.set_direct(None, None, None, None)  # the full path, which refuses a closed group
         self._watchdog.stop()
         if self._hook is not None:
             _remove_abort_hook(self._hook)
