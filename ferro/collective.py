@@ -36,6 +36,7 @@ from ferro import gpu
 from ferro import process_group as _groups
 from ferro._buffers import Operand, is_device_array, operand, plain_tensor_view, wrap_like
 from ferro._core.arena import DirectAllreduce
+from ferro._core.collectives import ALGORITHMS as ALLREDUCE_ALGORITHMS
 from ferro._core.collectives import DirectMeshAllGather, DirectMeshAllreduce, DirectMeshBarrier, DirectMeshBroadcast
 from ferro._core.reduce import divide, has_kernel
 from ferro._core.state import UNSET
@@ -77,9 +78,13 @@ __all__ = [
 # Generic broadcasts up to this size use a binomial tree (latency-optimal); larger ones a
 # pipelined chain (bandwidth-optimal).
 SMALL_MESSAGE_BYTES = 64 * 1024
-# Recursive doubling moves the whole message log2(n) times, the ring 2(n-1)/n times in
-# 2(n-1) rounds: below this many bytes x log2(n), fewer rounds win (measured: bench/).
+# Recursive doubling moves the whole message log2(n) times, the ring and halving-doubling 2(n-1)/n
+# times, in 2(n-1) and 2 log2(n) rounds: below this many bytes x log2(n), fewer rounds win. Measured on
+# loopback (DESIGN.md, "Choosing the allreduce"): 1 MiB up to 3 ranks; from 4 ranks recursive doubling's
+# extra bytes already lose at 64-256 KiB, so 128 KiB there. Above, halving-doubling where the ranks are a
+# power of two (no fold: as fast as the ring for large messages, 1.1-1.7x faster for 64 KiB-1 MiB), else the ring.
 RECURSIVE_DOUBLING_BYTES = 1024 * 1024
+RECURSIVE_DOUBLING_BYTES_MANY = 128 * 1024
 BROADCAST_SEGMENT_BYTES = 1024 * 1024
 # Signatures (dtype, shape, op) of direct allreduces remembered per group.
 DIRECT_PLANS_KEPT = 256
@@ -125,9 +130,13 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
         group: The process group.
         timeout: Seconds (default: the group's).
         async_op: Return a :class:`~ferro.PendingCollective` instead of waiting.
-        algorithm: ``"ring"`` or ``"recursive_doubling"`` to override the choice
-            by size (recursive doubling while ``nbytes * ceil(log2(world_size))``
-            is at most 1 MiB, ring above).
+        algorithm: ``"ring"``, ``"recursive_doubling"`` or ``"halving_doubling"``
+            (Rabenseifner's: reduce-scatter by recursive halving, all-gather by
+            recursive doubling) to override the choice by size: recursive doubling
+            while ``nbytes * ceil(log2(world_size))`` is at most 1 MiB (up to 3
+            ranks) or 128 KiB (4 or more); above, halving-doubling on a power of
+            two of 4 ranks or more, else the ring. A backend with an engine of its
+            own (shared memory, MPI) may choose for itself.
 
     Returns:
         ``x`` (or a handle whose ``wait()`` returns it).
@@ -174,8 +183,8 @@ def _allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: boo
         return gpu.device_allreduce(g, x, op, timeout, async_op)
     data = operand(x, "allreduce", writable=True)
     reduce_op = _reduce_op(op, data.dtype, "allreduce")
-    if algorithm not in (None, "ring", "recursive_doubling"):
-        raise ValueError(f"allreduce: unknown algorithm {algorithm!r}; use 'ring' or 'recursive_doubling'")
+    if algorithm not in (None, *ALLREDUCE_ALGORITHMS):
+        raise ValueError(f"allreduce: unknown algorithm {algorithm!r}; use one of {', '.join(ALLREDUCE_ALGORITHMS)}")
     link = make_link(g, "allreduce", resolve_timeout(g, timeout), data, _OP_VALUES[reduce_op], 0, data.array.size,
                  data.array.shape)
     kernel_code = KERNEL_CODES[reduce_op]
@@ -188,7 +197,7 @@ def _allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: boo
             if native is not None and native.native_allreduce(flat, data.dtype, reduce_op, link.fingerprint,
                                                               link.timeout, chosen):
                 return x  # the backend finished MEAN itself
-            if chosen == "ring" and flat.size >= g.world_size:
+            if chosen != "recursive_doubling" and flat.size >= g.world_size:  # the generic engine's ring
                 algo.allreduce_ring(link, flat, data.dtype, kernel_code)
             else:
                 algo.allreduce_recursive_doubling(link, flat, data.dtype, kernel_code)
@@ -221,15 +230,15 @@ def _count(shape: tuple[int, ...]) -> int:
 
 
 def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, group: Backend
-                 ) -> tuple[int, int, int, float, int, bool] | bool:
+                 ) -> tuple[int, int, int, float, int, int] | bool:
     """Return what a direct in-place allreduce needs (and remember it under ``key``), or False for the full path.
 
     ``key`` is ``(dtype, shape, op or op's identity)``. The plan: dtype code, kernel
-    code, fingerprint, MEAN's divisor (else 0), itemsize, and whether the full path
-    would choose recursive doubling for this size (a mesh must choose alike on every rank).
+    code, fingerprint, MEAN's divisor (else 0), itemsize, and the code of the algorithm
+    the full path would choose for this size (a mesh must choose alike on every rank).
     """
     numpy_dtype, shape = key[0], key[1]
-    plan: tuple[int, int, int, float, int, bool] | bool = False
+    plan: tuple[int, int, int, float, int, int] | bool = False
     data = _plan_operand(numpy_dtype, "allreduce", True)
     try:
         reduce_op = _reduce_op(op, data.dtype, "allreduce") if data is not None else None
@@ -238,10 +247,10 @@ def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, group: Backend
     if data is not None and reduce_op is not None:
         count = _count(shape)
         divisor = float(group.world_size) if reduce_op is ReduceOp.MEAN else 0.0
-        doubling = _allreduce_algorithm(count * data.dtype.itemsize, group.world_size) == "recursive_doubling"
+        algorithm = ALLREDUCE_ALGORITHMS[_allreduce_algorithm(count * data.dtype.itemsize, group.world_size)]
         plan = (data.dtype.code, KERNEL_CODES[reduce_op],
                 make_link_fingerprint(group, "allreduce", data, _OP_VALUES[reduce_op], 0, count, shape), divisor,
-                data.dtype.itemsize, doubling)
+                data.dtype.itemsize, algorithm)
     return _remember(plans, key, plan)
 
 
@@ -322,7 +331,12 @@ def _failed(group: Backend, exc: BaseException) -> BaseException:
 
 def _allreduce_algorithm(nbytes: int, world_size: int) -> str:
     rounds = max(1, (world_size - 1).bit_length())
-    return "recursive_doubling" if nbytes * rounds <= RECURSIVE_DOUBLING_BYTES else "ring"
+    limit = RECURSIVE_DOUBLING_BYTES if world_size <= 3 else RECURSIVE_DOUBLING_BYTES_MANY
+    if nbytes * rounds <= limit:
+        return "recursive_doubling"
+    if world_size >= 4 and world_size & (world_size - 1) == 0:
+        return "halving_doubling"
+    return "ring"
 
 
 def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,

@@ -60,9 +60,10 @@ def rank_every_dtype_and_op(group):
     return kinds, wrong, taken, sorted(untaken)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_every_dtype_and_op_matches_numpy_on_the_direct_path(world_size):
-    # 3 ranks: recursive doubling folds a rank in; 20011 elements x 8 bytes x 2 rounds takes the ring there.
+    # 3 ranks: recursive doubling folds a rank in, and 20011 elements x 8 bytes x 2 rounds take the ring;
+    # 4 ranks: the largest arrays take halving-doubling.
     for kinds, wrong, taken, untaken in run_processes(rank_every_dtype_and_op, world_size, timeout=120):
         assert kinds == ("DirectMeshAllreduce", "DirectMeshBroadcast", "DirectMeshAllGather", "DirectMeshBarrier")
         assert wrong == []

@@ -7,6 +7,8 @@ from ferro._core.transport import Connection
 
 ALGORITHM_RING: int
 ALGORITHM_RECURSIVE_DOUBLING: int
+ALGORITHM_HALVING_DOUBLING: int
+ALGORITHMS: dict[str, int]
 DEFAULT_SEGMENT_BYTES: int
 DEFAULT_CHAIN_BYTES: int
 

@@ -36,9 +36,13 @@ from ferro.errors import InvalidBufferError
 cdef enum:
     RING = 0
     RECURSIVE_DOUBLING = 1
+    HALVING_DOUBLING = 2
 
 ALGORITHM_RING = RING
 ALGORITHM_RECURSIVE_DOUBLING = RECURSIVE_DOUBLING
+ALGORITHM_HALVING_DOUBLING = HALVING_DOUBLING
+#: The allreduce algorithms by the name ``ferro.allreduce(algorithm=...)`` takes.
+ALGORITHMS = {"ring": RING, "recursive_doubling": RECURSIVE_DOUBLING, "halving_doubling": HALVING_DOUBLING}
 # 1 MiB measured best on loopback (256 KiB: -25% at 64 MB; 4 MiB: -10%); fits in L2 for the reduce.
 cdef size_t SEGMENT_BYTES = 1024 * 1024
 DEFAULT_SEGMENT_BYTES = SEGMENT_BYTES
@@ -95,6 +99,33 @@ cdef int _exchange(SendOp* s, ConnState* to, const unsigned char* out, size_t ou
     return 0
 
 
+cdef int _exchange_segments(SendOp* s, ConnState* to, const unsigned char* out, size_t out_len,
+                            RecvOp* r, ConnState* frm, unsigned char* into, size_t in_len,
+                            ferro_reduce_fn kernel, unsigned char* scratch, size_t itemsize, size_t segment,
+                            uint64_t fingerprint, int64_t deadline) except -1 nogil:
+    """Send ``out_len`` bytes to ``to`` while ``in_len`` arrive from ``frm``, one segment each way at a time.
+
+    With a ``kernel``, each arriving segment lands in ``scratch`` and is reduced into
+    ``into`` at once (while the next one is in flight on the next call); without, it
+    lands in ``into``. Both ends cut their bytes into the same ``segment``-sized frames.
+    """
+    cdef size_t pos = 0, a, b
+    while pos < out_len or pos < in_len:
+        a = out_len - pos if pos < out_len else 0
+        b = in_len - pos if pos < in_len else 0
+        if a > segment:
+            a = segment
+        if b > segment:
+            b = segment
+        if _exchange(s, to if a else NULL, out + pos, a, r, frm if b else NULL,
+                     (scratch if kernel != NULL else into + pos), b, fingerprint, deadline):
+            return 1
+        if b and kernel != NULL:
+            kernel(into + pos, scratch, b // itemsize)
+        pos += segment
+    return 0
+
+
 cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const size_t* bounds, size_t itemsize,
                ferro_reduce_fn kernel, unsigned char* scratch, size_t segment, uint64_t fingerprint,
                int64_t deadline, SendOp* s, RecvOp* r, int phases, int dtype=-1, double divisor=0) except -1 nogil:
@@ -107,7 +138,7 @@ cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const siz
     cdef ConnState* nxt = conns[(rank + 1) % n]
     cdef ConnState* prv = conns[(rank - 1 + n) % n]
     cdef int step, send_idx, recv_idx
-    cdef size_t send_off, send_len, recv_off, recv_len, pos, a, b
+    cdef size_t send_off, send_len, recv_off, recv_len
     cdef int phase
     for phase in range(2):
         if phase == 1 and divisor != 0:
@@ -127,25 +158,9 @@ cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const siz
             send_len = bounds[send_idx + 1] * itemsize - send_off
             recv_off = bounds[recv_idx] * itemsize
             recv_len = bounds[recv_idx + 1] * itemsize - recv_off
-            pos = 0
-            while pos < send_len or pos < recv_len:
-                a = send_len - pos if pos < send_len else 0
-                b = recv_len - pos if pos < recv_len else 0
-                if a > segment:
-                    a = segment
-                if b > segment:
-                    b = segment
-                if phase == 0:
-                    if _exchange(s, nxt if a else NULL, buf + send_off + pos, a,
-                                 r, prv if b else NULL, scratch, b, fingerprint, deadline):
-                        return 1
-                    if b:
-                        kernel(buf + recv_off + pos, scratch, b // itemsize)
-                else:
-                    if _exchange(s, nxt if a else NULL, buf + send_off + pos, a,
-                                 r, prv if b else NULL, buf + recv_off + pos, b, fingerprint, deadline):
-                        return 1
-                pos += segment
+            if _exchange_segments(s, nxt, buf + send_off, send_len, r, prv, buf + recv_off, recv_len,
+                                  kernel if phase == 0 else NULL, scratch, itemsize, segment, fingerprint, deadline):
+                return 1
     return 0
 
 
@@ -178,6 +193,80 @@ cdef int _recursive_doubling(ConnState** conns, int rank, int n, unsigned char* 
         mask <<= 1
     if rank < 2 * extra:
         return _exchange(s, conns[rank - 1], buf, nbytes, r, NULL, NULL, 0, fingerprint, deadline)
+    return 0
+
+
+cdef inline int _folded_partner(int virtual, int extra) noexcept nogil:
+    # The real rank of a virtual one, once the first 2 * extra ranks have folded in pairs.
+    return virtual * 2 + 1 if virtual < extra else virtual + extra
+
+
+cdef int _halving_doubling(ConnState** conns, int rank, int n, unsigned char* buf, size_t count, size_t itemsize,
+                           int dtype, ferro_reduce_fn kernel, unsigned char* scratch, size_t segment,
+                           size_t* bounds, double divisor, uint64_t fingerprint, int64_t deadline,
+                           SendOp* s, RecvOp* r) except -1 nogil:
+    """Rabenseifner's allreduce: reduce-scatter by recursive halving, then all-gather by recursive doubling.
+
+    It moves what the ring moves (2(p-1)/p of the message per rank) in 2 log2(p) rounds
+    instead of 2(p-1). Ranks beyond a power of two p fold into a partner first, as in
+    recursive doubling. ``bounds`` must hold p + 1 entries (filled here); each round is
+    cut into ``segment``-byte frames, each reduced as soon as it lands.
+    """
+    cdef int power = 1, extra, virtual, mask, partner, lo, hi, mid, keep_lo, keep_hi, send_lo, send_hi, width, i
+    cdef size_t nbytes = count * itemsize
+    while power * 2 <= n:
+        power *= 2
+    extra = n - power
+    if rank < 2 * extra:
+        if rank % 2 == 0:  # hand the data to rank + 1, then wait for the result
+            if _exchange_segments(s, conns[rank + 1], buf, nbytes, r, NULL, NULL, 0, NULL, NULL, itemsize, segment,
+                                  fingerprint, deadline):
+                return 1
+            return _exchange_segments(s, NULL, NULL, 0, r, conns[rank + 1], buf, nbytes, NULL, NULL, itemsize,
+                                      segment, fingerprint, deadline)
+        if _exchange_segments(s, NULL, NULL, 0, r, conns[rank - 1], buf, nbytes, kernel, scratch, itemsize, segment,
+                              fingerprint, deadline):
+            return 1
+        virtual = rank // 2
+    else:
+        virtual = rank - extra
+    for i in range(power + 1):
+        bounds[i] = _bound(count, power, i) * itemsize
+    # Halving: keep the half of the current range that the bit says, send the other; the range ends as chunk `virtual`.
+    lo, hi, mask = 0, power, power >> 1
+    while mask > 0:
+        partner = _folded_partner(virtual ^ mask, extra)
+        mid = lo + (hi - lo) // 2
+        if virtual & mask:
+            keep_lo, keep_hi, send_lo, send_hi = mid, hi, lo, mid
+        else:
+            keep_lo, keep_hi, send_lo, send_hi = lo, mid, mid, hi
+        if _exchange_segments(s, conns[partner], buf + bounds[send_lo], bounds[send_hi] - bounds[send_lo],
+                              r, conns[partner], buf + bounds[keep_lo], bounds[keep_hi] - bounds[keep_lo],
+                              kernel, scratch, itemsize, segment, fingerprint, deadline):
+            return 1
+        lo, hi = keep_lo, keep_hi
+        mask >>= 1
+    if divisor != 0:  # MEAN: this rank's chunk is complete; divide it once, while it is in cache
+        ferro_divide(buf + bounds[lo], (bounds[hi] - bounds[lo]) // itemsize, dtype, divisor)
+    # Doubling: swap ranges with the partner whose range lies next to this one's, until all is here.
+    mask = 1
+    while mask < power:
+        partner = _folded_partner(virtual ^ mask, extra)
+        width = hi - lo
+        if virtual & mask:
+            send_lo, send_hi = lo - width, lo  # the partner's range, received
+        else:
+            send_lo, send_hi = hi, hi + width
+        if _exchange_segments(s, conns[partner], buf + bounds[lo], bounds[hi] - bounds[lo],
+                              r, conns[partner], buf + bounds[send_lo], bounds[send_hi] - bounds[send_lo],
+                              NULL, NULL, itemsize, segment, fingerprint, deadline):
+            return 1
+        lo, hi = min(lo, send_lo), max(hi, send_hi)
+        mask <<= 1
+    if rank < 2 * extra:  # hand the result back to the folded partner
+        return _exchange_segments(s, conns[rank - 1], buf, nbytes, r, NULL, NULL, 0, NULL, NULL, itemsize, segment,
+                                  fingerprint, deadline)
     return 0
 
 
@@ -284,6 +373,8 @@ cdef class Mesh:
         cdef int i
         if algorithm == RECURSIVE_DOUBLING:
             self.scratch_for(count * itemsize)
+        elif algorithm == HALVING_DOUBLING:
+            self.scratch_for(min(segment, count * itemsize))  # bounds: filled by the algorithm (n + 1 >= p + 1)
         else:
             for i in range(self.n + 1):
                 self.bounds[i] = _bound(count, self.n, i)
@@ -302,6 +393,9 @@ cdef int _allreduce_locked(Mesh mesh, unsigned char* buf, size_t count, size_t i
         if rc == 0 and divisor != 0:
             ferro_divide(buf, count, dtype, divisor)
         return rc
+    if algorithm == HALVING_DOUBLING:
+        return _halving_doubling(mesh.states, mesh.rank, mesh.n, buf, count, itemsize, dtype, kernel, mesh.scratch,
+                                 segment, mesh.bounds, divisor, fingerprint, deadline, s, r)
     return _ring(mesh.states, mesh.rank, mesh.n, buf, mesh.bounds, itemsize, kernel, mesh.scratch, segment,
                  fingerprint, deadline, s, r, PHASE_REDUCE_SCATTER | PHASE_ALL_GATHER, dtype, divisor)
 
@@ -393,7 +487,7 @@ def allreduce(Mesh mesh, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t f
         itemsize: Bytes per element.
         fingerprint: The call's fingerprint, carried by every frame.
         timeout: Seconds for the whole collective.
-        algorithm: ``ALGORITHM_RING`` or ``ALGORITHM_RECURSIVE_DOUBLING``.
+        algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING`` or ``ALGORITHM_HALVING_DOUBLING``.
         segment_bytes: Ring segment size; every rank must use the same.
         divisor: When not 0, divide the result by it (MEAN) inside the collective:
             the ring divides each chunk once, between its two phases.
@@ -672,7 +766,7 @@ cdef class DirectMeshAllreduce(_MeshCall):
     """``ferro.allreduce``'s direct path on a TCP group: ``(x, op, timeout) -> bool``.
 
     ``make_plan`` returns ``(dtype code, kernel code, fingerprint, divisor, itemsize,
-    recursive doubling?)``: the algorithm the full path would choose for that size.
+    algorithm code)``: the algorithm the full path would choose for that size (:data:`ALGORITHMS`).
     """
 
     def __call__(self, x, op, timeout) -> bool:
@@ -702,7 +796,7 @@ cdef class DirectMeshAllreduce(_MeshCall):
                 return False  # the plan or the timeout ran Python code, and another thread took the group
             dtype, fingerprint, divisor, itemsize = plan[0], plan[2], plan[3], plan[4]
             kernel = ferro_reduce_kernel(dtype, plan[1])
-            algorithm = RECURSIVE_DOUBLING if plan[5] else RING
+            algorithm = plan[5]
             count = <size_t>view.len // itemsize
             segment -= segment % itemsize
             memset(&s, 0, sizeof(SendOp))

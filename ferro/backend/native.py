@@ -82,7 +82,7 @@ class NativeCollectives:
             op: The reduction (MEAN divides the sum by the world size).
             fingerprint: The call's fingerprint.
             timeout: Seconds for the whole collective.
-            algorithm: ``"ring"`` or ``"recursive_doubling"``: the caller's choice by size
+            algorithm: ``"ring"``, ``"recursive_doubling"`` or ``"halving_doubling"``: the caller's choice by size
                 (or the user's), a hint a backend with another engine may ignore.
 
         """

@@ -170,9 +170,9 @@ class TcpBackend(StoreBackend, NativeCollectives):
 
     def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,
                          algorithm: str) -> bool:
-        """Run a segmented ring or recursive doubling; MEAN divides inside, each chunk once, while in cache."""
+        """Run recursive doubling, halving-doubling or a segmented ring; MEAN divides inside, each chunk once."""
         self._usable("allreduce")
-        code = native.ALGORITHM_RING if algorithm == "ring" else native.ALGORITHM_RECURSIVE_DOUBLING
+        code = native.ALGORITHMS[algorithm]
         native.allreduce(self._mesh, flat, dtype.code, op.kernel_code, dtype.itemsize,
                          fingerprint, timeout, code, native.DEFAULT_SEGMENT_BYTES, _divisor(op, self._world_size))
         return True

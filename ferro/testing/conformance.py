@@ -166,7 +166,7 @@ def check_collectives(group: Backend, *, dtypes: list[np.dtype] | None = None) -
         inputs = [_input(dtype, shape, k, case, op) for k in range(n)]
         expected = _reference(inputs, op)
         label = f"{dtype.name} shape {shape} {op.name}"
-        for algorithm in ("ring", "recursive_doubling"):
+        for algorithm in ("ring", "recursive_doubling", "halving_doubling"):
             x = inputs[r].copy()
             ferro.allreduce(x, op, group=group, algorithm=algorithm)
             check(f"allreduce/{algorithm} {label}", _close(x, expected, inputs, op))
