@@ -841,8 +841,8 @@ cdef class DirectMeshBroadcast(_MeshCall):
         cdef uint64_t fingerprint
         cdef int rc = 0, root_rank
         cdef int64_t deadline
-        if not self.may_take(x):
-            return False
+        if type(root) is not int or not self.may_take(x):
+            return False  # a numpy integer (or a bool, which would share int's plan key) takes the full path
         try:
             PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS)  # writable is checked below, where it matters
         except (BufferError, ValueError, TypeError):
@@ -903,7 +903,7 @@ cdef class DirectMeshAllGather(_MeshCall):
         cdef int rc = 0, i
         cdef int64_t deadline
         cdef bint has_into = False
-        if not self.may_take(x) or (out is not None and type(out) is not self.ndarray):
+        if type(tag) is not int or not self.may_take(x) or (out is not None and type(out) is not self.ndarray):
             return None
         try:
             PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS)
