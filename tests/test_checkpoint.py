@@ -305,7 +305,7 @@ def check_directory(path):
     return step
 
 
-@pytest.mark.parametrize("round_", range(6))
+@pytest.mark.parametrize("round_", range(3))  # one victim twice, every rank once (round 2)
 def test_sigkill_during_saves_never_leaves_a_loadable_wrong_checkpoint(tmp_path, round_):
     rng = np.random.default_rng(round_)
     victims = list(range(4)) if round_ % 3 == 2 else [int(rng.integers(4))]
