@@ -126,3 +126,22 @@ def test_ctrl_c_keeps_the_rows_measured_so_far(tmp_path):
     assert bench.returncode != 0
     assert "interrupted" in rest
     assert len(json.loads(json_path.read_text())) >= 2
+
+
+def test_a_sweep_of_several_world_sizes_plots_a_line_per_size():
+    # -n 2,4: each library's rows of both sizes must not become one line zigzagging between them.
+    from ferro.bench.plot import lines
+    from ferro.bench.table import Row
+
+    def row(library, world, size):
+        return Row(library, "allreduce", size, size // 4, "float32", "sum", -1, world, 10.0 * world, 9.0 * world,
+                   None, None)
+
+    rows = [row(lib, world, size) for world in (4, 2) for lib in ("ferro-tcp", "mpi") for size in (4096, 8, 64)]
+    drawn = lines(rows)
+    assert sorted(drawn) == ["ferro-tcp allreduce, 2 ranks", "ferro-tcp allreduce, 4 ranks",
+                             "mpi allreduce, 2 ranks", "mpi allreduce, 4 ranks"]
+    for label, points in drawn.items():
+        assert [p.size for p in points] == [8, 64, 4096]
+        assert {p.world_size for p in points} == {int(label.split(", ")[1].split()[0])}
+    assert sorted(lines([row("ferro-tcp", 2, 8)])) == ["ferro-tcp allreduce"]  # one size: no suffix
