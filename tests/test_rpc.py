@@ -252,7 +252,15 @@ def test_parameter_server_example_trains_to_the_single_process_weights(tmp_path)
     assert "is gone" not in done.stdout + done.stderr  # a graceful shutdown is not a lost worker
 
 
-def rank_not_graceful(rank, world_size):
+def rank_not_graceful(rank, world_size, slow_join):
+    if slow_join and rank == 1:  # w1's last rendezvous steps come late: w0 shuts down before they reach the store
+        import ferro.rpc.api as api
+        real_wait = api.wait_for_ranks
+
+        def late_wait(store, keys, deadline, rank, doing):
+            time.sleep(1.0 if doing == "start serving RPC" else 0.0)
+            real_wait(store, keys, deadline, rank, doing)
+        api.wait_for_ranks = late_wait
     rpc.init_rpc(f"w{rank}", timeout=30)
     seen = {}
     if rank == 0:
@@ -269,8 +277,9 @@ def rank_not_graceful(rank, world_size):
     return seen
 
 
-def test_shutdown_without_grace_fails_pending_calls_at_once():
-    first, second = run_processes(rank_not_graceful, 2, backend=None, timeout=120)
+@pytest.mark.parametrize("slow_join", [False, True])
+def test_shutdown_without_grace_fails_pending_calls_at_once(slow_join):
+    first, second = run_processes(rank_not_graceful, 2, args=(slow_join,), backend=None, timeout=120)
     assert "rpc to w1 (test_rpc.sleep_then): the RPC agent was shut down" in first["failed"]
     assert second["seconds"] < 10
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ferro.errors import BackendClosedError, ConfigurationError
+from ferro.errors import BackendClosedError, ConfigurationError, DistributedError
 from ferro.rendezvous.connect import build_mesh, claim_rank, local_address_towards, release_rank, wait_for_ranks
 from ferro.rendezvous.env import job_rank_and_size, master_address
 from ferro.rendezvous.settings import (
@@ -31,6 +31,11 @@ __all__ = ["RPC_PORT_ENV", "get_worker_info", "init_rpc", "rpc_async", "rpc_sync
 RPC_PORT_ENV = "FERRO_RPC_PORT"
 
 _agent: RpcAgent | None = None
+
+_NAMESPACE = "rpc"  # RPC's keys in the store (beside a process group's, when the two share one)
+
+#: How long a rank serving the store waits, at shutdown, for workers still finishing ``init_rpc``.
+JOINED_GRACE_SECONDS = 10.0
 
 
 def init_rpc(name: str, rank: int | None = None, world_size: int | None = None, *, timeout: float = 60,
@@ -83,7 +88,7 @@ def init_rpc(name: str, rank: int | None = None, world_size: int | None = None, 
     host, port = _store_address(init_method, found)
     store = _open_store(host, port, key, seconds, rank == 0)
     try:
-        namespace = "rpc"
+        namespace = _NAMESPACE
         claim = claim_rank(store, namespace, rank, seconds)
         store.set(f"{namespace}/name/{rank}", name.encode(), timeout=seconds)
         names_keys = {r: f"{namespace}/name/{r}" for r in range(world_size)}
@@ -105,6 +110,9 @@ def init_rpc(name: str, rank: int | None = None, world_size: int | None = None, 
         wait_for_ranks(store, {r: f"{namespace}/serving/{r}" for r in range(world_size)}, deadline, rank,
                        "start serving RPC")
         release_rank(store, claim)
+        # The last store request: the rank serving the store waits for these marks before closing it, or a
+        # worker still in this function when rank 0 shuts down at once would lose the store mid-request.
+        store.set(f"{namespace}/joined/{rank}", b"1", timeout=max(deadline - time.monotonic(), 1.0))
     except BaseException:
         if _agent is not None:
             _agent.shutdown(graceful=False)
@@ -187,9 +195,23 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     """
     global _agent
     agent = _current("shutdown")
+    with agent._lock:
+        gone = set(agent._lost)  # before shutting down, which loses every peer
     try:
         agent.shutdown(graceful, timeout)  # serves other workers' calls until they are done: keep it current
     finally:
         _agent = None
         if agent._store is not None:
-            agent._store.close()
+            _close_store(agent, agent._store, gone)
+
+
+def _close_store(agent: RpcAgent, store: Store, gone: set[int]) -> None:
+    """Close the rendezvous store; the rank serving it first lets the live workers finish ``init_rpc`` with it."""
+    if store.server is not None:
+        keys = [f"{_NAMESPACE}/joined/{r}" for r in range(agent.world_size) if r != agent.rank and r not in gone]
+        try:
+            if keys:
+                store.wait(keys, timeout=min(agent.timeout, JOINED_GRACE_SECONDS))
+        except DistributedError:
+            pass  # a worker that died while joining: it has nothing left to ask of the store
+    store.close()
