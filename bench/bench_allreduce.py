@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import time
 import numpy as np
 
 from ferro.bench.reference import memcpy_seconds
+from ferro.rendezvous.settings import free_port
 
 PEERS = ["ferro", "ferro-tcp", "ferro-shm", "ferro-mpi", "gloo", "mpi", "mpi-sm"]
 # Started by mpirun: raw mpi4py, and ferro's MPI backend over the same Open MPI (its default transport).
@@ -112,12 +112,6 @@ def worker_ferro_mpi(max_bytes: int) -> tuple[int, dict[int, float]]:
         ferro.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_peer(peer: str, world: int, max_bytes: int, out: str) -> bool:
     script = os.path.abspath(__file__)
     if peer in MPI_LAUNCHED:
@@ -133,7 +127,7 @@ def run_peer(peer: str, world: int, max_bytes: int, out: str) -> bool:
         if done.returncode != 0:
             print(f"# mpi run failed: {done.stderr[-500:]}", file=sys.stderr)
         return done.returncode == 0
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, script, "--worker", peer, "--rank", str(r), "--world", str(world),
                                "--port", str(port), "--max-bytes", str(max_bytes), "--out", out])
              for r in range(world)]

@@ -212,3 +212,27 @@ def test_admission_accepts_nothing_until_started():
         admission.stop()
         listener.close()
         client.close()
+
+
+def test_free_port_draws_bindable_ports_outside_the_kernels_outgoing_range(monkeypatch):
+    import socket
+
+    from ferro.rendezvous import settings
+
+    ephemeral = settings._ephemeral_ports()
+    ports = {settings.free_port() for _ in range(20)}
+    assert len(ports) > 1  # drawn, not one fixed port every rank and run would share
+    for port in ports:
+        assert port in settings.LISTEN_PORTS and port not in ephemeral
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", port))
+    # Nothing free in the drawn range: the kernel's choice instead of a failure.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        held = holder.getsockname()[1]
+        monkeypatch.setattr(settings, "LISTEN_PORTS", range(held, held + 1))
+        monkeypatch.setattr(settings, "_ephemeral_ports", lambda: range(0))
+        fallback = settings.free_port()
+        assert fallback != held
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", fallback))

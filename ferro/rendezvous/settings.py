@@ -8,6 +8,7 @@ same way wherever it enters (an argument, ``init_method``, the environment).
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -123,11 +124,43 @@ def validate_rank_and_size(rank: object, world_size: object) -> tuple[int, int]:
     return rank, world_size
 
 
+#: Where :func:`free_port` looks first: below Linux's default ephemeral range (32768-60999).
+LISTEN_PORTS = range(20000, 32768)
+
+
 def free_port(host: str = _LOCALHOST) -> int:
-    """Return a TCP port that was free on ``host`` a moment ago (another process may take it)."""
+    """Return a TCP port that was free on ``host`` a moment ago (another process may take it).
+
+    The port is drawn at random from :data:`LISTEN_PORTS`, outside the range the
+    kernel hands out to outgoing connections: a port the kernel chose (``bind(0)``)
+    lies in that range, where the job's own connections could take it before the
+    store binds it. Falls back to the kernel's choice when no drawn port is free.
+    """
+    draw = random.SystemRandom()  # not the module's generator: forked ranks would share its state
+    ephemeral = _ephemeral_ports()
+    for _ in range(32):
+        port = draw.choice(LISTEN_PORTS)
+        if port in ephemeral:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
+
+
+def _ephemeral_ports() -> range:
+    """Return the kernel's range for outgoing connections' ports (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(0)
 
 
 @dataclass(frozen=True)
