@@ -145,3 +145,22 @@ def test_a_sweep_of_several_world_sizes_plots_a_line_per_size():
         assert [p.size for p in points] == [8, 64, 4096]
         assert {p.world_size for p in points} == {int(label.split(", ")[1].split()[0])}
     assert sorted(lines([row("ferro-tcp", 2, 8)])) == ["ferro-tcp allreduce"]  # one size: no suffix
+
+
+def test_comparison_divides_by_the_time_it_prints():
+    # ferro has an in-place time, MPI's all_gather has none: the row falls back to out-of-place for every
+    # column, says so, and each ratio is the peer's time over the ferro time printed beside it.
+    from ferro.bench.cli import _comparison
+    from ferro.bench.table import Row
+
+    def row(library, oop, ip):
+        return Row(library, "all_gather", 1024, 256, "float32", "none", -1, 4, oop, ip, None, None)
+
+    both_in_place = _comparison([row("ferro-tcp", 100.0, 50.0), row("torch-gloo", 400.0, 300.0)], "ferro-tcp",
+                                ["torch-gloo"], {1024: 1.0}, 4).splitlines()[-1].split()
+    assert both_in_place[0] == "all_gather" and both_in_place[3:] == ["50.0", "300.0", "6.00x"]
+    one_lacks_it = _comparison([row("ferro-tcp", 100.0, 50.0), row("torch-gloo", 400.0, 300.0),
+                                row("mpi", 150.0, None)], "ferro-tcp", ["torch-gloo", "mpi"], {1024: 1.0},
+                               4).splitlines()[-1].split()
+    assert one_lacks_it[:2] == ["all_gather", "oop"]
+    assert one_lacks_it[4:] == ["100.0", "400.0", "4.00x", "150.0", "1.50x"]

@@ -320,3 +320,41 @@ def rank_closed_group(group):
 
 def test_a_closed_group_refuses_every_direct_call():
     assert run_processes(rank_closed_group, 2) == [["closed"] * 4] * 2
+
+
+def rank_gather_and_broadcast_across_the_thresholds(group):
+    # Sizes on both sides of the all_gather's Bruck threshold and the broadcast's tree/chain one. Odd
+    # ranks take the direct path, even ones the full path (async): both must choose the same algorithm.
+    n, r = group.world_size, group.rank
+    mesh = group.native.direct_mesh
+    wrong = []
+    part_sizes = (1, 7, mesh.bruck_bytes // (8 * n), mesh.bruck_bytes // (8 * n) + 1, 3 * mesh.bruck_bytes // 8)
+    for count in part_sizes:
+        mine = np.arange(count, dtype=np.float64) + 1000.0 * r
+        if r % 2:
+            gathered = ferro.all_gather(mine, group=group)
+        else:
+            gathered = np.empty(n * count)
+            ferro.all_gather(mine, gathered, group=group, async_op=True).wait()
+        if not np.array_equal(gathered, np.concatenate([np.arange(count) + 1000.0 * k for k in range(n)])):
+            wrong.append(f"all_gather of {count} per rank")
+    for nbytes in (8, mesh.chain_bytes, mesh.chain_bytes + 8, 4 * mesh.chain_bytes):
+        for root in (0, n - 1):
+            data = np.arange(nbytes // 8, dtype=np.float64) + root if r == root else np.zeros(nbytes // 8)
+            if r % 2:
+                ferro.broadcast(data, root, group=group)
+            else:
+                ferro.broadcast(data, root, group=group, async_op=True).wait()
+            if not np.array_equal(data, np.arange(nbytes // 8) + root):
+                wrong.append(f"broadcast of {nbytes} B from {root}")
+    return (mesh.bruck_bytes, mesh.chain_bytes), wrong
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 5, 7])
+def test_gather_and_broadcast_agree_across_paths_and_thresholds(world_size):
+    from ferro._core.collectives import DEFAULT_BRUCK_BYTES, DEFAULT_CHAIN_BYTES
+
+    for thresholds, wrong in run_processes(rank_gather_and_broadcast_across_the_thresholds, world_size,
+                                           timeout=180):
+        assert thresholds == (DEFAULT_BRUCK_BYTES, DEFAULT_CHAIN_BYTES)  # the mesh keeps what it was given
+        assert wrong == []

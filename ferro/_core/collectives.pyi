@@ -11,13 +11,17 @@ ALGORITHM_HALVING_DOUBLING: int
 ALGORITHMS: dict[str, int]
 DEFAULT_SEGMENT_BYTES: int
 DEFAULT_CHAIN_BYTES: int
+DEFAULT_BRUCK_BYTES: int
 
 class Mesh:
     connections: tuple[Connection | None, ...]
     rank: int
     n: int
     chain_bytes: int
-    def __init__(self, connections: tuple[Connection | None, ...], rank: int, chain_bytes: int = ...) -> None: ...
+    bruck_bytes: int
+    def __init__(
+        self, connections: tuple[Connection | None, ...], rank: int, chain_bytes: int = ..., bruck_bytes: int = ...
+    ) -> None: ...
 
 class DirectMeshAllreduce(DirectCall):
     def __call__(self, x: Any, op: Any, timeout: float | None) -> bool: ...
@@ -65,6 +69,7 @@ def broadcast(
     timeout: float,
     segment_bytes: int = ...,
 ) -> None: ...
+def all_gather(mesh: Mesh, buf: Any, nbytes: int, fingerprint: int, timeout: float) -> None: ...
 def all_to_all(
     mesh: Mesh,
     send_buf: Any,

@@ -48,6 +48,9 @@ cdef size_t SEGMENT_BYTES = 1024 * 1024
 DEFAULT_SEGMENT_BYTES = SEGMENT_BYTES
 # 64 KiB: below it a broadcast's log2(n) tree rounds cost less than the chain's n - 1 hops.
 DEFAULT_CHAIN_BYTES = 64 * 1024
+# An all_gather gathering at most this many bytes in all (4 ranks or more) takes Bruck's ceil(log2 n)
+# rounds instead of the ring's n - 1; at 8 ranks the two tie here (see DESIGN.md, "Choosing by size").
+DEFAULT_BRUCK_BYTES = 128 * 1024
 
 cdef uint32_t KIND_BARRIER = 2
 cdef uint32_t KIND_COLLECTIVE = 3
@@ -284,6 +287,9 @@ cdef class Mesh:
         chain_bytes: Broadcasts above this size (to more than two ranks) take the pipelined
             chain, where every link carries the message once, all at the same time; smaller
             ones the binomial tree's log2(n) rounds.
+        bruck_bytes: All_gathers of at most this many bytes in all, among 4 ranks or more,
+            take Bruck's ceil(log2 n) rounds; larger ones (and any among 3 ranks, where
+            the rounds are as many) the ring's n - 1.
     """
 
     cdef readonly tuple connections
@@ -295,13 +301,17 @@ cdef class Mesh:
     cdef size_t scratch_cap
     cdef size_t* bounds
     cdef readonly size_t chain_bytes
+    cdef readonly size_t bruck_bytes
 
-    def __cinit__(self, tuple connections, int rank, size_t chain_bytes=DEFAULT_CHAIN_BYTES):
+    def __cinit__(self, tuple connections, int rank, size_t chain_bytes=DEFAULT_CHAIN_BYTES,
+                  size_t bruck_bytes=DEFAULT_BRUCK_BYTES):
         cdef int i
         cdef Connection conn
         self.connections = connections
         self.rank = rank
         self.n = len(connections)
+        self.chain_bytes = chain_bytes
+        self.bruck_bytes = bruck_bytes
         if not 0 <= rank < self.n:
             raise ValueError(f"rank {rank} is outside a mesh of {self.n}")
         self.states = <ConnState**>malloc(self.n * sizeof(ConnState*))
@@ -355,6 +365,9 @@ cdef class Mesh:
 
     cdef inline bint chain(self, size_t nbytes) noexcept nogil:
         return nbytes > self.chain_bytes and self.n > 2
+
+    cdef inline bint bruck(self, size_t total) noexcept nogil:
+        return total <= self.bruck_bytes and self.n > 3
 
     cdef unsigned char* scratch_for(self, size_t nbytes) except NULL:
         """A scratch buffer of at least ``nbytes`` (while the locks are held)."""
@@ -579,6 +592,78 @@ def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
         call.release()
     if rc:
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "ring", timeout)
+
+
+cdef int _all_gather_bruck(ConnState** conns, int rank, int n, unsigned char* out, size_t nbytes,
+                           unsigned char* blocks, uint64_t fingerprint, int64_t deadline, SendOp* s,
+                           RecvOp* r) except -1 nogil:
+    """Bruck's all-gather of ``nbytes`` per rank into ``out``: ceil(log2 n) rounds, any n.
+
+    ``blocks`` (``n * nbytes``) holds the blocks in this rank's order: block ``j`` is
+    rank ``rank + j``'s. Round ``k`` sends the first ``min(2^k, n - 2^k)`` blocks to
+    rank ``rank - 2^k`` while as many arrive from rank ``rank + 2^k``; a rotation
+    puts them in rank order at the end.
+    """
+    cdef size_t have = 1, count
+    memcpy(blocks, out + <size_t>rank * nbytes, nbytes)
+    while have < <size_t>n:
+        count = min(have, <size_t>n - have)
+        if _exchange(s, conns[(rank - <int>have + n) % n], blocks, count * nbytes,
+                     r, conns[(rank + <int>have) % n], blocks + have * nbytes, count * nbytes, fingerprint, deadline):
+            return 1
+        have += count
+    memcpy(out + <size_t>rank * nbytes, blocks, <size_t>(n - rank) * nbytes)
+    memcpy(out, blocks + <size_t>(n - rank) * nbytes, <size_t>rank * nbytes)
+    return 0
+
+
+cdef int _all_gather_locked(Mesh mesh, unsigned char* out, size_t nbytes, uint64_t fingerprint, double timeout,
+                            SendOp* s, RecvOp* r) except -1:
+    """Gather ``nbytes`` from every rank into ``out`` (this rank's part already there): Bruck or the ring.
+
+    Called with the mesh's locks held; returns 1 on a transport failure (see ``s``, ``r``).
+    """
+    cdef int rc, i
+    cdef unsigned char* blocks
+    cdef int64_t deadline
+    if mesh.bruck(nbytes * <size_t>mesh.n):
+        blocks = mesh.scratch_for(nbytes * <size_t>mesh.n)
+        deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
+        with nogil:
+            rc = _all_gather_bruck(mesh.states, mesh.rank, mesh.n, out, nbytes, blocks, fingerprint, deadline, s, r)
+        return rc
+    for i in range(mesh.n + 1):
+        mesh.bounds[i] = i * nbytes
+    deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
+    with nogil:
+        rc = _ring(mesh.states, mesh.rank, mesh.n, out, mesh.bounds, 1, NULL, NULL, SEGMENT_BYTES, fingerprint,
+                   deadline, s, r, PHASE_ALL_GATHER)
+    return rc
+
+
+def all_gather(Mesh mesh, buf, Py_ssize_t nbytes, uint64_t fingerprint, double timeout) -> None:
+    """Gather ``nbytes`` per rank in place: ``buf`` holds ``n * nbytes``, this rank's part at ``rank * nbytes``.
+
+    Bruck's algorithm for small totals (see :class:`Mesh`), the segmented ring above.
+    """
+    cdef _Call call = _Call()
+    cdef SendOp s
+    cdef RecvOp r
+    cdef int rc = 0
+    memset(&s, 0, sizeof(SendOp))
+    memset(&r, 0, sizeof(RecvOp))
+    try:
+        call.take(mesh, buf, timeout, "all_gather")
+        if nbytes < 0 or <size_t>nbytes * <size_t>mesh.n > <size_t>call.view.len:
+            raise InvalidBufferError(f"all_gather: {mesh.n} parts of {nbytes} bytes do not fit a "
+                                     f"{call.view.len}-byte buffer")
+        if mesh.n < 2 or nbytes == 0:
+            return
+        rc = _all_gather_locked(mesh, <unsigned char*>call.view.buf, <size_t>nbytes, fingerprint, timeout, &s, &r)
+    finally:
+        call.release()
+    if rc:
+        raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "all_gather", timeout)
 
 
 cdef int _broadcast_tree(ConnState** conns, int rank, int n, int root, unsigned char* buf, size_t nbytes,
@@ -900,8 +985,7 @@ cdef class DirectMeshAllGather(_MeshCall):
         cdef double seconds
         cdef uint64_t fingerprint
         cdef size_t nbytes
-        cdef int rc = 0, i
-        cdef int64_t deadline
+        cdef int rc = 0
         cdef bint has_into = False
         if type(tag) is not int or not self.may_take(x) or (out is not None and type(out) is not self.ndarray):
             return None
@@ -938,13 +1022,7 @@ cdef class DirectMeshAllGather(_MeshCall):
                 if mesh.n > 1:
                     mesh.acquire(seconds, "all_gather")
                     try:
-                        for i in range(mesh.n + 1):
-                            mesh.bounds[i] = i * nbytes
-                        deadline = monotonic_ns() + <int64_t>(seconds * 1e9)
-                        with nogil:
-                            rc = _ring(mesh.states, mesh.rank, mesh.n, <unsigned char*>into.buf, mesh.bounds, 1,
-                                       NULL, NULL, SEGMENT_BYTES, fingerprint, deadline, &s, &r,
-                                       PHASE_ALL_GATHER)
+                        rc = _all_gather_locked(mesh, <unsigned char*>into.buf, nbytes, fingerprint, seconds, &s, &r)
                     finally:
                         mesh.release()
                     if rc:

@@ -145,23 +145,26 @@ def _available(library: str, backend: str = "") -> str | None:
 
 def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[int, float], world_size: int) -> str:
     ours = {(r.op, r.size): r for r in rows if r.library == primary}
-    lines = ["#", f"# {primary} beside its peers, {world_size} ranks: time per call (us), in-place where both have "
-             "it, else out-of-place;",
+    lines = ["#", f"# {primary} beside its peers, {world_size} ranks: time per call (us), in-place where every "
+             "library has it, else out-of-place (marked oop);",
              "# ratio = peer / ferro (above 1: ferro is faster); memcpy = one core copying the same bytes once"]
     header = f"# {'op':<15}{'size':>12}{'memcpy':>9}{primary:>11}"
     for peer in peers:
         header += f"{peer:>12}{'ratio':>8}"
     lines.append(header)
     for (op, size), mine in sorted(ours.items()):
-        line = f"  {op:<15}{size:>12}{copy_us.get(size, float('nan')):>9.1f}{mine.time_us():>11.1f}"
-        for peer in peers:
-            theirs = next((r for r in rows if r.library == peer and r.op == op and r.size == size), None)
-            if theirs is None:
+        theirs = [next((r for r in rows if r.library == peer and r.op == op and r.size == size), None)
+                  for peer in peers]
+        # One basis for the whole row, so the ferro column is the time every ratio divides by.
+        in_place = mine.ip_time_us is not None and all(t is None or t.ip_time_us is not None for t in theirs)
+        mine_t = mine.time_us() if in_place else mine.oop_time_us
+        basis = "" if in_place or mine.ip_time_us is None else " oop"
+        line = f"  {op + basis:<15}{size:>12}{copy_us.get(size, float('nan')):>9.1f}{mine_t:>11.1f}"
+        for row in theirs:
+            if row is None:
                 line += f"{'N/A':>12}{'N/A':>8}"
             else:
-                both_in_place = theirs.ip_time_us is not None and mine.ip_time_us is not None
-                mine_t = mine.time_us() if both_in_place else mine.oop_time_us
-                theirs_t = theirs.time_us() if both_in_place else theirs.oop_time_us
+                theirs_t = row.time_us() if in_place else row.oop_time_us
                 line += f"{theirs_t:>12.1f}{theirs_t / mine_t:>7.2f}x"
         lines.append(line)
     return "\n".join(lines)
