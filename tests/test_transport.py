@@ -331,3 +331,53 @@ def test_close_from_another_thread_wakes_a_blocked_receive(pair):
     thread.join(10)
     assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], BackendClosedError), errors
+
+
+def _tcp_pair_with_a_backlog():
+    """Two TCP connections where A has queued a big frame and then a notice that B has not read yet,
+    while B's frame to A lies unread at A: closing A plainly now resets the connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    b_sock = socket.create_connection(listener.getsockname())
+    a_sock, _ = listener.accept()
+    listener.close()
+    b_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # B's window fills at once
+    a_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)  # the rest waits in A's send queue
+    a, b = t.Connection(a_sock, 0, 1), t.Connection(b_sock, 1, 0)
+    b.send(np.arange(1024, dtype=np.float64), timeout=10)  # unread at A
+    big = np.arange(40_000, dtype=np.float64)  # 320 KB: more than B's window, less than A's send queue
+    a.send(big, timeout=10)
+    a.send(b"the notice", timeout=10)
+    return a, b, big
+
+
+def _read_everything(b, big):
+    first, notice = np.empty_like(big), bytearray(10)
+    try:
+        b.recv_into(first, timeout=10)
+        b.recv_into(notice, timeout=10)
+        return np.array_equal(first, big) and bytes(notice) == b"the notice"
+    except (ConnectionBrokenError, PeerLostError) as exc:
+        return type(exc).__name__
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("closing", ["close", "linger"])
+def test_linger_delivers_what_was_queued_where_a_plain_close_resets_it(closing):
+    a, b, big = _tcp_pair_with_a_backlog()
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(_read_everything(b, big)))
+    if closing == "close":
+        a.close()  # unread bytes at A: the kernel resets the connection and drops A's queue
+        reader.start()
+        reader.join(30)
+        assert seen and seen[0] in ("ConnectionBrokenError", "PeerLostError")
+    else:
+        reader.start()
+        import time
+
+        a.stop_sending()
+        a.linger(time.monotonic() + 30)  # returns once B has read everything and closed
+        reader.join(30)
+        assert seen == [True]
+    assert a.closed

@@ -541,6 +541,51 @@ cdef class Connection:
         """The socket's file descriptor (-1 once closed)."""
         return self.st.fd
 
+    def stop_sending(self) -> None:
+        """Send the peer end-of-stream after whatever this end has queued (``shutdown(SHUT_WR)``); see :meth:`linger`."""
+        if not self.is_closed:
+            try:
+                self.sock.shutdown(1)  # SHUT_WR
+            except OSError:
+                pass  # already disconnected
+
+    def linger(self, double deadline) -> None:
+        """Let what this end already sent reach the peer, then :meth:`close` (for a group that failed).
+
+        Closing a socket with unread bytes in it makes the kernel reset the connection
+        and discard what this end still had queued -- an abort notice stuck behind a
+        peer that is not reading yet, say -- so the peer would see "connection reset"
+        instead of the notice. Here this end stops sending (:meth:`stop_sending`: call
+        it on every connection of the group first, so that no two ranks wait on each
+        other) and reads and discards whatever arrives until the peer closes too, or
+        ``time.monotonic()`` passes ``deadline``; only then does it close. A thread
+        inside an operation on this connection (holding its receive lock) is left
+        alone: the plain close follows at once.
+        """
+        import select
+        import time
+
+        if self.is_closed:
+            return
+        cdef bint got_recv = PyThread_acquire_lock(self.recv_lock, 0) == PY_LOCK_ACQUIRED
+        try:
+            if got_recv:
+                self.stop_sending()
+                poller = select.poll()
+                poller.register(self.st.fd, select.POLLIN)
+                try:
+                    while (left := deadline - time.monotonic()) > 0:
+                        if poller.poll(max(int(left * 1000), 1)) and not self.sock.recv(1 << 16, MSG_DONTWAIT):
+                            break  # the peer closed too: nothing of ours is left in flight
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    pass  # reset or gone: nothing left to deliver
+        finally:
+            if got_recv:
+                PyThread_release_lock(self.recv_lock)
+        self.close()
+
     def close(self) -> None:
         """Close the socket. Idempotent; later operations raise BackendClosedError.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ SOCKET_BUFFER_ENV = "FERRO_SOCKET_BUFFER_BYTES"
 # Measured on loopback (bench/, DESIGN.md): fixed 4 MiB buffers take a 1 MiB allreduce
 # from ~565 to ~350 us, where autotuning starts too small; 0 restores autotuning.
 DEFAULT_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+# How long closing a group that sent abort notices waits for its peers to close too (see TcpBackend._release).
+ABORT_LINGER_SECONDS = 2.0
 
 
 def _size_socket_buffers(sock: socket.socket) -> None:
@@ -140,6 +143,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
             raise DistributedError(f"rank {self._rank}: rendezvous returned no connection to rank(s) {sorted(missing)}")
         self._bind_addr = bind_addr
         self._spin_us = spin_us
+        self._aborted = False
         self._links = {}
         for peer, sock in sockets.items():
             _size_socket_buffers(sock)
@@ -210,6 +214,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
 
     def abort_peers(self, payload: bytes) -> None:
         """Send an abort notice to every peer whose connection still works (one second each at most)."""
+        self._aborted = True  # closing lingers, so that the notices arrive (see _release)
         for conn in self._links.values():
             if conn.broken is None and not conn.closed:
                 try:
@@ -233,5 +238,13 @@ class TcpBackend(StoreBackend, NativeCollectives):
         return child
 
     def _release(self) -> None:
+        if self._aborted:
+            # A plain close with the peers' frames unread would reset the connections and drop notices still
+            # queued here; ranks that are not waiting on this one would then report it lost instead of the cause.
+            deadline = time.monotonic() + ABORT_LINGER_SECONDS
+            for conn in self._links.values():
+                conn.stop_sending()
+            for conn in self._links.values():
+                conn.linger(deadline)
         for conn in self._links.values():
             conn.close()
