@@ -325,36 +325,53 @@ def test_a_closed_group_refuses_every_direct_call():
 def rank_gather_and_broadcast_across_the_thresholds(group):
     # Sizes on both sides of the all_gather's Bruck threshold and the broadcast's tree/chain one. Odd
     # ranks take the direct path, even ones the full path (async): both must choose the same algorithm.
+    # Which peers each call sent frames to (the connections' sequence numbers) shows the algorithm taken.
     n, r = group.world_size, group.rank
     mesh = group.native.direct_mesh
-    wrong = []
+    wrong, sent_to = [], {}
+
+    def run(collective, *args):
+        """Call on this rank's path; return the peers it sent frames to."""
+        before = [conn.send_seq if conn is not None else 0 for conn in mesh.connections]
+        if r % 2:
+            collective(*args, group=group)
+        else:
+            collective(*args, group=group, async_op=True).wait()
+        return sorted(p for p, conn in enumerate(mesh.connections) if conn is not None and conn.send_seq > before[p])
+
     part_sizes = (1, 7, mesh.bruck_bytes // (8 * n), mesh.bruck_bytes // (8 * n) + 1, 3 * mesh.bruck_bytes // 8)
     for count in part_sizes:
-        mine = np.arange(count, dtype=np.float64) + 1000.0 * r
-        if r % 2:
-            gathered = ferro.all_gather(mine, group=group)
-        else:
-            gathered = np.empty(n * count)
-            ferro.all_gather(mine, gathered, group=group, async_op=True).wait()
+        gathered = np.empty(n * count)
+        sent_to["all_gather", count] = run(ferro.all_gather, np.arange(count, dtype=np.float64) + 1000.0 * r,
+                                           gathered)
         if not np.array_equal(gathered, np.concatenate([np.arange(count) + 1000.0 * k for k in range(n)])):
             wrong.append(f"all_gather of {count} per rank")
     for nbytes in (8, mesh.chain_bytes, mesh.chain_bytes + 8, 4 * mesh.chain_bytes):
         for root in (0, n - 1):
             data = np.arange(nbytes // 8, dtype=np.float64) + root if r == root else np.zeros(nbytes // 8)
-            if r % 2:
-                ferro.broadcast(data, root, group=group)
-            else:
-                ferro.broadcast(data, root, group=group, async_op=True).wait()
+            peers = run(ferro.broadcast, data, root)
+            if r == root:
+                sent_to["broadcast", nbytes] = peers
             if not np.array_equal(data, np.arange(nbytes // 8) + root):
                 wrong.append(f"broadcast of {nbytes} B from {root}")
-    return (mesh.bruck_bytes, mesh.chain_bytes), wrong
+    return (mesh.bruck_bytes, mesh.chain_bytes), sent_to, wrong
 
 
 @pytest.mark.parametrize("world_size", [3, 4, 5, 7])
 def test_gather_and_broadcast_agree_across_paths_and_thresholds(world_size):
     from ferro._core.collectives import DEFAULT_BRUCK_BYTES, DEFAULT_CHAIN_BYTES
 
-    for thresholds, wrong in run_processes(rank_gather_and_broadcast_across_the_thresholds, world_size,
-                                           timeout=180):
+    n = world_size
+    distances = [1 << k for k in range(n.bit_length()) if 1 << k < n]  # 1, 2, 4, ... below n
+    results = run_processes(rank_gather_and_broadcast_across_the_thresholds, n, timeout=180)
+    for r, (thresholds, sent_to, wrong) in enumerate(results):
         assert thresholds == (DEFAULT_BRUCK_BYTES, DEFAULT_CHAIN_BYTES)  # the mesh keeps what it was given
         assert wrong == []
+        for (op, size), peers in sent_to.items():
+            if op == "all_gather":  # Bruck sends to rank - 1, - 2, - 4, ...; the ring only to rank + 1
+                bruck = n > 3 and size * 8 * n <= DEFAULT_BRUCK_BYTES
+                expected = sorted({(r - d) % n for d in distances}) if bruck else [(r + 1) % n]
+            else:  # at the root: the tree sends to root + 1, + 2, + 4, ...; the chain only to root + 1
+                tree = n <= 2 or size <= DEFAULT_CHAIN_BYTES
+                expected = sorted({(r + d) % n for d in distances}) if tree else [(r + 1) % n]
+            assert peers == expected, (op, size, r)

@@ -100,6 +100,9 @@ from ferro._core.status import (  # re-exported: the frame kinds and abort notic
 )
 from ferro.errors import BackendClosedError, DistributedTimeoutError, InvalidBufferError
 
+import select
+import time
+
 cdef extern from "Python.h":
     # Declared without Cython's ``except -1`` so the loop can decide what to
     # clean up before it lets the pending KeyboardInterrupt propagate.
@@ -562,9 +565,6 @@ cdef class Connection:
         inside an operation on this connection (holding its receive lock) is left
         alone: the plain close follows at once.
         """
-        import select
-        import time
-
         if self.is_closed:
             return
         cdef bint got_recv = PyThread_acquire_lock(self.recv_lock, 0) == PY_LOCK_ACQUIRED
@@ -577,10 +577,8 @@ cdef class Connection:
                     while (left := deadline - time.monotonic()) > 0:
                         if poller.poll(max(int(left * 1000), 1)) and not self.sock.recv(1 << 16, MSG_DONTWAIT):
                             break  # the peer closed too: nothing of ours is left in flight
-                except BlockingIOError:
-                    pass
                 except OSError:
-                    pass  # reset or gone: nothing left to deliver
+                    pass  # reset or gone (or a spurious wake-up): nothing more to wait for
         finally:
             if got_recv:
                 PyThread_release_lock(self.recv_lock)

@@ -198,7 +198,7 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         return self._world.native_reduce_scatter(flat, bounds, dtype, op, fingerprint, timeout)
 
     def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
-        """Over the TCP mesh's ring."""
+        """Over the TCP mesh (Bruck's rounds or the ring, as a TCP group chooses)."""
         return self._world.native_all_gather(flat, bounds, fingerprint, timeout)
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],

@@ -110,6 +110,7 @@ class NativeCollectives:
         """Fill every part of the byte buffer ``flat`` (``bounds`` in bytes) from the rank that owns it.
 
         On entry part ``rank`` holds this rank's data; on return every part holds its owner's.
+        The parts are equal (``bounds[i] == i * bounds[1]``): every rank gathers the same shape.
         """
         return False
 

@@ -190,13 +190,12 @@ class TcpBackend(StoreBackend, NativeCollectives):
         return True
 
     def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
-        """Gather byte chunks: Bruck's log2(n) rounds for small equal parts, else the ring's all-gather half."""
+        """Gather equal byte parts: Bruck's log2(n) rounds when small, else the ring's all-gather half.
+
+        The compiled call chooses, as it does for the direct path, so ranks on either path agree frame for frame.
+        """
         self._usable("all_gather")
-        part = bounds[1] - bounds[0]
-        if all(bounds[i] == i * part for i in range(len(bounds))):  # as the direct path does, frame for frame
-            native.all_gather(self._mesh, flat, part, fingerprint, timeout)
-        else:
-            native.ring(self._mesh, flat, bounds, -1, 0, 1, fingerprint, timeout, False, True)
+        native.all_gather(self._mesh, flat, bounds[1], fingerprint, timeout)
         return True
 
     def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:

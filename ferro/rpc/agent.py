@@ -303,6 +303,11 @@ class RpcAgent:
         else:
             _settle(pending.future, exception=_remote_exception(message.body, pending.what))
 
+    def lost_ranks(self) -> set[int]:
+        """Return the ranks of the workers this one has lost (closing the agent loses them all)."""
+        with self._lock:
+            return set(self._lost)
+
     def _peer_lost(self, peer: int, reason: str) -> None:
         with self._lock:
             if peer in self._lost:

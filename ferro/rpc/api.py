@@ -195,8 +195,7 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     """
     global _agent
     agent = _current("shutdown")
-    with agent._lock:
-        gone = set(agent._lost)  # before shutting down, which loses every peer
+    gone = agent.lost_ranks()  # before shutting down, which loses every peer
     try:
         agent.shutdown(graceful, timeout)  # serves other workers' calls until they are done: keep it current
     finally:
