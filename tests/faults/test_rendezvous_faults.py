@@ -38,6 +38,28 @@ STORE_HOST = textwrap.dedent("""
 """)
 
 
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped.
+
+    kill() returns before the process stops: the kernel wakes one thread, which then stops the others. Under
+    load a request sent at once was answered by a server thread still running (23 of 40 tries on 2 busy cores).
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])  # the field after "(comm)"
+            except FileNotFoundError:
+                continue  # a thread that ended meanwhile
+        if states and all(state == "T" for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within {timeout} s of SIGSTOP")
+
+
 class StoreHost:
     """A store served by a child process."""
 
@@ -87,7 +109,7 @@ def test_every_store_operation_keeps_the_callers_deadline_when_the_host_freezes(
     host = store_host()
     client = Store("127.0.0.1", host.port, secret=SECRET, timeout=30)
     assert client.get("ready", timeout=5) == b"1"
-    host.process.send_signal(signal.SIGSTOP)
+    freeze(host.process.pid)
     try:
         for name, operation in OPERATIONS.items():
             start = time.monotonic()
@@ -123,7 +145,7 @@ def _new_group_with_rank0_frozen(rank, world_size, backend):
         ferro.recv(1, timeout=60)
         ferro.destroy_process_group()
         return None
-    os.kill(int(pids[0]), signal.SIGSTOP)
+    freeze(int(pids[0]))
     start = time.monotonic()
     try:
         ferro.new_group([0, 1], timeout=2)
