@@ -54,6 +54,27 @@ def test_process_failure_ships_the_traceback_and_stops_the_others():
     assert time.monotonic() - start < 60  # rank 0 was killed, not waited for
 
 
+def rank_one_fails_then_closes_slowly(group):
+    if group.rank == 1:
+        close = group.close
+
+        def close_then_stall():
+            close()  # rank 0 fails now...
+            time.sleep(1.0)  # ...while rank 1 is still unwinding (as under load, or lingering after an abort)
+
+        group.close = close_then_stall
+        raise ValueError("deliberate failure on rank 1")
+    group.recv(np.empty(1), 1, timeout=300)
+
+
+def test_the_cause_is_reported_though_the_failed_rank_is_slow_to_close_its_group():
+    # Rank 0's failure is a consequence and reaches the harness first: the cause must still win.
+    with pytest.raises(ferro.RankFailedError) as info:
+        run_processes(rank_one_fails_then_closes_slowly, 2, timeout=120)
+    assert info.value.rank == 1, info.value
+    assert "deliberate failure on rank 1" in info.value.remote_traceback
+
+
 def test_thread_failure_aborts_the_group():
     with pytest.raises(ferro.RankFailedError) as info:
         run_threads(rank_one_fails_while_zero_waits, 2, timeout=120)

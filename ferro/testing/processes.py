@@ -65,6 +65,24 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_s
     stack_file = open(stack_path, "w")  # noqa: SIM115 - must outlive this frame for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    reported = False
+
+    def report_failure() -> None:
+        # When one rank's failure makes its peers fail too, the earliest is the cause (see _earliest_failure).
+        nonlocal reported
+        if not reported:
+            reported = True
+            result_pipe.send(("error", traceback.format_exc(), time.monotonic()))
+
+    def call(*fn_args: Any) -> Any:
+        try:
+            return fn(*fn_args)
+        except BaseException:
+            # Reported before the group closes: closing is what makes the peers fail, and it can take longer
+            # (a lingering abort, 2 s at most) than the parent waits for a cause after the first failure.
+            report_failure()
+            raise
+
     try:
         if mode is not None:
             from ferro.backend import JoinSpec, join_backend
@@ -75,18 +93,17 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_s
                 spec = JoinSpec(rank, world_size, _LOCALHOST, store_port, timeout=group_timeout, secret=secret,
                                 store=store)
                 with join_backend(mode, spec) as group:
-                    result = fn(group, *args)
+                    result = call(group, *args)
             finally:
                 store.close()
         else:
-            result = fn(rank, world_size, *args)
+            result = call(rank, world_size, *args)
         try:
             result_pipe.send(("ok", result))
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             result_pipe.send(("error", f"rank {rank} returned an unpicklable result: {exc!r}"))
     except BaseException:
-        # When one rank's failure makes its peers fail too, the earliest is the cause.
-        result_pipe.send(("error", traceback.format_exc(), time.monotonic()))
+        report_failure()
     finally:
         result_pipe.close()
 
