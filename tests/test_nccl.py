@@ -322,7 +322,17 @@ def test_ranks_take_their_local_gpu(stubs, tmp_path):
     assert [device for _, device in results] == [0, 1]
 
 
-def _expect_duplicate(rank, world_size, port_env):
+def _expect_duplicate(rank, world_size, slow_reader):
+    if rank == slow_reader:  # reads the GPU reports late, as a loaded rank does, after rank 0 has refused them
+        from ferro.rendezvous.store import Store
+
+        get = Store.get
+
+        def late_get(self, key, timeout=None):
+            time.sleep(0.5)
+            return get(self, key, timeout)
+
+        Store.get = late_get
     try:
         ferro.NcclBackend(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=30)
     except ConfigurationError as exc:
@@ -330,9 +340,11 @@ def _expect_duplicate(rank, world_size, port_env):
     return "no error"
 
 
-def test_two_ranks_on_one_gpu_are_named(stubs, tmp_path):
+@pytest.mark.parametrize("slow_reader", [None, 1], ids=["together", "rank1_reads_late"])
+def test_two_ranks_on_one_gpu_are_named(stubs, tmp_path, slow_reader):
+    # Rank 0 serves the store and closes it with its refusal: a rank still reading got "store closed" instead.
     env = stub_env(*stubs, tmp_path / "log", FERRO_STUB_DEVICES="1")
-    messages = run_processes(_expect_duplicate, 2, backend=None, args=(None,), env=env, timeout=120)
+    messages = run_processes(_expect_duplicate, 2, backend=None, args=(slow_reader,), env=env, timeout=120)
     for rank, message in enumerate(messages):
         assert message.startswith(f"rank {rank}: rank 0 (cuda:0) and rank 1 (cuda:0) use the same GPU (PCI "
                                   f"0000:01:00.0) on one host"), message

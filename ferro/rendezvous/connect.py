@@ -14,7 +14,7 @@ import queue
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ferro.errors import (
     AuthenticationError,
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from ferro.rendezvous.store import Store
 
 __all__ = ["HANDSHAKE_TIMEOUT", "build_mesh", "claim_rank", "dial", "local_address_towards", "release_rank",
-           "time_left", "wait_for_ranks"]
+           "time_left", "wait_before_closing", "wait_for_ranks"]
 
 log = logging.getLogger("ferro.rendezvous")
 
@@ -212,6 +212,22 @@ def wait_for_ranks(store: Store, keys: dict[int, str], deadline: float, rank: in
         raise DistributedTimeoutError(
             f"rank {rank}: rendezvous timed out: rank(s) {missing} did not {doing} within {seconds:.3g} s: they were "
             f"never started (check WORLD_SIZE and the launcher), or died or froze during rendezvous") from None
+
+
+def wait_before_closing(store: Any, keys: list[str], seconds: float) -> None:
+    """On the rank serving ``store``, wait up to ``seconds`` until ``keys`` (the marks of ranks done with it) are set.
+
+    Closing the store under a rank still using it turns that rank's own outcome
+    (a refusal every rank reaches, a clean join) into "the store closed the
+    connection". Quiet, and bounded: a rank that died leaves its mark unset, and
+    the wait just ends. A store this rank does not serve outlives it anyway.
+    """
+    if getattr(store, "server", None) is None or not keys:  # a FileStore, or another rank's server
+        return
+    try:
+        store.wait(keys, timeout=seconds)
+    except DistributedError:
+        pass
 
 
 class _Acceptor:

@@ -13,8 +13,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ferro.errors import BackendClosedError, ConfigurationError, DistributedError
-from ferro.rendezvous.connect import build_mesh, claim_rank, local_address_towards, release_rank, wait_for_ranks
+from ferro.errors import BackendClosedError, ConfigurationError
+from ferro.rendezvous.connect import (
+    build_mesh,
+    claim_rank,
+    local_address_towards,
+    release_rank,
+    wait_before_closing,
+    wait_for_ranks,
+)
 from ferro.rendezvous.env import job_rank_and_size, master_address
 from ferro.rendezvous.settings import (
     DEFAULT_MASTER_PORT,
@@ -206,11 +213,6 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
 
 def _close_store(agent: RpcAgent, store: Store, gone: set[int]) -> None:
     """Close the rendezvous store; the rank serving it first lets the live workers finish ``init_rpc`` with it."""
-    if store.server is not None:
-        keys = [f"{_NAMESPACE}/joined/{r}" for r in range(agent.world_size) if r != agent.rank and r not in gone]
-        try:
-            if keys:
-                store.wait(keys, timeout=min(agent.timeout, JOINED_GRACE_SECONDS))
-        except DistributedError:
-            pass  # a worker that died while joining: it has nothing left to ask of the store
+    keys = [f"{_NAMESPACE}/joined/{r}" for r in range(agent.world_size) if r != agent.rank and r not in gone]
+    wait_before_closing(store, keys, min(agent.timeout, JOINED_GRACE_SECONDS))
     store.close()

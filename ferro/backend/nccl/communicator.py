@@ -45,7 +45,7 @@ from ferro.errors import (
     DistributedTimeoutError,
     InvalidBufferError,
 )
-from ferro.rendezvous.connect import time_left, wait_for_ranks
+from ferro.rendezvous.connect import time_left, wait_before_closing, wait_for_ranks
 from ferro.rendezvous.hosts import host_identity
 
 __all__ = ["Communicator", "DeviceWork", "MULTI_RANK_GPU_ENV", "choose_device"]
@@ -55,6 +55,8 @@ log = logging.getLogger("ferro.nccl")
 MULTI_RANK_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
 _FIRST_POLL_SECONDS = 1e-4
 _LONGEST_POLL_SECONDS = 0.01
+# How long the rank serving the store waits, before refusing the GPUs, for the others to read them.
+REFUSAL_GRACE_SECONDS = 10.0
 
 
 def choose_device(driver: CudaDriver, device: int | None, rank: int) -> int:
@@ -500,6 +502,14 @@ def _check_gpus(store: Any, prefix: str, rank: int, world_size: int, driver: Cud
     shared = [(bus_id, found) for (_, bus_id), found in owners.items() if len(found) > 1]
     if not shared or (version >= (2, 30, 0) and os.environ.get(MULTI_RANK_GPU_ENV) == "1"):
         return
+    # Every rank reaches this refusal. The one serving the store closes it as it raises: it first lets the others
+    # finish reading the reports, or they would report the store lost instead (seen under load, rank 1 of 2).
+    try:
+        store.set(f"{prefix}/gpus-read/{rank}", "1", timeout=time_left(deadline, rank, "marking the GPUs read"))
+    except DistributedError:
+        pass  # the refusal below is this rank's outcome either way
+    wait_before_closing(store, [f"{prefix}/gpus-read/{r}" for r in range(world_size) if r != rank],
+                        min(max(deadline - time.monotonic(), 0.0), REFUSAL_GRACE_SECONDS))
     bus_id, ranks = shared[0]
     names = " and ".join(f"rank {r} (cuda:{d})" for r, d in ranks)
     raise ConfigurationError(
