@@ -100,6 +100,33 @@ def test_failing_rank_takes_the_job_down_and_nothing_survives(tmp_path, mode, co
     assert wait_gone(str(tmp_path)) == []
 
 
+SLOW_TO_EXIT_CAUSE = """
+    import os, time
+    import ferro
+    ferro.init_process_group(timeout=30)
+    if os.environ["RANK"] == "1":
+        try:
+            raise ValueError("the cause, on rank 1")
+        finally:
+            ferro.destroy_process_group()  # rank 0 loses rank 1 now and exits first...
+            time.sleep(1.5)  # ...while this rank is still unwinding (as under load)
+    ferro.recv(1, timeout=60)
+"""
+
+
+def test_the_rank_that_failed_first_is_named_not_the_peer_that_lost_it(tmp_path):
+    script = write(tmp_path / "cause.py", SLOW_TO_EXIT_CAUSE)
+    done = subprocess.run([*FERRO, "run", "--nproc-per-node", "2", "--grace", "2", script],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1
+    summary = [line for line in done.stderr.splitlines() if line.startswith("ferro run:")]
+    assert summary == [
+        "ferro run: rank 1 exited with code 1 (ValueError: the cause, on rank 1); rank 0 failed after losing rank 1; "
+        "stopping the other ranks",
+        "ferro run: job failed: rank 1 exited with code 1 (ValueError: the cause, on rank 1)"], done.stderr
+    assert "[rank 0] ferro.errors.PeerLostError" in done.stderr  # the consequence's traceback is still shown
+
+
 def test_max_restarts_restarts_the_whole_group(tmp_path):
     script = write(tmp_path / "fail.py", FAILING)
     done = subprocess.run([*FERRO, "run", "--nproc-per-node", "2", "--max-restarts", "1", "--grace", "2", script,
@@ -208,3 +235,25 @@ def test_ranks_import_the_installed_ferro_from_a_source_tree_root(tmp_path, form
     for info in seen:
         assert not info["ferro"].startswith(str(tmp_path))
         assert (info["path0"], info["helper"]) == (path0, helper)
+
+
+def test_a_failure_record_names_the_lost_peer_behind_the_error_and_skips_clean_exits(tmp_path, monkeypatch):
+    from ferro.errors import PeerLostError
+    from ferro.launch.failures import ERROR_FILE_ENV, FailureRecord, read_failure, record_failure
+
+    path = str(tmp_path / "record.json")
+    monkeypatch.setenv(ERROR_FILE_ENV, path)
+    record_failure(SystemExit(0))
+    assert read_failure(path) is None  # a clean exit is no failure
+    try:
+        try:
+            raise PeerLostError("rank 0: recv from rank 2: rank 2 exited", peer=2)
+        except PeerLostError as lost:
+            raise RuntimeError("training step failed\nsecond line") from lost
+    except RuntimeError as exc:
+        record_failure(exc)
+    assert read_failure(path) == FailureRecord("RuntimeError: training step failed", 2)
+    record_failure(SystemExit(3))
+    assert read_failure(path) == FailureRecord("SystemExit: 3", None)
+    (tmp_path / "torn.json").write_text('{"error": ')
+    assert read_failure(str(tmp_path / "torn.json")) is None

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -16,11 +18,14 @@ from typing import IO
 from ferro.errors import ConfigurationError
 from ferro.launch import bootstrap
 from ferro.launch.bootstrap import GRACE_ENV, LAUNCHER_PID_ENV
+from ferro.launch.failures import ERROR_FILE_ENV, read_failure
 from ferro.launch.reaper import become_subreaper, end_descendants
 
 __all__ = ["LaunchConfig", "RankFailure", "run_job"]
 
 POLL_SECONDS = 0.05
+# How long the launcher waits, after a rank failed from losing a peer, for that peer to exit and say why.
+CAUSE_WAIT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -66,18 +71,21 @@ class RankFailure:
         rank: Its global rank.
         exitcode: Its exit status, or None if a signal ended it.
         signal_name: The signal's name, or None.
+        error: The exception that ended it (``"ValueError: ..."``), if it said.
+        lost_peer: The rank whose loss that exception was, or None.
 
     """
 
     rank: int
     exitcode: int | None
     signal_name: str | None
+    error: str | None = None
+    lost_peer: int | None = None
 
     def describe(self) -> str:
-        """Say how the rank ended, e.g. "exited with code 3" or "was killed by SIGKILL"."""
-        if self.signal_name:
-            return f"was killed by {self.signal_name}"
-        return f"exited with code {self.exitcode}"
+        """Say how the rank ended, e.g. "exited with code 3 (ValueError: bad input)" or "was killed by SIGKILL"."""
+        how = f"was killed by {self.signal_name}" if self.signal_name else f"exited with code {self.exitcode}"
+        return f"{how} ({self.error})" if self.error else how
 
     @property
     def job_exit_code(self) -> int:
@@ -87,7 +95,11 @@ class RankFailure:
         return self.exitcode or 1
 
 
-def _environment(config: LaunchConfig, local_rank: int, restart: int) -> dict[str, str]:
+def _error_file(records: str, rank: int, restart: int) -> str:
+    return os.path.join(records, f"rank{rank}-attempt{restart}.json")
+
+
+def _environment(config: LaunchConfig, local_rank: int, restart: int, records: str) -> dict[str, str]:
     rank = config.node_rank * config.nproc_per_node + local_rank
     env = dict(os.environ)
     env.update({
@@ -96,6 +108,7 @@ def _environment(config: LaunchConfig, local_rank: int, restart: int) -> dict[st
         "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(config.master_port),
         "FERRO_RESTART_COUNT": str(restart), "FERRO_SECRET": config.secret,
         LAUNCHER_PID_ENV: str(os.getpid()), GRACE_ENV: str(config.grace_seconds), "PYTHONUNBUFFERED": "1",
+        ERROR_FILE_ENV: _error_file(records, rank, restart),
     })
     return env
 
@@ -132,14 +145,14 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
-def _start(config: LaunchConfig, restart: int, pump: _OutputPump) -> list[subprocess.Popen[bytes]]:
+def _start(config: LaunchConfig, restart: int, pump: _OutputPump, records: str) -> list[subprocess.Popen[bytes]]:
     # The bootstrap runs by its path, not with -m: -m would put our working directory first on
     # sys.path, where a ferro source tree (a clone's root) would shadow the installed package.
     command = [sys.executable, "-u", os.path.abspath(bootstrap.__file__), *config.target]
     ranks = []
     for local in range(config.nproc_per_node):
         # A session of its own: the rank and everything it starts can be signalled as one group.
-        process = subprocess.Popen(command, env=_environment(config, local, restart), stdout=subprocess.PIPE,
+        process = subprocess.Popen(command, env=_environment(config, local, restart, records), stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, start_new_session=True)
         ranks.append(process)
         # Output always passes through here line by line, so ranks' lines never interleave mid-line.
@@ -175,7 +188,8 @@ def _stop(ranks: list[subprocess.Popen[bytes]], signum: int, grace: float) -> No
             pass
 
 
-def _watch(ranks: list[subprocess.Popen[bytes]], config: LaunchConfig) -> RankFailure | None:
+def _watch(ranks: list[subprocess.Popen[bytes]], config: LaunchConfig, records: str,
+           restart: int) -> RankFailure | None:
     """Wait until all ranks succeed (None) or one fails (the first failure)."""
     while True:
         running = False
@@ -184,13 +198,42 @@ def _watch(ranks: list[subprocess.Popen[bytes]], config: LaunchConfig) -> RankFa
             if code is None:
                 running = True
             elif code != 0:
-                rank = config.node_rank * config.nproc_per_node + local
-                if code < 0:
-                    return RankFailure(rank, None, signal.Signals(-code).name)
-                return RankFailure(rank, code, None)
+                return _failure(config.node_rank * config.nproc_per_node + local, code, records, restart)
         if not running:
             return None
         time.sleep(POLL_SECONDS)
+
+
+def _failure(rank: int, code: int, records: str, restart: int) -> RankFailure:
+    record = read_failure(_error_file(records, rank, restart))
+    error, lost = (record.error, record.lost_peer) if record else (None, None)
+    if code < 0:
+        return RankFailure(rank, None, signal.Signals(-code).name, error, lost)
+    return RankFailure(rank, code, None, error, lost)
+
+
+def _trace_cause(failure: RankFailure, ranks: list[subprocess.Popen[bytes]], config: LaunchConfig, records: str,
+                 restart: int) -> list[RankFailure]:
+    """Follow lost peers from ``failure`` to the rank that failed on its own; return the chain, cause last.
+
+    A peer still running is waited for, CAUSE_WAIT_SECONDS at most: it is
+    typically printing its traceback or closing its group. A peer on another
+    node, or one that exited cleanly, ends the chain where it is.
+    """
+    chain = [failure]
+    first_local = config.node_rank * config.nproc_per_node
+    deadline = time.monotonic() + CAUSE_WAIT_SECONDS
+    while (lost := chain[-1].lost_peer) is not None and lost not in {f.rank for f in chain}:
+        if not 0 <= lost - first_local < len(ranks):
+            break
+        code = ranks[lost - first_local].poll()
+        if code == 0 or (code is None and time.monotonic() >= deadline):
+            break
+        if code is None:
+            time.sleep(POLL_SECONDS)
+            continue
+        chain.append(_failure(lost, code, records, restart))
+    return chain
 
 
 def _say(message: str) -> None:
@@ -223,14 +266,17 @@ def run_job(config: LaunchConfig) -> int:
     ranks: list[subprocess.Popen[bytes]] = []
     # Whatever a rank's processes orphan comes back here (if its guardian was killed first), to be ended below.
     become_subreaper()
+    records = tempfile.mkdtemp(prefix="ferro-run-")  # the ranks' failure records (see ferro.launch.failures)
     try:
         for restart in range(config.max_restarts + 1):
-            ranks = _start(config, restart, pump)
-            failure = _watch(ranks, config)
-            if failure is None:
+            ranks = _start(config, restart, pump, records)
+            first = _watch(ranks, config, records, restart)
+            if first is None:
                 pump.drain(5.0)
                 return 0
-            _say(f"rank {failure.rank} {failure.describe()}; stopping the other ranks")
+            *consequences, failure = _trace_cause(first, ranks, config, records, restart)
+            after = "".join(f"; rank {f.rank} failed after losing rank {f.lost_peer}" for f in consequences)
+            _say(f"rank {failure.rank} {failure.describe()}{after}; stopping the other ranks")
             _stop(ranks, signal.SIGTERM, config.grace_seconds)
             end_descendants(os.getpid(), config.grace_seconds)  # nothing of this attempt lives into the next
             pump.drain(5.0)
@@ -256,3 +302,4 @@ def run_job(config: LaunchConfig) -> int:
         end_descendants(os.getpid(), config.grace_seconds)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        shutil.rmtree(records, ignore_errors=True)

@@ -133,17 +133,22 @@ def _run_target(argv: list[str]) -> None:
     # sys.path[0] is this file's folder here, so this is the installed ferro; importing it
     # now pins it in sys.modules before the target's own sys.path[0] is put in place.
     import ferro  # noqa: F401
+    from ferro.launch.failures import record_failure
 
-    if argv and argv[0] == "-m":
-        module, args = argv[1], argv[2:]
-        sys.argv = [module, *args]
-        sys.path[0] = os.getcwd()  # what `python -m` puts first
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    else:
-        script, args = argv[0], argv[1:]
-        sys.argv = [script, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))  # what `python script.py` puts first
-        runpy.run_path(script, run_name="__main__")
+    try:
+        if argv and argv[0] == "-m":
+            module, args = argv[1], argv[2:]
+            sys.argv = [module, *args]
+            sys.path[0] = os.getcwd()  # what `python -m` puts first
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            script, args = argv[0], argv[1:]
+            sys.argv = [script, *args]
+            sys.path[0] = os.path.dirname(os.path.abspath(script))  # what `python script.py` puts first
+            runpy.run_path(script, run_name="__main__")
+    except BaseException as exc:
+        record_failure(exc)  # before exit closes the group: the launcher names the cause, not its peers
+        raise
 
 
 if __name__ == "__main__":
