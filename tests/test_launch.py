@@ -103,13 +103,25 @@ def test_failing_rank_takes_the_job_down_and_nothing_survives(tmp_path, mode, co
 SLOW_TO_EXIT_CAUSE = """
     import os, time
     import ferro
+
+    def exited(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
     ferro.init_process_group(timeout=30)
+    pid0 = ferro.broadcast_object(os.getpid(), root=0)
     if os.environ["RANK"] == "1":
         try:
             raise ValueError("the cause, on rank 1")
         finally:
             ferro.destroy_process_group()  # rank 0 loses rank 1 now and exits first...
-            time.sleep(1.5)  # ...while this rank is still unwinding (as under load)
+            deadline = time.monotonic() + 4
+            while not exited(pid0) and time.monotonic() < deadline:
+                time.sleep(0.01)  # ...while this rank is still unwinding (as under load)
+            time.sleep(0.5)  # and the launcher has seen rank 0 go
     ferro.recv(1, timeout=60)
 """
 
