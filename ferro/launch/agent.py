@@ -206,10 +206,8 @@ def _watch(ranks: list[subprocess.Popen[bytes]], config: LaunchConfig, records: 
 
 def _failure(rank: int, code: int, records: str, restart: int) -> RankFailure:
     record = read_failure(_error_file(records, rank, restart))
-    error, lost = (record.error, record.lost_peer) if record else (None, None)
-    if code < 0:
-        return RankFailure(rank, None, signal.Signals(-code).name, error, lost)
-    return RankFailure(rank, code, None, error, lost)
+    return RankFailure(rank, code if code >= 0 else None, signal.Signals(-code).name if code < 0 else None,
+                       record.error if record else None, record.lost_peer if record else None)
 
 
 def _trace_cause(failure: RankFailure, ranks: list[subprocess.Popen[bytes]], config: LaunchConfig, records: str,
@@ -223,16 +221,16 @@ def _trace_cause(failure: RankFailure, ranks: list[subprocess.Popen[bytes]], con
     chain = [failure]
     first_local = config.node_rank * config.nproc_per_node
     deadline = time.monotonic() + CAUSE_WAIT_SECONDS
-    while (lost := chain[-1].lost_peer) is not None and lost not in {f.rank for f in chain}:
-        if not 0 <= lost - first_local < len(ranks):
-            break
+    while (lost := chain[-1].lost_peer) is not None and 0 <= lost - first_local < len(ranks):
+        if any(f.rank == lost for f in chain):
+            break  # two ranks that lost each other: neither says more
         code = ranks[lost - first_local].poll()
-        if code == 0 or (code is None and time.monotonic() >= deadline):
-            break
-        if code is None:
+        if code is None and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)
-            continue
-        chain.append(_failure(lost, code, records, restart))
+        elif code is None or code == 0:
+            break
+        else:
+            chain.append(_failure(lost, code, records, restart))
     return chain
 
 

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from _procs import freeze
 
 import ferro
 from ferro.errors import DistributedError, DistributedTimeoutError
@@ -36,28 +37,6 @@ STORE_HOST = textwrap.dedent("""
     print(store.port, flush=True)
     time.sleep(600)
 """)
-
-
-def freeze(pid: int, timeout: float = 10.0) -> None:
-    """SIGSTOP ``pid`` and return once every thread of it has stopped.
-
-    kill() returns before the process stops: the kernel wakes one thread, which then stops the others. Under
-    load a request sent at once was answered by a server thread still running (23 of 40 tries on 2 busy cores).
-    """
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])  # the field after "(comm)"
-            except FileNotFoundError:
-                continue  # a thread that ended meanwhile
-        if states and all(state == "T" for state in states):
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"process {pid} did not stop within {timeout} s of SIGSTOP")
 
 
 class StoreHost:
