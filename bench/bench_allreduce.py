@@ -36,8 +36,8 @@ import time
 
 import numpy as np
 
-from ferro.bench.reference import memcpy_seconds
 from ferro.rendezvous.settings import free_port
+from ferro.tools.bench.reference import memcpy_seconds
 
 PEERS = ["ferro", "ferro-tcp", "ferro-shm", "ferro-mpi", "gloo", "mpi", "mpi-sm"]
 # Started by mpirun: raw mpi4py, and ferro's MPI backend over the same Open MPI (its default transport).

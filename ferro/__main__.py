@@ -2,6 +2,6 @@
 
 import sys
 
-from ferro.cli import main
+from ferro.tools.cli import main
 
 sys.exit(main())

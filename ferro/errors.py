@@ -34,6 +34,7 @@ __all__ = [
     "SelfSendError",
     "SizeMismatchError",
     "StoreError",
+    "StoreKeyTimeoutError",
     "TransportError",
 ]
 
@@ -49,6 +50,22 @@ class DistributedTimeoutError(DistributedError, TimeoutError):
     broken (see :class:`ConnectionBrokenError`); a timeout while waiting for a
     frame to start leaves it usable.
     """
+
+
+class StoreKeyTimeoutError(DistributedTimeoutError):
+    """Store keys were not set in time; :attr:`missing` names them (rendezvous turns them into the ranks missing).
+
+    Attributes:
+        missing: The keys still unset when the wait gave up.
+
+    """
+
+    def __init__(self, message: str, missing: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+    def __reduce__(self):  # keep ``missing`` across pickling
+        return (type(self), (str(self), self.missing))
 
 
 class PeerLostError(DistributedError, ConnectionError):

@@ -160,7 +160,7 @@ def thread_tag(thread_name: str) -> int:
     Calls are matched across ranks in order, per group; the tag makes a call
     issued by one thread refuse a call issued by a thread of another name, so
     calls that several threads race to make fail loudly instead of meeting the
-    wrong partner (see :mod:`ferro.work` for the rule).
+    wrong partner (see :mod:`ferro.collective.work` for the rule).
     """
     return zlib.crc32(thread_name.encode()) % 0xFFF + 1
 

@@ -25,6 +25,7 @@ BUILTIN_OF = {
     ferro.BackendClosedError: RuntimeError,
     ferro.ConfigurationError: ValueError,
     ferro.StoreError: ValueError,
+    ferro.StoreKeyTimeoutError: TimeoutError,
     ferro.RankFailedError: RuntimeError,
     ferro.CheckpointError: ValueError,
     ferro.CheckpointCorruptError: ValueError,

@@ -130,8 +130,8 @@ def test_ctrl_c_keeps_the_rows_measured_so_far(tmp_path):
 
 def test_a_sweep_of_several_world_sizes_plots_a_line_per_size():
     # -n 2,4: each library's rows of both sizes must not become one line zigzagging between them.
-    from ferro.bench.plot import lines
-    from ferro.bench.table import Row
+    from ferro.tools.bench.plot import lines
+    from ferro.tools.bench.table import Row
 
     def row(library, world, size):
         return Row(library, "allreduce", size, size // 4, "float32", "sum", -1, world, 10.0 * world, 9.0 * world,
@@ -150,8 +150,8 @@ def test_a_sweep_of_several_world_sizes_plots_a_line_per_size():
 def test_comparison_divides_by_the_time_it_prints():
     # ferro has an in-place time, MPI's all_gather has none: the row falls back to out-of-place for every
     # column, says so, and each ratio is the peer's time over the ferro time printed beside it.
-    from ferro.bench.cli import _comparison
-    from ferro.bench.table import Row
+    from ferro.tools.bench.cli import _comparison
+    from ferro.tools.bench.table import Row
 
     def row(library, oop, ip):
         return Row(library, "all_gather", 1024, 256, "float32", "none", -1, 4, oop, ip, None, None)

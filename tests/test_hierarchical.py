@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ferro
-from ferro.process_group import choose_backend
+from ferro.collective.process_group import choose_backend
 from ferro.testing import RankExit, netns, run_processes
 from ferro.testing.conformance import check_collectives
 

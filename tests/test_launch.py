@@ -197,7 +197,7 @@ def test_several_nodes_need_a_shared_secret(tmp_path):
 
 def test_python_dash_m_ferro_run_is_the_same_command(tmp_path):
     write(tmp_path / "hello.py", "print('hello')\n")
-    done = subprocess.run([sys.executable, "-m", "ferro.run", "--nproc-per-node", "2", "hello.py"],
+    done = subprocess.run([sys.executable, "-m", "ferro", "run", "--nproc-per-node", "2", "hello.py"],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.count("hello") == 2
 

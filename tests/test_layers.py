@@ -13,19 +13,18 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ferro"
 
-# Lowest first. A module may import modules of its own layer or any layer below.
+# Lowest first: one folder per layer (DESIGN.md's table), plus the bottom's three modules and the
+# public face. A module may import modules of its own layer or any layer below.
 LAYERS = [
     ("bottom", ["ferro.errors", "ferro.types", "ferro._buffers", "ferro._core"]),
     ("rendezvous", ["ferro.rendezvous"]),
     ("rpc", ["ferro.rpc"]),
     ("backend", ["ferro.backend"]),
-    ("collectives", ["ferro.collective", "ferro.p2p", "ferro.gpu", "ferro.process_group", "ferro.work",
-                     "ferro._dispatch", "ferro._algorithms", "ferro._meta"]),
-    ("parallelism and state", ["ferro.parallel", "ferro.pipeline", "ferro.device_mesh", "ferro.dtensor",
-                               "ferro.checkpoint"]),
+    ("collectives", ["ferro.collective"]),
+    ("parallelism and state", ["ferro.parallel", "ferro.dtensor", "ferro.checkpoint"]),
     ("interop", ["ferro.interop"]),
     ("the public face", ["ferro"]),
-    ("tools", ["ferro.launch", "ferro.bench", "ferro.cli", "ferro.demo", "ferro.run", "ferro.__main__"]),
+    ("tools", ["ferro.tools", "ferro.launch", "ferro.__main__"]),
 ]
 # ferro.nn is the NumPy reference model: it imports no communication at all.
 STANDALONE = {"ferro.nn": {"ferro.nn", "ferro.errors", "ferro.types"}}
@@ -64,9 +63,74 @@ def imports_of(path, module):
             found += [(alias.name, node.lineno) for alias in node.names if alias.name.split(".")[0] == "ferro"]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module.split(".")[0] == "ferro":
-                # `from ferro import nn` imports ferro.nn; `from ferro.x import name` imports ferro.x.
-                names = [f"{node.module}.{a.name}" if node.module == "ferro" else node.module for a in node.names]
+                # `from ferro.x import y` imports the module ferro.x.y where there is one, else ferro.x.
+                names = [f"{node.module}.{a.name}" if _is_module(f"{node.module}.{a.name}") else node.module
+                         for a in node.names]
                 found += [(name, node.lineno) for name in names]
+    return found
+
+
+def _is_module(name):
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    suffixes = (".py", ".pyx", ".pxd")
+    return any(path.with_suffix(suffix).is_file() for suffix in suffixes) or (path / "__init__.py").is_file()
+
+
+def import_graph():
+    """Every module of the package and the modules it imports (deferred and type-checking imports too)."""
+    graph = {}
+    for path in all_modules():
+        module = module_name(path)
+        targets = set()
+        for name, _ in imports_of(path, module):
+            while name and not _is_module(name):
+                name = name.rpartition(".")[0]  # a name inside a module: the module
+            if name and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def cycles(graph):
+    """The strongly connected sets of two modules or more (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            advanced = False
+            for target in edges:
+                if target not in graph:
+                    continue
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                    advanced = True
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                members = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    members.append(member)
+                    if member == node:
+                        break
+                if len(members) > 1:
+                    found.append(sorted(members))
     return found
 
 
@@ -106,9 +170,29 @@ def test_imports_run_down_the_layers(path):
 def test_the_layer_check_catches_an_upward_import(tmp_path):
     # The rule itself must bite: a backend module importing the collectives is refused.
     assert layer_of("ferro.collective") > layer_of("ferro.backend.tcp")
-    assert layer_of("ferro.process_group") > layer_of("ferro.backend.sub")
+    assert layer_of("ferro.collective.process_group") > layer_of("ferro.backend.sub")
     assert layer_of("ferro.testing.processes") is None
     fake = tmp_path / "ferro" / "backend" / "x.py"
     fake.parent.mkdir(parents=True)
-    fake.write_text("def f():\n    from ferro.process_group import get_default_group\n")
-    assert imports_of(fake, "ferro.backend.x") == [("ferro.process_group", 2)]
+    fake.write_text("def f():\n    from ferro.collective.process_group import get_default_group\n")
+    assert imports_of(fake, "ferro.backend.x") == [("ferro.collective.process_group", 2)]
+
+
+def test_no_two_modules_import_each_other():
+    # Inside a layer too, through any chain, counting imports inside functions and under TYPE_CHECKING.
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_catches_a_circle_through_a_deferred_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_top_level_reads_as_the_layer_table():
+    # ls ferro/: a folder per layer, the bottom's modules, the public face and `python -m ferro`.
+    top = sorted(p.name for p in PACKAGE.iterdir() if not p.name.startswith(".") and p.name != "__pycache__"
+                 and not p.name.endswith((".so", ".c")))
+    layered = {prefix.split(".")[1] for _, prefixes in LAYERS for prefix in prefixes if "." in prefix}
+    assert top == sorted({f"{name}.py" if (PACKAGE / f"{name}.py").exists() else name for name in layered}
+                         | {"__init__.py", "nn", "testing", "py.typed"})

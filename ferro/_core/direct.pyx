@@ -72,7 +72,7 @@ cdef class DirectCall:
 
     cdef bint may_take(self, x) noexcept:
         # Another thread's call takes the full path, which tags it with that thread (the thread rule of
-        # ferro.work). The group's flags are read without the worker's lock: a hint, as ordering across
+        # ferro.collective.work). The group's flags are read without the worker's lock: a hint, as ordering across
         # threads is the caller's; begin() then claims the group before anything can let another thread in.
         if x is not None and type(x) is not self.ndarray:
             return False

@@ -21,7 +21,7 @@ cdef enum:
 
 cdef class GroupState:
     cdef public object failure           # why the group is unusable after a failed collective, or None
-    cdef public object worker            # the group's GroupWorker (ferro.work), created on first use
+    cdef public object worker            # the group's GroupWorker (ferro.collective.work), created on first use
     cdef public object p2p               # ferro.p2p's receive state: messages set aside by (source, tag)
     cdef public object direct_allreduce  # the compiled allreduce path, None (the group has none), or UNSET
     cdef public object direct_broadcast  # likewise for broadcast, all_gather and barrier (ferro._core.direct)

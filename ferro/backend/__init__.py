@@ -4,7 +4,7 @@
 ``init_process_group(backend=...)``, ``ferro bench --backend`` and the test
 harness (``run_processes(backend=...)``) all read this list, so a backend added
 here is usable everywhere at once. ``"auto"`` is not a backend but a choice
-among them (:func:`ferro.process_group.init_process_group`). Backends that are
+among them (:func:`ferro.collective.process_group.init_process_group`). Backends that are
 planned but not part of this ferro are listed too, and joining one raises
 :class:`~ferro.BackendUnavailableError` saying so.
 """

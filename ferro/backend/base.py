@@ -63,7 +63,7 @@ class Backend(abc.ABC):
     _group_state: GroupState  # created on first use of ``state``: subclasses need not call an __init__
     _is_native: bool = False  # set per class: does it implement NativeCollectives?
     #: Whether collectives carry the issuing thread's tag, so calls racing from several threads
-    #: fail instead of meeting the wrong partner (the thread rule of :mod:`ferro.work`).
+    #: fail instead of meeting the wrong partner (the thread rule of :mod:`ferro.collective.work`).
     tags_threads: bool = True
     #: Whether the group moves host memory (NumPy arrays, CPU tensors). NCCL groups move GPU memory only.
     host_memory: bool = True
@@ -96,7 +96,7 @@ class Backend(abc.ABC):
     def device_collectives(self) -> Any:
         """The group's NCCL communicator (:class:`~ferro.backend.nccl.communicator.Communicator`), or None.
 
-        Collectives on GPU buffers (:mod:`ferro.gpu`) run on it; a group without one
+        Collectives on GPU buffers (:mod:`ferro.collective.gpu`) run on it; a group without one
         refuses them with a message saying which backends have one.
         """
         return None

@@ -32,8 +32,8 @@ from ferro.checkpoint._format import (
 from ferro.checkpoint._items import STORAGE_DTYPE, Path, TensorItem, decode_value, dotted, flatten, put_values
 from ferro.checkpoint._plan import Description, SavePlan, describe, plan_save
 from ferro.collective import all_gather_object, broadcast_object
+from ferro.collective.process_group import get_default_group, is_initialized, new_group
 from ferro.errors import CheckpointCorruptError, CheckpointError
-from ferro.process_group import get_default_group, is_initialized, new_group
 
 __all__ = ["async_save", "latest", "load", "read_tensors", "save", "step_path"]
 

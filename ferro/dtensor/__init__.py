@@ -21,8 +21,7 @@ Example::
 
 from ferro.dtensor.api import DTensor, distribute_tensor
 from ferro.dtensor.convert import from_sharded_entries
-from ferro.dtensor.ops import matmul_placements
-from ferro.dtensor.placements import Partial, Placement, Replicate, Shard
+from ferro.dtensor.placements import Partial, Placement, Replicate, Shard, matmul_placements
 from ferro.dtensor.redistribute import Step, plan_redistribute
 
 __all__ = ["DTensor", "Partial", "Placement", "Replicate", "Shard", "Step", "distribute_tensor", "from_sharded_entries",

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ferro import collective
-from ferro.dtensor.placements import Partial, Placement, Replicate, Shard
+from ferro.dtensor.placements import Partial, Placement, Replicate, Shard, matmul_placements
 from ferro.dtensor.redistribute import plan_redistribute, run_plan
 
 __all__ = ["grad_placements", "matmul", "redistribute"]
@@ -81,9 +81,7 @@ class _Matmul(torch.autograd.Function):
 
 
 def matmul(a: Any, b: Any, output: tuple[Placement, ...], timeout: float | None = None) -> Any:
-    """``a.local @ b.local`` with the gradient reductions the placements call for (pieces from ``ops``)."""
-    from ferro.dtensor.ops import matmul_placements
-
+    """``a.local @ b.local`` with the gradient reductions the placements call for."""
     grad_out = grad_placements(output)
     reduce_a, reduce_b = [], []
     for mesh_dim, (pa, pb, pg) in enumerate(zip(a.placements, b.placements, grad_out, strict=True)):

@@ -20,9 +20,9 @@ import numpy as np
 
 from ferro import collective
 from ferro.backend.base import Backend
-from ferro.device_mesh import DeviceMesh
 from ferro.dtensor import _arrays as xp
 from ferro.dtensor import ops
+from ferro.dtensor.device_mesh import DeviceMesh
 from ferro.dtensor.layout import flat_ranges, local_box
 from ferro.dtensor.placements import Placement, Replicate, Shard, normalize_placements
 from ferro.dtensor.redistribute import Step, plan_redistribute, run_plan

@@ -16,10 +16,10 @@ import numpy as np
 
 from ferro import collective
 from ferro.backend.base import Backend
+from ferro.collective.process_group import get_default_group
 from ferro.dtensor.api import DTensor, _as_mesh
 from ferro.dtensor.layout import chunk_bounds
 from ferro.dtensor.placements import Replicate, Shard
-from ferro.process_group import get_default_group
 
 __all__ = ["from_sharded_entries"]
 

@@ -14,10 +14,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ferro.device_mesh import DeviceMesh
 from ferro.dtensor import _arrays as xp
-from ferro.dtensor.placements import Partial, Placement, Replicate, Shard
-from ferro.types import ReduceOp
+from ferro.dtensor.device_mesh import DeviceMesh
+from ferro.dtensor.placements import LINEAR_OPS, Partial, Placement, Shard, matmul_placements
 
 __all__ = ["Piece", "elementwise", "tracks_grad", "matmul", "matmul_placements", "reduce_sum", "transpose"]
 
@@ -41,7 +40,6 @@ _OPERATORS: dict[str, Callable[..., Any]] = {
 # Ops under which a pending SUM/AVG stays pending: sums of terms, and scaling by a plain number.
 _LINEAR_IN_ALL = {"add", "subtract", "negative", "positive"}
 _LINEAR_IN_ONE = {"multiply": (0, 1), "divide": (0,)}  # which argument may be the Partial one
-_LINEAR_OPS = (ReduceOp.SUM, ReduceOp.MEAN)
 
 
 def _is_scalar(x: Any) -> bool:
@@ -92,7 +90,7 @@ def elementwise(name: str, args: Sequence[Any], ufunc: Any = None) -> Result:
         linear = name in _LINEAR_IN_ALL and all(isinstance(a, Piece) for a in args)
         if name in _LINEAR_IN_ONE and len(pieces) == 1:
             linear = any(isinstance(args[i], Piece) for i in _LINEAR_IN_ONE[name] if i < len(args))
-        if not linear or any(p.reduce_op not in _LINEAR_OPS for p in partial):
+        if not linear or any(p.reduce_op not in LINEAR_OPS for p in partial):
             raise NotImplementedError(
                 f"DTensor: {name} on a Partial ({partial[0]!r}) DTensor would act on the pending terms, not on "
                 f"the value; redistribute to Replicate or Shard first")
@@ -111,34 +109,6 @@ def elementwise(name: str, args: Sequence[Any], ufunc: Any = None) -> Result:
 def _aligned(piece: Piece, shape: tuple[int, ...]) -> tuple[Placement, ...]:
     shift = len(shape) - len(piece.shape)
     return tuple(Shard(p.dim + shift) if isinstance(p, Shard) else p for p in piece.placements)
-
-
-def matmul_placements(left: Placement, right: Placement) -> Placement | None:
-    """Return the placement of ``a @ b`` on one mesh dimension, or None when no local rule exists.
-
-    ============  ============  ==========  ==========================================
-    ``a``         ``b``         ``a @ b``   the layout
-    ============  ============  ==========  ==========================================
-    Replicate     Replicate     Replicate
-    Replicate     Shard(1)      Shard(1)    column-wise: the weight's columns split
-    Shard(0)      Replicate     Shard(0)    rows of ``a`` split (data parallel)
-    Shard(1)      Shard(0)      Partial     row-wise: the contraction split; sum pending
-    Partial       Replicate     Partial     (SUM or AVG: the product is linear)
-    Replicate     Partial       Partial
-    ============  ============  ==========  ==========================================
-    """
-    rules: dict[tuple[Placement, Placement], Placement] = {
-        (Replicate(), Replicate()): Replicate(),
-        (Replicate(), Shard(1)): Shard(1),
-        (Shard(0), Replicate()): Shard(0),
-        (Shard(1), Shard(0)): Partial(),
-    }
-    if (left, right) in rules:
-        return rules[(left, right)]
-    for pending, other in ((left, right), (right, left)):
-        if isinstance(pending, Partial) and pending.reduce_op in _LINEAR_OPS and other == Replicate():
-            return pending
-    return None
 
 
 def matmul(a: Any, b: Any) -> Result:
@@ -211,7 +181,7 @@ def reduce_sum(a: Piece, dim: int | Sequence[int] | None, keepdim: bool, mean: b
     name = "mean" if mean else "sum"
     placements: list[Placement] = []
     for p in a.placements:
-        if isinstance(p, Partial) and p.reduce_op not in _LINEAR_OPS:
+        if isinstance(p, Partial) and p.reduce_op not in LINEAR_OPS:
             raise NotImplementedError(f"DTensor: {name} of a {p!r} DTensor; redistribute to Replicate first")
         if isinstance(p, Shard):
             if p.dim in summed:

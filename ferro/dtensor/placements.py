@@ -8,12 +8,15 @@ from typing import Any
 
 from ferro.types import ReduceOp
 
-__all__ = ["PARTIAL_OPS", "Partial", "Placement", "Replicate", "Shard", "normalize_placements"]
+__all__ = ["LINEAR_OPS", "PARTIAL_OPS", "Partial", "Placement", "Replicate", "Shard", "matmul_placements",
+           "normalize_placements"]
 
 # Reductions a Partial may wait for. Each has a partition (what Replicate -> Partial leaves on each rank) that
 # the reduction undoes exactly: SUM keeps the value on coordinate 0 and zeros elsewhere (x + 0 + ... == x,
 # bit for bit), MAX, MIN and AVG keep it everywhere.
 PARTIAL_OPS = (ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.MAX, ReduceOp.MIN)
+# Pending reductions that commute with a product or a sum: a Partial of these survives them.
+LINEAR_OPS = (ReduceOp.SUM, ReduceOp.MEAN)
 
 
 @dataclass(frozen=True)
@@ -98,3 +101,31 @@ def normalize_placements(placements: Sequence[Any], mesh_ndim: int, tensor_ndim:
             placement = Shard(dim % tensor_ndim)
         result.append(placement)
     return tuple(result)
+
+
+def matmul_placements(left: Placement, right: Placement) -> Placement | None:
+    """Return the placement of ``a @ b`` on one mesh dimension, or None when no local rule exists.
+
+    ============  ============  ==========  ==========================================
+    ``a``         ``b``         ``a @ b``   the layout
+    ============  ============  ==========  ==========================================
+    Replicate     Replicate     Replicate
+    Replicate     Shard(1)      Shard(1)    column-wise: the weight's columns split
+    Shard(0)      Replicate     Shard(0)    rows of ``a`` split (data parallel)
+    Shard(1)      Shard(0)      Partial     row-wise: the contraction split; sum pending
+    Partial       Replicate     Partial     (SUM or AVG: the product is linear)
+    Replicate     Partial       Partial
+    ============  ============  ==========  ==========================================
+    """
+    rules: dict[tuple[Placement, Placement], Placement] = {
+        (Replicate(), Replicate()): Replicate(),
+        (Replicate(), Shard(1)): Shard(1),
+        (Shard(0), Replicate()): Shard(0),
+        (Shard(1), Shard(0)): Partial(),
+    }
+    if (left, right) in rules:
+        return rules[(left, right)]
+    for pending, other in ((left, right), (right, left)):
+        if isinstance(pending, Partial) and pending.reduce_op in LINEAR_OPS and other == Replicate():
+            return pending
+    return None

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferro import collective
-from ferro.device_mesh import DeviceMesh
 from ferro.dtensor import _arrays as xp
+from ferro.dtensor.device_mesh import DeviceMesh
 from ferro.dtensor.layout import chunk_bounds, chunk_size, parent_length
 from ferro.dtensor.placements import Partial, Placement, Replicate, Shard
 from ferro.types import ReduceOp

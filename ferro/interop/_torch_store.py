@@ -8,8 +8,7 @@ from typing import Any
 
 from torch.distributed import DistError, DistStoreError
 
-from ferro.errors import TransportError
-from ferro.rendezvous.store import StoreKeyTimeoutError
+from ferro.errors import StoreKeyTimeoutError, TransportError
 
 __all__ = ["TorchStore"]
 
@@ -21,7 +20,7 @@ class TorchStore:
     request; torch's takes one only for ``wait``. Reads therefore wait for
     their key first (with the caller's timeout) and then read it; writes and
     counters use the timeout torch's store was made with. torch's timeouts
-    become ferro's :class:`~ferro.rendezvous.store.StoreKeyTimeoutError`
+    become ferro's :class:`~ferro.errors.StoreKeyTimeoutError`
     naming the missing keys, which rendezvous turns into "rank(s) [2] did not
     ...". Closing it leaves torch's store alone: torch owns it.
 

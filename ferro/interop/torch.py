@@ -15,7 +15,7 @@ another. Every rank needs the job secret in ``$FERRO_SECRET`` (``ferro run``
 sets it; under torchrun, export the same random string on every node).
 
 Each torch call becomes one ferro collective per tensor, issued on the group's
-worker (:mod:`ferro.work`) in call order, straight into the caller's tensors
+worker (:mod:`ferro.collective.work`) in call order, straight into the caller's tensors
 where torch's call has an output tensor of the right layout (no staging copy).
 The returned :class:`FerroWork` completes its torch future on the worker, so
 DDP's gradient buckets reduce while backward goes on. Errors are ferro's
@@ -42,12 +42,12 @@ import torch.distributed as dist
 from ferro import collective
 from ferro.backend import JoinSpec, join_backend
 from ferro.backend.base import Backend
+from ferro.collective.process_group import BACKEND_ENV, backend_by_hosts
+from ferro.collective.work import PendingCollective, worker_of
 from ferro.errors import ConfigurationError, DistributedTimeoutError, InvalidBufferError
 from ferro.interop._peer_links import PeerLinks
 from ferro.interop._torch_store import TorchStore
-from ferro.process_group import BACKEND_ENV, backend_by_hosts
 from ferro.types import ReduceOp
-from ferro.work import PendingCollective, worker_of
 
 __all__ = ["BACKEND_NAME", "FerroWork", "ProcessGroupFerro", "register"]
 

@@ -21,9 +21,9 @@ import numpy as np
 
 from ferro.backend.base import Backend
 from ferro.collective import ReduceOp, allreduce, broadcast
+from ferro.collective.work import PendingCollective, worker_of
 from ferro.errors import ConfigurationError
 from ferro.parallel._model import Model, TorchModel, model_adapter
-from ferro.work import PendingCollective, worker_of
 
 __all__ = ["DDP", "Bucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 
@@ -124,7 +124,7 @@ class DDP:
     def __init__(self, module: Any, group: Backend | None = None, bucket_cap_mb: float = 25,
                  first_bucket_mb: float = 1, broadcast_parameters: bool = True,
                  comm_hook: CommHook | None = None) -> None:
-        from ferro._dispatch import resolve_group
+        from ferro.collective.resolve import resolve_group
 
         self.module = module
         self.group = resolve_group(group, "DDP")

@@ -14,7 +14,8 @@ import queue
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 from ferro.errors import (
     AuthenticationError,
@@ -23,6 +24,7 @@ from ferro.errors import (
     DistributedTimeoutError,
     InvalidWorldSizeError,
     PeerLostError,
+    StoreKeyTimeoutError,
 )
 from ferro.rendezvous.auth import (
     PRE_AUTH_SECONDS,
@@ -33,11 +35,8 @@ from ferro.rendezvous.auth import (
 )
 from ferro.rendezvous.settings import BIND_ADDR_ENV
 
-if TYPE_CHECKING:
-    from ferro.rendezvous.store import Store
-
-__all__ = ["HANDSHAKE_TIMEOUT", "build_mesh", "claim_rank", "dial", "local_address_towards", "release_rank",
-           "time_left", "wait_before_closing", "wait_for_ranks"]
+__all__ = ["HANDSHAKE_TIMEOUT", "KeyValueStore", "build_mesh", "claim_rank", "dial", "local_address_towards",
+           "release_rank", "time_left", "wait_before_closing", "wait_for_ranks"]
 
 log = logging.getLogger("ferro.rendezvous")
 
@@ -45,6 +44,26 @@ log = logging.getLogger("ferro.rendezvous")
 HANDSHAKE_TIMEOUT = 10.0
 # Backoff between dialling attempts: from the first delay, doubling, up to the last.
 _FIRST_DELAY, _LONGEST_DELAY = 0.01, 0.5
+
+
+class KeyValueStore(Protocol):
+    """What connecting ranks need of a store: :class:`~ferro.rendezvous.store.Store` and ``FileStore`` have it.
+
+    Taken as a protocol so that this module, which the store itself uses to dial,
+    never imports the store.
+    """
+
+    def set(self, key: str, value: bytes | str, timeout: float | None = None) -> None:
+        """Set ``key`` to ``value``."""
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """Return ``key``'s value, waiting until it is set."""
+
+    def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
+        """Wait until every key is set; raise :class:`~ferro.errors.StoreKeyTimeoutError` naming the others."""
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str, timeout: float | None = None) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected``; return the value it holds after."""
 
 
 def dial(host: str, port: int, deadline: float, timed_out: str) -> socket.socket:
@@ -92,7 +111,7 @@ def _mesh_context(prefix: str, world_size: int, src: int, dst: int) -> bytes:
 
 
 def build_mesh(
-    store: Store,
+    store: KeyValueStore,
     rank: int,
     world_size: int,
     *,
@@ -158,7 +177,7 @@ def build_mesh(
     return peers
 
 
-def claim_rank(store: Store, namespace: str, rank: int, timeout: float) -> str:
+def claim_rank(store: KeyValueStore, namespace: str, rank: int, timeout: float) -> str:
     """Mark ``rank`` as this process's in the store for the life of a group; return the key for :func:`release_rank`.
 
     Two processes given the same rank would otherwise each wait for a group that
@@ -181,7 +200,7 @@ def claim_rank(store: Store, namespace: str, rank: int, timeout: float) -> str:
     return key
 
 
-def release_rank(store: Store, key: str) -> None:
+def release_rank(store: KeyValueStore, key: str) -> None:
     """Give back a mark of :func:`claim_rank` (quietly: the store may be gone with the job)."""
     try:
         store.compare_set(key, _process_identity(), "", timeout=1.0)
@@ -193,7 +212,7 @@ def _process_identity() -> str:
     return f"{socket.gethostname()}/{os.getpid()}"
 
 
-def wait_for_ranks(store: Store, keys: dict[int, str], deadline: float, rank: int, doing: str) -> None:
+def wait_for_ranks(store: KeyValueStore, keys: dict[int, str], deadline: float, rank: int, doing: str) -> None:
     """Wait until every rank in ``keys`` has set its key; a timeout names the ranks that did not.
 
     Raises:
@@ -202,7 +221,6 @@ def wait_for_ranks(store: Store, keys: dict[int, str], deadline: float, rank: in
     """
     if not keys:
         return
-    from ferro.rendezvous.store import StoreKeyTimeoutError  # the store module imports this one
 
     seconds = time_left(deadline, rank, f"waiting for ranks {sorted(keys)} to {doing}")
     try:

@@ -16,9 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ferro.errors import ConfigurationError, DistributedTimeoutError, StoreError
+from ferro.errors import ConfigurationError, DistributedTimeoutError, StoreError, StoreKeyTimeoutError
 from ferro.rendezvous.settings import default_timeout
-from ferro.rendezvous.store import StoreKeyTimeoutError
 
 __all__ = ["FileStore"]
 

@@ -30,6 +30,7 @@ from ferro.errors import (
     DistributedTimeoutError,
     PeerLostError,
     StoreError,
+    StoreKeyTimeoutError,
 )
 from ferro.rendezvous.auth import (
     PRE_AUTH_SECONDS,
@@ -68,14 +69,6 @@ _U32 = struct.Struct("<I")
 _ARITY: dict[int, tuple[int, int | None]] = {
     _SET: (2, 2), _GET: (2, 2), _WAIT: (1, None), _ADD: (2, 2), _COMPARE_SET: (3, 3), _DELETE: (1, 1),
     _CHECK: (0, None), _NUM_KEYS: (0, 0)}
-
-
-class StoreKeyTimeoutError(DistributedTimeoutError):
-    """Keys were not set in time; :attr:`missing` names them (rendezvous turns them into the ranks missing)."""
-
-    def __init__(self, message: str, missing: tuple[str, ...]) -> None:
-        super().__init__(message)
-        self.missing = missing
 
 
 def _pack(code: int, args: Sequence[bytes]) -> bytes:

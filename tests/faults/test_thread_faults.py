@@ -1,5 +1,5 @@
 """Several threads, one group: a call never meets another thread's call; results are right or the calls raise
-(issue 11; the rule is in ferro.work's docstring)."""
+(issue 11; the rule is in ferro.collective.work's docstring)."""
 
 import threading
 

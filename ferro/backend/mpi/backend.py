@@ -257,7 +257,7 @@ class MpiBackend(KeptIdentity, FramedBackend, NativeCollectives):
         self._tag_ub = int(mpi.COMM_WORLD.Get_attr(mpi.TAG_UB))  # MPI attaches it to COMM_WORLD only
         self._closed = False
         # Set while an async call starts its requests, with the thread doing it: another thread's calls
-        # meanwhile (against the thread rule of ferro.work, but possible) stay blocking.
+        # meanwhile (against the thread rule of ferro.collective.work, but possible) stay blocking.
         self._issuing: _Issued | None = None
         self._issuer = 0
         self._abandoned: list[Any] = []  # requests a timeout gave up on, with their buffers: MPI may still use them

@@ -182,7 +182,7 @@ class Communicator:
 
     Create it with :meth:`create` (or :meth:`split` from another). Its operations
     take :class:`~ferro.backend.nccl.buffers.DeviceArray` descriptions already
-    validated by :mod:`ferro.gpu`.
+    validated by :mod:`ferro.collective.gpu`.
 
     Attributes:
         rank: This rank in the communicator.

@@ -36,13 +36,13 @@ import numpy as np
 
 from ferro.backend.base import Backend
 from ferro.collective import ReduceOp, all_gather, allreduce, broadcast, gather, reduce_scatter
+from ferro.collective.work import PendingCollective, worker_of
 from ferro.dtensor import DTensor, Replicate, from_sharded_entries
 from ferro.errors import CollectiveMismatchError, ConfigurationError, DistributedError
 from ferro.parallel.fsdp._tensors import Tensors, TorchTensors, named_param_groups, tensors_for
 from ferro.parallel.fsdp.flat import FlatGroup, ShardedEntry, Slot
 from ferro.parallel.fsdp.options import MixedPrecision, ShardingStrategy
 from ferro.types import MAX_TAG
-from ferro.work import PendingCollective, worker_of
 
 __all__ = ["FSDP"]
 
@@ -154,7 +154,7 @@ class FSDP:
     # --- set-up ---------------------------------------------------------------------------
 
     def _groups(self, group: Backend | None, mesh: Any) -> tuple[Backend, Backend | None, Backend | None]:
-        from ferro._dispatch import resolve_group
+        from ferro.collective.resolve import resolve_group
 
         strategy = self.sharding_strategy
         if strategy is ShardingStrategy.HYBRID_SHARD:

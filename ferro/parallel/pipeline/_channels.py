@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ferro import p2p
 from ferro.backend.base import Backend
 from ferro.backend.sub import SubBackend
-from ferro.process_group import new_group
-from ferro.work import PendingCollective, worker_of
+from ferro.collective import p2p
+from ferro.collective.process_group import new_group
+from ferro.collective.work import PendingCollective, worker_of
 
 __all__ = ["Channel", "make_channels"]
 

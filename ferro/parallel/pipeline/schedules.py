@@ -20,8 +20,9 @@ from typing import Any, NoReturn
 
 from ferro._core.status import ABORT_OTHER
 from ferro._core.transport import abort_payload
-from ferro._dispatch import resolve_timeout
 from ferro.collective import all_gather_object
+from ferro.collective.resolve import resolve_timeout
+from ferro.collective.work import PendingCollective
 from ferro.errors import ConfigurationError, DistributedError, RankFailedError
 from ferro.parallel.pipeline._channels import ACTIVATIONS, GRADIENTS, MAX_MICROBATCHES, Channel, make_channels
 from ferro.parallel.pipeline.actions import (
@@ -31,7 +32,6 @@ from ferro.parallel.pipeline.actions import (
     stages_of_rank,
 )
 from ferro.parallel.pipeline.stage import PipelineStage, TorchRunner
-from ferro.work import PendingCollective
 
 __all__ = ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleZeroBubble", "TraceEvent"]
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ferro._dispatch import resolve_group
 from ferro.backend.base import Backend
+from ferro.collective.resolve import resolve_group
 from ferro.parallel._model import is_torch_module
 from ferro.parallel.ddp import DDP
 

@@ -78,3 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigurationError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

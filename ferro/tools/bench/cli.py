@@ -19,14 +19,14 @@ import sys
 import tempfile
 
 from ferro.backend import available_backends
-from ferro.bench.reference import memcpy_seconds
-from ferro.bench.table import Row, read_json, write_csv, write_json
-from ferro.bench.worker import OPS, sizes_from
-from ferro.bench.worker import main as worker_main
 from ferro.errors import ConfigurationError
 from ferro.launch.agent import LaunchConfig, run_job
 from ferro.rendezvous.env import detect
 from ferro.rendezvous.settings import free_port
+from ferro.tools.bench.reference import memcpy_seconds
+from ferro.tools.bench.table import Row, read_json, write_csv, write_json
+from ferro.tools.bench.worker import OPS, sizes_from
+from ferro.tools.bench.worker import main as worker_main
 
 __all__ = ["build_parser", "main", "parse_size"]
 
@@ -112,10 +112,10 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
         # Like for like: beside ferro's TCP, Open MPI's TCP path; beside shared memory, its own default
         # on one host (its shared-memory transport).
         transport = ["btl", "self,tcp"] if args.backend == "tcp" else []
-        command = mpirun_command(args.nproc, [sys.executable, "-m", "ferro.bench.worker", *worker], transport)
+        command = mpirun_command(args.nproc, [sys.executable, "-m", "ferro.tools.bench.worker", *worker], transport)
         return subprocess.run(command, env=mpirun_environment(), check=False).returncode
     # A free port, as `ferro run` picks on one node: never a fixed one another job may hold.
-    return run_job(LaunchConfig(target=["-m", "ferro.bench.worker", *worker], nproc_per_node=args.nproc,
+    return run_job(LaunchConfig(target=["-m", "ferro.tools.bench.worker", *worker], nproc_per_node=args.nproc,
                                 master_port=free_port(), prefix=False))
 
 
@@ -265,6 +265,6 @@ def _write_outputs(args: argparse.Namespace, rows: list[Row]) -> None:
     if args.json:
         write_json(args.json, rows)
     if args.plot and rows:
-        from ferro.bench.plot import plot
+        from ferro.tools.bench.plot import plot
 
         plot(args.plot, rows)

@@ -37,7 +37,7 @@ __all__ = [
     "new_group",
 ]
 
-log = logging.getLogger("ferro.process_group")
+log = logging.getLogger("ferro.collective.process_group")
 
 LOG_LEVEL_ENV = "FERRO_LOG_LEVEL"
 #: Names the backend ``backend="auto"`` takes, overriding its choice (``FERRO_BACKEND=mpi`` under mpirun).

@@ -2,7 +2,7 @@
 
 :func:`launch` starts two ranks as separate processes with the torchrun-style
 environment, exactly as a real job's ranks would be started. The module is also
-a rank program of its own: ``ferro run --nproc-per-node 2 -m ferro.demo``.
+a rank program of its own: ``ferro run --nproc-per-node 2 -m ferro.tools.demo``.
 """
 
 from __future__ import annotations
@@ -120,10 +120,10 @@ def launch(size_mb: int = 64, round_trips: int = 2000, exchanges: int = 5, timeo
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run as one rank under a launcher: ``ferro run --nproc-per-node 2 -m ferro.demo [--size-mb N]``."""
+    """Run as one rank under a launcher: ``ferro run --nproc-per-node 2 -m ferro.tools.demo [--size-mb N]``."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m ferro.demo")
+    parser = argparse.ArgumentParser(prog="python -m ferro.tools.demo")
     parser.add_argument("--size-mb", type=int, default=64)
     parser.add_argument("--round-trips", type=int, default=2000)
     parser.add_argument("--exchanges", type=int, default=5)

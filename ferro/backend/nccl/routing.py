@@ -1,40 +1,35 @@
-"""Collectives on GPU buffers: routed to the group's NCCL communicator, or (opt-in) through host memory.
+"""Collectives on GPU buffers, routed to the group's NCCL communicator.
 
-:mod:`ferro.collective` and :mod:`ferro.p2p` hand a call here when its buffer
-lives on a GPU (a CUDA tensor, or an object with ``__cuda_array_interface__``).
-The group's NCCL communicator (``backend="nccl"`` or ``"hybrid"``) runs it on
-the caller's current stream; ``async_op=True`` returns a
-:class:`~ferro.backend.nccl.communicator.DeviceWork` whose ``wait()`` orders the
-caller's stream after it. Results ferro allocates (``all_gather``,
+The collectives hand a call here, its arguments already resolved, when its
+buffer lives on a GPU (a CUDA tensor, or an object with
+``__cuda_array_interface__``). The group's NCCL communicator (``backend="nccl"``
+or ``"hybrid"``) runs it on the caller's current stream; ``async_op=True``
+returns a :class:`~ferro.backend.nccl.communicator.DeviceWork` whose ``wait()``
+orders the caller's stream after it. Results ferro allocates (``all_gather``,
 ``reduce_scatter``, ``all_to_all``) are tensors on the input's device (CuPy
 arrays for CuPy input). NCCL carries no description of a message, so a GPU
 receive needs its buffer: :func:`ferro.recv_into`.
-
-:func:`gpu_allreduce` and :func:`gpu_broadcast` also serve groups without NCCL
-through a host round trip (copy to host, the group's CPU collective, copy back),
-but only when ``FERRO_ENABLE_GPU_FALLBACK=1`` says so: it is much slower, and
-a silent fallback would hide a missing NCCL.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from ferro._buffers import is_device_array, is_torch_tensor
-from ferro._dispatch import resolve_group, resolve_root
+from ferro._buffers import is_torch_tensor
 from ferro.backend.base import Backend
-from ferro.errors import BackendUnavailableError, InvalidBufferError, SizeMismatchError
+from ferro.backend.nccl.buffers import describe
+from ferro.backend.nccl.types import reduction
+from ferro.errors import InvalidBufferError, SizeMismatchError
 from ferro.types import ReduceOp
 
-__all__ = ["FALLBACK_ENV", "gpu_allreduce", "gpu_broadcast"]
+__all__ = ["FALLBACK_ENV", "device_all_gather", "device_all_to_all", "device_allreduce", "device_broadcast",
+           "device_recv_into", "device_reduce", "device_reduce_scatter", "device_send", "device_sendrecv"]
 
+#: Set to 1 to let ferro.gpu_allreduce/gpu_broadcast copy GPU buffers through host memory
+#: on groups without NCCL (:mod:`ferro.collective.gpu`).
 FALLBACK_ENV = "FERRO_ENABLE_GPU_FALLBACK"
 _BYTES = 1  # ncclUint8: what data-moving calls carry
 
@@ -47,15 +42,6 @@ def _communicator(g: Backend, call: str) -> Any:
             f"memory only: use backend='nccl' or 'hybrid', or copy it to the host (tensor.cpu()); "
             f"ferro.gpu_allreduce/gpu_broadcast do that for you with {FALLBACK_ENV}=1")
     return comm
-
-
-def _op(op: Any, call: str) -> ReduceOp:
-    if isinstance(op, ReduceOp):
-        return op
-    try:
-        return ReduceOp[str(op).upper()]
-    except KeyError:
-        raise ValueError(f"{call}: unknown reduce op {op!r}; use ferro.ReduceOp") from None
 
 
 def _label(call: str, array: Any) -> str:
@@ -80,14 +66,11 @@ def _finish(work: Any, async_op: bool, result: Any) -> Any:
     return work if async_op else result
 
 
-def device_allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: bool) -> Any:
+def device_allreduce(g: Backend, x: Any, op: ReduceOp, timeout: float | None, async_op: bool) -> Any:
     """Run :func:`ferro.allreduce` on a GPU buffer (in place)."""
-    from ferro.backend.nccl.buffers import describe
-    from ferro.backend.nccl.types import reduction
-
     comm = _communicator(g, "allreduce")
     array = describe(x, "allreduce", writable=True)
-    dtype, nccl_op, per_item = reduction(array.dtype, _op(op, "allreduce"), "allreduce", comm.lib.version)
+    dtype, nccl_op, per_item = reduction(array.dtype, op, "allreduce", comm.lib.version)
     count = array.size * per_item
 
     def enqueue(lib: Any, handle: int, stream: int) -> None:
@@ -98,15 +81,11 @@ def device_allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_o
     return _finish(comm.launch(_label("allreduce", array), (array,), async_op, timeout, enqueue, x), async_op, x)
 
 
-def device_reduce(g: Backend, x: Any, dst: Any, op: Any, timeout: float | None, async_op: bool) -> Any:
+def device_reduce(g: Backend, x: Any, root: int, op: ReduceOp, timeout: float | None, async_op: bool) -> Any:
     """Run :func:`ferro.reduce` on a GPU buffer (the result in place on ``dst``)."""
-    from ferro.backend.nccl.buffers import describe
-    from ferro.backend.nccl.types import reduction
-
     comm = _communicator(g, "reduce")
-    root = resolve_root(dst, g, "reduce", "dst")
     array = describe(x, "reduce", writable=g.rank == root)
-    dtype, nccl_op, per_item = reduction(array.dtype, _op(op, "reduce"), "reduce", comm.lib.version)
+    dtype, nccl_op, per_item = reduction(array.dtype, op, "reduce", comm.lib.version)
     count = array.size * per_item
 
     def enqueue(lib: Any, handle: int, stream: int) -> None:
@@ -117,12 +96,9 @@ def device_reduce(g: Backend, x: Any, dst: Any, op: Any, timeout: float | None, 
     return _finish(comm.launch(_label("reduce", array), (array,), async_op, timeout, enqueue, x), async_op, x)
 
 
-def device_broadcast(g: Backend, x: Any, root: Any, timeout: float | None, async_op: bool) -> Any:
+def device_broadcast(g: Backend, x: Any, source: int, timeout: float | None, async_op: bool) -> Any:
     """Run :func:`ferro.broadcast` on a GPU buffer (in place), moving its bytes."""
-    from ferro.backend.nccl.buffers import describe
-
     comm = _communicator(g, "broadcast")
-    source = resolve_root(root, g, "broadcast")
     array = describe(x, "broadcast", writable=g.rank != source)
 
     def enqueue(lib: Any, handle: int, stream: int) -> None:
@@ -135,8 +111,6 @@ def device_broadcast(g: Backend, x: Any, root: Any, timeout: float | None, async
 
 def device_all_gather(g: Backend, x: Any, out: Any, timeout: float | None, async_op: bool) -> Any:
     """Run :func:`ferro.all_gather` on a GPU buffer."""
-    from ferro.backend.nccl.buffers import describe
-
     comm = _communicator(g, "all_gather")
     array = describe(x, "all_gather", writable=False)
     n = g.world_size
@@ -156,11 +130,8 @@ def device_all_gather(g: Backend, x: Any, out: Any, timeout: float | None, async
     return _finish(work, async_op, result)
 
 
-def device_reduce_scatter(g: Backend, x: Any, op: Any, timeout: float | None, async_op: bool) -> Any:
+def device_reduce_scatter(g: Backend, x: Any, op: ReduceOp, timeout: float | None, async_op: bool) -> Any:
     """Run :func:`ferro.reduce_scatter` on a GPU buffer; axis 0 must split evenly (NCCL's parts are equal)."""
-    from ferro.backend.nccl.buffers import describe
-    from ferro.backend.nccl.types import reduction
-
     comm = _communicator(g, "reduce_scatter")
     array = describe(x, "reduce_scatter", writable=False)
     n = g.world_size
@@ -168,7 +139,7 @@ def device_reduce_scatter(g: Backend, x: Any, op: Any, timeout: float | None, as
         raise InvalidBufferError(
             f"reduce_scatter: on GPU buffers axis 0 must split into {n} equal parts (NCCL's parts are equal); "
             f"shape {array.shape} does not: pad it")
-    dtype, nccl_op, per_item = reduction(array.dtype, _op(op, "reduce_scatter"), "reduce_scatter", comm.lib.version)
+    dtype, nccl_op, per_item = reduction(array.dtype, op, "reduce_scatter", comm.lib.version)
     result = _empty(x, (array.shape[0] // n, *array.shape[1:]), "reduce_scatter")
     target = describe(result, "reduce_scatter", writable=True)
     count = target.size * per_item
@@ -184,8 +155,6 @@ def device_reduce_scatter(g: Backend, x: Any, op: Any, timeout: float | None, as
 
 def device_all_to_all(g: Backend, x: Any, timeout: float | None, async_op: bool) -> Any:
     """Run :func:`ferro.all_to_all` on a GPU buffer: one grouped send and receive per peer."""
-    from ferro.backend.nccl.buffers import describe
-
     comm = _communicator(g, "all_to_all")
     array = describe(x, "all_to_all", writable=False)
     n = g.world_size
@@ -222,8 +191,6 @@ def device_recv_into(g: Backend, out: Any, src: int, tag: int, timeout: float | 
 
 def _point_to_point(g: Backend, x: Any, peer: int, tag: int, timeout: float | None, async_op: bool,
                     receive: bool) -> Any:
-    from ferro.backend.nccl.buffers import describe
-
     call = "recv_into" if receive else "send"
     comm = _communicator(g, call)
     other = g.check_peer(peer, call)
@@ -253,8 +220,6 @@ def _grouped(comm: Any, lib: Any, calls: list[tuple[str, Callable[[], int]]]) ->
 
 def device_sendrecv(g: Backend, x: Any, peer: int, tag: int, timeout: float | None) -> Any:
     """Exchange GPU buffers with ``peer``: the peer's message must have ``x``'s shape and dtype."""
-    from ferro.backend.nccl.buffers import describe
-
     comm = _communicator(g, "sendrecv")
     other = g.check_peer(peer, "sendrecv")
     _no_tag(tag, "sendrecv")
@@ -277,97 +242,3 @@ def _no_tag(tag: Any, call: str) -> None:
     if tag != 0:
         raise ValueError(f"{call}: NCCL matches messages between two ranks in order, not by tag; pass tag=0 for "
                          f"GPU buffers (got {tag!r})")
-
-
-# --- the public entry points with the host round trip --------------------------------------------
-
-def gpu_allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,
-                  timeout: float | None = None) -> Any:
-    """Allreduce a GPU buffer in place: through NCCL, or through host memory when explicitly enabled.
-
-    On a group with NCCL (``backend="nccl"`` or ``"hybrid"``) this is
-    :func:`ferro.allreduce`. On any other group it copies ``x`` to host memory,
-    runs the group's CPU allreduce and copies the result back, but only with
-    ``FERRO_ENABLE_GPU_FALLBACK=1`` set: that round trip costs two copies over
-    PCIe and a synchronisation, and a silent fallback would hide a missing NCCL.
-
-    Args:
-        x: A CUDA tensor or an object with ``__cuda_array_interface__`` (a host array is allreduced as usual).
-        op: The reduction.
-        group: The process group.
-        timeout: Seconds.
-
-    Returns:
-        ``x``.
-
-    Raises:
-        BackendUnavailableError: The group has no NCCL and the fallback is not enabled.
-
-    Example::
-
-        # rank 0: x = torch.tensor([1.], device="cuda")   rank 1: x = torch.tensor([2.], device="cuda")
-        ferro.gpu_allreduce(x)   # both: x == [3.]
-
-    """
-    from ferro.collective import allreduce
-
-    g = resolve_group(group, "gpu_allreduce")
-    return _nccl_or_host(x, g, "gpu_allreduce", lambda y: allreduce(y, op, group=g, timeout=timeout))
-
-
-def gpu_broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeout: float | None = None) -> Any:
-    """Broadcast a GPU buffer in place from ``root``: through NCCL, or the host round trip (see :func:`gpu_allreduce`).
-
-    Example::
-
-        # rank 0: x = torch.arange(3., device="cuda")   rank 1: x = torch.zeros(3, device="cuda")
-        ferro.gpu_broadcast(x, root=0)   # both: x == [0., 1., 2.]
-
-    """
-    from ferro.collective import broadcast
-
-    g = resolve_group(group, "gpu_broadcast")
-    return _nccl_or_host(x, g, "gpu_broadcast", lambda y: broadcast(y, root, group=g, timeout=timeout))
-
-
-def _nccl_or_host(x: Any, g: Backend, call: str, run: Callable[[Any], Any]) -> Any:
-    """Run ``run(x)`` where the group can (NCCL, or a host buffer), else ``run`` on a host copy of ``x``."""
-    if not is_device_array(x) or g.device_collectives is not None:
-        return run(x)
-    host = _to_host(x, g, call)
-    run(host)
-    _from_host(x, host)
-    return x
-
-
-def _to_host(x: Any, g: Backend, call: str) -> Any:
-    if os.environ.get(FALLBACK_ENV) != "1":
-        raise BackendUnavailableError(
-            f"rank {g.rank}: {call}: this group ({type(g).__name__}) has no NCCL communicator (backend='nccl' or "
-            f"'hybrid' has one; pip install nvidia-nccl-cu12). To copy through host memory instead, set "
-            f"{FALLBACK_ENV}=1 (two PCIe copies and a synchronisation per call)")
-    if is_torch_tensor(x):
-        return x.detach().cpu()  # waits for the current stream's work on x
-    from ferro.backend.nccl.buffers import describe
-    from ferro.backend.nccl.cuda import require_gpu
-
-    array = describe(x, call, writable=True)
-    driver = require_gpu()
-    host = np.empty(array.shape, np.dtype(array.dtype))
-    driver.synchronize(array.stream)
-    driver.to_host(host.ctypes.data, array.pointer, array.nbytes)
-    return host
-
-
-def _from_host(x: Any, host: Any) -> None:
-    if is_torch_tensor(x):
-        import torch
-
-        with torch.no_grad():
-            x.copy_(host)
-        return
-    from ferro.backend.nccl.buffers import describe
-    from ferro.backend.nccl.cuda import require_gpu
-
-    array = describe(x, "gpu copy back", writable=True)
-    require_gpu().to_device(array.pointer, ctypes.c_void_p(host.ctypes.data).value or 0, array.nbytes)

@@ -37,6 +37,7 @@ def encode_meta(data: Operand, extra: dict[str, Any] | None = None) -> np.ndarra
 
 
 def decode_meta(meta: np.ndarray) -> dict[str, Any]:
+    """Read back the fields :func:`encode_meta` wrote."""
     return json.loads(meta.tobytes().decode().rstrip())
 
 

@@ -27,7 +27,7 @@ from ferro.types import thread_tag
 
 __all__ = ["GroupWorker", "PendingCollective", "issuer_tag", "worker_of"]
 
-log = logging.getLogger("ferro.work")
+log = logging.getLogger("ferro.collective.work")
 
 class _Issuing(threading.local):
     """Per thread: the tag of the call a worker thread is running (while it runs), and the thread's own tag."""

@@ -1,7 +1,7 @@
 """One rank of a ``ferro bench`` sweep, for ferro or for a peer library (torch gloo, Open MPI).
 
 Started by ``ferro bench -n`` through ``ferro run`` (or ``mpirun`` for the MPI
-peer), or run directly inside any launcher: ``python -m ferro.bench.worker ...``.
+peer), or run directly inside any launcher: ``python -m ferro.tools.bench.worker ...``.
 Every library runs the same loop -- warm-up calls, a barrier, timed calls,
 the slowest rank's average kept -- through a small adapter per library.
 Rank 0 prints the nccl-tests table as rows complete and writes them as JSON.
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ferro.bench.table import HEADER, Row, footer, format_row, write_json
+from ferro.tools.bench.table import HEADER, Row, footer, format_row, write_json
 
 __all__ = ["OPS", "main", "sizes_from"]
 
@@ -443,7 +443,7 @@ def _progress(enabled: bool, total: int) -> Callable[[], None]:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the worker's parser (the orchestrator passes these through)."""
-    parser = argparse.ArgumentParser(prog="python -m ferro.bench.worker")
+    parser = argparse.ArgumentParser(prog="python -m ferro.tools.bench.worker")
     parser.add_argument("--library", choices=list(ADAPTERS), default="ferro")
     parser.add_argument("--backend", default="auto", help="ferro's backend: auto or a name of ferro.backend.BACKENDS")
     parser.add_argument("--ops", default="allreduce")

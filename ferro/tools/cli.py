@@ -11,7 +11,7 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ferro.demo import launch
+    from ferro.tools.demo import launch
 
     return launch(size_mb=args.size_mb, round_trips=args.round_trips, exchanges=args.exchanges)
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands with parsers of their own: everything after the name is theirs.
-_DELEGATED = {"run": "ferro.launch.cli", "bench": "ferro.bench.cli"}
+_DELEGATED = {"run": "ferro.tools.run", "bench": "ferro.tools.bench.cli"}
 
 
 def main(argv: list[str] | None = None) -> int:

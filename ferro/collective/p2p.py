@@ -10,7 +10,7 @@ the group's pending async collectives, as a synchronous collective does.
 Messages come from authenticated peers of the job only; the receiver allocates
 what the sender describes (``max_bytes`` puts a ceiling on it).
 
-GPU buffers on an NCCL group (:mod:`ferro.gpu`) travel as NCCL sends and
+GPU buffers on an NCCL group (:mod:`ferro.backend.nccl.routing`) travel as NCCL sends and
 receives, which carry no description: the receiver passes a buffer of the
 message's size (:func:`recv_into`), and tags must be 0.
 """
@@ -23,15 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from ferro import gpu
 from ferro._buffers import Operand, is_device_array, operand, wrap_like
 from ferro._core.transport import KIND_DATA
-from ferro._dispatch import resolve_group, resolve_timeout
-from ferro._meta import META_BYTES, array_from_meta, decode_meta, encode_meta
 from ferro.backend.base import Backend
+from ferro.backend.nccl import routing
+from ferro.collective.meta import META_BYTES, array_from_meta, decode_meta, encode_meta
+from ferro.collective.resolve import resolve_group, resolve_timeout
+from ferro.collective.work import PendingCollective, worker_of
 from ferro.errors import SizeMismatchError
 from ferro.types import fingerprint
-from ferro.work import PendingCollective, worker_of
 
 __all__ = ["irecv", "isend", "recv", "recv_into", "send", "sendrecv"]
 
@@ -67,7 +67,7 @@ def send(x: Any, dst: int, *, tag: int = 0, group: Backend | None = None, timeou
 
     """
     if type(x) is not np.ndarray and is_device_array(x):
-        gpu.device_send(resolve_group(group, "send"), x, dst, tag, timeout, False)
+        routing.device_send(resolve_group(group, "send"), x, dst, tag, timeout, False)
         return
     g, body = _sender(x, dst, tag, group, timeout, "send")
     worker_of(g).run(body, "send", (x,))
@@ -96,7 +96,7 @@ def isend(x: Any, dst: int, *, tag: int = 0, group: Backend | None = None,
 
     """
     if type(x) is not np.ndarray and is_device_array(x):
-        return gpu.device_send(resolve_group(group, "isend"), x, dst, tag, timeout, True)
+        return routing.device_send(resolve_group(group, "isend"), x, dst, tag, timeout, True)
     g, body = _sender(x, dst, tag, group, timeout, "isend")
     return worker_of(g).submit(body, f"isend to rank {dst} on rank {g.rank}", (x,))
 
@@ -218,7 +218,7 @@ def recv_into(out: Any, src: int, *, tag: int = 0, group: Backend | None = None,
     """
     g = resolve_group(group, "recv_into")
     if type(out) is not np.ndarray and is_device_array(out):
-        return gpu.device_recv_into(g, out, src, tag, timeout, False)
+        return routing.device_recv_into(g, out, src, tag, timeout, False)
     target = operand(out, "recv_into", writable=True)
     src = g.check_peer(src, "recv_into")
     wanted, seconds = _tag(tag), resolve_timeout(g, timeout)
@@ -255,7 +255,7 @@ def sendrecv(x: Any, peer: int, *, tag: int = 0, group: Backend | None = None, t
     """
     g = resolve_group(group, "sendrecv")
     if type(x) is not np.ndarray and is_device_array(x):
-        return gpu.device_sendrecv(g, x, peer, tag, timeout)
+        return routing.device_sendrecv(g, x, peer, tag, timeout)
     data = operand(x, "sendrecv", writable=False)
     peer = g.check_peer(peer, "sendrecv")
     wanted, seconds = _tag(tag), resolve_timeout(g, timeout)

@@ -1,18 +1,17 @@
-"""How a collective call runs: its group, root and timeout, and the guard that fails all ranks together.
+"""The last room of a collective call: its link, its place in the group's order, and the guard around it.
 
-Calls go through the group's worker, which keeps them in order.
-
-Shared by :mod:`ferro.collective` and :mod:`ferro.p2p`.
+:func:`make_link` gives the call the fingerprint every frame of it carries;
+:func:`execute` runs (or queues) its body through the group's worker, which keeps
+calls in order, inside a guard that tells the peers when it fails part-way
+(:func:`fail_together`). Shared by the collectives, the object collectives and p2p.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from ferro import _algorithms as algo
 from ferro._buffers import Operand
 from ferro._core.transport import (
     ABORT_MISMATCH,
@@ -24,49 +23,20 @@ from ferro._core.transport import (
     kind_name,
 )
 from ferro.backend.base import Backend
+from ferro.collective.algorithms import Link
+from ferro.collective.work import issuer_tag, worker_of
 from ferro.errors import (
     BackendClosedError,
     CollectiveMismatchError,
-    ConfigurationError,
     ConnectionBrokenError,
     DistributedError,
     DistributedTimeoutError,
     InvalidBufferError,
-    InvalidRankError,
     PeerLostError,
 )
-from ferro.process_group import get_default_group
-from ferro.rendezvous.settings import default_timeout
 from ferro.types import COLLECTIVE_IDS, THREAD_TAG_BITS, describe_fingerprint, fingerprint
-from ferro.work import issuer_tag, worker_of
 
-__all__ = ["execute", "fail_together", "is_backend_type", "make_link", "make_link_fingerprint", "resolve_group",
-           "resolve_root", "resolve_timeout"]
-
-
-def resolve_group(group: Backend | None, name: str) -> Backend:
-    if group is None:
-        return get_default_group()
-    if not is_backend_type(type(group)):
-        raise ConfigurationError(f"{name}: group must be a ferro Backend, got {type(group).__name__}")
-    return group
-
-
-@functools.cache  # isinstance against an ABC costs 0.2 us per call
-def is_backend_type(cls: type) -> bool:
-    """Whether instances of ``cls`` are process groups (memoised per class)."""
-    return issubclass(cls, Backend)
-
-
-def resolve_timeout(group: Backend, timeout: float | None) -> float:
-    return group.timeout if timeout is None else default_timeout(timeout)
-
-
-def resolve_root(root: Any, group: Backend, name: str, what: str = "root") -> int:
-    if isinstance(root, bool) or not hasattr(root, "__index__") or not 0 <= root.__index__() < group.world_size:
-        raise InvalidRankError(f"rank {group.rank}: {name}: {what} {root!r} is outside the group's ranks "
-                               f"[0, {group.world_size})")
-    return int(root.__index__())
+__all__ = ["execute", "fail_together", "make_link", "make_link_fingerprint"]
 
 
 def _describe_mismatch(exc: CollectiveMismatchError, group: Backend) -> str:
@@ -143,8 +113,9 @@ def execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, 
 
 
 def make_link(group: Backend, name: str, seconds: float, operand_: Operand | None = None, op_code: int = 0,
-          root: int = 0, count: int = 0, shape: tuple[int, ...] = ()) -> algo.Link:
-    return algo.Link(group, make_link_fingerprint(group, name, operand_, op_code, root, count, shape), seconds)
+              root: int = 0, count: int = 0, shape: tuple[int, ...] = ()) -> Link:
+    """Return the call's :class:`~ferro.collective.algorithms.Link`: its group, fingerprint and timeout."""
+    return Link(group, make_link_fingerprint(group, name, operand_, op_code, root, count, shape), seconds)
 
 
 def make_link_fingerprint(group: Backend, name: str, operand_: Operand | None = None, op_code: int = 0, root: int = 0,
@@ -152,7 +123,7 @@ def make_link_fingerprint(group: Backend, name: str, operand_: Operand | None = 
     """Return the fingerprint every frame of this call carries (see :func:`ferro.types.fingerprint`).
 
     It carries the issuing thread's tag where the group matches calls by thread
-    (the thread rule of :mod:`ferro.work`).
+    (the thread rule of :mod:`ferro.collective.work`).
     """
     code = operand_.dtype.code if operand_ is not None else -1
     tag = issuer_tag() if group.tags_threads else 0

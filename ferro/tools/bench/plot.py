@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ferro.bench.table import Row
 from ferro.errors import BackendUnavailableError
+from ferro.tools.bench.table import Row
 
 __all__ = ["lines", "plot"]
 

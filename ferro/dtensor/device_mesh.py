@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ferro.backend.base import Backend
-from ferro.process_group import get_default_group, new_group
+from ferro.collective.process_group import get_default_group, new_group
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 

@@ -1,0 +1,137 @@
+"""The first room of a collective call: its arguments, checked once and resolved to what the call runs with.
+
+A group (``None`` means the default one), a root rank, a timeout, a reduce op, a
+tag, the caller's ``out`` array: each public call turns its arguments into these
+here, before anything is queued or sent, so a bad argument raises on the rank
+that passed it and leaves the group usable.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ferro._buffers import Operand, operand
+from ferro._core.reduce import has_kernel
+from ferro.backend.base import Backend
+from ferro.collective.process_group import get_default_group
+from ferro.errors import ConfigurationError, InvalidBufferError, InvalidRankError, SizeMismatchError
+from ferro.rendezvous.settings import default_timeout
+from ferro.types import MAX_TAG, DType, ReduceOp
+
+__all__ = ["OP_VALUES", "element_count", "gathered_shape", "is_backend_type", "no_device_out", "output", "parse_op",
+           "resolve_group", "resolve_op", "resolve_root", "resolve_tag", "resolve_timeout", "separate_output",
+           "uneven_counts"]
+
+# Looked up on every call: plain dictionaries beat enum attribute access.
+OP_VALUES = {op: op.value for op in ReduceOp}
+
+
+def resolve_group(group: Backend | None, name: str) -> Backend:
+    """Return ``group``, or the default group for ``None``; refuse anything that is not a process group."""
+    if group is None:
+        return get_default_group()
+    if not is_backend_type(type(group)):
+        raise ConfigurationError(f"{name}: group must be a ferro Backend, got {type(group).__name__}")
+    return group
+
+
+@functools.cache  # isinstance against an ABC costs 0.2 us per call
+def is_backend_type(cls: type) -> bool:
+    """Whether instances of ``cls`` are process groups (memoised per class)."""
+    return issubclass(cls, Backend)
+
+
+def resolve_timeout(group: Backend, timeout: float | None) -> float:
+    """Return the seconds a call may take: ``timeout``, else the group's."""
+    return group.timeout if timeout is None else default_timeout(timeout)
+
+
+def resolve_root(root: Any, group: Backend, name: str, what: str = "root") -> int:
+    """Return ``root`` as a rank of ``group``, or raise :class:`~ferro.InvalidRankError` naming ``what``."""
+    if isinstance(root, bool) or not hasattr(root, "__index__") or not 0 <= root.__index__() < group.world_size:
+        raise InvalidRankError(f"rank {group.rank}: {name}: {what} {root!r} is outside the group's ranks "
+                               f"[0, {group.world_size})")
+    return int(root.__index__())
+
+
+def resolve_tag(tag: Any, group: Backend, name: str) -> int:
+    """Return a collective's tag (see :func:`ferro.all_gather`), an int in ``[0, MAX_TAG]``."""
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
+        raise ValueError(f"rank {group.rank}: {name}: tag must be an int in [0, {MAX_TAG}], got {tag!r}")
+    return tag
+
+
+def parse_op(op: Any, name: str) -> ReduceOp:
+    """Return ``op`` as a :class:`~ferro.ReduceOp` (its name in any case is accepted too)."""
+    if isinstance(op, ReduceOp):
+        return op
+    try:
+        return ReduceOp[str(op).upper()]
+    except KeyError:
+        raise ValueError(f"{name}: unknown reduce op {op!r}; use ferro.ReduceOp") from None
+
+
+@functools.lru_cache(maxsize=256)  # validated once per (op, dtype, collective)
+def resolve_op(op: Any, dtype: DType, name: str) -> ReduceOp:
+    """Return ``op`` parsed, after checking that it applies to host arrays of ``dtype``."""
+    op = parse_op(op, name)
+    if not dtype.reducible:
+        raise InvalidBufferError(f"{name}: cannot reduce dtype {dtype.name}")
+    if op is ReduceOp.MEAN and dtype.kind != "f":
+        raise InvalidBufferError(
+            f"{name}: MEAN of {dtype.name} would not be an integer; use SUM and divide, or a float dtype")
+    if not has_kernel(dtype.code, op.kernel_code):
+        raise InvalidBufferError(f"{name}: {op.name} does not apply to {dtype.name} (bitwise ops need integers)")
+    return op
+
+
+def element_count(shape: tuple[int, ...]) -> int:
+    """Return the number of elements of an array of ``shape``."""
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def gathered_shape(shape: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+    """Return the shape of ``world_size`` arrays of ``shape`` joined along axis 0 (0-d inputs make a vector)."""
+    if not shape:
+        return (world_size,)
+    return (world_size * shape[0],) + shape[1:]
+
+
+def output(out: Any, shape: tuple[int, ...], like: Operand, name: str) -> Operand:
+    """Return the caller's ``out`` checked against ``shape`` and ``like``'s dtype, or a new array for ``None``."""
+    if out is None:
+        return Operand(np.empty(shape, like.array.dtype), like.dtype, like.torch_dtype)
+    result = operand(out, name, writable=True)
+    if result.array.shape != shape or result.array.dtype != like.array.dtype:
+        raise SizeMismatchError(
+            f"{name}: out has shape {result.array.shape} and dtype {result.array.dtype}; it needs shape {shape} "
+            f"and dtype {like.array.dtype}")
+    return result
+
+
+def separate_output(out: Any, shape: tuple[int, ...], like: Operand, name: str) -> Operand | None:
+    """Return ``out`` checked as :func:`output` checks it and not overlapping the input (None if not given)."""
+    if out is None:
+        return None
+    result = output(out, shape, like, name)
+    if np.may_share_memory(result.array, like.array):
+        raise InvalidBufferError(f"{name}: out overlaps the input; blocks would be overwritten before they are sent")
+    return result
+
+
+def no_device_out(out: Any, name: str) -> None:
+    """Refuse ``out=`` for a GPU buffer: those calls allocate their result on the device."""
+    if out is not None:
+        raise InvalidBufferError(f"{name}: out= takes host arrays; for GPU arrays use the returned result")
+
+
+def uneven_counts(counts: Sequence[int], n: int, name: str) -> list[int]:
+    """Return the per-rank row counts of :func:`ferro.all_to_all_single_uneven`, checked."""
+    values = [int(c) for c in counts]
+    if len(values) != n or any(c < 0 for c in values):
+        raise ValueError(f"all_to_all_single_uneven: {name} needs {n} non-negative counts, got {list(counts)}")
+    return values

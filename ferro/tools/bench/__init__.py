@@ -1,0 +1,5 @@
+"""``ferro bench``: the collective benchmark harness (nccl-tests' table, peers side by side).
+
+``ferro.tools.bench.cli`` is the command; ``ferro.tools.bench.worker`` one rank of a sweep;
+``ferro.tools.bench.table`` the rows and their formats; ``ferro.tools.bench.plot`` the figure.
+"""
