@@ -1,4 +1,8 @@
-"""One state-dict layout for every way a model is held: FSDP, DDP, or a plain module (ferro.nn or torch).
+"""The front door of state dicts: one layout for every way a model is held: FSDP, DDP, or a plain module.
+
+FSDP's part of the layout (its shards' ranges) comes from
+:mod:`ferro.parallel.fsdp.state_dict`; DDP and plain modules (ferro.nn or torch)
+are laid out here.
 
 :func:`get_state_dict` returns ``{"model": ..., "optim": ...}`` keyed by parameter
 name, whatever wraps the model: FSDP gives this rank's ranges
@@ -15,6 +19,7 @@ from typing import Any
 
 from ferro.parallel.ddp import DDP
 from ferro.parallel.fsdp import FSDP
+from ferro.parallel.fsdp import state_dict as fsdp_layout
 from ferro.parallel.fsdp._tensors import named_param_groups, tensors_for
 
 __all__ = ["get_state_dict", "set_state_dict"]
@@ -53,7 +58,7 @@ def set_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
     if optimizer is None or "optim" not in state:
         return
     if isinstance(model, FSDP):
-        model.load_sharded_optim_state_dict(optimizer, state["optim"])
+        fsdp_layout.load_sharded_optim_state_dict(model, optimizer, state["optim"])
         return
     names = {id(param): name for name, param in _unwrap(model).named_parameters()}
     per_param = tensors_for(_unwrap(model)).optimizer_state(optimizer)
@@ -69,7 +74,7 @@ def set_state_dict(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
 
 def _model_state(model: Any) -> dict[str, Any]:
     if isinstance(model, FSDP):
-        return model.sharded_state_dict()
+        return fsdp_layout.sharded_state_dict(model)
     module = _unwrap(model)
     state = {name: getattr(param, "data", param) if not hasattr(param, "detach") else param
              for name, param in module.named_parameters()}
@@ -80,7 +85,7 @@ def _model_state(model: Any) -> dict[str, Any]:
 
 def _optim_state(model: Any, optimizer: Any) -> dict[str, Any]:
     if isinstance(model, FSDP):
-        return model.sharded_optim_state_dict(optimizer)
+        return fsdp_layout.sharded_optim_state_dict(model, optimizer)
     module = _unwrap(model)
     named = list(module.named_parameters())
     per_param = tensors_for(module).ensure_optimizer_state(optimizer, [param for _, param in named])

@@ -23,60 +23,23 @@ wrong bytes.
 
 from __future__ import annotations
 
-import contextlib
-import enum
-import re
-import time
-import zlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ferro.backend.base import Backend
-from ferro.collective import ReduceOp, all_gather, allreduce, broadcast, gather, reduce_scatter
-from ferro.collective.work import PendingCollective, worker_of
-from ferro.dtensor import DTensor, Replicate, from_sharded_entries
-from ferro.errors import CollectiveMismatchError, ConfigurationError, DistributedError
-from ferro.parallel.fsdp._tensors import Tensors, TorchTensors, named_param_groups, tensors_for
-from ferro.parallel.fsdp.flat import FlatGroup, ShardedEntry, Slot
+from ferro.collective import broadcast
+from ferro.errors import ConfigurationError
+from ferro.parallel.fsdp import state_dict as layout
+from ferro.parallel.fsdp._tensors import Tensors, TorchTensors, tensors_for
+from ferro.parallel.fsdp.flat import FlatGroup, Slot
 from ferro.parallel.fsdp.options import MixedPrecision, ShardingStrategy
-from ferro.types import MAX_TAG
+from ferro.parallel.fsdp.state_dict import dtype_of
+from ferro.parallel.fsdp.step import StepHooks
+from ferro.parallel.fsdp.unit import Unit
 
 __all__ = ["FSDP"]
-
-FORWARD, BACKWARD, REDUCE = 0, 1, 2
-_PHASE_NAMES = {FORWARD: "forward all_gather", BACKWARD: "backward all_gather", REDUCE: "reduce_scatter"}
-
-
-class _State(enum.Enum):
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    UNSHARDED = "unsharded"
-
-
-@dataclass(eq=False)
-class Unit:
-    """One wrapped module: its flat parameter groups and where it is in the step."""
-
-    index: int
-    name: str
-    module: Any
-    groups: list[FlatGroup]
-    state: _State = _State.SHARDED
-    pending: PendingCollective | None = None
-    backward_started: bool = False
-    reduced: bool = False
-    grads_waiting: int = 0
-    backward_tag: int = 0
-    keeps_gathered: bool = False  # its gathered vectors are its shards (one shard, no cast): nothing to free
-
-    @property
-    def label(self) -> str:
-        """How messages name the unit."""
-        return repr(self.name) if self.name else "<root>"
-
 
 class FSDP:
     """Fully sharded data parallelism for ``ferro.nn`` modules and ``torch.nn.Module`` (CPU).
@@ -135,21 +98,13 @@ class FSDP:
                                        and bool(reshard_after_forward))
         self._tensors: Tensors = tensors_for(module)
         self._torch: Any = self._tensors.torch if isinstance(self._tensors, TorchTensors) else None  # or None
+        self._step = StepHooks(self)  # before the units: their gradients report to it
         self.units = self._build_units(auto_wrap_policy, sync_module_states)
         if not self.units:
             raise ConfigurationError("FSDP: the module has no parameters to shard")
         self._comm = self.shard_group if self._shard_size > 1 else self.replicate_group
-        self._forward_order: list[Unit] = []
-        self._last_order: list[Unit] = []
-        self._position = 0
-        self._backward_position = 0
-        self._in_step = False
-        self._finish_queued = False
-        self._reduces: list[tuple[Unit, Callable[[], list[Any]]]] = []  # each unit's wait for its reduced grads
-        self._stats = {"all_gather_seconds": 0.0, "all_gather_wait_seconds": 0.0, "all_gathers": 0,
-                       "peak_unsharded_units": 0}
         self._unit_of = {id(group): unit for unit in self.units for group in unit.groups}
-        self._install_hooks()
+        self._step.install()
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -207,7 +162,7 @@ class FSDP:
             groups = self._flat_groups(slots_of[name], sync)
             if groups:
                 keeps = self._shard_size == 1 and all(
-                    self._tensors.same_dtype(g.compute_dtype, _dtype_of(g.shard)) for g in groups)
+                    self._tensors.same_dtype(g.compute_dtype, dtype_of(g.shard)) for g in groups)
                 units.append(Unit(len(units), name, modules[name], groups, keeps_gathered=keeps))
         return units
 
@@ -238,316 +193,22 @@ class FSDP:
             for slot, param in entries:
                 for module, attr in slot.places:
                     tensors.unregister(module, attr, param)
-            tensors.prepare(group, self._on_grad)
+            tensors.prepare(group, self._step.on_grad)
             tensors.uninstall(group)
             groups.append(group)
         return groups
-
-    def _install_hooks(self) -> None:
-        for unit in self.units:
-            if self._torch:
-                unit.module.register_forward_pre_hook(self._torch_pre_forward(unit))
-                unit.module.register_forward_hook(self._torch_post_forward(unit))
-            else:
-                self._wrap_numpy_unit(unit)
-
-    def _wrap_numpy_unit(self, unit: Unit) -> None:
-        module = unit.module
-        forward, backward = module.forward, module.backward
-
-        def wrapped_forward(*inputs: Any) -> Any:
-            inputs = self._pre_forward(unit, inputs)
-            output = forward(*inputs)
-            self._post_forward(unit, bool(module.training))
-            return output
-
-        def wrapped_backward(grad_output: Any) -> Any:
-            self._pre_backward(unit)
-            grad_input = backward(grad_output)
-            self._post_backward(unit)
-            return grad_input
-
-        object.__setattr__(module, "forward", wrapped_forward)
-        object.__setattr__(module, "backward", wrapped_backward)
-
-    def _torch_pre_forward(self, unit: Unit) -> Callable[..., Any]:
-        def hook(_module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-            return self._pre_forward(unit, args)
-        return hook
-
-    def _torch_post_forward(self, unit: Unit) -> Callable[..., Any]:
-        torch = self._torch
-
-        def hook(_module: Any, _args: Any, output: Any) -> None:
-            grad = torch.is_grad_enabled()
-            hooked = grad and self._hook_outputs(output, lambda: self._pre_backward(unit))
-            if grad and not hooked and any(group.requires_grad for group in unit.groups):
-                # No output we can hook (a custom container?): nothing would re-gather the unit before its
-                # backward reads the saved views, so it stays gathered until its gradients are reduced.
-                return
-            self._post_forward(unit, grad)
-        return hook
-
-    def _hook_outputs(self, output: Any, fn: Callable[[], None]) -> bool:
-        """Call ``fn`` when the gradient of any tensor in ``output`` is ready; return whether any was hooked."""
-        torch = self._torch
-
-        def on_grad(_grad: Any) -> None:
-            fn()
-
-        hooked = False
-        for tensor in _tensors_in(output, torch.Tensor):
-            if tensor.requires_grad:
-                tensor.register_hook(on_grad)
-                hooked = True
-        return hooked
-
-    # --- the step -----------------------------------------------------------------------
-
-    def _tag(self, unit: Unit, position: int, phase: int) -> int:
-        return zlib.crc32(f"{unit.index}/{position}/{phase}".encode()) & MAX_TAG
-
-    def _begin_step(self) -> None:
-        if self._in_step:
-            self._settle()  # the last forward had no backward (evaluation): put everything back first
-        self._in_step = True
-        self._position = self._backward_position = 0
-        self._forward_order = []
-
-    def _pre_forward(self, unit: Unit, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        if not self._in_step:
-            self._begin_step()
-        position = self._position
-        self._position += 1
-        self._forward_order.append(unit)
-        if unit.state is _State.SHARDED and unit.pending is None:
-            self._issue_gather(unit, self._tag(unit, position, FORWARD))
-        if self.forward_prefetch:
-            upcoming = self._predict(position + 1)
-            if upcoming is not None and upcoming is not unit:
-                self._prefetch(upcoming, self._tag(upcoming, position + 1, FORWARD))
-        self._wait_gather(unit, "forward")
-        for group in unit.groups:
-            self._tensors.install(group)
-        if self.mixed_precision.param_dtype is not None:
-            inputs = self._tensors.cast_inputs(inputs, unit.groups[0].compute_dtype)
-        return inputs
-
-    def _predict(self, position: int) -> Unit | None:
-        order = self._last_order
-        return order[position] if position < len(order) else None
-
-    def _post_forward(self, unit: Unit, backward_follows: bool) -> None:
-        if self._reshard_after_forward or not backward_follows:
-            self._reshard(unit)
-
-    def _pre_backward(self, unit: Unit) -> None:
-        if unit.backward_started:
-            return
-        unit.backward_started = True
-        if self._torch and not self._finish_queued:
-            self._finish_queued = True
-            self._torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        position = self._backward_position
-        self._backward_position += 1
-        unit.backward_tag = self._tag(unit, position, BACKWARD)
-        if unit.state is _State.SHARDED and unit.pending is None:
-            self._issue_gather(unit, unit.backward_tag)
-        if self.forward_prefetch:
-            earlier = self._earlier_in_forward(unit)
-            if earlier is not None:
-                self._prefetch(earlier, self._tag(earlier, position + 1, BACKWARD))
-        self._wait_gather(unit, "backward")
-        if not self._torch:
-            for group in unit.groups:
-                self._tensors.install(group)
-        unit.grads_waiting = 0
-        for group in unit.groups:
-            self._tensors.begin_backward(group)
-            unit.grads_waiting += group.requires_grad
-
-    def _earlier_in_forward(self, unit: Unit) -> Unit | None:
-        order = self._forward_order
-        if unit not in order:
-            return None
-        index = order.index(unit)
-        for candidate in reversed(order[:index]):
-            if not candidate.backward_started:
-                return candidate
-        return None
-
-    def _on_grad(self, group: FlatGroup) -> None:
-        """torch: one group's gathered gradient is complete (its leaf's post-accumulate hook)."""
-        unit = self._unit_of[id(group)]
-        if not unit.backward_started:  # its outputs could not be hooked: it stayed gathered (see post-forward)
-            self._pre_backward(unit)
-        unit.grads_waiting -= 1
-        if unit.grads_waiting <= 0:
-            self._post_backward(unit)
-
-    def _post_backward(self, unit: Unit) -> None:
-        if unit.reduced:
-            return
-        unit.reduced = True
-        grads = [self._tensors.take_grad(group) for group in unit.groups]
-        if any(grad is not None for grad in grads) and self._comm is not None:
-            shard_group, replicate_group, tag = self.shard_group, self.replicate_group, unit.backward_tag
-            shards = self._shard_size
-
-            def reduce() -> list[Any]:
-                results = []
-                for grad in grads:
-                    if grad is not None:
-                        if shards > 1:
-                            grad = reduce_scatter(grad, ReduceOp.MEAN, group=shard_group, tag=tag)
-                        if replicate_group is not None and replicate_group.world_size > 1:
-                            allreduce(grad, ReduceOp.MEAN, group=replicate_group)
-                    results.append(grad)
-                return results
-
-            pending = worker_of(self._comm).submit(reduce, f"FSDP reduce of unit {unit.label}", tuple(grads))
-            self._reduces.append((unit, pending.wait))
-        elif any(grad is not None for grad in grads):  # one rank, nothing to average
-            self._reduces.append((unit, lambda: grads))
-        self._reshard(unit)
-
-    def _finish_backward(self) -> None:
-        self._finish_queued = False
-        try:
-            for unit in reversed(self._forward_order):
-                if unit.backward_started and not unit.reduced:
-                    self._post_backward(unit)  # some of its parameters got no gradient this step
-            for unit, wait in self._reduces:
-                with self._naming(unit, "reduce_scatter"):
-                    results = wait()
-                for group, reduced in zip(unit.groups, results, strict=True):
-                    if reduced is not None:
-                        self._tensors.add_grad(group.shard, reduced)
-        finally:
-            self._reduces = []
-            self._settle()
-
-    def _settle(self) -> None:
-        """End a step: wait for stray prefetches and reshard every unit (keeping those that alias their shards)."""
-        try:
-            for unit in self.units:
-                if unit.pending is not None:
-                    self._wait_gather(unit, "a prefetch nobody used")
-                self._reshard(unit)
-        finally:
-            for unit in self.units:
-                unit.backward_started = unit.reduced = False
-            if self._forward_order:
-                self._last_order = self._forward_order
-            self._in_step = False
-
-    # --- gathering and freeing ---------------------------------------------------------
-
-    def _prefetch(self, unit: Unit, tag: int) -> None:
-        if unit.state is _State.SHARDED and unit.pending is None:
-            self._issue_gather(unit, tag)
-
-    def _issue_gather(self, unit: Unit, tag: int) -> None:
-        transfers = []
-        for group in unit.groups:
-            if group.shard_size == 1:
-                self._tensors.alias(group)
-            else:
-                transfers.append(self._tensors.gather_buffers(group))
-        unit.state = _State.GATHERING
-        self._count_unsharded()
-        if not transfers:
-            unit.state = _State.UNSHARDED
-            return
-        shard_group, stats = self.shard_group, self._stats
-
-        def gather_all() -> None:
-            began = time.perf_counter()
-            for source, out in transfers:
-                all_gather(source, out=out, group=shard_group, tag=tag)
-            stats["all_gather_seconds"] += time.perf_counter() - began
-
-        stats["all_gathers"] += 1
-        assert shard_group is not None
-        unit.pending = worker_of(shard_group).submit(gather_all, f"FSDP all_gather of unit {unit.label}",
-                                                     tuple(b for pair in transfers for b in pair))
-
-    def _wait_gather(self, unit: Unit, phase: str) -> None:
-        pending = unit.pending
-        if pending is not None:
-            began = time.perf_counter()
-            try:
-                with self._naming(unit, f"{phase} all_gather"):
-                    pending.wait()
-            finally:
-                self._stats["all_gather_wait_seconds"] += time.perf_counter() - began
-                unit.pending = None
-        unit.state = _State.UNSHARDED
-
-    def _reshard(self, unit: Unit) -> None:
-        if unit.state is _State.SHARDED:
-            return
-        if unit.pending is not None:
-            self._wait_gather(unit, "reshard")  # never free memory a collective is still writing
-        if unit.keeps_gathered:
-            return
-        for group in unit.groups:
-            self._tensors.uninstall(group)
-            self._tensors.free(group)
-        unit.state = _State.SHARDED
-
-    def _count_unsharded(self) -> None:
-        gathered = sum(unit.state is not _State.SHARDED for unit in self.units)
-        self._stats["peak_unsharded_units"] = max(self._stats["peak_unsharded_units"], gathered)
-
-    # --- errors -------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _naming(self, unit: Unit, what: str) -> Iterator[None]:
-        """Re-raise a collective mismatch with the FSDP units its tags stand for."""
-        try:
-            yield
-        except CollectiveMismatchError as exc:
-            raise CollectiveMismatchError(
-                f"FSDP: rank {self.group.rank} was at unit {unit.label} ({what}) when the ranks' calls differed "
-                f"-- {exc}{self._legend(str(exc))}", exc.peer, exc.expected, exc.actual) from exc
-        except DistributedError as exc:
-            if exc.args and isinstance(exc.args[0], str):  # keep the type (and its fields), say where FSDP was
-                exc.args = (f"{exc.args[0]} [FSDP: rank {self.group.rank} was at unit {unit.label} ({what})]",
-                            *exc.args[1:])
-            raise
-
-    def _legend(self, message: str) -> str:
-        tags = sorted({int(t) for t in re.findall(r"(?<!thread )\btag (\d+)", message)})
-        if not tags:
-            return ""
-        limit = 2 * len(self.units) + 2
-        names = []
-        for tag in tags:
-            hits = [f"{unit.label} as {_PHASE_NAMES[phase]} #{position + 1} of the step"
-                    for unit in self.units for position in range(limit) for phase in (FORWARD, BACKWARD)
-                    if self._tag(unit, position, phase) == tag]
-            names.append(f"tag {tag} = {' or '.join(hits) if hits else 'no FSDP unit of this model'}")
-        return ". FSDP tags: " + "; ".join(names) + (
-            ". The ranks ran different units, or the same units in a different order: every rank must run "
-            "the same forward")
 
     # --- public -------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module's forward (gathering each unit as it runs)."""
-        self._begin_step()
+        self._step.begin()
         output = self.module(*args, **kwargs)
         if self._torch and self._torch.is_grad_enabled():
-            self._hook_outputs(output, self._queue_finish)
+            self._step.hook_outputs(output, self._step.queue_finish)
         return output
 
     forward = __call__
-
-    def _queue_finish(self) -> None:
-        if not self._finish_queued:
-            self._finish_queued = True
-            self._torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def backward(self, grad_output: Any) -> Any:
         """ferro.nn: run the module's backward, reduce-scatter every unit's gradients, and wait for them.
@@ -564,10 +225,10 @@ class FSDP:
         try:
             grad_input = self.module.backward(grad_output)
         except BaseException:
-            self._reduces = []
-            self._settle()
+            self._step.reduces = []
+            self._step.settle()
             raise
-        self._finish_backward()
+        self._step.finish_backward()
         return grad_input
 
     def parameters(self) -> list[Any]:
@@ -597,15 +258,16 @@ class FSDP:
         ``all_gathers``: unit gathers issued; ``peak_unsharded_units``: most units
         gathered at once.
         """
-        stats = dict(self._stats)
+        stats = dict(self._step.stats)
         spent = stats["all_gather_seconds"]
         stats["hidden_fraction"] = max(0.0, 1.0 - stats["all_gather_wait_seconds"] / spent) if spent else 0.0
         return stats
 
     def reset_comm_stats(self) -> None:
         """Zero :meth:`comm_stats`."""
-        for key in self._stats:
-            self._stats[key] = 0.0 if key.endswith("seconds") else 0
+        stats = self._step.stats
+        for key in stats:
+            stats[key] = 0.0 if key.endswith("seconds") else 0
 
     # --- state ----------------------------------------------------------------------------
 
@@ -621,36 +283,9 @@ class FSDP:
             ``{name: array or tensor}`` in the module's parameter order.
 
         """
-        self._require_idle("full_state_dict")
-        values: dict[str, Any] = {}
-        for unit in self.units:
-            for group in unit.groups:
-                full = self._gather_shards(unit, self._tensors.shard_array(group.shard), rank0_only)
-                if full is None:
-                    continue
-                dtype = _dtype_of(group.shard)
-                for slot in group.slots:
-                    values[slot.fqn] = self._tensors.wrap(
-                        full[slot.offset:slot.offset + slot.numel].reshape(slot.shape).copy(), dtype)
-        if rank0_only and self.group.rank != 0:
-            return {}
-        ordered = {fqn: values[fqn] for fqn in self._fqns}
-        if self._torch:
-            for name, buffer in self.module.named_buffers():
-                ordered[name] = buffer.detach().clone()
-        return ordered
+        return layout.full_state_dict(self, rank0_only)
 
     state_dict = full_state_dict
-
-    def _gather_shards(self, unit: Unit, shard: np.ndarray, rank0_only: bool) -> np.ndarray | None:
-        """Every shard of one flat vector, concatenated (None on ranks that do not receive it)."""
-        group = self.shard_group
-        if group is None or group.world_size == 1:
-            return shard
-        with self._naming(unit, "state dict"):
-            if rank0_only:
-                return gather(shard, dst=0, group=group)
-            return all_gather(shard, group=group)
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """Copy full parameter values into this rank's shards in place (no communication).
@@ -662,26 +297,7 @@ class FSDP:
             ValueError: A value's shape differs from its parameter's.
 
         """
-        self._require_idle("load_full_state_dict")
-        tensors = self._tensors
-        for unit in self.units:
-            for group in unit.groups:
-                shard = tensors.shard_array(group.shard)
-                for slot in group.slots:
-                    if slot.fqn not in state:
-                        raise KeyError(f"load_full_state_dict: {slot.fqn!r} is missing from the state dict")
-                    value = tensors.array_of(state[slot.fqn])
-                    if tuple(value.shape) != slot.shape:
-                        raise ValueError(f"load_full_state_dict: {slot.fqn!r} has shape {slot.shape}, the state "
-                                         f"has {tuple(value.shape)}")
-                    lo, hi, position = group.local(slot)
-                    shard[position:position + hi - lo] = value.reshape(-1)[lo:hi]
-        if self._torch:
-            torch = self._torch
-            with torch.no_grad():
-                for name, buffer in self.module.named_buffers():
-                    if name in state:
-                        buffer.copy_(state[name])
+        return layout.load_full_state_dict(self, state)
 
     def sharded_state_dict(self, *, as_dtensor: bool = False, timeout: float | None = None) -> dict[str, Any]:
         """Return each parameter's part held by this rank, with its global shape and offsets.
@@ -697,23 +313,7 @@ class FSDP:
             timeout: Seconds for that communication.
 
         """
-        self._require_idle("sharded_state_dict")
-        entries: dict[str, ShardedEntry] = {}
-        for unit in self.units:
-            for group in unit.groups:
-                for slot in group.slots:
-                    lo, hi, position = group.local(slot)
-                    entries[slot.fqn] = ShardedEntry(
-                        self._tensors.shard_slice(group.shard, position, position + hi - lo), slot.shape, lo, hi)
-        state: dict[str, Any] = {fqn: entries[fqn] for fqn in self._fqns}
-        if as_dtensor and self.shard_group is not None:
-            state = from_sharded_entries(state, self.shard_group, timeout=timeout)
-        elif as_dtensor:  # NO_SHARD: every rank holds every parameter whole
-            state = {fqn: DTensor.from_local(entry.local.reshape(entry.global_shape), self.group, [Replicate()],
-                                             shape=entry.global_shape) for fqn, entry in state.items()}
-        if self._torch:
-            state.update(self.module.named_buffers())
-        return state
+        return layout.sharded_state_dict(self, as_dtensor=as_dtensor, timeout=timeout)
 
     def full_optim_state_dict(self, optimizer: Any, rank0_only: bool = False) -> dict[str, Any]:
         """Return the optimizer's state per full parameter, by parameter name (collective).
@@ -725,30 +325,7 @@ class FSDP:
             With ``rank0_only``, other ranks get ``{}``.
 
         """
-        self._require_idle("full_optim_state_dict")
-        per_param = self._tensors.optimizer_state(optimizer)
-        state: dict[str, dict[str, Any]] = {}
-        for unit in self.units:
-            for group in unit.groups:
-                entry = per_param.get(group.shard)
-                if not entry:
-                    continue
-                for key, value in entry.items():
-                    if _is_per_element(value, group.shard_len):
-                        array = self._tensors.array_of(value)
-                        full = self._gather_shards(unit, array, rank0_only)
-                        if full is None:
-                            continue
-                        for slot in group.slots:
-                            part = full[slot.offset:slot.offset + slot.numel].reshape(slot.shape).copy()
-                            state.setdefault(slot.fqn, {})[key] = self._tensors.wrap(part, _dtype_of(value))
-                    else:
-                        for slot in group.slots:
-                            state.setdefault(slot.fqn, {})[key] = _copy_scalar(value)
-        if rank0_only and self.group.rank != 0:
-            return {}
-        return {"state": {fqn: state[fqn] for fqn in self._fqns if fqn in state},
-                "param_groups": self._param_groups(optimizer)}
+        return layout.full_optim_state_dict(self, optimizer, rank0_only)
 
     def sharded_optim_state_dict(self, optimizer: Any) -> dict[str, Any]:
         """Return the optimizer's state for this rank's shards, by parameter name (no communication).
@@ -765,21 +342,7 @@ class FSDP:
             ``{"state": {name: {"exp_avg": ShardedEntry, "step": ...}}, "param_groups": [...]}``.
 
         """
-        self._require_idle("sharded_optim_state_dict")
-        per_param = self._tensors.ensure_optimizer_state(optimizer, self.parameters())
-        state: dict[str, dict[str, Any]] = {}
-        for unit in self.units:
-            for group in unit.groups:
-                for key, value in (per_param.get(group.shard) or {}).items():
-                    for slot in group.slots:
-                        lo, hi, position = group.local(slot)
-                        if _is_per_element(value, group.shard_len):
-                            value_part = value[position:position + hi - lo]
-                            state.setdefault(slot.fqn, {})[key] = ShardedEntry(value_part, slot.shape, lo, hi)
-                        else:
-                            state.setdefault(slot.fqn, {})[key] = value
-        return {"state": {fqn: state[fqn] for fqn in self._fqns if fqn in state},
-                "param_groups": self._param_groups(optimizer)}
+        return layout.sharded_optim_state_dict(self, optimizer)
 
     def load_sharded_optim_state_dict(self, optimizer: Any, state: dict[str, Any]) -> None:
         """Give the optimizer the state in ``state``, laid out as :meth:`sharded_optim_state_dict` gives it.
@@ -793,27 +356,7 @@ class FSDP:
             KeyError: A parameter with optimizer state has no entry in ``state``.
 
         """
-        self._require_idle("load_sharded_optim_state_dict")
-        per_param = self._tensors.optimizer_state(optimizer)
-        entries = state.get("state", state)
-        for unit in self.units:
-            for group in unit.groups:
-                current = per_param.get(group.shard)
-                if not current:
-                    continue
-                for slot in group.slots:
-                    if slot.fqn not in entries:
-                        raise KeyError(f"load_sharded_optim_state_dict: no state for {slot.fqn!r}")
-                    for key, value in entries[slot.fqn].items():
-                        if isinstance(value, ShardedEntry):
-                            lo, hi, position = group.local(slot)
-                            _copy_into(current[key][position:position + hi - lo], value.local)
-                        elif slot is group.slots[0]:
-                            current[key] = _same_or_copy(current.get(key), value)
-
-    def _param_groups(self, optimizer: Any) -> list[dict[str, Any]]:
-        return named_param_groups(optimizer, {id(group.shard): [slot.fqn for slot in group.slots]
-                                              for unit in self.units for group in unit.groups})
+        return layout.load_sharded_optim_state_dict(self, optimizer, state)
 
     def load_full_optim_state_dict(self, optimizer: Any, state: dict[str, Any]) -> None:
         """Give the optimizer its state for this rank's shards, cut from a full optimizer state dict.
@@ -821,41 +364,7 @@ class FSDP:
         No communication: every rank passes the whole dict (as :meth:`full_optim_state_dict` returns it)
         and keeps its own part. The optimizer's settings (learning rate, ...) stay its own.
         """
-        self._require_idle("load_full_optim_state_dict")
-        tensors = self._tensors
-        per_param = tensors.optimizer_state(optimizer)
-        entries = state.get("state", state)
-        for unit in self.units:
-            for group in unit.groups:
-                found = [entries.get(slot.fqn) for slot in group.slots]
-                present = [e for e in found if e]
-                if not present:
-                    continue
-                if len(present) != len(found):
-                    missing = [s.fqn for s, e in zip(group.slots, found, strict=True) if not e]
-                    raise KeyError(f"load_full_optim_state_dict: no state for {missing} (the rest of unit "
-                                   f"{unit.label}'s parameters have some)")
-                new: dict[str, Any] = {}
-                for key, sample in present[0].items():
-                    if _ndim(sample) >= 1:
-                        local = None
-                        for slot, entry in zip(group.slots, found, strict=True):
-                            value = tensors.array_of(entry[key])
-                            if local is None:
-                                local = np.zeros(group.shard_len, value.dtype)
-                            lo, hi, position = group.local(slot)
-                            local[position:position + hi - lo] = value.reshape(-1)[lo:hi]
-                        assert local is not None
-                        new[key] = tensors.wrap(local, _dtype_of(sample))
-                    else:
-                        new[key] = _copy_scalar(sample)
-                per_param[group.shard] = new
-
-    def _require_idle(self, what: str) -> None:
-        if self._in_step:
-            self._settle()  # a forward without backward: nothing of the step is left to use
-        if self._reduces:
-            raise RuntimeError(f"FSDP.{what}: called during backward")
+        return layout.load_full_optim_state_dict(self, optimizer, state)
 
     def __getattr__(self, name: str) -> Any:
         if name == "module":
@@ -866,59 +375,3 @@ class FSDP:
         units = ", ".join(unit.label for unit in self.units)
         return (f"FSDP({self.sharding_strategy.name}, {self._shard_size} shards, units [{units}], "
                 f"module={type(self.module).__name__})")
-
-
-def _tensors_in(value: Any, tensor_type: type) -> Iterator[Any]:
-    if isinstance(value, tensor_type):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item, tensor_type)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item, tensor_type)
-
-
-def _dtype_of(value: Any) -> Any:
-    data = getattr(value, "data", value)
-    return getattr(data, "dtype", None)
-
-
-def _ndim(value: Any) -> int:
-    return int(getattr(value, "ndim", 0))
-
-
-def _is_per_element(value: Any, shard_len: int) -> bool:
-    shape = getattr(value, "shape", None)
-    return shape is not None and len(shape) == 1 and int(shape[0]) == shard_len
-
-
-def _copy_scalar(value: Any) -> Any:
-    clone = getattr(value, "clone", None)
-    if callable(clone):
-        return clone()
-    copy = getattr(value, "copy", None)
-    return copy() if callable(copy) else value
-
-
-def _copy_into(target: Any, source: Any) -> None:
-    """Copy ``source`` into ``target`` (arrays or tensors of one shape) unless they are the same memory."""
-    if _address(target) == _address(source):
-        return
-    if hasattr(target, "copy_"):
-        import torch  # a tensor is in hand: torch is loaded
-
-        with torch.no_grad():
-            target.copy_(source)
-    else:
-        target[...] = source
-
-
-def _address(value: Any) -> int:
-    pointer = getattr(value, "data_ptr", None)
-    return int(pointer()) if callable(pointer) else int(value.__array_interface__["data"][0])
-
-
-def _same_or_copy(current: Any, value: Any) -> Any:
-    """Keep ``current`` when ``value`` is it (a tensor filled in place); else a copy of ``value``."""
-    return current if current is value else _copy_scalar(value)
