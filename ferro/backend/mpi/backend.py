@@ -31,7 +31,6 @@ What MPI does not offer, and what ferro does instead:
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,14 +39,14 @@ from typing import Any
 import numpy as np
 
 from ferro._buffers import byte_view
-from ferro._core.foreign import DirectForeignAllreduce
-from ferro._core.reduce import divide, has_kernel
 from ferro._core.status import KIND_COLLECTIVE, kind_name
 from ferro.backend.base import FramedBackend, KeptIdentity
 from ferro.backend.joined import JoinSpec
+from ferro.backend.mpi.abort import install_abort_hook, remove_abort_hook
+from ferro.backend.mpi.collectives import MpiCollectives
 from ferro.backend.mpi.library import MpiTypes, load_mpi, mpi_error
+from ferro.backend.mpi.pending import Issued, MpiPending, count_spans
 from ferro.backend.mpi.watchdog import Watchdog
-from ferro.backend.native import NativeCollectives
 from ferro.errors import (
     CollectiveMismatchError,
     ConfigurationError,
@@ -57,12 +56,8 @@ from ferro.errors import (
 from ferro.rendezvous.settings import default_timeout
 from ferro.types import (
     COLLECTIVE_IDS,
-    KERNEL_CODES,
-    DType,
-    ReduceOp,
     collective_name,
     describe_fingerprint,
-    dtype_by_name,
 )
 
 __all__ = ["CHECK_CALLS_ENV", "MAX_COUNT_ENV", "MpiBackend", "MpiPending"]
@@ -80,123 +75,7 @@ MAX_SLEEP_SECONDS = 1e-3
 _TAG_KIND_SHIFT, _TAG_CALL_SHIFT, _TAG_HASH_BITS = 28, 22, 22
 
 
-def _spans(total: int, limit: int) -> list[tuple[int, int]]:
-    """Split ``range(total)`` into consecutive spans of at most ``limit``."""
-    return [(start, min(start + limit, total)) for start in range(0, total, limit)] or [(0, 0)]
-
-
-class _Issued:
-    """What one nonblocking call started: its MPI requests, the steps to run after them, and its result."""
-
-    __slots__ = ("finishers", "requests", "result", "timeout")
-
-    def __init__(self, timeout: float) -> None:
-        self.requests: list[Any] = []
-        self.finishers: list[Callable[[], None]] = []
-        self.result: Callable[[], Any] | None = None
-        self.timeout = timeout  # the collective's, as its calls were given it
-
-
-class MpiPending:
-    """A collective started with ``async_op=True`` on an MPI group: MPI requests in flight.
-
-    It behaves as :class:`~ferro.PendingCollective` does. :meth:`wait` completes
-    the requests (``MPI_Waitall``, watched by the group's timeout), then finishes
-    the call (MEAN's division, a part copied out) and returns its result.
-    :meth:`is_completed` tests them, which also lets MPI progress them: MPI moves
-    a nonblocking collective's data only inside MPI calls (unless the MPI library
-    runs a progress thread), so a long computation between start and ``wait``
-    overlaps little of a large one.
-
-    Example::
-
-        pending = ferro.allreduce(grads, group=mpi_group, async_op=True)   # MPI_Iallreduce
-        ...                                   # compute meanwhile
-        grads = pending.wait()                # MPI_Waitall, then the result
-    """
-
-    def __init__(self, group: MpiBackend, call: str, description: str, buffers: tuple[Any, ...], issued: _Issued,
-                 result: Any) -> None:
-        self._group, self._call, self._description = group, call, description
-        self._buffers: tuple[Any, ...] | None = buffers  # owned until completion
-        self._issued, self._value = issued, result
-        self._deadline = time.monotonic() + issued.timeout
-        self._lock = threading.Lock()
-        self._done = False
-        self._result: Any = None
-        self._error: BaseException | None = None
-        if not issued.requests:
-            self._complete()
-
-    def is_completed(self) -> bool:
-        """Whether the collective has finished; tests (and so progresses) its MPI requests."""
-        if not self._done:
-            with self._lock:
-                if not self._done:
-                    try:
-                        if self._group.test_all(self._issued.requests, self._call):
-                            self._complete()
-                    except BaseException as exc:
-                        self._fail(exc)
-        return self._done
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Complete the collective and return its result.
-
-        Args:
-            timeout: Seconds to wait; ``None`` waits up to the collective's own timeout,
-                after which the group's watchdog ends the job (MPI cannot cancel it).
-
-        Raises:
-            DistributedTimeoutError: Still running after ``timeout`` (it keeps running).
-            Whatever the collective raised.
-
-        """
-        if not self._done:
-            with self._lock:
-                if not self._done:
-                    try:
-                        if timeout is None:
-                            self._group.wait_all(self._issued.requests, self._call,
-                                                 max(self._deadline - time.monotonic(), 0.0))
-                        elif not self._group.poll(lambda: self._group.test_all(self._issued.requests, self._call),
-                                                  time.monotonic() + timeout):
-                            raise DistributedTimeoutError(f"{self._description} has not completed after "
-                                                          f"{timeout:g} s (it keeps running)")
-                    except DistributedTimeoutError:
-                        raise
-                    except BaseException as exc:
-                        self._fail(exc)
-                    else:
-                        self._complete()
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def _fail(self, exc: BaseException) -> None:
-        self._group.mark_failed(f"{self._call} failed: {exc}")
-        self._finish(None, exc)
-
-    def _complete(self) -> None:
-        try:
-            for step in self._issued.finishers:
-                step()
-            value = self._issued.result() if self._issued.result is not None else self._value
-        except BaseException as exc:  # handed to the caller by wait()
-            self._finish(None, exc)
-        else:
-            self._finish(value, None)
-
-    def _finish(self, result: Any, error: BaseException | None) -> None:
-        self._result, self._error, self._done = result, error, True
-        self._buffers = None
-        self._issued = _Issued(0.0)  # drop the requests and steps: they hold the call's buffers
-
-    def __repr__(self) -> str:
-        return f"<MpiPending {self._description} {'completed' if self._done else 'pending'}>"
-
-
-class MpiBackend(KeptIdentity, FramedBackend, NativeCollectives):
+class MpiBackend(KeptIdentity, FramedBackend, MpiCollectives):
     """A process group over an MPI communicator, through mpi4py.
 
     Ranks and size are the communicator's. No store, address or job secret is
@@ -236,7 +115,7 @@ class MpiBackend(KeptIdentity, FramedBackend, NativeCollectives):
         if not isinstance(base, mpi.Intracomm) or base == mpi.COMM_NULL:
             raise ConfigurationError(f"MpiBackend needs an mpi4py intracommunicator, got {base!r}")
         self._init(mpi, base.Dup(), timeout, check_calls)
-        self._hook: Any = _install_abort_hook(mpi, self._world_rank) if abort_on_exception else None
+        self._hook: Any = install_abort_hook(mpi, self._world_rank) if abort_on_exception else None
 
     def _init(self, mpi: Any, comm: Any, timeout: float | None, check_calls: bool | None) -> None:
         self._mpi, self._comm = mpi, comm
@@ -258,7 +137,7 @@ class MpiBackend(KeptIdentity, FramedBackend, NativeCollectives):
         self._closed = False
         # Set while an async call starts its requests, with the thread doing it: another thread's calls
         # meanwhile (against the thread rule of ferro.collective.work, but possible) stay blocking.
-        self._issuing: _Issued | None = None
+        self._issuing: Issued | None = None
         self._issuer = 0
         self._abandoned: list[Any] = []  # requests a timeout gave up on, with their buffers: MPI may still use them
         self._watchdog = Watchdog(self._describe, comm.Abort)
@@ -396,7 +275,7 @@ class MpiBackend(KeptIdentity, FramedBackend, NativeCollectives):
     def issue_nonblocking(self, body: Callable[[], Any], call: str, description: str,
                           buffers: tuple[Any, ...]) -> MpiPending:
         """Run ``body`` with every MPI call it makes started nonblocking; return the handle that completes them."""
-        issued = _Issued(self._timeout)
+        issued = Issued(self._timeout)
         self._issuing, self._issuer = issued, threading.get_ident()
         try:
             result = body()
@@ -404,7 +283,7 @@ class MpiBackend(KeptIdentity, FramedBackend, NativeCollectives):
             self._issuing = None
         return MpiPending(self, call, description, buffers, issued, result)
 
-    def _current_issue(self) -> _Issued | None:
+    def _current_issue(self) -> Issued | None:
         """Return the async call this thread is starting, if any."""
         return self._issuing if self._issuing is not None and self._issuer == threading.get_ident() else None
 
@@ -446,187 +325,6 @@ class MpiBackend(KeptIdentity, FramedBackend, NativeCollectives):
             raise mpi_error(exc, self._rank, call) from None
         finally:
             watchdog.disarm()
-
-    # --- native collectives ------------------------------------------------------------------
-
-    def _mean(self, flat: np.ndarray, dtype: DType, op: ReduceOp) -> Callable[[], None] | None:
-        if op is not ReduceOp.MEAN:
-            return None
-        divisor = float(self._world_size)
-        return lambda: divide(flat, dtype.code, divisor, dtype.itemsize)
-
-    def make_direct_allreduce(self, on_failure: Callable[[BaseException], BaseException]) -> Any:
-        """Return the compiled direct path: one ``MPI_Allreduce`` called from C (none with ``check_calls``)."""
-        if self._check_calls:
-            return None
-        mpi = self._mpi
-
-        def failed(exc: BaseException) -> BaseException:
-            return on_failure(mpi_error(exc, self._rank, "allreduce") if isinstance(exc, mpi.Exception) else exc)
-
-        self._watchdog.start()
-        return DirectForeignAllreduce(self._comm.Allreduce, mpi.IN_PLACE, self.state, self._watchdog.slot,
-                                      self._direct_plan, failed, np.ndarray, self._timeout, default_timeout)
-
-    def _direct_plan(self, numpy_dtype: np.dtype, op: Any) -> tuple[Any, Any, int, float, int] | bool:
-        """``(datatype, MPI.Op, dtype code, MEAN's divisor or 0, count limit)`` for the direct path, or False."""
-        dtype = dtype_by_name(numpy_dtype.name) if numpy_dtype.isnative else None
-        if dtype is None or not isinstance(op, ReduceOp) or not has_kernel(dtype.code, KERNEL_CODES[op]) or (
-                op is ReduceOp.MEAN and dtype.kind != "f"):
-            return False  # the full path validates (and explains) everything else
-        datatype, mpi_op = self._types.reduction(dtype, op)
-        if self._types.inferred(numpy_dtype) == datatype:
-            datatype = None  # mpi4py reads it off the array's format: a step saved on every call
-        return datatype, mpi_op, dtype.code, float(self._world_size) if op is ReduceOp.MEAN else 0.0, self._max_count
-
-    def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,
-                         algorithm: str) -> bool:
-        """``MPI_Allreduce`` in place (MPI picks its own algorithm); MEAN divides the final sum."""
-        self._agree("allreduce", fingerprint, timeout)
-        datatype, mpi_op = self._types.reduction(dtype, op)
-        spans = _spans(flat.size, self._max_count)
-        finish = self._mean(flat, dtype, op)
-        for index, (start, end) in enumerate(spans):
-            self._run("allreduce", timeout, self._comm.Allreduce, self._mpi.IN_PLACE, [flat[start:end], datatype],
-                      op=mpi_op, finish=finish if index == len(spans) - 1 else None)
-        return True
-
-    def native_reduce(self, flat: Any, root: int, dtype: DType, op: ReduceOp, fingerprint: int,
-                      timeout: float) -> bool:
-        """``MPI_Reduce``, in place on ``root``."""
-        self._agree("reduce", fingerprint, timeout)
-        datatype, mpi_op = self._types.reduction(dtype, op)
-        spans = _spans(flat.size, self._max_count)
-        finish = self._mean(flat, dtype, op) if self._rank == root else None
-        for index, (start, end) in enumerate(spans):
-            part = [flat[start:end], datatype]
-            send, recv = (self._mpi.IN_PLACE, part) if self._rank == root else (part, None)
-            self._run("reduce", timeout, self._comm.Reduce, send, recv, op=mpi_op, root=root,
-                      finish=finish if index == len(spans) - 1 else None)
-        return True
-
-    def native_reduce_scatter(self, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp, fingerprint: int,
-                              timeout: float) -> bool:
-        """``MPI_Reduce_scatter`` into this rank's part; parts over the count limit reduce one ``MPI_Reduce`` each."""
-        self._agree("reduce_scatter", fingerprint, timeout)
-        datatype, mpi_op = self._types.reduction(dtype, op)
-        counts = [bounds[i + 1] - bounds[i] for i in range(self._world_size)]
-        mine = flat[bounds[self._rank]:bounds[self._rank + 1]]
-        if flat.size <= self._max_count:
-            received = np.empty_like(mine)
-            mean = self._mean(mine, dtype, op)
-
-            def finish() -> None:
-                mine[:] = received
-                if mean is not None:
-                    mean()
-            self._run("reduce_scatter", timeout, self._comm.Reduce_scatter, [flat, datatype],
-                      [received, datatype], counts, op=mpi_op, finish=finish)
-            return True
-        for owner in range(self._world_size):  # each part reduced onto its owner, in spans
-            part = flat[bounds[owner]:bounds[owner + 1]]
-            for start, end in _spans(part.size, self._max_count):
-                piece = [part[start:end], datatype]
-                send, recv = (self._mpi.IN_PLACE, piece) if owner == self._rank else (piece, None)
-                self._run("reduce_scatter", timeout, self._comm.Reduce, send, recv, op=mpi_op, root=owner)
-        if op is ReduceOp.MEAN:
-            self._run_after(self._mean(mine, dtype, op))
-        return True
-
-    def _run_after(self, step: Callable[[], None] | None) -> None:
-        """Run ``step`` once the calls made so far are complete: now, or after an async call's requests."""
-        if step is None:
-            return
-        issued = self._current_issue()
-        if issued is not None:
-            issued.finishers.append(step)
-        else:
-            step()
-
-    def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
-        """``MPI_Allgather`` in place; parts over the count limit are broadcast by their owners, in spans."""
-        self._agree("all_gather", fingerprint, timeout)
-        part = bounds[1] - bounds[0]
-        byte = self._types.byte
-        if part <= self._max_count:
-            self._run("all_gather", timeout, self._comm.Allgather, self._mpi.IN_PLACE,
-                      [flat, part, byte])
-            return True
-        for owner in range(self._world_size):
-            for start, end in _spans(part, self._max_count):
-                base = bounds[owner]
-                self._run("all_gather", timeout, self._comm.Bcast, [flat[base + start:base + end], byte], root=owner)
-        return True
-
-    def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:
-        """``MPI_Bcast`` of the bytes, in spans of at most the count limit."""
-        self._agree("broadcast", fingerprint, timeout)
-        for start, end in _spans(flat.size, self._max_count):
-            self._run("broadcast", timeout, self._comm.Bcast, [flat[start:end], self._types.byte], root=root)
-        return True
-
-    def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
-                          fingerprint: int, timeout: float) -> bool:
-        """``MPI_Alltoall`` for equal blocks, ``MPI_Alltoallv`` for others.
-
-        When some rank's blocks or offsets exceed the count limit (uneven blocks
-        first agree on it, one ``MPI_Allreduce``), this returns False: the
-        collective then runs ferro's pairwise exchange over this group's
-        point-to-point messages, which split large messages themselves.
-        """
-        n, byte = self._world_size, self._types.byte
-        send_counts = [send_offsets[i + 1] - send_offsets[i] for i in range(n)]
-        recv_counts = [recv_offsets[i + 1] - recv_offsets[i] for i in range(n)]
-        equal = len(set(send_counts)) == 1 and send_counts == recv_counts  # then so are every rank's
-        largest = max(send_offsets[-1], recv_offsets[-1])
-        if not equal:  # totals differ between ranks: all must take the same path
-            agreed = np.array([largest], np.int64)
-            self._blocking("all_to_all", timeout, self._comm.Allreduce, self._mpi.IN_PLACE, agreed, op=self._mpi.MAX)
-            largest = int(agreed[0])
-        if largest > self._max_count:
-            return False
-        self._agree("all_to_all", fingerprint, timeout)
-        if equal:
-            self._run("all_to_all", timeout, self._comm.Alltoall, [send, send_counts[0], byte],
-                      [recv, recv_counts[0], byte])
-        else:
-            self._run("all_to_all", timeout, self._comm.Alltoallv, [send, (send_counts, send_offsets[:-1]), byte],
-                      [recv, (recv_counts, recv_offsets[:-1]), byte])
-        return True
-
-    def native_gather(self, flat: Any, out: Any, root: int, fingerprint: int, timeout: float) -> bool:
-        """``MPI_Gather`` of equal byte blocks into ``out`` on ``root``; blocks over the limit go as messages."""
-        if flat.size * self._world_size > self._max_count:  # equal sizes: every rank decides alike
-            return False
-        self._agree("gather", fingerprint, timeout)
-        byte = self._types.byte
-        self._run("gather", timeout, self._comm.Gather, [flat, byte], [out, byte] if self._rank == root else None,
-                  root=root)
-        return True
-
-    def native_scatter(self, blocks: list[Any] | None, out: Any, root: int, fingerprint: int,
-                       timeout: float) -> bool:
-        """``MPI_Scatterv`` of the root's byte blocks into ``out`` on every rank, in rounds under the count limit.
-
-        The root first broadcasts its largest block's size (one ``MPI_Bcast``), so
-        every rank runs the same number of rounds; each round sends every rank
-        at most ``limit / world_size`` bytes, so no count or offset overflows.
-        """
-        self._agree("scatter", fingerprint, timeout)
-        n, byte = self._world_size, self._types.byte
-        largest = np.array([max((b.size for b in blocks), default=0) if blocks is not None else 0], np.int64)
-        self._blocking("scatter", timeout, self._comm.Bcast, largest, root=root)
-        per_round = max(1, self._max_count // n)
-        for start in range(0, max(int(largest[0]), 1), per_round):
-            send = None
-            if blocks is not None:
-                pieces = [b[start:start + per_round] for b in blocks]
-                counts = [p.size for p in pieces]
-                offsets = np.cumsum([0, *counts[:-1]]).tolist()
-                send = [np.concatenate(pieces), (counts, offsets), byte]
-            mine = out[start:start + per_round]
-            self._run("scatter", timeout, self._comm.Scatterv, send, [mine, byte], root=root)
-        return True
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """``MPI_Barrier`` (``MPI_Ibarrier`` inside an async call)."""
@@ -671,7 +369,7 @@ class MpiBackend(KeptIdentity, FramedBackend, NativeCollectives):
         view = byte_view(buf, call, writable=False)
         tag = self._tag(kind, fingerprint)
         started = []
-        for start, end in _spans(len(view), self._max_count):
+        for start, end in count_spans(len(view), self._max_count):
             piece = view[start:end]
             try:
                 started.append((self._comm.Isend([piece, self._types.byte], dst, tag), piece))
@@ -704,7 +402,7 @@ class MpiBackend(KeptIdentity, FramedBackend, NativeCollectives):
             raise CollectiveMismatchError(
                 f"rank {self._rank} called {mine} but rank {src}'s next message belongs to "
                 f"{self._tag_call(status.Get_tag())}: the ranks' calls differ", src)
-        spans = _spans(len(view), self._max_count)
+        spans = count_spans(len(view), self._max_count)
         first = status.Get_count(mpi.BYTE)
         if first != spans[0][1] - spans[0][0]:
             sent = first if len(spans) == 1 else None
@@ -766,40 +464,10 @@ class MpiBackend(KeptIdentity, FramedBackend, NativeCollectives):
         self.state.set_direct(None, None, None, None)  # the full path, which refuses a closed group
         self._watchdog.stop()
         if self._hook is not None:
-            _remove_abort_hook(self._hook)
+            remove_abort_hook(self._hook)
             self._hook = None
         if not self._mpi.Is_finalized() and not self._abandoned:
             try:
                 self._comm.Free()
             except self._mpi.Exception:
                 pass  # a communicator MPI already considers broken: nothing more to release
-
-
-def _install_abort_hook(mpi: Any, world_rank: int) -> Any:
-    """Make an uncaught exception end the whole MPI job (``MPI_Abort``) instead of leaving the others waiting.
-
-    Returns:
-        The hook, for :func:`_remove_abort_hook`; None when one is already installed.
-
-    """
-    previous = sys.excepthook
-    if getattr(previous, "ferro_mpi_abort", False):
-        return None
-
-    def abort_job(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
-        previous(kind, value, traceback)
-        print(f"ferro: MPI_COMM_WORLD rank {world_rank} raised {kind.__name__}; calling MPI_Abort so the other "
-              f"ranks do not wait in MPI forever", file=sys.stderr, flush=True)
-        if not mpi.Is_finalized():
-            mpi.COMM_WORLD.Abort(1)
-
-    abort_job.ferro_mpi_abort = True  # type: ignore[attr-defined]
-    abort_job.previous = previous  # type: ignore[attr-defined]
-    sys.excepthook = abort_job
-    return abort_job
-
-
-def _remove_abort_hook(hook: Any) -> None:
-    current: Any = sys.excepthook
-    if current is hook:
-        sys.excepthook = hook.previous
