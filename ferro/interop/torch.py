@@ -29,10 +29,7 @@ on integers.
 
 from __future__ import annotations
 
-import concurrent.futures
-import datetime
 import os
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,9 +41,22 @@ from ferro.backend import JoinSpec, join_backend
 from ferro.backend.base import Backend
 from ferro.collective.process_group import BACKEND_ENV, backend_by_hosts
 from ferro.collective.work import PendingCollective, worker_of
-from ferro.errors import ConfigurationError, DistributedTimeoutError, InvalidBufferError
+from ferro.errors import ConfigurationError, InvalidBufferError
 from ferro.interop._peer_links import PeerLinks
+from ferro.interop._torch_args import (
+    as_list,
+    copy_parts,
+    even_splits,
+    factor_value,
+    flat_view,
+    is_async,
+    product,
+    scaled,
+    timeout_of,
+    torch_reduce_op,
+)
 from ferro.interop._torch_store import TorchStore
+from ferro.interop._torch_work import HANDLES, FerroWork
 from ferro.types import ReduceOp
 
 __all__ = ["BACKEND_NAME", "FerroWork", "ProcessGroupFerro", "register"]
@@ -59,12 +69,6 @@ HOST_BACKENDS = ("auto", "tcp", "shm", "hierarchical")
 _RedOpType = dist.ReduceOp.RedOpType
 _SUM = dist.ReduceOp.SUM
 _AllreduceOptions = dist.AllreduceOptions
-_HANDLES = (PendingCollective, concurrent.futures.Future)
-_OPS = {
-    dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.MEAN, dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
-    dist.ReduceOp.MIN: ReduceOp.MIN, dist.ReduceOp.MAX: ReduceOp.MAX, dist.ReduceOp.BAND: ReduceOp.BAND,
-    dist.ReduceOp.BOR: ReduceOp.BOR, dist.ReduceOp.BXOR: ReduceOp.BXOR,
-}
 
 
 def register() -> None:
@@ -115,150 +119,6 @@ def _create_process_group(options: Any, backend_options: Any) -> ProcessGroupFer
         group.close()
         raise
     return ProcessGroupFerro(group, str(options.group_id), links)
-
-
-def _reduce_op(op: Any, name: str) -> tuple[ReduceOp, Any]:
-    """Return ferro's op for torch's, and PREMUL_SUM's factor (None for the others)."""
-    kind = getattr(op, "op", op)
-    if kind == dist.ReduceOp.PREMUL_SUM:
-        return ReduceOp.SUM, op.factor
-    try:
-        return _OPS[kind], None
-    except (KeyError, TypeError):
-        raise ValueError(f"{name}: torch's reduce op {kind} has no ferro equivalent") from None
-
-
-def _async(options: Any) -> bool:
-    """Whether torch will hand the work back to its caller (``async_op=True``, DDP's buckets).
-
-    torch's own blocking calls say ``asyncOp=False`` and wait at once: those run on
-    the calling thread, through ferro's direct paths, and return a completed work.
-    """
-    return bool(getattr(options, "asyncOp", True))
-
-
-def _timeout(options: Any) -> float | None:
-    """Return the seconds torch's options carry, or None for the group's own (torch's unset is negative)."""
-    value = getattr(options, "timeout", None)
-    if isinstance(value, datetime.timedelta) and value.total_seconds() > 0:
-        return value.total_seconds()
-    return None
-
-
-def _flat(tensor: Any, name: str) -> Any:
-    """Return a detached, flat view of a CPU tensor (torch's collectives ignore autograd; so does this)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise InvalidBufferError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise InvalidBufferError(
-            f"{name}: the tensor lives on {tensor.device}; the 'ferro' backend moves CPU tensors (reduce GPU "
-            f"tensors on a group of torch's 'nccl' backend, or move them with .cpu())")
-    if not tensor.is_contiguous():
-        raise InvalidBufferError(f"{name}: the tensor is not contiguous; pass tensor.contiguous()")
-    return tensor.detach().view(-1)
-
-
-def _factor(factor: Any) -> float:
-    """Return PREMUL_SUM's factor (a number, or a one-element tensor) as a number."""
-    return float(factor.to(device="cpu").reshape(()).item()) if isinstance(factor, torch.Tensor) else float(factor)
-
-
-def _scaled(tensor: Any, factor: Any) -> Any:
-    """Return ``tensor * factor`` as a new tensor of its dtype (PREMUL_SUM's input)."""
-    return tensor.mul(_factor(factor))
-
-
-def _as_list(tensors: Any) -> list[Any]:
-    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-
-
-class FerroWork(dist.Work):
-    """One torch call in flight on a ferro group: torch's ``Work``, whose future holds the output tensors.
-
-    It completes when the last of its ferro calls does (a group completes its
-    calls in order); the future's callbacks (DDP's) run on the group's worker.
-
-    Example::
-
-        work = dist.all_reduce(t, async_op=True)   # on a "ferro" group
-        work.wait()                                 # t holds the sum
-    """
-
-    def __init__(self, what: str, pendings: Sequence[PendingCollective | concurrent.futures.Future], value: Any,
-                 finish: Callable[[], None] | None = None) -> None:
-        super().__init__()
-        self._what = what
-        self._pendings = tuple(pendings)
-        self._value = value
-        self._finish = finish
-        self._future: Any = torch.futures.Future()
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        if self._pendings:
-            self._pendings[-1].add_done_callback(self._complete)
-        else:
-            self._complete(None)
-
-    def _complete(self, _: Any) -> None:
-        try:
-            for pending in self._pendings:  # raises the first failure; all are done once the last is
-                if isinstance(pending, concurrent.futures.Future):
-                    pending.result(0)
-                else:
-                    pending.wait(0)
-            if self._finish is not None:
-                self._finish()
-        except BaseException as exc:  # handed to the waiter, through wait() and the future
-            self._error = exc
-            self._future.set_exception(exc)
-        else:
-            self._future.set_result(self._value)
-        finally:
-            self._pendings, self._finish = (), None  # the buffers they hold are free to go
-            self._done.set()
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Block until the call completes; raise its error, if any.
-
-        Args:
-            timeout: A ``timedelta`` or seconds; None or zero waits for the call's own timeout.
-
-        Raises:
-            DistributedTimeoutError: Not complete within ``timeout`` (the call goes on).
-
-        """
-        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        if not self._done.wait(seconds if seconds else None):
-            raise DistributedTimeoutError(f"{self._what} has not completed after {seconds:g} s")
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def get_future(self) -> Any:
-        """Return the ``torch.futures.Future`` completed with the call's output tensors."""
-        return self._future
-
-    def is_completed(self) -> bool:
-        """Whether the call has finished, successfully or not."""
-        return self._done.is_set()
-
-    def is_success(self) -> bool:
-        """Whether the call has finished without an error."""
-        return self._done.is_set() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        """Return the call's error (None while running or after success)."""
-        return self._error
-
-    def result(self) -> Any:
-        """Return the output tensors (after :meth:`wait`)."""
-        return self._value
-
-    def synchronize(self) -> None:
-        """Do nothing: CPU tensors need no stream synchronisation."""
-
-    def __repr__(self) -> str:
-        return f"<FerroWork {self._what} {'completed' if self.is_completed() else 'pending'}>"
 
 
 class ProcessGroupFerro(dist.ProcessGroup):
@@ -322,7 +182,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
     def _work(self, what: str, issued: Sequence[Any], value: Any, finish: Callable[[], None] | None = None
               ) -> FerroWork:
         """Return the work of a call; ``issued`` is what ferro returned (handles of async calls, results of others)."""
-        pendings = [handle for handle in issued if isinstance(handle, _HANDLES)]
+        pendings = [handle for handle in issued if isinstance(handle, HANDLES)]
         work = FerroWork(f"{what} on rank {self._ferro.rank}", pendings, value, finish)
         if self._coalescing is not None:
             self._coalescing.append(work)
@@ -352,33 +212,33 @@ class ProcessGroupFerro(dist.ProcessGroup):
         # ferro.allreduce takes a plain CPU tensor through its NumPy view, and refuses what it cannot take.
         if (type(opts) is _AllreduceOptions and not opts.asyncOp and len(tensors) == 1 and opts.reduceOp == _SUM
                 and not tensors[0].requires_grad):  # those are detached first, as the general path does
-            collective.allreduce(tensors[0], ReduceOp.SUM, group=self._ferro, timeout=_timeout(opts))
+            collective.allreduce(tensors[0], ReduceOp.SUM, group=self._ferro, timeout=timeout_of(opts))
             return None
         return self.allreduce_coalesced(tensors, opts)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> FerroWork:
         """Reduce every tensor of the list across ranks, in place (a call per tensor, in list order)."""
-        tensors = _as_list(tensors)
-        op, factor = _reduce_op(opts if isinstance(opts, (dist.ReduceOp, _RedOpType)) else
+        tensors = as_list(tensors)
+        op, factor = torch_reduce_op(opts if isinstance(opts, (dist.ReduceOp, _RedOpType)) else
                                 getattr(opts, "reduceOp", dist.ReduceOp.SUM), "allreduce")
-        flats = [_flat(t, "allreduce") for t in tensors]
+        flats = [flat_view(t, "allreduce") for t in tensors]
         if factor is not None:  # PREMUL_SUM: the inputs are the outputs, so they are scaled where they are
             for flat in flats:
-                flat.mul_(_factor(factor))
-        timeout, async_op = _timeout(opts), _async(opts)
+                flat.mul_(factor_value(factor))
+        timeout, async_op = timeout_of(opts), is_async(opts)
         issued = [collective.allreduce(flat, op, group=self._ferro, timeout=timeout, async_op=async_op)
                   for flat in flats]
         return self._work("allreduce", issued, tensors)
 
     def reduce(self, tensors: Any, opts: Any = None) -> FerroWork:
         """Reduce each tensor into the copy on ``opts.rootRank``; the others' are left as they were."""
-        tensors = _as_list(tensors)
-        op, factor = _reduce_op(getattr(opts, "reduceOp", dist.ReduceOp.SUM), "reduce")
+        tensors = as_list(tensors)
+        op, factor = torch_reduce_op(getattr(opts, "reduceOp", dist.ReduceOp.SUM), "reduce")
         root = int(getattr(opts, "rootRank", 0))
-        flats = [_flat(t, "reduce") for t in tensors]
-        sources = [flat if factor is None else _scaled(flat, factor) for flat in flats]
-        async_op = _async(opts)
-        issued = [collective.reduce(src, root, op, group=self._ferro, timeout=_timeout(opts), async_op=async_op)
+        flats = [flat_view(t, "reduce") for t in tensors]
+        sources = [flat if factor is None else scaled(flat, factor) for flat in flats]
+        async_op = is_async(opts)
+        issued = [collective.reduce(src, root, op, group=self._ferro, timeout=timeout_of(opts), async_op=async_op)
                   for src in sources]
 
         def finish() -> None:
@@ -390,13 +250,13 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> FerroWork:  # noqa: A002
         """Reduce ``input`` across ranks; this rank's equal part lands in ``output``."""
-        op, factor = _reduce_op(getattr(opts, "reduceOp", dist.ReduceOp.SUM), "reduce_scatter")
-        out, source = _flat(output, "reduce_scatter"), _flat(input, "reduce_scatter")
+        op, factor = torch_reduce_op(getattr(opts, "reduceOp", dist.ReduceOp.SUM), "reduce_scatter")
+        out, source = flat_view(output, "reduce_scatter"), flat_view(input, "reduce_scatter")
         self._check_world_times(source, "input", out, "output", "reduce_scatter")
         if factor is not None:
-            source = _scaled(source, factor)
-        async_op = _async(opts)
-        issued = collective.reduce_scatter(source, op, group=self._ferro, timeout=_timeout(opts), async_op=async_op,
+            source = scaled(source, factor)
+        async_op = is_async(opts)
+        issued = collective.reduce_scatter(source, op, group=self._ferro, timeout=timeout_of(opts), async_op=async_op,
                                            out=out)
         return self._work("reduce_scatter", [issued], [output])
 
@@ -411,8 +271,8 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
         """Reduce list ``inputs[i]`` across ranks; element ``rank`` of the result lands in ``outputs[i]``."""
-        outputs = _as_list(outputs)
-        works = [self.reduce_scatter_single(out, torch.cat([_flat(t, "reduce_scatter") for t in parts]), opts)
+        outputs = as_list(outputs)
+        works = [self.reduce_scatter_single(out, torch.cat([flat_view(t, "reduce_scatter") for t in parts]), opts)
                  for out, parts in zip(outputs, inputs, strict=True)]
         return self._join("reduce_scatter", works, outputs)
 
@@ -420,19 +280,19 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     def broadcast(self, tensors: Any, opts: Any = None) -> FerroWork:
         """Copy each tensor from ``opts.rootRank`` into the others' tensors, in place."""
-        tensors = _as_list(tensors)
+        tensors = as_list(tensors)
         root = int(getattr(opts, "rootRank", 0) if not isinstance(opts, int) else opts)
-        async_op = _async(opts)
-        issued = [collective.broadcast(_flat(t, "broadcast"), root, group=self._ferro, timeout=_timeout(opts),
+        async_op = is_async(opts)
+        issued = [collective.broadcast(flat_view(t, "broadcast"), root, group=self._ferro, timeout=timeout_of(opts),
                                        async_op=async_op) for t in tensors]
         return self._work("broadcast", issued, tensors)
 
     def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> FerroWork:  # noqa: A002
         """Concatenate every rank's ``input`` into ``output``, in rank order (torch's ``all_gather_into_tensor``)."""
-        out, source = _flat(output, "all_gather"), _flat(input, "all_gather")
+        out, source = flat_view(output, "all_gather"), flat_view(input, "all_gather")
         self._check_world_times(out, "output", source, "input", "all_gather")
-        async_op = _async(opts)
-        issued = collective.all_gather(source, out=out, group=self._ferro, timeout=_timeout(opts), async_op=async_op)
+        async_op = is_async(opts)
+        issued = collective.all_gather(source, out=out, group=self._ferro, timeout=timeout_of(opts), async_op=async_op)
         return self._work("all_gather", [issued], [output])
 
     _allgather_base = all_gather_single
@@ -446,17 +306,17 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
         """Gather each ``inputs[i]`` from every rank into the list ``outputs[i]`` (torch's ``all_gather``)."""
-        inputs = _as_list(inputs)
+        inputs = as_list(inputs)
         works = []
         for parts, tensor in zip(outputs, inputs, strict=True):
-            source = _flat(tensor, "all_gather")
+            source = flat_view(tensor, "all_gather")
             for part in parts:
-                if _flat(part, "all_gather").numel() != source.numel() or part.dtype != tensor.dtype:
+                if flat_view(part, "all_gather").numel() != source.numel() or part.dtype != tensor.dtype:
                     raise InvalidBufferError(f"rank {self._ferro.rank}: all_gather: every output tensor needs the "
                                              f"input's {source.numel()} elements of {tensor.dtype}")
             gathered = torch.empty(source.numel() * self._ferro.world_size, dtype=source.dtype)
             work = self.all_gather_single(gathered, source, opts)
-            works.append(self._copying(work, gathered, parts, _async(opts)))
+            works.append(self._copying(work, gathered, parts, is_async(opts)))
         return self._join("all_gather", works, list(outputs))
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
@@ -468,8 +328,8 @@ class ProcessGroupFerro(dist.ProcessGroup):
     def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
         """Gather every rank's ``inputs[0]`` into the list ``outputs[0]`` on ``opts.rootRank``."""
         root = int(getattr(opts, "rootRank", 0))
-        inputs = _as_list(inputs)
-        source = _flat(inputs[0], "gather")
+        inputs = as_list(inputs)
+        source = flat_view(inputs[0], "gather")
         parts = list(outputs[0]) if self._ferro.rank == root and len(outputs) else []
         if self._ferro.rank == root and len(parts) != self._ferro.world_size:
             raise ValueError(f"rank {root}: gather: the root needs {self._ferro.world_size} output tensors, got "
@@ -477,24 +337,24 @@ class ProcessGroupFerro(dist.ProcessGroup):
         result: dict[str, Any] = {}
 
         def run() -> None:
-            result["gathered"] = collective.gather(source, root, group=self._ferro, timeout=_timeout(opts))
+            result["gathered"] = collective.gather(source, root, group=self._ferro, timeout=timeout_of(opts))
 
         def finish() -> None:
             if parts:
-                _copy_parts(result["gathered"], parts)
+                copy_parts(result["gathered"], parts)
 
-        return self._work("gather", self._queue("gather", run, (source,), _async(opts)), list(outputs), finish)
+        return self._work("gather", self._queue("gather", run, (source,), is_async(opts)), list(outputs), finish)
 
     def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
         """Send ``inputs[0][i]`` from ``opts.rootRank`` into ``outputs[0]`` on rank ``i``."""
         root = int(getattr(opts, "rootRank", 0))
-        outputs = _as_list(outputs)
-        out = _flat(outputs[0], "scatter")
-        chunks = [_flat(t, "scatter") for t in inputs[0]] if self._ferro.rank == root else None
+        outputs = as_list(outputs)
+        out = flat_view(outputs[0], "scatter")
+        chunks = [flat_view(t, "scatter") for t in inputs[0]] if self._ferro.rank == root else None
         result: dict[str, Any] = {}
 
         def run() -> None:
-            result["mine"] = collective.scatter(chunks, root, group=self._ferro, timeout=_timeout(opts))
+            result["mine"] = collective.scatter(chunks, root, group=self._ferro, timeout=timeout_of(opts))
 
         def finish() -> None:
             mine = result["mine"]
@@ -504,7 +364,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
                     f"the output holds {out.numel()} of {out.dtype}")
             out.copy_(mine.view(-1))
 
-        return self._work("scatter", self._queue("scatter", run, (out,), _async(opts)), outputs, finish)
+        return self._work("scatter", self._queue("scatter", run, (out,), is_async(opts)), outputs, finish)
 
     def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Sequence[int],  # noqa: A002
                           input_split_sizes: Sequence[int], opts: Any = None) -> FerroWork:
@@ -513,17 +373,17 @@ class ProcessGroupFerro(dist.ProcessGroup):
         if input.dim() == 0 or output.dim() == 0:
             raise InvalidBufferError("all_to_all: tensors need at least one dimension to split along")
         rows_in, rows_out = input.shape[0], output.shape[0]
-        sends = list(input_split_sizes) or _even(rows_in, n, "input")
-        recvs = list(output_split_sizes) or _even(rows_out, n, "output")
+        sends = list(input_split_sizes) or even_splits(rows_in, n, "input")
+        recvs = list(output_split_sizes) or even_splits(rows_out, n, "output")
         row_shape = tuple(input.shape[1:])
-        source = _flat(input, "all_to_all").view((rows_in,) + row_shape)
-        out = _flat(output, "all_to_all")
-        if out.numel() != sum(recvs) * _prod(row_shape):
+        source = flat_view(input, "all_to_all").view((rows_in,) + row_shape)
+        out = flat_view(output, "all_to_all")
+        if out.numel() != sum(recvs) * product(row_shape):
             raise InvalidBufferError(f"rank {self._ferro.rank}: all_to_all: the output has {out.numel()} elements; "
                                      f"the split sizes {recvs} need {sum(recvs)} rows of shape {row_shape}")
-        async_op = _async(opts)
+        async_op = is_async(opts)
         issued = collective.all_to_all_single_uneven(
-            source, sends, recvs, group=self._ferro, timeout=_timeout(opts), async_op=async_op,
+            source, sends, recvs, group=self._ferro, timeout=timeout_of(opts), async_op=async_op,
             out=out.view((sum(recvs),) + row_shape))
         return self._work("all_to_all", [issued], [output])
 
@@ -531,19 +391,19 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> FerroWork:
         """Send ``inputs[j]`` to rank ``j``; ``outputs[i]`` receives rank ``i``'s (sizes may differ)."""
-        sources = [_flat(t, "all_to_all") for t in inputs]
-        outs = [_flat(t, "all_to_all") for t in outputs]
+        sources = [flat_view(t, "all_to_all") for t in inputs]
+        outs = [flat_view(t, "all_to_all") for t in outputs]
         if len({t.dtype for t in sources + outs}) > 1:
             raise InvalidBufferError("all_to_all: every input and output tensor needs one dtype")
         received = torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype)
         work = self.all_to_all_single(received, torch.cat(sources), [t.numel() for t in outs],
                                       [t.numel() for t in sources], opts)
-        return self._join("all_to_all", [self._copying(work, received, outs, _async(opts))], list(outputs))
+        return self._join("all_to_all", [self._copying(work, received, outs, is_async(opts))], list(outputs))
 
     def barrier(self, opts: Any = None) -> FerroWork:
         """Complete once every rank has called ``barrier``."""
-        async_op = _async(opts)
-        issued = collective.barrier(group=self._ferro, timeout=_timeout(opts), async_op=async_op)
+        async_op = is_async(opts)
+        issued = collective.barrier(group=self._ferro, timeout=timeout_of(opts), async_op=async_op)
         return self._work("barrier", [issued], [])
 
     # --- point to point ----------------------------------------------------------------
@@ -559,16 +419,16 @@ class ProcessGroupFerro(dist.ProcessGroup):
         Sends to a peer leave in call order, on a connection of their own: they
         never wait behind this group's collectives or its receives.
         """
-        tensors = _as_list(tensors)
+        tensors = as_list(tensors)
         links = self._peer_links("send")
-        pendings = [links.send(_flat(t, "send"), dst, tag) for t in tensors]
+        pendings = [links.send(flat_view(t, "send"), dst, tag) for t in tensors]
         return self._work(f"send to rank {dst}", pendings, tensors)
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> FerroWork:
         """Receive ``src``'s next messages into the tensors; they must carry ``tag``, dtype and size alike."""
-        tensors = _as_list(tensors)
+        tensors = as_list(tensors)
         links = self._peer_links("recv")
-        pendings = [links.recv(_flat(t, "recv"), src, tag) for t in tensors]
+        pendings = [links.recv(flat_view(t, "recv"), src, tag) for t in tensors]
         return self._work(f"recv from rank {src}", pendings, tensors)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> FerroWork:
@@ -606,7 +466,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
         """Return a work that, once ``work`` completes, copies ``source`` into ``parts`` (in order)."""
         def copy_out() -> None:
             work.wait()
-            _copy_parts(source, parts)
+            copy_parts(source, parts)
 
         return FerroWork(f"{work._what} (copy out)", self._queue("copy out", work.wait, (), async_op), list(parts),
                          copy_out)
@@ -623,30 +483,6 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"<ProcessGroupFerro {self._torch_name or 'group'} over {self._ferro!r}>"
-
-
-def _even(rows: int, n: int, which: str) -> list[int]:
-    if rows % n:
-        raise InvalidBufferError(f"all_to_all: the {which}'s {rows} rows do not split evenly among {n} ranks; "
-                                 f"pass split sizes")
-    return [rows // n] * n
-
-
-def _prod(shape: Sequence[int]) -> int:
-    total = 1
-    for extent in shape:
-        total *= int(extent)
-    return total
-
-
-def _copy_parts(source: Any, parts: Sequence[Any]) -> None:
-    """Copy consecutive slices of flat ``source`` into each tensor of ``parts``."""
-    flat = source.reshape(-1)
-    offset = 0
-    for part in parts:
-        size = part.numel()
-        part.detach().view(-1).copy_(flat[offset:offset + size])
-        offset += size
 
 
 register()

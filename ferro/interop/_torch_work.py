@@ -1,0 +1,109 @@
+"""What the ``"ferro"`` torch process group returns: a ``torch.distributed.Work`` over ferro's handles."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ferro.collective.work import PendingCollective
+from ferro.errors import DistributedTimeoutError
+
+__all__ = ["HANDLES", "FerroWork"]
+
+#: What ferro's async calls return, and a work waits on.
+HANDLES = (PendingCollective, concurrent.futures.Future)
+
+
+class FerroWork(dist.Work):
+    """One torch call in flight on a ferro group: torch's ``Work``, whose future holds the output tensors.
+
+    It completes when the last of its ferro calls does (a group completes its
+    calls in order); the future's callbacks (DDP's) run on the group's worker.
+
+    Example::
+
+        work = dist.all_reduce(t, async_op=True)   # on a "ferro" group
+        work.wait()                                 # t holds the sum
+    """
+
+    def __init__(self, what: str, pendings: Sequence[PendingCollective | concurrent.futures.Future], value: Any,
+                 finish: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self._what = what
+        self._pendings = tuple(pendings)
+        self._value = value
+        self._finish = finish
+        self._future: Any = torch.futures.Future()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        if self._pendings:
+            self._pendings[-1].add_done_callback(self._complete)
+        else:
+            self._complete(None)
+
+    def _complete(self, _: Any) -> None:
+        try:
+            for pending in self._pendings:  # raises the first failure; all are done once the last is
+                if isinstance(pending, concurrent.futures.Future):
+                    pending.result(0)
+                else:
+                    pending.wait(0)
+            if self._finish is not None:
+                self._finish()
+        except BaseException as exc:  # handed to the waiter, through wait() and the future
+            self._error = exc
+            self._future.set_exception(exc)
+        else:
+            self._future.set_result(self._value)
+        finally:
+            self._pendings, self._finish = (), None  # the buffers they hold are free to go
+            self._done.set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the call completes; raise its error, if any.
+
+        Args:
+            timeout: A ``timedelta`` or seconds; None or zero waits for the call's own timeout.
+
+        Raises:
+            DistributedTimeoutError: Not complete within ``timeout`` (the call goes on).
+
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if not self._done.wait(seconds if seconds else None):
+            raise DistributedTimeoutError(f"{self._what} has not completed after {seconds:g} s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> Any:
+        """Return the ``torch.futures.Future`` completed with the call's output tensors."""
+        return self._future
+
+    def is_completed(self) -> bool:
+        """Whether the call has finished, successfully or not."""
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        """Whether the call has finished without an error."""
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        """Return the call's error (None while running or after success)."""
+        return self._error
+
+    def result(self) -> Any:
+        """Return the output tensors (after :meth:`wait`)."""
+        return self._value
+
+    def synchronize(self) -> None:
+        """Do nothing: CPU tensors need no stream synchronisation."""
+
+    def __repr__(self) -> str:
+        return f"<FerroWork {self._what} {'completed' if self.is_completed() else 'pending'}>"
