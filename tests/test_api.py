@@ -91,3 +91,31 @@ def test_new_group_validates_ranks(ranks, match):
 def test_new_group_needs_a_parent_until_a_default_group_exists():
     with pytest.raises(ferro.ConfigurationError, match="group="):
         ferro.new_group([0])
+
+
+def test_reexported_names_read_as_ferro_x():
+    # As httpx does: reprs and tracebacks name the public path, not the module a class lives in.
+    assert repr(ferro.TcpBackend) == "<class 'ferro.TcpBackend'>"
+    assert ferro.PeerLostError.__module__ == "ferro" and ferro.allreduce.__module__ == "ferro"
+    assert pickle.loads(pickle.dumps(ferro.FSDP)) is ferro.FSDP
+    assert pickle.loads(pickle.dumps(ferro.allreduce)) is ferro.allreduce
+
+
+def test_module_paths_users_import_are_the_modules_themselves():
+    import sys
+
+    import ferro.collective.process_group
+    import ferro.device_mesh
+    import ferro.p2p
+    import ferro.parallel.pipeline
+    import ferro.pipeline
+    import ferro.process_group
+    from ferro.pipeline import Schedule1F1B
+    from ferro.process_group import init_process_group
+
+    # One module object each: a copy of process_group would hold a default group of its own.
+    assert sys.modules["ferro.process_group"] is ferro.collective.process_group
+    assert ferro.p2p is sys.modules["ferro.collective.p2p"]
+    assert ferro.pipeline is ferro.parallel.pipeline and Schedule1F1B is ferro.parallel.pipeline.Schedule1F1B
+    assert ferro.device_mesh.DeviceMesh is ferro.DeviceMesh
+    assert init_process_group is ferro.init_process_group
