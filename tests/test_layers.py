@@ -206,3 +206,54 @@ def test_the_top_level_reads_as_the_layer_table():
     layered = {prefix.split(".")[1] for _, prefixes in LAYERS for prefix in prefixes if "." in prefix}
     assert top == sorted({f"{name}.py" if (PACKAGE / f"{name}.py").exists() else name for name in layered}
                          | {"__init__.py", "nn", "testing", "py.typed"})
+
+
+def _rooms_of_one_call(call):
+    """The rooms of the collectives layer that one call's public function and body call into, in order.
+
+    Only calls made from the call's own module count (reductions, movement,
+    objects): that is the call read top to bottom. Repeats are folded.
+    """
+    import sys
+
+    seen = []
+
+    def profile(frame, event, _arg):
+        module = frame.f_globals.get("__name__", "")
+        caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back is not None else ""
+        if (event == "call" and module.startswith("ferro.collective.") and not frame.f_code.co_name.startswith("<")
+                and caller.rsplit(".", 1)[-1] in ("reductions", "movement", "objects")):
+            room = module.rsplit(".", 1)[1]
+            if room in ("resolve", "direct", "execute", "algorithms") and (not seen or seen[-1] != room):
+                seen.append(room)
+
+    call()  # the first call on a group also builds its direct paths, once
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["reduce_scatter", "allreduce", "gather", "all_to_all", "scatter", "broadcast_object"])
+def test_a_collective_is_resolved_once_then_executed(name):
+    # The walk of one call: all of its arguments resolved (one visit to resolve), then its link made and the call
+    # executed; never back to resolving once execution began.
+    import numpy as np
+
+    import ferro
+    from ferro.testing import run_threads
+
+    def rank(group):
+        x = np.arange(4.0)
+        calls = {"reduce_scatter": lambda: ferro.reduce_scatter(x, group=group),
+                 "allreduce": lambda: ferro.allreduce(x, group=group, algorithm="ring"),
+                 "gather": lambda: ferro.gather(x, group=group),
+                 "all_to_all": lambda: ferro.all_to_all(x, group=group),
+                 "scatter": lambda: ferro.scatter([x, x] if group.rank == 0 else None, group=group),
+                 "broadcast_object": lambda: ferro.broadcast_object("x", group=group)}
+        return _rooms_of_one_call(calls[name])
+
+    for rooms in run_threads(rank, 2, timeout=60):
+        assert rooms[:2] == ["resolve", "execute"] and "resolve" not in rooms[2:], rooms

@@ -1,5 +1,8 @@
 """Collective algorithms written over a group's tagged send/recv, so every backend runs every collective.
 
+It also holds the size thresholds that choose among them (:func:`choose_allreduce`,
+:func:`broadcast`), so a choice and the algorithms it chooses from live together.
+
 Each function works on flat NumPy arrays and a :class:`Link` (the group, the
 call's fingerprint and its timeout). The data moves through the backend's
 compiled transport and reductions run in C kernels, both without the GIL; the
@@ -17,14 +20,15 @@ import numpy as np
 from ferro._core.reduce import reduce_into
 from ferro._core.transport import KIND_COLLECTIVE
 from ferro.backend.base import Backend
+from ferro.collective.resolve import chunk_bounds
 from ferro.types import DType
 
 __all__ = [
+    "Link",
     "BROADCAST_SEGMENT_BYTES",
     "RECURSIVE_DOUBLING_BYTES",
     "RECURSIVE_DOUBLING_BYTES_MANY",
     "SMALL_MESSAGE_BYTES",
-    "Link",
     "allreduce",
     "broadcast",
     "choose_allreduce",
@@ -34,7 +38,6 @@ __all__ = [
     "allreduce_ring",
     "broadcast_chain",
     "broadcast_tree",
-    "chunk_bounds",
     "gather_direct",
     "reduce_scatter_ring",
     "reduce_tree",
@@ -132,15 +135,6 @@ def broadcast(link: Link, flat: np.ndarray, root: int) -> None:
 def combine(dst: np.ndarray, src: np.ndarray, dtype: DType, op_code: int) -> None:
     """``dst = dst OP src`` element-wise, in place, in C."""
     reduce_into(dst, src, dtype.code, op_code, dtype.itemsize)
-
-
-def chunk_bounds(total: int, parts: int) -> list[int]:
-    """Split ``total`` into ``parts`` as ``numpy.array_split`` does; return the ``parts + 1`` boundaries."""
-    base, extra = divmod(total, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
-    return bounds
 
 
 def _ring_reduce_scatter_steps(link: Link, flat: np.ndarray, bounds: list[int], dtype: DType, op_code: int) -> None:

@@ -220,6 +220,7 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None
     """
     g = resolve_group(group, "scatter")
     root = resolve_root(src, g, "scatter", "src")
+    seconds = resolve_timeout(g, timeout)
     blocks: list[Operand] | None = None
     if g.rank == root:
         if chunks is None or len(chunks) != g.world_size:
@@ -228,7 +229,7 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None
         blocks = [operand(c, "scatter", writable=False) for c in chunks]
         if len({b.array.dtype for b in blocks}) > 1:
             raise ValueError("scatter: all chunks must have the same dtype")
-    link = make_link(g, "scatter", resolve_timeout(g, timeout), None, 0, root)
+    link = make_link(g, "scatter", seconds, None, 0, root)
 
     def body() -> Any:
         if g.rank == root:

@@ -105,10 +105,10 @@ def _sender(x: Any, dst: int, tag: int, group: Backend | None, timeout: float | 
             name: str) -> tuple[Backend, Callable[[], None]]:
     """Validate a send and return its group and the body that sends the description, then the data."""
     g = resolve_group(group, name)
+    seconds = resolve_timeout(g, timeout)
     data = operand(x, name, writable=False)
     dst = g.check_peer(dst, name)
     meta = encode_meta(data, {"tag": _tag(tag)})
-    seconds = resolve_timeout(g, timeout)
 
     def body() -> None:
         g.send_tagged(meta, dst, kind=KIND_DATA, fingerprint=_META_FP, timeout=seconds)

@@ -25,6 +25,7 @@ from ferro.collective.direct import direct_path
 from ferro.collective.execute import execute, make_link
 from ferro.collective.resolve import (
     OP_VALUES,
+    chunk_bounds,
     is_backend_type,
     no_device_out,
     output,
@@ -201,14 +202,13 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
     if data.array.ndim == 0:
         raise InvalidBufferError("reduce_scatter: the input needs at least one dimension to split along axis 0")
     reduce_op = resolve_op(op, data.dtype, "reduce_scatter")
-    link = make_link(g, "reduce_scatter", resolve_timeout(g, timeout), data, reduce_op.value,
-                     resolve_tag(tag, g, "reduce_scatter"), data.array.size, data.array.shape)
-    rows = data.array.shape[0]
-    row_size = int(np.prod(data.array.shape[1:], dtype=np.int64))
-    row_bounds = algo.chunk_bounds(rows, g.world_size)
-    bounds = [b * row_size for b in row_bounds]
+    seconds, tag_value = resolve_timeout(g, timeout), resolve_tag(tag, g, "reduce_scatter")
+    row_bounds = chunk_bounds(data.array.shape[0], g.world_size)
     part_shape = (row_bounds[g.rank + 1] - row_bounds[g.rank],) + data.array.shape[1:]
     given = output(out, part_shape, data, "reduce_scatter") if out is not None else None
+    row_size = int(np.prod(data.array.shape[1:], dtype=np.int64))
+    bounds = [b * row_size for b in row_bounds]
+    link = make_link(g, "reduce_scatter", seconds, data, reduce_op.value, tag_value, data.array.size, data.array.shape)
 
     def body() -> Any:
         scratch = data.array.reshape(-1).copy()

@@ -22,9 +22,9 @@ from ferro.errors import ConfigurationError, InvalidBufferError, InvalidRankErro
 from ferro.rendezvous.settings import default_timeout
 from ferro.types import MAX_TAG, DType, ReduceOp
 
-__all__ = ["OP_VALUES", "element_count", "gathered_shape", "is_backend_type", "no_device_out", "output", "parse_op",
-           "resolve_group", "resolve_op", "resolve_root", "resolve_tag", "resolve_timeout", "separate_output",
-           "uneven_counts"]
+__all__ = ["OP_VALUES", "chunk_bounds", "element_count", "gathered_shape", "is_backend_type", "no_device_out",
+           "output", "parse_op", "resolve_group", "resolve_op", "resolve_root", "resolve_tag", "resolve_timeout",
+           "separate_output", "uneven_counts"]
 
 # Looked up on every call: plain dictionaries beat enum attribute access.
 OP_VALUES = {op: op.value for op in ReduceOp}
@@ -135,3 +135,12 @@ def uneven_counts(counts: Sequence[int], n: int, name: str) -> list[int]:
     if len(values) != n or any(c < 0 for c in values):
         raise ValueError(f"all_to_all_single_uneven: {name} needs {n} non-negative counts, got {list(counts)}")
     return values
+
+
+def chunk_bounds(total: int, parts: int) -> list[int]:
+    """Split ``total`` into ``parts`` as ``numpy.array_split`` does; return the ``parts + 1`` boundaries."""
+    base, extra = divmod(total, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
