@@ -25,18 +25,7 @@ __all__ = ["full_optim_state_dict", "full_state_dict", "load_full_optim_state_di
 
 
 def full_state_dict(model: FSDP, rank0_only: bool = False) -> dict[str, Any]:
-    """Return every parameter's full value (a copy), by its name in the unwrapped module.
-
-    Collective: every rank must call it. torch modules' buffers are included.
-
-    Args:
-        model: The FSDP model.
-        rank0_only: Gather to rank 0 only; the other ranks get ``{}``.
-
-    Returns:
-        ``{name: array or tensor}`` in the module's parameter order.
-
-    """
+    """Run :meth:`ferro.FSDP.full_state_dict`, which documents it."""
     model._step.require_idle("full_state_dict")
     values: dict[str, Any] = {}
     for unit in model.units:
@@ -67,15 +56,7 @@ def _gather_shards(model: FSDP, unit: Unit, shard: np.ndarray, rank0_only: bool)
         return all_gather(shard, group=group)
 
 def load_full_state_dict(model: FSDP, state: dict[str, Any]) -> None:
-    """Copy full parameter values into this rank's shards in place (no communication).
-
-    The shard objects stay the same, so an optimizer made earlier stays valid.
-
-    Raises:
-        KeyError: A parameter is missing from ``state``.
-        ValueError: A value's shape differs from its parameter's.
-
-    """
+    """Run :meth:`ferro.FSDP.load_full_state_dict`, which documents it."""
     model._step.require_idle("load_full_state_dict")
     tensors = model._tensors
     for unit in model.units:
@@ -98,20 +79,7 @@ def load_full_state_dict(model: FSDP, state: dict[str, Any]) -> None:
                     buffer.copy_(state[name])
 
 def sharded_state_dict(model: FSDP, *, as_dtensor: bool = False, timeout: float | None = None) -> dict[str, Any]:
-    """Return each parameter's part held by this rank, with its global shape and offsets.
-
-    Every parameter has a :class:`ShardedEntry`; where this rank holds none of it,
-    ``local`` is empty. torch modules' buffers follow, whole (every rank has them).
-
-    Args:
-        model: The FSDP model.
-        as_dtensor: Return each parameter as a ``Shard(0)`` :class:`~ferro.dtensor.DTensor`
-            over the shard group instead (torch ``fully_shard``'s layout): collective, one
-            all_to_all per parameter (:func:`ferro.dtensor.from_sharded_entries`).
-            Without a shard group (NO_SHARD) the DTensors are ``Replicate()`` over the group.
-        timeout: Seconds for that communication.
-
-    """
+    """Run :meth:`ferro.FSDP.sharded_state_dict`, which documents it."""
     model._step.require_idle("sharded_state_dict")
     entries: dict[str, ShardedEntry] = {}
     for unit in model.units:
@@ -131,15 +99,7 @@ def sharded_state_dict(model: FSDP, *, as_dtensor: bool = False, timeout: float 
     return state
 
 def full_optim_state_dict(model: FSDP, optimizer: Any, rank0_only: bool = False) -> dict[str, Any]:
-    """Return the optimizer's state per full parameter, by parameter name (collective).
-
-    Returns:
-        ``{"state": {name: {"exp_avg": full array, "step": ...}}, "param_groups": [...]}``:
-        per-element state gathered to the parameter's shape, scalars as they are;
-        ``param_groups`` lists each optimizer group's settings and parameter names.
-        With ``rank0_only``, other ranks get ``{}``.
-
-    """
+    """Run :meth:`ferro.FSDP.full_optim_state_dict`, which documents it."""
     model._step.require_idle("full_optim_state_dict")
     per_param = model._tensors.optimizer_state(optimizer)
     state: dict[str, dict[str, Any]] = {}
@@ -166,20 +126,7 @@ def full_optim_state_dict(model: FSDP, optimizer: Any, rank0_only: bool = False)
             "param_groups": _param_groups(model, optimizer)}
 
 def sharded_optim_state_dict(model: FSDP, optimizer: Any) -> dict[str, Any]:
-    """Return the optimizer's state for this rank's shards, by parameter name (no communication).
-
-    Per-element state (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's momentum) comes as
-    :class:`ShardedEntry` views of the optimizer's own arrays, with the same ranges as
-    :func:`sharded_state_dict`; scalars (``step``) as they are. This is what
-    :func:`ferro.checkpoint.save` stores and :func:`ferro.checkpoint.load` fills in place.
-    An optimizer that has no state yet gets it first, from a step at learning rate 0
-    (zero gradients; the parameters do not change), as torch's DCP does, so a fresh
-    optimizer can be loaded into.
-
-    Returns:
-        ``{"state": {name: {"exp_avg": ShardedEntry, "step": ...}}, "param_groups": [...]}``.
-
-    """
+    """Run :meth:`ferro.FSDP.sharded_optim_state_dict`, which documents it."""
     model._step.require_idle("sharded_optim_state_dict")
     per_param = model._tensors.ensure_optimizer_state(optimizer, model.parameters())
     state: dict[str, dict[str, Any]] = {}
@@ -197,17 +144,7 @@ def sharded_optim_state_dict(model: FSDP, optimizer: Any) -> dict[str, Any]:
             "param_groups": _param_groups(model, optimizer)}
 
 def load_sharded_optim_state_dict(model: FSDP, optimizer: Any, state: dict[str, Any]) -> None:
-    """Give the optimizer the state in ``state``, laid out as :func:`sharded_optim_state_dict` gives it.
-
-    After ``ferro.checkpoint.load`` has filled a dict from :func:`sharded_optim_state_dict`,
-    the per-element state is already in place; this sets what could not be filled in
-    place (scalars such as ``step``) and copies entries that are not views of the
-    optimizer's arrays. No communication.
-
-    Raises:
-        KeyError: A parameter with optimizer state has no entry in ``state``.
-
-    """
+    """Run :meth:`ferro.FSDP.load_sharded_optim_state_dict`, which documents it."""
     model._step.require_idle("load_sharded_optim_state_dict")
     per_param = model._tensors.optimizer_state(optimizer)
     entries = state.get("state", state)
@@ -231,11 +168,7 @@ def _param_groups(model: FSDP, optimizer: Any) -> list[dict[str, Any]]:
                                           for unit in model.units for group in unit.groups})
 
 def load_full_optim_state_dict(model: FSDP, optimizer: Any, state: dict[str, Any]) -> None:
-    """Give the optimizer its state for this rank's shards, cut from a full optimizer state dict.
-
-    No communication: every rank passes the whole dict (as :func:`full_optim_state_dict` returns it)
-    and keeps its own part. The optimizer's settings (learning rate, ...) stay its own.
-    """
+    """Run :meth:`ferro.FSDP.load_full_optim_state_dict`, which documents it."""
     model._step.require_idle("load_full_optim_state_dict")
     tensors = model._tensors
     per_param = tensors.optimizer_state(optimizer)
