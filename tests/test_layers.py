@@ -257,3 +257,9 @@ def test_a_collective_is_resolved_once_then_executed(name):
 
     for rooms in run_threads(rank, 2, timeout=60):
         assert rooms[:2] == ["resolve", "execute"] and "resolve" not in rooms[2:], rooms
+
+
+def test_every_folder_is_a_package():
+    # setuptools' find_packages ships folders with an __init__.py only; an editable install would hide the gap.
+    folders = [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))]
+    assert [str(p.relative_to(PACKAGE.parent)) for p in folders if not (p / "__init__.py").exists()] == []
