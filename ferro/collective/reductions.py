@@ -109,7 +109,7 @@ def _allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: boo
     if algorithm not in (None, *ALLREDUCE_ALGORITHMS):
         raise ValueError(f"allreduce: unknown algorithm {algorithm!r}; use one of {', '.join(ALLREDUCE_ALGORITHMS)}")
     link = make_link(g, "allreduce", resolve_timeout(g, timeout), data, OP_VALUES[reduce_op], 0, data.array.size,
-                 data.array.shape)
+                     data.array.shape)
     kernel_code = KERNEL_CODES[reduce_op]
 
     def body() -> Any:
