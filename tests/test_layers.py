@@ -263,3 +263,21 @@ def test_every_folder_is_a_package():
     # setuptools' find_packages ships folders with an __init__.py only; an editable install would hide the gap.
     folders = [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))]
     assert [str(p.relative_to(PACKAGE.parent)) for p in folders if not (p / "__init__.py").exists()] == []
+
+
+def test_design_md_draws_the_same_layers_in_the_same_order():
+    # DESIGN.md's table lists the layers top-down; each layer's folders first appear on its own row.
+    text = (PACKAGE.parent / "DESIGN.md").read_text()
+    table = text.split("## Layers as built", 1)[1].split("```", 2)[1]
+    rows = [line for line in table.splitlines() if line.strip()]
+
+    def first_row(path):
+        return next(i for i, line in enumerate(rows) if path in line)
+
+    spans = []
+    for name, prefixes in LAYERS:
+        paths = [p.replace(".", "/") + ("/" if (PACKAGE.parent / p.replace(".", "/")).is_dir() else ".py")
+                 for p in prefixes if p != "ferro"] or ["ferro/__init__.py"]
+        spans.append((name, min(map(first_row, paths)), max(map(first_row, paths))))
+    for (below, start_below, _), (name, start, end) in zip(spans, spans[1:], strict=False):
+        assert start <= end < start_below, f"DESIGN.md draws {name} (rows {start}-{end}) into {below} ({start_below})"
