@@ -177,3 +177,12 @@ def test_mpi_refuses_a_non_communicator():
 
     with pytest.raises(ConfigurationError, match="needs an mpi4py intracommunicator"):
         MpiBackend.from_comm("not a communicator")
+
+
+def test_the_mpi_groups_state_is_the_backends_not_the_collectives_mixins_stub():
+    # MpiCollectives declares `state` for type checking only; Backend's property must win in MpiBackend's bases.
+    from ferro.backend.base import Backend
+    from ferro.backend.mpi.backend import MpiBackend
+    from ferro.backend.mpi.collectives import MpiCollectives
+
+    assert MpiBackend.state is Backend.state and MpiBackend.state is not MpiCollectives.state
