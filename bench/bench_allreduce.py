@@ -13,8 +13,11 @@ on ``init_process_group(backend="mpi")``, with Open MPI's default settings, as
 (``--mca btl self,tcp``, the fair peer for a socket transport); ``mpi-sm``, Open
 MPI with its default settings (its shared-memory transport on one host).
 
-Time is per allreduce on rank 0 (float32, SUM, in place), averaged over many
-calls per size. Bus bandwidth uses nccl-tests' factor for allreduce,
+The ranks are ``ferro bench``'s own (``ferro.tools.bench.worker``, one adapter per
+library): this script adds the interleaved rounds, the medians and a table with
+several peers and Open MPI transports side by side. Time is per in-place
+allreduce (float32, SUM), the slowest rank's, averaged over 1000 calls per size
+up to 4 MB and fewer above. Bus bandwidth uses nccl-tests' factor for allreduce,
 2(n-1)/n, with GB = 1e9 bytes. ``memcpy`` is one core copying the same number of
 bytes once (NumPy ``copyto``, median of 5): the physical reference.
 
@@ -32,14 +35,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-
-import numpy as np
 
 from ferro.rendezvous.settings import free_port
 from ferro.tools.bench.reference import memcpy_seconds
+from ferro.tools.bench.table import read_json
 
-PEERS = ["ferro", "ferro-tcp", "ferro-shm", "ferro-mpi", "gloo", "mpi", "mpi-sm"]
 # Started by mpirun: raw mpi4py, and ferro's MPI backend over the same Open MPI (its default transport).
 MPI_LAUNCHED = ("mpi", "mpi-sm", "ferro-mpi")
 
@@ -52,87 +52,41 @@ def sizes(max_bytes: int) -> list[int]:
     return out
 
 
-def iterations(nbytes: int) -> tuple[int, int]:
-    """(warm-up, timed) calls for a message size: many for small messages, few for large."""
-    timed = int(min(1000, max(5, 4e8 / max(nbytes, 16_384) / 10)))
-    return max(2, timed // 10), timed
-
-
-def _measure(allreduce, barrier, rank: int, max_bytes: int) -> dict[int, float]:
-    results = {}
-    for nbytes in sizes(max_bytes):
-        buf = np.ones(max(nbytes // 4, 1), np.float32)
-        warmup, timed = iterations(nbytes)
-        for _ in range(warmup):
-            allreduce(buf)
-        barrier()
-        start = time.perf_counter()
-        for _ in range(timed):
-            allreduce(buf)
-        elapsed = (time.perf_counter() - start) / timed
-        if rank == 0:
-            results[nbytes] = elapsed
-    return results
-
-
-def worker_ferro(rank: int, world: int, port: int, max_bytes: int, backend: str = "tcp") -> dict[int, float]:
-    import ferro
-
-    kind = ferro.ShmBackend if backend == "shm" else ferro.TcpBackend
-    with kind(rank, world, "127.0.0.1", port, secret="bench", timeout=300) as group:
-        return _measure(lambda b: ferro.allreduce(b, group=group), group.barrier, rank, max_bytes)
-
-
-def worker_gloo(rank: int, world: int, port: int, max_bytes: int) -> dict[int, float]:
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        return _measure(lambda b: dist.all_reduce(torch.from_numpy(b)), dist.barrier, rank, max_bytes)
-    finally:
-        dist.destroy_process_group()
-
-
-def worker_mpi(max_bytes: int) -> tuple[int, dict[int, float]]:
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    return comm.Get_rank(), _measure(lambda b: comm.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM), comm.Barrier,
-                                     comm.Get_rank(), max_bytes)
-
-
-def worker_ferro_mpi(max_bytes: int) -> tuple[int, dict[int, float]]:
-    import ferro
-
-    group = ferro.init_process_group(backend="mpi", timeout=300)
-    try:
-        return group.rank, _measure(lambda b: ferro.allreduce(b), ferro.barrier, group.rank, max_bytes)
-    finally:
-        ferro.destroy_process_group()
+# The one measuring engine: ferro bench's rank program, one adapter per library. Each peer is a library
+# of it and ferro's backend (MPI_LAUNCHED says which mpirun starts, and with which transport).
+ENGINE = ["-m", "ferro.tools.bench.worker"]
+LIBRARY = {"ferro": ("ferro", "tcp"), "ferro-tcp": ("ferro", "tcp"), "ferro-shm": ("ferro", "shm"),
+           "ferro-mpi": ("ferro", "mpi"), "gloo": ("torch-gloo", "tcp"), "mpi": ("mpi", "tcp"),
+           "mpi-sm": ("mpi", "tcp")}
+# Timed calls per size: 1000 up to 4 MB, then fewer as ferro bench scales them (5 or more at 256 MiB).
+ITERS, WARMUP = 1000, 100
 
 
 def run_peer(peer: str, world: int, max_bytes: int, out: str) -> bool:
-    script = os.path.abspath(__file__)
+    """Run one sweep of ``peer`` on ``world`` ranks; rank 0 writes its rows (ferro bench's JSON) to ``out``."""
+    library, backend = LIBRARY[peer]
+    engine = [*ENGINE, "--library", library, "--backend", backend, "--ops", "allreduce",
+              "--sizes", ",".join(map(str, sizes(max_bytes))), "--iters", str(ITERS), "--warmup", str(WARMUP),
+              "--out", out, "--quiet"]
     if peer in MPI_LAUNCHED:
         from ferro.backend.mpi.launch import find_mpirun, mpirun_command, mpirun_environment
 
         if find_mpirun() is None:
             return False
         transport = ["btl", "self,tcp"] if peer == "mpi" else []
-        worker = "ferro-mpi" if peer == "ferro-mpi" else "mpi"
-        command = mpirun_command(world, [sys.executable, script, "--worker", worker, "--max-bytes", str(max_bytes),
-                                         "--out", out], transport)
+        command = mpirun_command(world, [sys.executable, *engine], transport)
         done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=mpirun_environment())
         if done.returncode != 0:
-            print(f"# mpi run failed: {done.stderr[-500:]}", file=sys.stderr)
+            print(f"# {peer} run failed: {done.stderr[-500:]}", file=sys.stderr)
         return done.returncode == 0
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, script, "--worker", peer, "--rank", str(r), "--world", str(world),
-                               "--port", str(port), "--max-bytes", str(max_bytes), "--out", out])
-             for r in range(world)]
-    codes = [p.wait(timeout=1800) for p in procs]
-    return all(c == 0 for c in codes)
+    from ferro.launch.agent import LaunchConfig, run_job
+
+    return run_job(LaunchConfig(target=engine, nproc_per_node=world, master_port=free_port(), prefix=False)) == 0
+
+
+def seconds_by_size(out: str) -> dict[int, float]:
+    """Rank 0's rows as {bytes: seconds per in-place allreduce} (the slowest rank's time)."""
+    return {row.size: row.time_us() / 1e6 for row in read_json(out)}
 
 
 def available(peer: str) -> bool:
@@ -148,22 +102,6 @@ def available(peer: str) -> bool:
     except ImportError:
         return False
     return True
-
-
-def _worker(args: argparse.Namespace) -> int:
-    if args.worker == "mpi":
-        rank, results = worker_mpi(args.max_bytes)
-    elif args.worker == "ferro-mpi":
-        rank, results = worker_ferro_mpi(args.max_bytes)
-    elif args.worker == "gloo":
-        rank, results = args.rank, worker_gloo(args.rank, args.world, args.port, args.max_bytes)
-    else:
-        backend = "shm" if args.worker == "ferro-shm" else "tcp"
-        rank, results = args.rank, worker_ferro(args.rank, args.world, args.port, args.max_bytes, backend)
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump({str(k): v for k, v in results.items()}, f)
-    return 0
 
 
 def _table(world: int, peers: list[str], table: dict[str, dict[int, float]], copy: dict[int, float],
@@ -191,22 +129,19 @@ def _table(world: int, peers: list[str], table: dict[str, dict[int, float]], cop
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", choices=PEERS)
-    parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--worlds", default="", help="comma-separated world sizes (default: --world)")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--out")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-bytes", type=int, default=256 * 1024 * 1024)
     parser.add_argument("--peers", default="ferro,gloo,mpi", help="the subject first, then its peers")
     parser.add_argument("--json", help="write every round's raw times here")
     args = parser.parse_args(argv)
-    if args.worker:
-        return _worker(args)
 
     worlds = [int(w) for w in args.worlds.split(",") if w] or [args.world]
     peers = [p for p in args.peers.split(",") if p]
+    unknown = [p for p in peers if p not in LIBRARY]
+    if unknown:
+        parser.error(f"--peers takes {', '.join(LIBRARY)}; got {unknown[0]!r}")
     skipped = [p for p in peers if not available(p)]
     peers = [p for p in peers if p not in skipped]
     rounds: dict[tuple[int, str], list[dict[int, float]]] = {(w, p): [] for w in worlds for p in peers}
@@ -216,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 for peer in peers:
                     out = os.path.join(tmp, f"{peer}-{world}-{repeat}.json")
                     if run_peer(peer, world, args.max_bytes, out):
-                        with open(out) as f:
-                            rounds[world, peer].append({int(k): v for k, v in json.load(f).items()})
+                        rounds[world, peer].append(seconds_by_size(out))
                     print(f"# round {repeat + 1}/{args.repeats}: {peer} x{world} done", file=sys.stderr, flush=True)
     copy = {n: memcpy_seconds(n) for n in sizes(args.max_bytes)}
     print(f"# allreduce, float32 SUM in place, median of {args.repeats} rounds; "
