@@ -383,6 +383,87 @@ def test_a_dead_peer_fails_the_next_call_promptly_naming_it(transport):
     assert seconds < 30, f"took {seconds:.1f} s to notice a dead peer (the group timeout is 60 s)"
 
 
+def _ddp_until_a_peer_goes(rank, stall):
+    """Train DDP until it raises; rank 1 exits (or stalls) inside its third backward, while rank 0's goes on."""
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets per backward
+    _KEEP_ALIVE.append(ddp)
+    steps = {"done": 0}
+
+    def leave(grad):
+        if rank == 1 and steps["done"] == 2:
+            if stall:
+                time.sleep(60)  # a frozen rank: the survivor's group timeout must name it
+            os._exit(3)
+        return grad
+
+    model[0].weight.register_hook(leave)  # the first layer's gradient comes last: some buckets are already out
+    x = torch.randn(BATCH, 6, dtype=torch.float64)
+    start = None
+    try:
+        while True:
+            start = time.monotonic()
+            ddp(x).square().sum().backward()
+            steps["done"] += 1
+    except Exception as exc:
+        return steps["done"], type(exc).__name__, str(exc), time.monotonic() - start
+    return None
+
+
+def rank_ddp_peer_death(rank, world_size):
+    _init(timeout=60)
+    return _ddp_until_a_peer_goes(rank, stall=False)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_peer_dying_mid_backward_raises_on_the_survivor_naming_it(transport):
+    # torch's Future.set_exception completes the C++ future successfully, holding the exception as its value; DDP's
+    # reducer then read tensors out of it and the survivor segfaulted. The survivor must raise instead.
+    results = run_processes(rank_ddp_peer_death, 2, backend=None, timeout=120, allow_exit=[1],
+                            env={"FERRO_BACKEND": transport})
+    assert results[1] == RankExit(3, None)
+    steps, name, message, seconds = results[0]
+    assert steps == 2, results[0]
+    assert name == "RuntimeError" and "PeerLostError" in message and "rank 1" in message, results[0]
+    assert seconds < 30, f"took {seconds:.1f} s to notice a dead peer (the group timeout is 60 s)"
+
+
+def rank_ddp_peer_stall(rank, world_size):
+    import ferro.interop.torch  # noqa: F401 - registers "ferro"
+
+    dist.init_process_group("ferro")  # no timeout=: $FERRO_TIMEOUT applies, not torch's 30 minutes
+    if rank == 0:
+        return dist.distributed_c10d._get_default_group().ferro_group.timeout, _ddp_until_a_peer_goes(rank, True)
+    return _ddp_until_a_peer_goes(rank, stall=True)
+
+
+def test_a_frozen_peer_times_out_the_survivor_after_ferro_timeout_when_torch_was_given_none():
+    results = run_processes(rank_ddp_peer_stall, 2, backend=None, timeout=120, allow_exit=[1],
+                            env={"FERRO_BACKEND": "tcp", "FERRO_TIMEOUT": "3"})
+    timeout, (steps, name, message, seconds) = results[0]
+    assert timeout == 3.0
+    assert steps == 2 and name == "RuntimeError", results[0]
+    assert "DistributedTimeoutError" in message and "rank 1" in message, message
+    assert 2.5 < seconds < 20, seconds
+
+
+def test_the_torch_group_timeout_is_torch_s_when_given_else_ferro_timeout(monkeypatch):
+    from torch.distributed.constants import default_pg_timeout
+
+    from ferro.errors import ConfigurationError
+    from ferro.interop.torch import group_timeout
+
+    monkeypatch.delenv("FERRO_TIMEOUT", raising=False)
+    assert group_timeout(default_pg_timeout) == default_pg_timeout.total_seconds()  # as gloo would wait
+    assert group_timeout(datetime.timedelta(seconds=7)) == 7.0
+    monkeypatch.setenv("FERRO_TIMEOUT", "12.5")
+    assert group_timeout(default_pg_timeout) == 12.5
+    assert group_timeout(datetime.timedelta(seconds=7)) == 7.0  # what the user gave torch wins
+    monkeypatch.setenv("FERRO_TIMEOUT", "soon")
+    with pytest.raises(ConfigurationError, match="FERRO_TIMEOUT"):
+        group_timeout(default_pg_timeout)
+
+
 def rank_bad_input(rank, world_size):
     _init()
     errors = {}

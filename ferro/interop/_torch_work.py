@@ -20,11 +20,38 @@ __all__ = ["HANDLES", "FerroWork"]
 HANDLES = (PendingCollective, concurrent.futures.Future)
 
 
+class _Failed:
+    """What the settling future holds when the call failed: the error, for :func:`_outcome` to raise."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _outcome(settled: Any) -> Any:
+    """Turn the settling future's value into the torch future's: the output tensors, or a raised error."""
+    value = settled.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
 class FerroWork(dist.Work):
     """One torch call in flight on a ferro group: torch's ``Work``, whose future holds the output tensors.
 
     It completes when the last of its ferro calls does (a group completes its
     calls in order); the future's callbacks (DDP's) run on the group's worker.
+
+    A failed call must fail the future in C++, not only in Python.
+    ``torch.futures.Future.set_exception`` does not: it completes the C++
+    future *successfully*, with the exception object as its value, and leaves
+    the raise to Python's ``wait()``. DDP's reducer reads the value in C++,
+    finds no tensors in it and indexes past the end (a segfault in the middle
+    of backward when a peer dies). So the worker completes a private settling
+    future, and the future torch sees is its ``then``: a callback that raises
+    makes torch mark that future failed (``setError``), which C++ callers see
+    as an error and Python callers as the ferro exception itself.
 
     Example::
 
@@ -39,7 +66,8 @@ class FerroWork(dist.Work):
         self._pendings = tuple(pendings)
         self._value = value
         self._finish = finish
-        self._future: Any = torch.futures.Future()
+        self._settled: Any = torch.futures.Future()
+        self._future: Any = self._settled.then(_outcome)
         self._done = threading.Event()
         self._error: BaseException | None = None
         if self._pendings:
@@ -58,9 +86,9 @@ class FerroWork(dist.Work):
                 self._finish()
         except BaseException as exc:  # handed to the waiter, through wait() and the future
             self._error = exc
-            self._future.set_exception(exc)
+            self._settled.set_result(_Failed(exc))
         else:
-            self._future.set_result(self._value)
+            self._settled.set_result(self._value)
         finally:
             self._pendings, self._finish = (), None  # the buffers they hold are free to go
             self._done.set()

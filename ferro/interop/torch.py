@@ -29,12 +29,14 @@ on integers.
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from ferro import collective
 from ferro.backend import JoinSpec, join_backend
@@ -57,6 +59,7 @@ from ferro.interop._torch_args import (
 )
 from ferro.interop._torch_store import TorchStore
 from ferro.interop._torch_work import HANDLES, FerroWork
+from ferro.rendezvous.settings import TIMEOUT_ENV, default_timeout
 from ferro.types import ReduceOp
 
 __all__ = ["BACKEND_NAME", "FerroWork", "ProcessGroupFerro", "register"]
@@ -95,10 +98,27 @@ def _store_address(store: Any) -> str | None:
     return None
 
 
+def group_timeout(given: datetime.timedelta) -> float:
+    """Return the seconds a torch-made group waits: torch's ``timeout=``, or ``$FERRO_TIMEOUT`` where none was given.
+
+    torch hands a backend its own default (30 minutes) when the user passed no
+    ``timeout=``, so that value is read as "not given": ``$FERRO_TIMEOUT`` (the
+    setting every ferro group reads) then applies, and without it torch's
+    default stands, as it would for gloo.
+
+    Raises:
+        ConfigurationError: ``$FERRO_TIMEOUT`` is not a number of seconds in (0, one week].
+
+    """
+    if given == default_pg_timeout and os.environ.get(TIMEOUT_ENV):
+        return default_timeout()
+    return given.total_seconds()
+
+
 def _create_process_group(options: Any, backend_options: Any) -> ProcessGroupFerro:
     """Build a ferro group through torch's store; torch calls this for ``init_process_group("ferro")``."""
     rank, size = int(options.group_rank), int(options.group_size)
-    seconds = options.timeout.total_seconds()
+    seconds = group_timeout(options.timeout)
     chosen = os.environ.get(BACKEND_ENV) or "auto"
     if chosen not in HOST_BACKENDS:
         raise ConfigurationError(
