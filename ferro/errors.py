@@ -49,7 +49,19 @@ class DistributedTimeoutError(DistributedError, TimeoutError):
     After a timeout in the middle of a frame the connection involved is marked
     broken (see :class:`ConnectionBrokenError`); a timeout while waiting for a
     frame to start leaves it usable.
+
+    Attributes:
+        peer: The rank the operation was waiting for, when it waited for one
+            (``ferro run`` names that rank as the cause), else ``None``.
+
     """
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+    def __reduce__(self):  # keep ``peer`` across pickling
+        return (type(self), (str(self), self.peer))
 
 
 class StoreKeyTimeoutError(DistributedTimeoutError):

@@ -139,6 +139,52 @@ def test_the_rank_that_failed_first_is_named_not_the_peer_that_lost_it(tmp_path)
     assert "[rank 0] ferro.PeerLostError" in done.stderr  # the consequence's traceback, the error as users name it
 
 
+FROZEN_PEER = """
+    import os, signal
+    import numpy as np
+    import ferro
+
+    ferro.init_process_group(timeout=3)
+    x = ferro.allreduce(np.ones(2))
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: a debugger, a swapped-out host, a deadlock
+    ferro.allreduce(x)
+"""
+
+FROZEN_PEER_UNDER_TORCH_DDP = """
+    import os, signal
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("ferro")  # no timeout=: $FERRO_TIMEOUT applies, not torch's 30 minutes
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8), bucket_cap_mb=0.001)
+    for step in range(1000):
+        if step == 3 and os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        model(torch.ones(4, 8)).sum().backward()
+"""
+
+FROZEN_SUMMARY = ("ferro run: rank 1 stopped responding (it was still running, frozen or stuck, when a peer timed out "
+                  "waiting for it); rank 0 failed after timing out waiting for rank 1 ")
+
+
+@pytest.mark.parametrize("program", ["ferro", "torch_ddp"])
+def test_a_frozen_rank_is_named_as_the_cause_not_the_rank_that_timed_out_waiting_for_it(tmp_path, program):
+    if program == "torch_ddp":
+        pytest.importorskip("torch")
+    script = write(tmp_path / "frozen.py", FROZEN_PEER if program == "ferro" else FROZEN_PEER_UNDER_TORCH_DDP)
+    start = time.monotonic()
+    done = subprocess.run([*FERRO, "run", "--nproc-per-node", "2", "--grace", "2", script], capture_output=True,
+                          text=True, timeout=180, cwd=tmp_path, env={**os.environ, "FERRO_TIMEOUT": "3"})
+    assert done.returncode == 1, done.stderr
+    summary = [line for line in done.stderr.splitlines() if line.startswith("ferro run:")]
+    assert len(summary) == 2, done.stderr
+    assert summary[0].startswith(FROZEN_SUMMARY) and "timed out" in summary[0], summary
+    assert summary[0].endswith("; stopping the other ranks"), summary
+    assert summary[1].startswith("ferro run: job failed: rank 1 stopped responding"), summary
+    assert time.monotonic() - start < 90  # the 3 s timeout, not torch's 30 minutes
+    assert wait_gone(str(tmp_path)) == []
+
+
 def test_max_restarts_restarts_the_whole_group(tmp_path):
     script = write(tmp_path / "fail.py", FAILING)
     done = subprocess.run([*FERRO, "run", "--nproc-per-node", "2", "--max-restarts", "1", "--grace", "2", script,

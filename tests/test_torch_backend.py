@@ -536,3 +536,37 @@ def test_importing_ferro_interop_imports_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+NO_FERRO_IMPORT = """
+import os, sys
+import torch, torch.distributed as dist
+
+imported_at_torch_import = sorted(m for m in sys.modules if m == "ferro" or m.startswith("ferro."))
+dist.init_process_group("ferro", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}", rank=int(os.environ['RANK']),
+                        world_size=2)
+t = torch.arange(4, dtype=torch.float64) * (int(os.environ["RANK"]) + 1)
+dist.all_reduce(t)
+print(imported_at_torch_import, dist.get_backend(), t.tolist(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_ferro_is_a_torch_backend_by_name_in_a_process_that_never_imports_it(tmp_path):
+    # torch calls the "torch.backends" entry points as it is imported (as Ray Train's workers do), and ferro's
+    # registers "ferro" without importing ferro itself: `import torch` stays as cheap as it was.
+    import subprocess
+    import sys
+
+    from ferro.rendezvous.settings import free_port
+
+    script = tmp_path / "plain_torch.py"
+    script.write_text(NO_FERRO_IMPORT)
+    env = {**os.environ, "PORT": str(free_port()), "FERRO_SECRET": "a shared secret", "FERRO_BACKEND": "tcp"}
+    env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    ranks = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(rank)}, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    for rank, (out, err) in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, err
+        assert out.strip() == "[] ferro [0.0, 3.0, 6.0, 9.0]", (out, err)

@@ -100,7 +100,8 @@ cdef object failure_error(Failure* f, str where, double timeout, str detail):
         return BackendClosedError(f"{where}: this process closed the group while the operation waited")
     if status == ST_TIMEOUT:
         tail = "; it stopped in the middle of a frame, so that channel is now unusable" if f.mid_frame else ""
-        return DistributedTimeoutError(f"{where} timed out after {timeout:g} s{detail}{tail}")
+        return DistributedTimeoutError(f"{where} timed out after {timeout:g} s{detail}{tail}",
+                                       f.peer if f.peer >= 0 else None)
     if status == ST_PEER_CLOSED:
         return PeerLostError(f"{where}: rank {f.peer} exited, crashed or closed its group{detail}", f.peer)
     if status == ST_OS_ERROR:
@@ -160,5 +161,5 @@ def abort_error(bytes payload, int sender, str where) -> Exception:
     if code == ABORT_MISMATCH:
         return CollectiveMismatchError(message, sender)
     if code == ABORT_TIMEOUT:
-        return DistributedTimeoutError(message)
+        return DistributedTimeoutError(message, peer if peer >= 0 else sender)
     return ConnectionBrokenError(message)

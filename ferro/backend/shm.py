@@ -328,7 +328,7 @@ class ShmBackend(StoreBackend, NativeCollectives):
             call = "a barrier" if peer_kind == KIND_BARRIER else describe_fingerprint(peer_fingerprint)
             raise DistributedTimeoutError(
                 f"{exc}; rank {src} is waiting in {call}, which this rank has not called: the ranks' calls "
-                f"differ") from exc
+                f"differ") from exc  # no peer: src is not frozen, the ranks' calls differ
 
     def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
                         timeout: float | None = None) -> None:

@@ -170,7 +170,8 @@ class SimulatedBackend(FramedBackend):
                         f"{where}: rank {src} closed the connection (it exited, crashed or closed its group)", src)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise DistributedTimeoutError(f"{where} timed out after {timeout:g} s; no message was consumed")
+                    raise DistributedTimeoutError(
+                        f"{where} timed out after {timeout:g} s; no message was consumed", src)
                 world.cond.wait(remaining)
             message = queue[0]
             if message.kind == KIND_ABORT and kind != KIND_ABORT:

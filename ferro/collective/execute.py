@@ -86,7 +86,7 @@ def fail_together(group: Backend, name: str, exc: BaseException) -> None:
     elif isinstance(exc, PeerLostError):
         _give_up(group, ABORT_PEER_LOST, exc.peer, f"rank {exc.peer if exc.peer is not None else '?'} was lost")
     elif isinstance(exc, DistributedTimeoutError):
-        _give_up(group, ABORT_TIMEOUT, None, f"rank {group.rank} timed out: {exc}")
+        _give_up(group, ABORT_TIMEOUT, exc.peer, f"rank {group.rank} timed out: {exc}")
     elif isinstance(exc, (DistributedError, KeyboardInterrupt)):
         _give_up(group, ABORT_OTHER, None, f"rank {group.rank}: {type(exc).__name__}: {exc}")
 

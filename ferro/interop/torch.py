@@ -1,10 +1,11 @@
 """ferro as a ``torch.distributed`` backend: torch's own DDP and FSDP over ferro's transports.
 
-Importing this module registers the backend name ``"ferro"`` for CPU tensors
+Where ferro is installed, ``import torch`` registers the backend name
+``"ferro"`` for CPU tensors (through torch's ``torch.backends`` entry points;
+see ``_ferro_torch_plugin``), and importing this module registers it too
 (:func:`register` does it again, harmlessly). Then::
 
-    import ferro.interop.torch  # noqa: F401 - registers "ferro"
-    torch.distributed.init_process_group("ferro")       # under `ferro run` or torchrun
+    torch.distributed.init_process_group("ferro")       # under `ferro run`, torchrun, Ray Train...
     model = torch.nn.parallel.DistributedDataParallel(model)
 
 builds a ferro group (``backend="auto"``: shared memory when every rank shares
@@ -62,7 +63,7 @@ from ferro.interop._torch_work import HANDLES, FerroWork
 from ferro.rendezvous.settings import TIMEOUT_ENV, default_timeout
 from ferro.types import ReduceOp
 
-__all__ = ["BACKEND_NAME", "FerroWork", "ProcessGroupFerro", "register"]
+__all__ = ["BACKEND_NAME", "FerroWork", "ProcessGroupFerro", "create_process_group", "group_timeout", "register"]
 
 #: The name ``torch.distributed.init_process_group`` takes.
 BACKEND_NAME = "ferro"
@@ -84,7 +85,7 @@ def register() -> None:
     """
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create_process_group, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True, devices=["cpu"])
 
 
 def _store_address(store: Any) -> str | None:
@@ -115,8 +116,20 @@ def group_timeout(given: datetime.timedelta) -> float:
     return given.total_seconds()
 
 
-def _create_process_group(options: Any, backend_options: Any) -> ProcessGroupFerro:
-    """Build a ferro group through torch's store; torch calls this for ``init_process_group("ferro")``."""
+def create_process_group(options: Any, backend_options: Any) -> ProcessGroupFerro:
+    """Build a ferro group through torch's store; torch calls this for ``init_process_group("ferro")``.
+
+    Args:
+        options: torch's ``_DistributedBackendOptions`` (store, rank, size, timeout, group id).
+        backend_options: torch's per-backend options (unused: ferro reads its settings from the environment).
+
+    Returns:
+        The process group torch hands to its callers.
+
+    Raises:
+        ConfigurationError: ``$FERRO_BACKEND`` names a backend torch groups cannot run on, or a setting is invalid.
+
+    """
     rank, size = int(options.group_rank), int(options.group_size)
     seconds = group_timeout(options.timeout)
     chosen = os.environ.get(BACKEND_ENV) or "auto"

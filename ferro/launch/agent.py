@@ -73,6 +73,9 @@ class RankFailure:
         signal_name: The signal's name, or None.
         error: The exception that ended it (``"ValueError: ..."``), if it said.
         lost_peer: The rank whose loss that exception was, or None.
+        waited_on: The rank that exception timed out waiting for, or None.
+        unresponsive: The rank has not ended: it was still running when a peer
+            timed out waiting for it (frozen, stuck or far behind).
 
     """
 
@@ -81,11 +84,21 @@ class RankFailure:
     signal_name: str | None
     error: str | None = None
     lost_peer: int | None = None
+    waited_on: int | None = None
+    unresponsive: bool = False
 
     def describe(self) -> str:
         """Say how the rank ended, e.g. "exited with code 3 (ValueError: bad input)" or "was killed by SIGKILL"."""
+        if self.unresponsive:
+            return "stopped responding (it was still running, frozen or stuck, when a peer timed out waiting for it)"
         how = f"was killed by {self.signal_name}" if self.signal_name else f"exited with code {self.exitcode}"
         return f"{how} ({self.error})" if self.error else how
+
+    def consequence(self) -> str:
+        """Say how this rank's failure followed from its peer's, e.g. "; rank 0 failed after losing rank 1"."""
+        if self.lost_peer is not None:
+            return f"; rank {self.rank} failed after losing rank {self.lost_peer}"
+        return f"; rank {self.rank} failed after timing out waiting for rank {self.waited_on} ({self.error})"
 
     @property
     def job_exit_code(self) -> int:
@@ -207,30 +220,38 @@ def _watch(ranks: list[subprocess.Popen[bytes]], config: LaunchConfig, records: 
 def _failure(rank: int, code: int, records: str, restart: int) -> RankFailure:
     record = read_failure(_error_file(records, rank, restart))
     return RankFailure(rank, code if code >= 0 else None, signal.Signals(-code).name if code < 0 else None,
-                       record.error if record else None, record.lost_peer if record else None)
+                       record.error if record else None, record.lost_peer if record else None,
+                       record.waited_on if record else None)
 
 
 def _trace_cause(failure: RankFailure, ranks: list[subprocess.Popen[bytes]], config: LaunchConfig, records: str,
                  restart: int) -> list[RankFailure]:
-    """Follow lost peers from ``failure`` to the rank that failed on its own; return the chain, cause last.
+    """Follow lost and waited-for peers from ``failure`` to the rank that failed by itself; return them, cause last.
 
-    A peer still running is waited for, CAUSE_WAIT_SECONDS at most: it is
-    typically printing its traceback or closing its group. A peer on another
-    node, or one that exited cleanly, ends the chain where it is.
+    A lost peer still running is waited for, CAUSE_WAIT_SECONDS at most: it is
+    typically printing its traceback or closing its group. A waited-for peer
+    still running then is the cause itself: it stopped responding. A peer on
+    another node, or one that exited cleanly, ends the chain where it is.
     """
     chain = [failure]
     first_local = config.node_rank * config.nproc_per_node
     deadline = time.monotonic() + CAUSE_WAIT_SECONDS
-    while (lost := chain[-1].lost_peer) is not None and 0 <= lost - first_local < len(ranks):
-        if any(f.rank == lost for f in chain):
-            break  # two ranks that lost each other: neither says more
-        code = ranks[lost - first_local].poll()
+    while True:
+        last = chain[-1]
+        peer = last.lost_peer if last.lost_peer is not None else last.waited_on
+        if peer is None or not 0 <= peer - first_local < len(ranks) or any(f.rank == peer for f in chain):
+            break  # no one named, a rank on another node, or two ranks that blame each other: no one says more
+        code = ranks[peer - first_local].poll()
         if code is None and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)
-        elif code is None or code == 0:
+        elif code is None:
+            if last.lost_peer is None:
+                chain.append(RankFailure(peer, None, None, unresponsive=True))
+            break
+        elif code == 0:
             break
         else:
-            chain.append(_failure(lost, code, records, restart))
+            chain.append(_failure(peer, code, records, restart))
     return chain
 
 
@@ -273,7 +294,7 @@ def run_job(config: LaunchConfig) -> int:
                 pump.drain(5.0)
                 return 0
             *consequences, failure = _trace_cause(first, ranks, config, records, restart)
-            after = "".join(f"; rank {f.rank} failed after losing rank {f.lost_peer}" for f in consequences)
+            after = "".join(f.consequence() for f in consequences)
             _say(f"rank {failure.rank} {failure.describe()}{after}; stopping the other ranks")
             _stop(ranks, signal.SIGTERM, config.grace_seconds)
             end_descendants(os.getpid(), config.grace_seconds)  # nothing of this attempt lives into the next

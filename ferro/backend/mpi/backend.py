@@ -357,7 +357,7 @@ class MpiBackend(KeptIdentity, FramedBackend, MpiCollectives):
         reason = (f"rank {self._rank}: {call} with rank {peer} did not complete before its timeout; MPI cannot "
                   f"withdraw a message half-way, so this group is unusable")
         self.mark_failed(reason)
-        raise DistributedTimeoutError(reason)
+        raise DistributedTimeoutError(reason, peer)
 
     def _start_sends(self, buf: Any, dst: int, kind: int, fingerprint: int, call: str) -> list[tuple[Any, Any]]:
         """Start ``buf`` to ``dst`` as ``MPI_Isend`` messages of at most the count limit, tagged with the call.
@@ -396,7 +396,7 @@ class MpiBackend(KeptIdentity, FramedBackend, MpiCollectives):
         status = mpi.Status()
         if not self.poll(lambda: bool(self._comm.Iprobe(src, mpi.ANY_TAG, status)), deadline):
             raise DistributedTimeoutError(f"rank {self._rank}: recv from rank {src}: no message within "
-                                          f"{self._timeout if timeout is None else timeout:g} s")
+                                          f"{self._timeout if timeout is None else timeout:g} s", src)
         if status.Get_tag() != tag:
             mine = describe_fingerprint(fingerprint) if kind == KIND_COLLECTIVE else kind_name(kind)
             raise CollectiveMismatchError(
