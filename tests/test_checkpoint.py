@@ -468,6 +468,92 @@ def test_ranks_that_save_different_things_are_told_which(tmp_path, what, message
     assert not os.path.exists(tmp_path / "metadata.json")
 
 
+def _point_metadata_at(directory, file_name, save_id=None):
+    """Edit a committed checkpoint's metadata so that its one data file is named ``file_name``."""
+    where = directory / "metadata.json"
+    meta = json.loads(where.read_text())
+    (old,) = meta["files"]
+    meta["files"] = {file_name: meta["files"][old]}
+    for tensor in meta["tensors"]:
+        for piece in tensor["pieces"]:
+            piece["file"] = file_name
+    if save_id is not None:
+        meta["save_id"] = save_id
+    where.write_text(json.dumps(meta))
+
+
+def test_a_load_reads_no_file_outside_its_directory(tmp_path):
+    # Another job's committed checkpoint, and this job's, whose metadata an attacker edits to name the other's file.
+    other, ours = checkpoint.step_path(tmp_path / "otherjob", 9), checkpoint.step_path(tmp_path / "job", 1)
+    checkpoint.save({"w": np.full(4, 9.0)}, other)
+    checkpoint.save({"w": np.full(4, 1.0)}, ours)
+    outside = os.path.relpath(only_data_file(other), ours)  # ../../otherjob/step_9/data-<its id>-r00000.safetensors
+    _point_metadata_at(tmp_path / "job" / "step_1", outside, save_id=_save_id(other))
+    state = {"w": np.zeros(4)}
+    with pytest.raises(ferro.CheckpointCorruptError, match="not one this save writes.*inside the directory"):
+        checkpoint.load(state, ours)
+    assert (state["w"] == 0).all()
+    assert checkpoint.latest(tmp_path / "job") is None  # not committed: its files are not its own
+    for name in ("/etc/passwd", "../../../../../../etc/passwd", "sub/data.safetensors", ""):
+        _point_metadata_at(tmp_path / "job" / "step_1", name)
+        with pytest.raises(ferro.CheckpointCorruptError, match="not one this save writes") as raised:
+            checkpoint.load(state, ours)
+        assert "root:" not in str(raised.value) and (state["w"] == 0).all()
+
+
+def test_a_load_refuses_a_symlink_or_fifo_in_place_of_a_data_file_without_blocking(tmp_path):
+    checkpoint.save({"w": np.full(4, 1.0)}, tmp_path / "ckpt")
+    data = only_data_file(tmp_path / "ckpt")
+    size = os.path.getsize(data)
+    secret = tmp_path / "secret.safetensors"
+    secret.write_bytes(b"\x08" + b"\x00" * 7 + b"{}      " + b"s" * (size - 16))  # same size, elsewhere
+    os.remove(data)
+    os.symlink(secret, data)
+    state = {"w": np.zeros(4)}
+    with pytest.raises(ferro.CheckpointCorruptError, match="a symlink, not a regular file"):
+        checkpoint.load(state, tmp_path / "ckpt", timeout=5)
+    assert checkpoint.latest(tmp_path) is None
+    os.remove(data)
+    os.mkfifo(data)  # open() of a FIFO with no writer blocks forever: the load must not
+    outcome = {}
+    loader = threading.Thread(target=lambda: outcome.update(error=_raised(checkpoint.load, state, tmp_path / "ckpt",
+                                                                           timeout=5)), daemon=True)
+    loader.start()
+    loader.join(30)
+    assert not loader.is_alive(), "checkpoint.load blocked on a FIFO"
+    assert isinstance(outcome["error"], ferro.CheckpointCorruptError), outcome
+    assert "a FIFO, not a regular file" in str(outcome["error"]) and (state["w"] == 0).all()
+    os.remove(data)
+    os.mkfifo(tmp_path / "ckpt" / "metadata.json.fifo")
+    os.replace(tmp_path / "ckpt" / "metadata.json.fifo", tmp_path / "ckpt" / "metadata.json")
+    loader = threading.Thread(target=lambda: outcome.update(error=_raised(checkpoint.load, state, tmp_path / "ckpt",
+                                                                           timeout=5)), daemon=True)
+    loader.start()
+    loader.join(30)
+    assert not loader.is_alive(), "checkpoint.load blocked on a FIFO metadata.json"
+    assert "metadata.json: a FIFO" in str(outcome["error"]), outcome
+
+
+def _raised(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # handed back to the test's thread
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("state, first, second", [
+    ({"a.b": np.ones(2), "a": {"b": np.zeros(2)}}, "['a.b']", "['a']['b']"),
+    ({"a": {"1": np.ones(2), 1: np.zeros(2)}}, "['a']['1']", "['a'][1]"),
+    ({"a.b": 3, "a": {"b": np.zeros(2)}}, "['a.b']", "['a']['b']"),
+], ids=["dotted-key", "str-and-int-key", "value-and-tensor"])
+def test_keys_whose_names_collide_are_refused_before_anything_is_written(tmp_path, state, first, second):
+    with pytest.raises(ferro.CheckpointError) as raised:
+        checkpoint.save(state, tmp_path / "ckpt")
+    assert first in str(raised.value) and second in str(raised.value), raised.value
+    assert not (tmp_path / "ckpt").exists() or os.listdir(tmp_path / "ckpt") == []
+
+
 def test_latest_finds_the_highest_committed_step(tmp_path):
     assert checkpoint.latest(tmp_path / "none") is None and checkpoint.latest(tmp_path) is None
     for step in (1, 2, 10):

@@ -15,6 +15,8 @@ import json
 import math
 import mmap
 import os
+import re
+import stat
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
@@ -27,7 +29,7 @@ from ferro.checkpoint._items import STORAGE_DTYPE, Path, dotted, numpy_name
 from ferro.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = ["CHUNK_BYTES", "METADATA", "DataFile", "Metadata", "PieceMeta", "TensorMeta", "chunk_crcs",
-           "read_metadata", "write_data_file", "write_metadata"]
+           "open_regular", "read_metadata", "write_data_file", "write_metadata"]
 
 FORMAT = "ferro.checkpoint"
 VERSION = 1
@@ -36,11 +38,60 @@ METADATA = "metadata.json"
 # large enough that the metadata stays small (256 numbers per GiB).
 CHUNK_BYTES = 4 << 20
 _MAX_HEADER = 1 << 28
+# A save id is a token of letters and digits (a save makes 12 hex digits); data file names are built from it.
+_SAVE_ID = re.compile(r"[A-Za-z0-9]{1,64}")
+_SHOWN_NAME_CHARS = 80  # of a file name the metadata gives: enough to recognise, not a dump of foreign text
 
 
 def data_file_name(save_id: str, rank: int) -> str:
     """Return the data file name of one rank's part of one save."""
     return f"data-{save_id}-r{rank:05d}.safetensors"
+
+
+def _check_file_name(name: str, save_id: str, world_size: int) -> None:
+    """Refuse a data file name a save of ``save_id`` would not write: above all one that leaves the directory.
+
+    Names come from ``metadata.json``, which anyone who can write the directory can edit: an absolute path,
+    ``..`` or a separator would make a load read another job's checkpoint or any file on the machine.
+    """
+    if not any(name == data_file_name(save_id, rank) for rank in range(world_size)):
+        shown = name[:_SHOWN_NAME_CHARS] + ("..." if len(name) > _SHOWN_NAME_CHARS else "")
+        raise ValueError(f"data file name {shown!r} is not one this save writes (data-{save_id}-r<rank>.safetensors "
+                         f"for a rank below {world_size}): a load reads only its own files inside the directory")
+
+
+def open_regular(path: str) -> int:
+    """Open ``path`` for reading, refusing what is not a regular file: a symlink, FIFO, device or directory.
+
+    ``O_NOFOLLOW`` refuses a symlink (a save never writes one; it could point anywhere), and ``O_NONBLOCK``
+    keeps ``open()`` itself from blocking forever on a FIFO no one writes; the type is then checked on the
+    open descriptor, so it cannot change in between.
+
+    Returns:
+        The open file descriptor (the caller closes it).
+
+    Raises:
+        FileNotFoundError: Nothing is there.
+        CheckpointCorruptError: Something is there, but it is not a regular file.
+
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: a symlink; ENXIO: a socket or a device without a driver
+        what = "a symlink" if os.path.islink(path) else f"not openable ({os.strerror(exc.errno or 0)})"
+        raise CheckpointCorruptError(f"{path}: {what}, not a regular file; a load reads only the regular files a "
+                                     f"save wrote") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                "not a regular file")
+        raise CheckpointCorruptError(f"{path}: {kind}, not a regular file; a load reads only the regular files a "
+                                     f"save wrote")
+    return fd
 
 
 @dataclass
@@ -128,7 +179,7 @@ def read_metadata(directory: str) -> Metadata:
     """
     where = os.path.join(directory, METADATA)
     try:
-        with open(where, encoding="utf-8") as f:
+        with open(open_regular(where), encoding="utf-8") as f:
             raw = json.load(f)
     except FileNotFoundError:
         if not os.path.isdir(directory):
@@ -142,7 +193,12 @@ def read_metadata(directory: str) -> Metadata:
             raise ValueError(f"format {raw['format']!r}")
         if raw["version"] != VERSION:
             raise ValueError(f"version {raw['version']} (this ferro reads version {VERSION})")
+        save_id, world_size = raw["save_id"], int(raw["world_size"])
+        if not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
+            raise ValueError("the save id is not a token of letters and digits")
         files = {str(name): int(entry["size"]) for name, entry in raw["files"].items()}
+        for name in files:
+            _check_file_name(name, save_id, world_size)
         tensors: dict[Path, TensorMeta] = {}
         for entry in raw["tensors"]:
             meta = TensorMeta(tuple(entry["path"]), str(entry["dtype"]), tuple(int(n) for n in entry["shape"]),
@@ -153,8 +209,7 @@ def read_metadata(directory: str) -> Metadata:
             _check_cover(meta, files)
             tensors[meta.path] = meta
         values = {tuple(entry["path"]): json.dumps(entry["value"]) for entry in raw["values"]}
-        return Metadata(str(raw["save_id"]), int(raw["world_size"]), int(raw["chunk_bytes"]), files, tensors,
-                        values)
+        return Metadata(save_id, world_size, int(raw["chunk_bytes"]), files, tensors, values)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(f"{where}: not a ferro checkpoint's metadata ({type(exc).__name__}: "
                                      f"{exc})") from None
@@ -168,7 +223,8 @@ def _check_cover(meta: TensorMeta, files: dict[str, int]) -> None:
             raise ValueError(f"{dotted(meta.path)}: pieces do not cover it once (a piece starts at {piece.start}, "
                              f"expected {position})")
         if piece.file not in files:
-            raise ValueError(f"{dotted(meta.path)}: a piece lies in {piece.file}, which the checkpoint does not list")
+            raise ValueError(f"{dotted(meta.path)}: a piece lies in {piece.file[:_SHOWN_NAME_CHARS]!r}, which the "
+                             f"checkpoint does not list")
         position = piece.stop
     if position != meta.numel:
         raise ValueError(f"{dotted(meta.path)}: pieces cover {position} of {meta.numel} elements")
@@ -226,9 +282,9 @@ def _read_header(prefix: bytes, f: Any, where: str, size: int) -> tuple[dict[str
     if len(prefix) < 8:
         raise CheckpointCorruptError(f"{where}: truncated ({size} bytes, shorter than a safetensors header)")
     (length,) = struct.unpack("<Q", prefix)
-    if length > min(size - 8, _MAX_HEADER):
-        raise CheckpointCorruptError(f"{where}: truncated or not a safetensors file (header of {length} bytes "
-                                     f"in a file of {size})")
+    if length > min(size - 8, _MAX_HEADER):  # the length is foreign bytes: not shown
+        raise CheckpointCorruptError(f"{where}: truncated or not a safetensors file (its first 8 bytes do not give "
+                                     f"the length of a header that fits in its {size} bytes)")
     try:
         header = json.loads(f.read(length))
     except (ValueError, UnicodeDecodeError):
@@ -244,7 +300,7 @@ class DataFile:
     def __init__(self, directory: str, name: str, size: int, save_id: str) -> None:
         self.path = os.path.join(directory, name)
         try:
-            f = open(self.path, "rb")
+            f = open(open_regular(self.path), "rb")
         except FileNotFoundError:
             raise CheckpointCorruptError(f"{self.path}: missing (the checkpoint's metadata lists it)") from None
         with f:

@@ -96,14 +96,20 @@ def flatten(state: dict[Any, Any], *, writable: bool) -> tuple[list[TensorItem],
 
     Raises:
         CheckpointError: A key that is neither a string nor an integer, a value that cannot be stored,
-            or a tensor that is not contiguous.
+            a tensor that is not contiguous, or two leaves whose names read the same (``{"a.b": x, "a": {"b": y}}``:
+            a data file names tensors by their dotted path, so one would silently replace the other).
 
     """
     if not isinstance(state, dict):
         raise CheckpointError(f"a state dict must be a dict, not {type(state).__name__}")
     tensors: list[TensorItem] = []
     plain: list[PlainItem] = []
+    named: dict[str, Path] = {}
     for path, leaf in _leaves(state, ()):
+        name = dotted(path)
+        if (other := named.setdefault(name, path)) != path:
+            raise CheckpointError(f"state dict keys {_keys(other)} and {_keys(path)} both name {name!r}: a checkpoint "
+                                  f"stores each under that name; rename one of them")
         if isinstance(leaf, DTensor):
             tensors.extend(_dtensor_items(path, leaf, writable))
             continue
@@ -113,6 +119,11 @@ def flatten(state: dict[Any, Any], *, writable: bool) -> tuple[list[TensorItem],
         else:
             plain.append(PlainItem(path, encode_value(leaf, path)))
     return tensors, plain
+
+
+def _keys(path: Path) -> str:
+    """Return a path as the keys that lead to it: ``("a", 1)`` -> ``['a'][1]``."""
+    return "".join(f"[{key!r}]" for key in path)
 
 
 def _leaves(node: Any, path: Path) -> Iterator[tuple[Path, Any]]:

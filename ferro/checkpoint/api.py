@@ -6,6 +6,7 @@ import concurrent.futures
 import os
 import re
 import secrets
+import stat
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -484,8 +485,9 @@ def _is_committed(directory: str) -> bool:
         return False
     for name, size in metadata.files.items():
         try:
-            if os.path.getsize(os.path.join(directory, name)) != size:
-                return False
+            found = os.lstat(os.path.join(directory, name))  # a symlink or FIFO is no file a save wrote
         except OSError:
+            return False
+        if not stat.S_ISREG(found.st_mode) or found.st_size != size:
             return False
     return True
