@@ -30,7 +30,7 @@ from ferro.collective import (
     scatter,
 )
 from ferro.collective.gpu import gpu_allreduce, gpu_broadcast
-from ferro.collective.p2p import irecv, isend, recv, recv_into, send, sendrecv
+from ferro.collective.p2p import irecv, irecv_any, isend, recv, recv_any, recv_into, send, sendrecv
 from ferro.collective.process_group import (
     destroy_process_group,
     get_default_group,
@@ -157,8 +157,10 @@ __all__ = [
     "scatter",
     # point to point (ferro.p2p)
     "irecv",
+    "irecv_any",
     "isend",
     "recv",
+    "recv_any",
     "recv_into",
     "send",
     "sendrecv",

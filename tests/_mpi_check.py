@@ -80,6 +80,16 @@ def p2p(group):
     return seen
 
 
+def any_source(group):
+    if group.rank != 0:
+        ferro.p2p.send(np.full(2, float(group.rank)), dst=0, tag=4, group=group)
+        ferro.barrier(group=group)
+        return None
+    got = sorted((src, x.tolist()) for src, x in (ferro.p2p.recv_any(tag=4, group=group) for _ in range(2)))
+    ferro.barrier(group=group)
+    return got
+
+
 def mismatch(group):
     from ferro.errors import CollectiveMismatchError
 
@@ -150,8 +160,8 @@ def auto(group):
     return {"type": type(group).__name__}
 
 
-SCENARIOS = {f.__name__: f for f in (conformance, async_ops, p2p, mismatch, ddp, subgroups, huge, raises, stall,
-                                      auto)}
+SCENARIOS = {f.__name__: f for f in (conformance, async_ops, p2p, any_source, mismatch, ddp, subgroups, huge, raises,
+                                      stall, auto)}
 
 
 def main() -> None:

@@ -82,6 +82,12 @@ def test_point_to_point_checks_call_size_and_timeout(tmp_path):
 
 
 @needs_mpi
+def test_recv_any_takes_the_message_of_whichever_rank_sends(tmp_path):
+    results, _ = mpirun("any_source", 3, tmp_path)
+    assert results[0] == [[1, [1.0, 1.0]], [2, [2.0, 2.0]]]
+
+
+@needs_mpi
 def test_check_calls_names_the_ranks_that_differ(tmp_path):
     results, _ = mpirun("mismatch", 2, tmp_path, env={"FERRO_MPI_CHECK_CALLS": "1"})
     for seen in results:

@@ -124,3 +124,74 @@ def rank_irecv_bad_rank(group):
 
 def test_irecv_rejects_a_bad_rank_at_once(run):
     assert "5" in run(rank_irecv_bad_rank, 2)[0]
+
+
+def rank_any_source(group):
+    if group.rank != 0:
+        if group.rank == 2:
+            ferro.send(np.array([70.0]), 0, tag=7, group=group)  # another tag first: set aside, not returned
+        ferro.send(np.full(3, float(group.rank)), 0, group=group)
+        ferro.send(np.full(2, float(group.rank) * 10), 0, group=group)
+        ferro.barrier(group=group)  # alive while rank 0 times out: a gone peer would be named instead
+        return None
+    got = [ferro.recv_any(group=group) for _ in range(2)]
+    handle = ferro.p2p.irecv_any(group=group)
+    got.append(handle.wait())
+    got.append(ferro.recv_any(group=group))
+    tagged = ferro.recv_any(tag=7, group=group)
+    try:
+        ferro.recv_any(group=group, timeout=0.3)
+        late = None
+    except ferro.DistributedTimeoutError as exc:
+        late = str(exc)
+    ferro.barrier(group=group)
+    return [(src, x.tolist()) for src, x in got], (tagged[0], tagged[1].tolist()), late
+
+
+def test_recv_any_takes_each_sender_s_messages_in_order_and_sets_other_tags_aside(run):
+    got, tagged, late = run(rank_any_source, 3)[0]
+    for sender in (1, 2):
+        mine = [values for src, values in got if src == sender]
+        assert mine == [[float(sender)] * 3, [sender * 10.0] * 2]  # per sender: in the order sent
+    assert tagged == (2, [70.0])
+    assert late is not None and "any source" in late and "tag 0" in late
+
+
+def rank_any_source_in_a_sub_group(group):
+    sub = ferro.new_group([0, 2], group=group)
+    if group.rank == 2:
+        ferro.send(np.array([2.0]), 0, group=sub)  # rank 1 of the sub-group
+    elif group.rank == 0:
+        src, x = ferro.recv_any(group=sub)
+        return src, x.tolist()
+    return None
+
+
+def test_recv_any_on_the_hierarchical_backend():
+    from ferro.testing import run_processes
+
+    got, tagged, _ = run_processes(rank_any_source, 3, backend="hierarchical")[0]
+    assert sorted(got) == [(1, [1.0] * 3), (1, [10.0] * 2), (2, [2.0] * 3), (2, [20.0] * 2)]
+    assert tagged == (2, [70.0])
+
+
+def test_recv_any_in_a_sub_group_names_the_sender_by_its_rank_there(run):
+    assert run(rank_any_source_in_a_sub_group, 3)[0] == (1, [2.0])
+
+
+def rank_any_source_peer_lost(group):
+    if group.rank == 1:
+        import os
+        os._exit(3)
+    try:
+        ferro.recv_any(group=group, timeout=30)
+    except ferro.PeerLostError as exc:
+        return exc.peer, str(exc)
+    return None
+
+
+def test_recv_any_names_a_peer_that_is_gone(run):
+    if run.__name__ == "harness_simulated":
+        return  # a thread cannot exit alone; the process harnesses cover this
+    peer, message = run(rank_any_source_peer_lost, 2, allow_exit=[1])[0]
+    assert peer == 1 and "rank 1" in message

@@ -464,12 +464,40 @@ def test_the_torch_group_timeout_is_torch_s_when_given_else_ferro_timeout(monkey
         group_timeout(default_pg_timeout)
 
 
+def rank_any_source(rank, world_size):
+    gloo = _init()
+    seen = {}
+    for name, group in (("ferro", None), ("gloo", gloo)):
+        if rank == 0:
+            senders = []
+            for receive in ("recv", "irecv", "recv", "irecv"):
+                t = torch.full((5,), -1.0)
+                if receive == "recv":
+                    sender = dist.recv(t, group=group)
+                else:
+                    work = dist.irecv(t, group=group)
+                    work.wait()
+                    sender = work._source_rank()
+                senders.append((sender, t.tolist()))
+            seen[name] = sorted(senders)
+        else:
+            for step in range(2):
+                dist.send(torch.full((5,), float(rank * 10 + step)), 0, group=group)
+        dist.barrier(group=group)
+    return seen
+
+
+def test_receives_from_any_source_match_gloo():
+    results = run_processes(rank_any_source, 3, backend=None, timeout=120, env={"FERRO_BACKEND": "tcp"})
+    expected = sorted((rank, [float(rank * 10 + step)] * 5) for rank in (1, 2) for step in range(2))
+    assert results[0]["ferro"] == results[0]["gloo"] == expected
+
+
 def rank_bad_input(rank, world_size):
     _init()
     errors = {}
     for name, call in (
             ("not_contiguous", lambda: dist.all_reduce(torch.ones(4, 4, dtype=torch.float64).t())),
-            ("recv_any_source", lambda: dist.recv(torch.ones(2))),
             ("avg_of_ints", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int64), op=dist.ReduceOp.AVG)),
             ("gather_size", lambda: dist.all_gather_single(torch.zeros(3), torch.ones(2)))):
         try:
@@ -500,7 +528,6 @@ def test_bad_input_is_refused_at_the_call_and_the_group_goes_on():
     results = run_processes(rank_bad_input, 2, backend=None, timeout=90, env={"FERRO_BACKEND": "tcp"})
     for errors, after in results:
         assert errors["not_contiguous"][0] == "InvalidBufferError" and "contiguous" in errors["not_contiguous"][1]
-        assert errors["recv_any_source"][0] == "NotImplementedError" and "src" in errors["recv_any_source"][1]
         assert errors["avg_of_ints"][0] == "InvalidBufferError" and "MEAN" in errors["avg_of_ints"][1]
         assert errors["gather_size"][0] == "InvalidBufferError" and "world size" in errors["gather_size"][1]
         assert after == [2.0, 2.0]

@@ -328,6 +328,15 @@ cdef class Channel:
                 f"rank {self.rank}: {op} with rank {self.peer}: the channel is unusable after {self.broken}")
         return 0
 
+    def frame_waiting(self) -> bool:
+        """Whether the peer has begun a frame to this rank, without blocking (a receive from any source asks).
+
+        True too when the peer is gone: the receive that follows then says so.
+        """
+        self._usable("recv")
+        cdef Ring ring = self.segment.ring(self.peer, self.rank)
+        return ferro_ring_available(ring.ctl) > 0 or _peer_gone(self.segment.rank_ctl(self.peer))
+
     def send(self, buf, *, uint32_t kind, uint64_t fingerprint, double timeout, str op="send") -> None:
         """Send ``buf`` as one frame."""
         self.exchange(buf, None, kind=kind, fingerprint=fingerprint, timeout=timeout, op=op)

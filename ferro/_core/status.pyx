@@ -100,7 +100,8 @@ cdef object failure_error(Failure* f, str where, double timeout, str detail):
         return BackendClosedError(f"{where}: this process closed the group while the operation waited")
     if status == ST_TIMEOUT:
         tail = "; it stopped in the middle of a frame, so that channel is now unusable" if f.mid_frame else ""
-        return DistributedTimeoutError(f"{where} timed out after {timeout:g} s{detail}{tail}",
+        # ": timeout after": torch's own suite expects a backend's timeout to say " timeout " (or " Timed out ").
+        return DistributedTimeoutError(f"{where}: timeout after {timeout:g} s{detail}{tail}",
                                        f.peer if f.peer >= 0 else None)
     if status == ST_PEER_CLOSED:
         return PeerLostError(f"{where}: rank {f.peer} exited, crashed or closed its group{detail}", f.peer)

@@ -544,6 +544,22 @@ cdef class Connection:
         """The socket's file descriptor (-1 once closed)."""
         return self.st.fd
 
+    def frame_waiting(self) -> bool:
+        """Whether the peer's next frame has begun to arrive, without blocking (a receive from any source asks).
+
+        True too when the socket has closed or failed: the receive that follows
+        then says so (a lost peer is not a quiet one).
+        """
+        cdef pollfd fd
+        if self.is_closed:
+            raise BackendClosedError(f"rank {self.st.local_rank}: recv: this process group was closed")
+        if self.st.stage_end > self.st.stage_begin:
+            return True  # bytes of the next frame came in with the previous one
+        fd.fd = self.st.fd
+        fd.events = POLLIN
+        fd.revents = 0
+        return poll(&fd, 1, 0) > 0 and fd.revents != 0
+
     def stop_sending(self) -> None:
         """Send the peer end-of-stream after whatever this end has queued (``shutdown(SHUT_WR)``); see :meth:`linger`."""
         if not self.is_closed:

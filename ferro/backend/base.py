@@ -240,6 +240,19 @@ class Backend(abc.ABC):
         """:meth:`sendrecv` with tagged messages (see :meth:`send_tagged`)."""
         self.sendrecv(send_buf, dst, recv_buf, src, timeout=timeout)
 
+    def frames_waiting(self, sources: Sequence[int]) -> list[int]:
+        """Return those of ``sources`` whose next message to this rank has begun to arrive, without blocking.
+
+        A receive from any source (:func:`ferro.p2p.recv_any`) polls this, then
+        receives from a rank it returns. A rank that is gone counts as waiting:
+        the receive from it then raises :class:`~ferro.PeerLostError`.
+
+        Raises:
+            BackendUnavailableError: This backend cannot tell (the default).
+
+        """
+        raise BackendUnavailableError(f"rank {self.rank}: {type(self).__name__} cannot receive from any source")
+
     def abort_peers(self, payload: bytes) -> None:  # noqa: B027 - optional hook, deliberately a no-op
         """Tell every peer, best effort, that this rank gave up on the current collective.
 

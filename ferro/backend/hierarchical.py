@@ -155,6 +155,10 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         """Receive one frame from ``src`` over the TCP mesh (see :meth:`Backend.recv_tagged`)."""
         self._world.recv_tagged(buf, src, kind=kind, fingerprint=fingerprint, timeout=timeout)
 
+    def frames_waiting(self, sources: Sequence[int]) -> list[int]:
+        """Return the sources whose next frame has begun to arrive on the mesh (see :meth:`Backend.frames_waiting`)."""
+        return self._world.frames_waiting(sources)
+
     def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
                         timeout: float | None = None) -> None:
         """Exchange frames over the TCP mesh (see :meth:`Backend.sendrecv_tagged`)."""

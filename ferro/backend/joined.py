@@ -137,6 +137,11 @@ class StoreBackend(KeptIdentity, FramedBackend):
         self._links[src].recv_into(as_buffer(buf, "recv", writable=True), kind=kind, fingerprint=fingerprint,
                                    timeout=self._seconds(timeout), op="recv")
 
+    def frames_waiting(self, sources: Sequence[int]) -> list[int]:
+        """Return the sources whose next frame has begun to arrive (see :meth:`Backend.frames_waiting`)."""
+        self._usable("recv")
+        return [src for src in sources if self._links[src].frame_waiting()]
+
     @abc.abstractmethod
     def _release(self) -> None:
         """Let go of the transport (sockets, mappings)."""

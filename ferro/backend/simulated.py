@@ -185,6 +185,13 @@ class SimulatedBackend(FramedBackend):
         out[:] = message.payload
         self.state.count_bytes(kind, fingerprint, 0, len(message.payload))
 
+    def frames_waiting(self, sources: Sequence[int]) -> list[int]:
+        """Return the sources with a message queued for this rank, or closed (see :meth:`Backend.frames_waiting`)."""
+        self._usable("recv")
+        world = self._world
+        with world.cond:
+            return [src for src in sources if world.queues[(src, self._rank)] or world.closed[src]]
+
     def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
         """Queue a tagged copy of ``buf`` (see :meth:`Backend.send_tagged`)."""
         self._usable("send")

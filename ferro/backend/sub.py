@@ -137,6 +137,10 @@ class SubBackend(Backend):
         """Tagged receive from local rank ``src`` (see :meth:`Backend.recv_tagged`)."""
         self._channel.recv_tagged(buf, src, kind=kind, fingerprint=fingerprint, timeout=timeout)
 
+    def frames_waiting(self, sources: Sequence[int]) -> list[int]:
+        """Local ranks among ``sources`` whose next frame has begun to arrive (see :meth:`Backend.frames_waiting`)."""
+        return self._channel.frames_waiting(sources)
+
     def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
                         timeout: float | None = None) -> None:
         """Tagged full-duplex exchange with local ranks (see :meth:`Backend.sendrecv_tagged`)."""

@@ -17,6 +17,7 @@ message's size (:func:`recv_into`), and tags must be 0.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -30,10 +31,10 @@ from ferro.backend.nccl import routing
 from ferro.collective.meta import META_BYTES, array_from_meta, decode_meta, encode_meta
 from ferro.collective.resolve import resolve_group, resolve_timeout
 from ferro.collective.work import PendingCollective, worker_of
-from ferro.errors import SizeMismatchError
+from ferro.errors import CollectiveMismatchError, DistributedTimeoutError, SizeMismatchError
 from ferro.types import fingerprint
 
-__all__ = ["irecv", "isend", "recv", "recv_into", "send", "sendrecv"]
+__all__ = ["irecv", "irecv_any", "isend", "recv", "recv_any", "recv_into", "send", "sendrecv"]
 
 _META_FP = fingerprint("p2p", root=1)
 _DATA_FP = fingerprint("p2p", root=2)
@@ -200,6 +201,101 @@ def _receiver(src: int, tag: int, group: Backend | None, timeout: float | None, 
     def body() -> Any:
         message = _take(g, src, wanted, seconds, max_bytes)
         return wrap_like(message.array, message)
+
+    g.count_call("p2p")
+    return g, body
+
+
+# How long a receive from any source sleeps between looks at its peers: short at first (a message often comes at
+# once), then up to a millisecond, so a long wait costs little CPU.
+_FIRST_NAP, _LONGEST_NAP = 20e-6, 1e-3
+
+
+def _take_any(g: Backend, tag: int, seconds: float, max_bytes: int | None) -> tuple[int, Operand]:
+    """Return the first message with ``tag`` from any peer, and its sender.
+
+    Messages already set aside come first (lowest rank first), then whichever
+    peer's next message arrives; one with another tag is set aside for the
+    receive that asks for it, exactly as a receive from a named rank would. A
+    peer whose next frame belongs to a collective (it is in a barrier, say) has
+    sent nothing for this receive: it is passed over, its frame left in place.
+    """
+    stash, due = _state(g)
+    sources = [rank for rank in range(g.world_size) if rank != g.rank]
+    in_other_calls: dict[int, str] = {}
+    deadline, nap = time.monotonic() + seconds, _FIRST_NAP
+    while True:
+        for src in sources:
+            queue = stash.get((src, tag))
+            if queue:
+                return src, queue.popleft()
+        listening = [src for src in sources if src not in in_other_calls]
+        ready = [src for src in listening if src in due] or g.frames_waiting(listening)
+        for src in ready:
+            try:
+                got_tag, message = _next_message(g, src, max(deadline - time.monotonic(), 0.0), max_bytes)
+            except CollectiveMismatchError as exc:  # not consumed: the collective that frame is for takes it
+                in_other_calls[src] = str(exc)
+                continue
+            if got_tag == tag:
+                return src, message
+            stash.setdefault((src, got_tag), deque()).append(message)
+        if ready:
+            nap = _FIRST_NAP
+            continue
+        left = deadline - time.monotonic()
+        if left <= 0:
+            others = "".join(f"; rank {src} is in another call ({why})" for src, why in in_other_calls.items())
+            raise DistributedTimeoutError(f"rank {g.rank}: recv from any source timed out after {seconds:g} s: no "
+                                          f"rank sent a message with tag {tag}{others}")
+        time.sleep(min(nap, left))
+        nap = min(nap * 2, _LONGEST_NAP)
+
+
+def recv_any(*, tag: int = 0, group: Backend | None = None, timeout: float | None = None,
+             max_bytes: int | None = None) -> tuple[int, Any]:
+    """Receive the next message with ``tag`` from whichever rank sends one; return its sender and the array.
+
+    Messages from one sender arrive in the order it sent them; between senders,
+    the first to arrive is taken (messages already set aside first, lowest rank
+    first). Works on every host backend; an NCCL group refuses it, as NCCL has
+    no receive from any source.
+
+    Example::
+
+        # ranks 1 and 2
+        ferro.p2p.send(np.full(2, float(rank)), dst=0)
+        # rank 0
+        src, x = ferro.p2p.recv_any()   # e.g. (2, array([2., 2.])), then (1, array([1., 1.]))
+
+    Returns:
+        ``(sender's rank, a new array)`` (a tensor if a tensor was sent).
+
+    Raises:
+        DistributedTimeoutError: No message with ``tag`` came within ``timeout``.
+        PeerLostError: A peer is gone (named) while this waits.
+        SizeMismatchError, CollectiveMismatchError: As :func:`recv`.
+
+    """
+    g, body = _any_receiver(tag, group, timeout, max_bytes, "recv_any")
+    return worker_of(g).run(body, "recv_any", ())
+
+
+def irecv_any(*, tag: int = 0, group: Backend | None = None, timeout: float | None = None,
+              max_bytes: int | None = None) -> PendingCollective:
+    """Post a receive from any source; ``wait()`` returns ``(sender's rank, array)`` (see :func:`recv_any`)."""
+    g, body = _any_receiver(tag, group, timeout, max_bytes, "irecv_any")
+    return worker_of(g).submit(body, f"irecv from any source on rank {g.rank}", ())
+
+
+def _any_receiver(tag: int, group: Backend | None, timeout: float | None, max_bytes: int | None,
+                  name: str) -> tuple[Backend, Callable[[], tuple[int, Any]]]:
+    g = resolve_group(group, name)
+    wanted, seconds = _tag(tag), resolve_timeout(g, timeout)
+
+    def body() -> tuple[int, Any]:
+        src, message = _take_any(g, wanted, seconds, max_bytes)
+        return src, wrap_like(message.array, message)
 
     g.count_call("p2p")
     return g, body

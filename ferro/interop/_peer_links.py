@@ -16,17 +16,25 @@ count differ from the receive's, the receive raises
 :class:`~ferro.CollectiveMismatchError` naming both and the message stays
 queued. (gloo matches tags out of order; here a pair's tags must be received in
 the order they were sent.)
+
+A receive from any source runs on a thread of its own: it waits until some
+peer's next frame has begun to arrive, then receives it on that peer's receive
+thread, behind the receives already posted for that peer, so posting order
+per peer is kept. A peer whose next frame carries another tag, dtype or count
+is passed over (its frame stays for the receive it matches).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from typing import Any
 
 from ferro._buffers import operand
 from ferro._core.transport import KIND_DATA
 from ferro.backend.base import Backend
+from ferro.errors import CollectiveMismatchError, DistributedTimeoutError
 from ferro.types import fingerprint
 
 __all__ = ["PeerLinks"]
@@ -56,9 +64,9 @@ class PeerLinks:
                 self._threads[(direction, peer)] = executor
             return executor
 
-    def _frame(self, tensor: Any, peer: int, tag: int, name: str, writable: bool) -> tuple[Any, int, int]:
+    def _frame(self, tensor: Any, peer: int | None, tag: int, name: str, writable: bool) -> tuple[Any, int, int]:
         data = operand(tensor, name, writable=writable)
-        peer = self._group.check_peer(peer, name)
+        peer = -1 if peer is None else self._group.check_peer(peer, name)
         if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
             raise ValueError(f"rank {self._group.rank}: {name}: tag must be a non-negative int, got {tag!r}")
         # torch's tag rides in the root field (10 bits); the element count and dtype travel too.
@@ -78,6 +86,40 @@ class PeerLinks:
         seconds = self._timeout if timeout is None else timeout
         return self._thread("recv", peer).submit(
             self._group.recv_tagged, payload, peer, kind=KIND_DATA, fingerprint=print_, timeout=seconds)
+
+    def recv_any(self, tensor: Any, tag: int, timeout: float | None = None) -> concurrent.futures.Future:
+        """Queue a receive of the next matching message from any peer into ``tensor``; the future gives its sender."""
+        payload, _, print_ = self._frame(tensor, None, tag, "recv", writable=True)
+        seconds = self._timeout if timeout is None else timeout
+        return self._thread("recv", -1).submit(self._receive_any, payload, print_, tag, seconds)
+
+    def _receive_any(self, payload: Any, print_: int, tag: int, seconds: float) -> int:
+        group = self._group
+        deadline, nap = time.monotonic() + seconds, 20e-6
+        passed_over: set[int] = set()
+        while True:
+            listening = [peer for peer in range(group.world_size) if peer != group.rank and peer not in passed_over]
+            for peer in group.frames_waiting(listening):
+                taken = self._thread("recv", peer).submit(self._receive_if_waiting, payload, peer, print_, deadline)
+                try:
+                    if taken.result():
+                        return peer
+                except CollectiveMismatchError:  # its next message is another tag, dtype or size: not this one's
+                    passed_over.add(peer)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DistributedTimeoutError(f"rank {group.rank}: recv from any source timed out after {seconds:g} "
+                                              f"s: no rank sent a message with tag {tag} of this dtype and size")
+            time.sleep(min(nap, left))
+            nap = min(nap * 2, 1e-3)
+
+    def _receive_if_waiting(self, payload: Any, peer: int, print_: int, deadline: float) -> bool:
+        # On the peer's receive thread, behind the receives posted for it: one of them may have taken the frame.
+        if not self._group.frames_waiting([peer]):
+            return False
+        self._group.recv_tagged(payload, peer, kind=KIND_DATA, fingerprint=print_,
+                                timeout=max(deadline - time.monotonic(), 0.001))
+        return True
 
     def close(self) -> None:
         """Close the group (calls in flight fail at once) and let the threads go."""

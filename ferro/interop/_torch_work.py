@@ -70,6 +70,8 @@ class FerroWork(dist.Work):
         self._future: Any = self._settled.then(_outcome)
         self._done = threading.Event()
         self._error: BaseException | None = None
+        #: A receive from any source: the future of its sender's rank (see :meth:`_source_rank`).
+        self.source: concurrent.futures.Future | None = None
         if self._pendings:
             self._pendings[-1].add_done_callback(self._complete)
         else:
@@ -129,6 +131,16 @@ class FerroWork(dist.Work):
     def result(self) -> Any:
         """Return the output tensors (after :meth:`wait`)."""
         return self._value
+
+    def _source_rank(self) -> int:
+        """Return the sender's group rank, for a completed receive from any source (torch's ``dist.recv`` asks)."""
+        if self.source is None:
+            raise ValueError(f"{self._what}: only a receive from any source has a source rank")
+        if not self._done.is_set():
+            raise ValueError(f"{self._what}: the receive has not completed; wait() first")
+        if self._error is not None:
+            raise self._error
+        return int(self.source.result(0))
 
     def synchronize(self) -> None:
         """Do nothing: CPU tensors need no stream synchronisation."""

@@ -24,8 +24,7 @@ exceptions, which are also the builtins torch users catch (``TimeoutError``,
 ``ConnectionError``, ``ValueError``).
 
 What torch cannot route here, or ferro does not do, raises a clear error:
-receives from any source, GPU tensors (use ``"nccl"``), and ``ReduceOp.AVG``
-on integers.
+GPU tensors (use ``"nccl"``) and ``ReduceOp.AVG`` on integers.
 """
 
 from __future__ import annotations
@@ -465,9 +464,18 @@ class ProcessGroupFerro(dist.ProcessGroup):
         return self._work(f"recv from rank {src}", pendings, tensors)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> FerroWork:
-        """Refuse: ferro receives from a named rank only."""
-        raise NotImplementedError(
-            "recv from any source: the 'ferro' backend receives from a named rank only; pass src=")
+        """Receive the next message with ``tag`` from whichever rank sends one; the work's ``_source_rank()`` names it.
+
+        Per sender, messages are received in the order sent; receives already
+        posted for a named sender come first.
+        """
+        tensors = as_list(tensors)
+        if len(tensors) != 1:
+            raise ValueError(f"rank {self._ferro.rank}: recv from any source takes one tensor, got {len(tensors)}")
+        sender = self._peer_links("recv").recv_any(flat_view(tensors[0], "recv"), tag)
+        work = self._work("recv from any source", [sender], tensors)
+        work.source = sender
+        return work
 
     # --- coalescing and life cycle ------------------------------------------------------------
 

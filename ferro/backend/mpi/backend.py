@@ -385,6 +385,11 @@ class MpiBackend(KeptIdentity, FramedBackend, MpiCollectives):
         for request, piece in self._start_sends(buf, dst, kind, fingerprint, "send"):
             self._complete(request, deadline, "send", dst, piece)
 
+    def frames_waiting(self, sources: Sequence[int]) -> list[int]:
+        """Return the sources with a message for this rank (``MPI_Iprobe``; see :meth:`Backend.frames_waiting`)."""
+        self._usable("recv")
+        return [src for src in sources if self._comm.Iprobe(src, self._mpi.ANY_TAG)]
+
     def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
         """Receive a message from ``src``: probed first, so another call's or size's message stays queued."""
         self._usable("recv")

@@ -130,6 +130,10 @@ class NcclBackend(StoreBackend):
         """Refuse: host buffers do not travel on an NCCL group."""
         raise self._host_refused("recv")
 
+    def frames_waiting(self, sources: Sequence[int]) -> list[int]:
+        """Refuse: NCCL has no receive from any source, and host messages do not travel here."""
+        raise self._host_refused("recv from any source")
+
     def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
                         timeout: float | None = None) -> None:
         """Refuse: host buffers do not travel on an NCCL group."""
