@@ -30,8 +30,8 @@ if __name__ == "__main__":
     backend, out = sys.argv[1], sys.argv[2]
     model = Model()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend=backend),
-                        precision="64-true", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        precision="64-true", max_epochs=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model)
     if trainer.global_rank == 0:
         import torch.distributed as dist
