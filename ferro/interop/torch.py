@@ -243,10 +243,42 @@ class ProcessGroupFerro(dist.ProcessGroup):
         # work at all (torch takes None as "done" from a blocking call).
         # ferro.allreduce takes a plain CPU tensor through its NumPy view, and refuses what it cannot take.
         if (type(opts) is _AllreduceOptions and not opts.asyncOp and len(tensors) == 1 and opts.reduceOp == _SUM
-                and not tensors[0].requires_grad):  # those are detached first, as the general path does
+                and not tensors[0].requires_grad and not tensors[0].is_sparse):  # those are detached first
             collective.allreduce(tensors[0], ReduceOp.SUM, group=self._ferro, timeout=timeout_of(opts))
             return None
+        if any(getattr(t, "is_sparse", False) for t in as_list(tensors)):
+            return self._sparse_allreduce(as_list(tensors), opts)
         return self.allreduce_coalesced(tensors, opts)
+
+    def _sparse_allreduce(self, tensors: list[Any], opts: Any) -> FerroWork:
+        """Sum sparse COO tensors across ranks, in place (as gloo: every rank's entries, coalesced).
+
+        Ranks hold different numbers of entries, so each rank's indices and
+        values travel whole (an all-gather of objects, between the job's
+        authenticated ranks), and every rank adds them up the same way.
+        """
+        op, factor = torch_reduce_op(getattr(opts, "reduceOp", dist.ReduceOp.SUM), "allreduce")
+        if op is not ReduceOp.SUM or factor is not None:
+            raise InvalidBufferError(f"rank {self._ferro.rank}: allreduce: sparse tensors reduce with SUM only")
+        for tensor in tensors:
+            if tensor.layout != torch.sparse_coo or tensor.device.type != "cpu":
+                raise InvalidBufferError(f"rank {self._ferro.rank}: allreduce: a sparse tensor must be a CPU "
+                                         f"sparse_coo tensor, not {tensor.layout} on {tensor.device}")
+        sums: list[Any] = []
+
+        def run() -> None:
+            for tensor in tensors:
+                local = tensor.detach().coalesce()
+                parts = collective.all_gather_object((local.indices(), local.values()), group=self._ferro,
+                                                     timeout=timeout_of(opts))
+                sums.append(torch.sparse_coo_tensor(torch.cat([i for i, _ in parts], dim=1),
+                                                    torch.cat([v for _, v in parts]), tensor.shape).coalesce())
+
+        def finish() -> None:
+            for tensor, total in zip(tensors, sums, strict=True):
+                tensor.copy_(total)
+
+        return self._work("allreduce", self._queue("allreduce", run, (), is_async(opts)), tensors, finish)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> FerroWork:
         """Reduce every tensor of the list across ranks, in place (a call per tensor, in list order)."""
