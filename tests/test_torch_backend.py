@@ -493,6 +493,28 @@ def test_receives_from_any_source_match_gloo():
     assert results[0]["ferro"] == results[0]["gloo"] == expected
 
 
+def rank_sparse_allreduce(rank, world_size):
+    gloo = _init()
+    sums = {}
+    for name, group in (("ferro", None), ("gloo", gloo)):
+        # Overlapping and distinct entries, a different count on each rank.
+        indices = torch.tensor([[0, rank, 3, rank + 1], [1, 2, rank, 0]])[:, :2 + rank]
+        values = torch.arange(2 + rank, dtype=torch.float64) + 10 * rank
+        t = torch.sparse_coo_tensor(indices, values, (4, 4))
+        dist.all_reduce(t, group=group)
+        sums[name] = t.to_dense().tolist()
+    expected = sum(torch.sparse_coo_tensor(torch.tensor([[0, r, 3, r + 1], [1, 2, r, 0]])[:, :2 + r],
+                                           torch.arange(2 + r, dtype=torch.float64) + 10 * r, (4, 4)).to_dense()
+                   for r in range(world_size))
+    return sums, expected.tolist()
+
+
+def test_sparse_tensors_allreduce_as_over_gloo():
+    for sums, expected in run_processes(rank_sparse_allreduce, 3, backend=None, timeout=120,
+                                        env={"FERRO_BACKEND": "tcp"}):
+        assert sums["ferro"] == sums["gloo"] == expected
+
+
 def rank_bad_input(rank, world_size):
     _init()
     errors = {}
