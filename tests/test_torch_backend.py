@@ -515,6 +515,35 @@ def test_sparse_tensors_allreduce_as_over_gloo():
         assert sums["ferro"] == sums["gloo"] == expected
 
 
+def rank_monitored_barrier(rank, world_size):
+    _init()
+    group = dist.distributed_c10d._get_default_group()
+    group.monitored_barrier(datetime.timedelta(seconds=10))  # everyone arrives
+    said = {}
+    if rank == 0:  # the others stay away this time
+        for wait_all in (False, True):
+            try:
+                group.monitored_barrier(datetime.timedelta(seconds=0.5), wait_all_ranks=wait_all)
+            except RuntimeError as exc:
+                said[wait_all] = str(exc)
+    dist.barrier()
+    if rank == 1:  # rank 0 stays away: rank 1 is told it arrived and rank 0 did not answer
+        try:
+            group.monitored_barrier(datetime.timedelta(seconds=0.5))
+        except RuntimeError as exc:
+            said["waiting"] = str(exc)
+    dist.barrier()
+    return said
+
+
+def test_monitored_barrier_names_the_ranks_that_did_not_arrive_in_gloo_s_words():
+    results = run_processes(rank_monitored_barrier, 3, backend=None, timeout=120, env={"FERRO_BACKEND": "tcp"})
+    assert results[0][False].startswith("[Rank 0]: Rank 1 failed to pass monitoredBarrier in 500 ms"), results[0]
+    assert results[0][True].startswith("[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in 500 ms"), results[0]
+    assert results[1]["waiting"].startswith("Rank 1 successfully reached monitoredBarrier, but received errors "
+                                            "while waiting for send/recv from rank 0"), results[1]
+
+
 def rank_bad_input(rank, world_size):
     _init()
     errors = {}

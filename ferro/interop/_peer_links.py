@@ -39,6 +39,9 @@ from ferro.types import fingerprint
 
 __all__ = ["PeerLinks"]
 
+# monitored_barrier's one-byte token: a barrier's fingerprint, which no point-to-point message carries.
+_TOKEN_FINGERPRINT = fingerprint("barrier", root=1)
+
 
 class PeerLinks:
     """Sends and receives of one torch group, each on its peer's thread for that direction.
@@ -86,6 +89,16 @@ class PeerLinks:
         seconds = self._timeout if timeout is None else timeout
         return self._thread("recv", peer).submit(
             self._group.recv_tagged, payload, peer, kind=KIND_DATA, fingerprint=print_, timeout=seconds)
+
+    def send_token(self, peer: int, timeout: float) -> concurrent.futures.Future:
+        """Queue monitored_barrier's token for ``peer``."""
+        return self._thread("send", peer).submit(self._group.send_tagged, bytearray(1), peer, kind=KIND_DATA,
+                                                 fingerprint=_TOKEN_FINGERPRINT, timeout=timeout)
+
+    def recv_token(self, peer: int, timeout: float) -> concurrent.futures.Future:
+        """Queue a receive of monitored_barrier's token from ``peer``."""
+        return self._thread("recv", peer).submit(self._group.recv_tagged, bytearray(1), peer, kind=KIND_DATA,
+                                                 fingerprint=_TOKEN_FINGERPRINT, timeout=timeout)
 
     def recv_any(self, tensor: Any, tag: int, timeout: float | None = None) -> concurrent.futures.Future:
         """Queue a receive of the next matching message from any peer into ``tensor``; the future gives its sender."""

@@ -43,7 +43,7 @@ from ferro.backend import JoinSpec, join_backend
 from ferro.backend.base import Backend
 from ferro.collective.process_group import BACKEND_ENV, backend_by_hosts
 from ferro.collective.work import PendingCollective, worker_of
-from ferro.errors import ConfigurationError, InvalidBufferError
+from ferro.errors import ConfigurationError, DistributedError, InvalidBufferError
 from ferro.interop._peer_links import PeerLinks
 from ferro.interop._torch_args import (
     as_list,
@@ -469,6 +469,51 @@ class ProcessGroupFerro(dist.ProcessGroup):
         async_op = is_async(opts)
         issued = collective.barrier(group=self._ferro, timeout=timeout_of(opts), async_op=async_op)
         return self._work("barrier", [issued], [])
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """A barrier through rank 0 that names the ranks that did not arrive within ``timeout`` (gloo's semantics).
+
+        Every other rank sends rank 0 a token and waits for its answer; rank 0
+        waits for every token, then answers. ``torch.distributed.monitored_barrier``
+        itself refuses any backend but gloo; call this on the group object.
+
+        Raises:
+            RuntimeError: On rank 0, "Rank r failed to pass monitoredBarrier in t ms" (every such rank with
+                ``wait_all_ranks``); on the others, that they reached it but rank 0 did not answer.
+
+        """
+        seconds = (timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else
+                   self._ferro.timeout if timeout is None else float(timeout))
+        rank, size, ms = self._ferro.rank, self._ferro.world_size, int(seconds * 1000)
+        if size == 1:
+            return
+        links = self._peer_links("monitored_barrier")
+        if rank != 0:
+            try:
+                links.send_token(0, seconds).result()
+                links.recv_token(0, seconds).result()
+            except DistributedError as exc:
+                raise RuntimeError(f"Rank {rank} successfully reached monitoredBarrier, but received errors while "
+                                   f"waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank. "
+                                   f"({type(exc).__name__}: {exc})") from exc
+            return
+        if seconds <= 0:
+            raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after {ms} ms.")
+        arrivals = {peer: links.recv_token(peer, seconds) for peer in range(1, size)}  # all at once, in parallel
+        failed: dict[int, BaseException] = {}
+        for peer, arrival in arrivals.items():
+            if (error := arrival.exception()) is not None:
+                failed[peer] = error
+                if not wait_all_ranks:
+                    break
+        if failed:
+            first, why = next(iter(failed.items()))
+            ranks = (f"Ranks {', '.join(map(str, failed))}" if wait_all_ranks and len(failed) > 1
+                     else f"Rank {first}")
+            raise RuntimeError(f"[Rank 0]: {ranks} failed to pass monitoredBarrier in {ms} ms "
+                               f"({type(why).__name__}: {why})") from why
+        for answer in [links.send_token(peer, seconds) for peer in range(1, size)]:
+            answer.result()
 
     # --- point to point ----------------------------------------------------------------
 
