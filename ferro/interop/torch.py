@@ -471,7 +471,7 @@ class ProcessGroupFerro(dist.ProcessGroup):
         return self._work("barrier", [issued], [])
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-        """A barrier through rank 0 that names the ranks that did not arrive within ``timeout`` (gloo's semantics).
+        """Pass a barrier through rank 0 that names the ranks that did not arrive within ``timeout`` (as gloo).
 
         Every other rank sends rank 0 a token and waits for its answer; rank 0
         waits for every token, then answers. ``torch.distributed.monitored_barrier``
