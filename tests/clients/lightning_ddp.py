@@ -1,4 +1,9 @@
-"""Lightning's DDP strategy on CPU over the backend named on the command line: ``lightning_ddp.py BACKEND OUT``."""
+"""Lightning's DDP strategy on CPU, over each backend named: ``lightning_ddp.py OUT_DIR BACKEND...``.
+
+One script trains once per backend (Lightning starts the other rank's process
+once, at the first fit, and it runs the same fits), destroying the process
+group between fits so that the next strategy makes its own.
+"""
 
 import sys
 
@@ -27,13 +32,17 @@ class Model(L.LightningModule):
 
 
 if __name__ == "__main__":
-    backend, out = sys.argv[1], sys.argv[2]
-    model = Model()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend=backend),
-                        precision="64-true", max_epochs=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model)
-    if trainer.global_rank == 0:
-        import torch.distributed as dist
+    import os
 
-        write_result(out, dist.get_backend(), params_of(model.net))
+    import torch.distributed as dist
+
+    out_dir, backends = sys.argv[1], sys.argv[2:]
+    for backend in backends:
+        model = Model()
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend=backend),
+                            precision="64-true", max_epochs=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model)
+        if trainer.global_rank == 0:
+            write_result(os.path.join(out_dir, f"{backend}.json"), dist.get_backend(), params_of(model.net))
+        dist.destroy_process_group()
