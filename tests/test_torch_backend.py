@@ -374,13 +374,18 @@ def rank_peer_death(rank, world_size):
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_a_dead_peer_fails_the_next_call_promptly_naming_it(transport):
-    results = run_processes(rank_peer_death, 2, backend=None, timeout=90, allow_exit=[1],
-                            env={"FERRO_BACKEND": transport})
-    assert results[1] == RankExit(3, None)
-    name, message, seconds, is_connection_error = results[0]
-    assert name == "PeerLostError" and is_connection_error, results[0]
+    survivor = _survivor_of_rank_1_exiting(rank_peer_death, transport)
+    name, message, seconds, is_connection_error = survivor
+    assert name == "PeerLostError" and is_connection_error, survivor
     assert "rank 1" in message, message
     assert seconds < 30, f"took {seconds:.1f} s to notice a dead peer (the group timeout is 60 s)"
+
+
+def _survivor_of_rank_1_exiting(rank_fn, transport):
+    """Run ``rank_fn`` on 2 ranks, rank 1 exiting with code 3; return rank 0's result."""
+    results = run_processes(rank_fn, 2, backend=None, timeout=120, allow_exit=[1], env={"FERRO_BACKEND": transport})
+    assert results[1] == RankExit(3, None)
+    return results[0]
 
 
 def _ddp_until_a_peer_goes(rank):
@@ -420,12 +425,10 @@ def rank_ddp_peer_death(rank, world_size):
 def test_a_peer_dying_mid_backward_raises_on_the_survivor_naming_it(transport):
     # torch's Future.set_exception completes the C++ future successfully, holding the exception as its value; DDP's
     # reducer then read tensors out of it and the survivor segfaulted. The survivor must raise instead.
-    results = run_processes(rank_ddp_peer_death, 2, backend=None, timeout=120, allow_exit=[1],
-                            env={"FERRO_BACKEND": transport})
-    assert results[1] == RankExit(3, None)
-    steps, name, message, seconds = results[0]
-    assert steps == 2, results[0]
-    assert name == "RuntimeError" and "PeerLostError" in message and "rank 1" in message, results[0]
+    survivor = _survivor_of_rank_1_exiting(rank_ddp_peer_death, transport)
+    steps, name, message, seconds = survivor
+    assert steps == 2, survivor
+    assert name == "RuntimeError" and "PeerLostError" in message and "rank 1" in message, survivor
     assert seconds < 30, f"took {seconds:.1f} s to notice a dead peer (the group timeout is 60 s)"
 
 

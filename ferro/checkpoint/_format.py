@@ -78,7 +78,7 @@ def open_regular(path: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise
+        raise  # the callers say what was missing
     except OSError as exc:  # ELOOP: a symlink; ENXIO: a socket or a device without a driver
         what = "a symlink" if os.path.islink(path) else f"not openable ({os.strerror(exc.errno or 0)})"
         raise CheckpointCorruptError(f"{path}: {what}, not a regular file; a load reads only the regular files a "
