@@ -25,10 +25,12 @@ __all__ = [
     "InvalidBufferError",
     "InvalidRankError",
     "InvalidWorldSizeError",
+    "MembershipError",
     "MpiError",
     "NcclError",
     "PeerLostError",
     "ProtocolError",
+    "QuorumLostError",
     "RankFailedError",
     "RemoteError",
     "SelfSendError",
@@ -190,6 +192,28 @@ class BackendClosedError(DistributedError, RuntimeError):
 
 class ConfigurationError(DistributedError, ValueError):
     """Missing or contradictory configuration; the message says which setting to fix."""
+
+
+class QuorumLostError(DistributedError, RuntimeError):
+    """An elastic job has fewer live ranks than its ``min_size``: training stops on every rank.
+
+    Attributes:
+        members: The ranks' member ids that were still alive.
+        min_size: The minimum the job was given.
+
+    """
+
+    def __init__(self, message: str, members: tuple[str, ...] = (), min_size: int = 1) -> None:
+        super().__init__(message)
+        self.members = members
+        self.min_size = min_size
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.members, self.min_size))
+
+
+class MembershipError(DistributedError, RuntimeError):
+    """This process is not, or is no longer, a member of its elastic job (left out of an epoch, or too late)."""
 
 
 class StoreError(DistributedError, ValueError):

@@ -21,7 +21,8 @@ from ferro.launch.bootstrap import GRACE_ENV, LAUNCHER_PID_ENV
 from ferro.launch.failures import ERROR_FILE_ENV, read_failure
 from ferro.launch.reaper import become_subreaper, end_descendants
 
-__all__ = ["LaunchConfig", "RankFailure", "run_job"]
+__all__ = ["Interrupted", "LaunchConfig", "OutputPump", "RankFailure", "failure_of", "run_job", "say", "start_rank",
+           "stop_ranks"]
 
 POLL_SECONDS = 0.05
 # How long the launcher waits, after a rank failed from losing a peer, for that peer to exit and say why.
@@ -39,10 +40,17 @@ class LaunchConfig:
         node_rank: This node's index.
         master_addr: Host of rank 0 (the rendezvous store).
         master_port: Port of the rendezvous store.
-        max_restarts: How many times to restart the whole group after a failure.
+        max_restarts: How many times to restart after a failure: the whole group
+            (``restart_policy="group"``), or each rank's process (``"rank"``).
         prefix: Prefix every output line with its rank.
         grace_seconds: How long ranks get to exit after SIGTERM/SIGINT before SIGKILL.
         secret: The job secret handed to every rank.
+        restart_policy: ``"group"``: a failure stops every rank and restarts them all.
+            ``"rank"``: the others train on (:mod:`ferro.elastic`); only the failed rank
+            is replaced, and the launcher serves the store (see :mod:`ferro.launch.in_place`).
+        min_size: Under ``"rank"``, the fewest ranks the job trains with.
+        heartbeat_timeout: Under ``"rank"``, seconds without a heartbeat after which a
+            rank is taken for frozen and killed.
 
     """
 
@@ -56,6 +64,9 @@ class LaunchConfig:
     prefix: bool = True
     grace_seconds: float = 5.0
     secret: str = field(default_factory=lambda: secrets.token_hex(16))
+    restart_policy: str = "group"
+    min_size: int = 1
+    heartbeat_timeout: float = 10.0
 
     @property
     def world_size(self) -> int:
@@ -112,9 +123,11 @@ def _error_file(records: str, rank: int, restart: int) -> str:
     return os.path.join(records, f"rank{rank}-attempt{restart}.json")
 
 
-def _environment(config: LaunchConfig, local_rank: int, restart: int, records: str) -> dict[str, str]:
+def _environment(config: LaunchConfig, local_rank: int, restart: int, records: str,
+                 extra: dict[str, str] | None = None) -> dict[str, str]:
     rank = config.node_rank * config.nproc_per_node + local_rank
     env = dict(os.environ)
+    env.update(extra or {})
     env.update({
         "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(config.world_size),
         "LOCAL_WORLD_SIZE": str(config.nproc_per_node), "GROUP_RANK": str(config.node_rank),
@@ -126,7 +139,7 @@ def _environment(config: LaunchConfig, local_rank: int, restart: int, records: s
     return env
 
 
-class _OutputPump:
+class OutputPump:
     """Copies a rank's output to ours line by line, prefixed with its rank."""
 
     def __init__(self, lock: threading.Lock) -> None:
@@ -152,29 +165,32 @@ class _OutputPump:
         self._threads = [t for t in self._threads if t.is_alive()]
 
 
-class _Interrupted(Exception):
+class Interrupted(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
-def _start(config: LaunchConfig, restart: int, pump: _OutputPump, records: str) -> list[subprocess.Popen[bytes]]:
+def start_rank(config: LaunchConfig, local: int, restart: int, pump: OutputPump, records: str,
+               extra: dict[str, str] | None = None, label: str | None = None) -> subprocess.Popen[bytes]:
+    """Start local rank ``local`` (attempt ``restart``), its output prefixed with ``label`` (default its rank)."""
     # The bootstrap runs by its path, not with -m: -m would put our working directory first on
     # sys.path, where a ferro source tree (a clone's root) would shadow the installed package.
     command = [sys.executable, "-u", os.path.abspath(bootstrap.__file__), *config.target]
-    ranks = []
-    for local in range(config.nproc_per_node):
-        # A session of its own: the rank and everything it starts can be signalled as one group.
-        process = subprocess.Popen(command, env=_environment(config, local, restart, records), stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, start_new_session=True)
-        ranks.append(process)
-        # Output always passes through here line by line, so ranks' lines never interleave mid-line.
-        rank = config.node_rank * config.nproc_per_node + local
-        prefix = f"[rank {rank}] ".encode() if config.prefix else b""
-        assert process.stdout is not None and process.stderr is not None  # piped above
-        pump.follow(process.stdout, sys.stdout.buffer, prefix)
-        pump.follow(process.stderr, sys.stderr.buffer, prefix)
-    return ranks
+    # A session of its own: the rank and everything it starts can be signalled as one group.
+    process = subprocess.Popen(command, env=_environment(config, local, restart, records, extra),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    # Output always passes through here line by line, so ranks' lines never interleave mid-line.
+    rank = config.node_rank * config.nproc_per_node + local
+    prefix = f"[rank {label or rank}] ".encode() if config.prefix else b""
+    assert process.stdout is not None and process.stderr is not None  # piped above
+    pump.follow(process.stdout, sys.stdout.buffer, prefix)
+    pump.follow(process.stderr, sys.stderr.buffer, prefix)
+    return process
+
+
+def _start(config: LaunchConfig, restart: int, pump: OutputPump, records: str) -> list[subprocess.Popen[bytes]]:
+    return [start_rank(config, local, restart, pump, records) for local in range(config.nproc_per_node)]
 
 
 def _signal_all(ranks: list[subprocess.Popen[bytes]], signum: int) -> None:
@@ -186,7 +202,7 @@ def _signal_all(ranks: list[subprocess.Popen[bytes]], signum: int) -> None:
                 pass
 
 
-def _stop(ranks: list[subprocess.Popen[bytes]], signum: int, grace: float) -> None:
+def stop_ranks(ranks: list[subprocess.Popen[bytes]], signum: int, grace: float) -> None:
     """Ask every rank's process group to stop, then kill what is left after ``grace`` seconds."""
     _signal_all(ranks, signum)
     deadline = time.monotonic() + grace
@@ -211,13 +227,14 @@ def _watch(ranks: list[subprocess.Popen[bytes]], config: LaunchConfig, records: 
             if code is None:
                 running = True
             elif code != 0:
-                return _failure(config.node_rank * config.nproc_per_node + local, code, records, restart)
+                return failure_of(config.node_rank * config.nproc_per_node + local, code, records, restart)
         if not running:
             return None
         time.sleep(POLL_SECONDS)
 
 
-def _failure(rank: int, code: int, records: str, restart: int) -> RankFailure:
+def failure_of(rank: int, code: int, records: str, restart: int) -> RankFailure:
+    """Return how rank ``rank`` (attempt ``restart``) ended with exit status ``code``, with its record if it left one."""
     record = read_failure(_error_file(records, rank, restart))
     return RankFailure(rank, code if code >= 0 else None, signal.Signals(-code).name if code < 0 else None,
                        record.error if record else None, record.lost_peer if record else None,
@@ -251,11 +268,11 @@ def _trace_cause(failure: RankFailure, ranks: list[subprocess.Popen[bytes]], con
         elif code == 0:
             break
         else:
-            chain.append(_failure(peer, code, records, restart))
+            chain.append(failure_of(peer, code, records, restart))
     return chain
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     sys.stderr.write(f"ferro run: {message}\n")
     sys.stderr.flush()
 
@@ -276,10 +293,10 @@ def run_job(config: LaunchConfig) -> int:
             f"ferro run: need --nproc-per-node >= 1, --nnodes >= 1 and 0 <= --node-rank < --nnodes "
             f"(got {config.nproc_per_node}, {config.nnodes}, {config.node_rank})")
     lock = threading.Lock()
-    pump = _OutputPump(lock)
+    pump = OutputPump(lock)
 
     def interrupt(signum: int, _frame: object) -> None:
-        raise _Interrupted(signum)
+        raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     ranks: list[subprocess.Popen[bytes]] = []
@@ -295,21 +312,21 @@ def run_job(config: LaunchConfig) -> int:
                 return 0
             *consequences, failure = _trace_cause(first, ranks, config, records, restart)
             after = "".join(f.consequence() for f in consequences)
-            _say(f"rank {failure.rank} {failure.describe()}{after}; stopping the other ranks")
-            _stop(ranks, signal.SIGTERM, config.grace_seconds)
+            say(f"rank {failure.rank} {failure.describe()}{after}; stopping the other ranks")
+            stop_ranks(ranks, signal.SIGTERM, config.grace_seconds)
             end_descendants(os.getpid(), config.grace_seconds)  # nothing of this attempt lives into the next
             pump.drain(5.0)
             if restart < config.max_restarts:
-                _say(f"restarting all ranks (restart {restart + 1} of {config.max_restarts})")
+                say(f"restarting all ranks (restart {restart + 1} of {config.max_restarts})")
                 continue
-            _say(f"job failed: rank {failure.rank} {failure.describe()}")
+            say(f"job failed: rank {failure.rank} {failure.describe()}")
             return failure.job_exit_code
         return 1  # unreachable: the loop returns
-    except _Interrupted as stop:
+    except Interrupted as stop:
         for sig in previous:  # a second Ctrl-C must not cut the clean-up short
             signal.signal(sig, signal.SIG_IGN)
-        _say(f"received {signal.Signals(stop.signum).name}; stopping all ranks")
-        _stop(ranks, stop.signum, config.grace_seconds)
+        say(f"received {signal.Signals(stop.signum).name}; stopping all ranks")
+        stop_ranks(ranks, stop.signum, config.grace_seconds)
         pump.drain(2.0)
         return 128 + stop.signum
     finally:

@@ -31,8 +31,9 @@ import signal
 import sys
 
 if __package__:  # imported by the launcher, for this file's path and names
-    from ferro.launch import reaper
+    from ferro.launch import heartbeat, reaper
 else:  # run by path, before ferro is imported: this file's folder is sys.path[0]
+    import heartbeat  # type: ignore[no-redef]
     import reaper  # type: ignore[no-redef]
 
 __all__ = ["GRACE_ENV", "GUARDIAN_ENV", "LAUNCHER_PID_ENV", "die_with_parent", "main"]
@@ -130,6 +131,9 @@ def _remove_segments_of(pid: int) -> None:
 
 
 def _run_target(argv: list[str]) -> None:
+    beat_file = os.environ.get(heartbeat.HEARTBEAT_FILE_ENV)
+    if beat_file:  # ferro run --restart-policy rank: the agent kills a rank whose beats stop
+        heartbeat.start_beating(beat_file)
     # sys.path[0] is this file's folder here, so this is the installed ferro; importing it
     # now pins it in sys.modules before the target's own sys.path[0] is put in place.
     import ferro  # noqa: F401

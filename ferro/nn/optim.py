@@ -41,6 +41,36 @@ class Optimizer(abc.ABC):
     def step(self) -> None:
         """Update every parameter from its gradient."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """Return the learning rate and copies of the running values, keyed by parameter index (as torch does)."""
+        index = {id(param): i for i, param in enumerate(self.params)}
+        state = {index[id(param)]: {name: np.array(value, copy=True) if isinstance(value, np.ndarray) else value
+                                    for name, value in values.items()}
+                 for param, values in self.state.items()}
+        return {"lr": self.lr, "state": state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Adopt a :meth:`state_dict` of an optimizer over parameters of the same shapes, in the same order.
+
+        Raises:
+            ValueError: A parameter index outside this optimizer, or a running value's shape differs.
+
+        """
+        loaded: dict[Parameter, dict[str, Any]] = {}
+        for position, values in state["state"].items():
+            if not 0 <= int(position) < len(self.params):
+                raise ValueError(f"load_state_dict: parameter {position} is not one of this optimizer's "
+                                 f"{len(self.params)}")
+            param = self.params[int(position)]
+            for name, value in values.items():
+                if isinstance(value, np.ndarray) and value.shape != param.data.shape:
+                    raise ValueError(f"load_state_dict: {name} of parameter {position} has shape {value.shape}, "
+                                     f"the parameter {param.data.shape}")
+            loaded[param] = {name: np.array(value, copy=True) if isinstance(value, np.ndarray) else value
+                             for name, value in values.items()}
+        self.lr = float(state["lr"])
+        self.state = loaded
+
 
 class SGD(Optimizer):
     """Stochastic gradient descent with momentum and weight decay, as ``torch.optim.SGD`` computes them.

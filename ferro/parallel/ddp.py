@@ -279,6 +279,21 @@ class DDP:
         for array in self._model.every_array():
             broadcast(array, root=root, group=self.group)
 
+    def rebind(self, group: Backend) -> None:
+        """Reduce over ``group`` from now on, dropping whatever the last backward left in flight.
+
+        The buckets, hooks and parameters stay as they are; only the group
+        changes. :class:`ferro.elastic.Manager` calls it when the job's
+        membership changes, after the step that failed was abandoned. Every
+        parameter must already hold the same values on the new group's ranks.
+        """
+        self.group = group
+        for bucket in self.buckets:
+            bucket.pending = None
+            bucket.ready.clear()
+        self._next_launch = 0
+        self._finish_queued = False
+
     def register_comm_hook(self, hook: CommHook) -> None:
         """Use ``hook(group, bucket)`` to reduce each bucket.
 

@@ -8,6 +8,7 @@ import sys
 
 from ferro.errors import ConfigurationError
 from ferro.launch.agent import LaunchConfig, run_job
+from ferro.launch.in_place import run_in_place
 from ferro.rendezvous.settings import free_port
 
 __all__ = ["build_parser", "main"]
@@ -30,7 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--standalone", action="store_true",
                         help="a single-node job on loopback with a free port")
     parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                        help="restart the whole group up to K times after a failure")
+                        help="restart up to K times after a failure: the whole group, or (with --restart-policy "
+                             "rank) each failed rank")
+    parser.add_argument("--restart-policy", choices=("group", "rank"), default="group",
+                        help="group: a failure stops every rank and restarts them all (default); rank: the others "
+                             "train on in place (ferro.elastic) and only the failed rank is replaced")
+    parser.add_argument("--min-size", type=int, default=1,
+                        help="with --restart-policy rank: stop when fewer ranks than this are left (default 1)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                        help="with --restart-policy rank: kill a rank silent this many seconds (default 10)")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds ranks get to exit after a stop request before they are killed (default 5)")
@@ -65,7 +74,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     target = ["-m", args.target, *args.args] if args.module else [args.target, *args.args]
     fields = dict(target=target, nproc_per_node=args.nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                   master_addr=addr, master_port=port, max_restarts=args.max_restarts, prefix=not args.no_prefix,
-                  grace_seconds=args.grace)
+                  grace_seconds=args.grace, restart_policy=args.restart_policy, min_size=args.min_size,
+                  heartbeat_timeout=args.heartbeat_timeout)
     return LaunchConfig(**fields, secret=secret) if secret else LaunchConfig(**fields)
 
 
@@ -74,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
-        return run_job(config)
+        return run_in_place(config) if config.restart_policy == "rank" else run_job(config)
     except ConfigurationError as exc:
         print(str(exc), file=sys.stderr)
         return 2

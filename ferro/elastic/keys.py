@@ -1,0 +1,54 @@
+"""The store keys of an elastic job: one place, read by the ranks and written by ``ferro run``'s agent.
+
+Every key lives under ``ferro/elastic/`` on the job's store, which ``ferro run
+--restart-policy rank`` serves from its agent so that it outlives any rank.
+
+* ``dead/<member>``: the agent's record that a member's process ended (its words: "was killed by SIGKILL").
+* ``join/count`` and ``join/<k>``: replacements that asked to join, in order.
+* ``<epoch>/invited``: which join requests an epoch admits (JSON, first proposal wins).
+* ``<epoch>/here/<member>``: a member arrived at the epoch's rendezvous.
+* ``<epoch>/members``: the epoch's members in rank order (JSON, decided once by compare-and-set).
+* ``<epoch>/group/...``: the epoch's own process group (a scoped view: addresses, claims).
+* ``latest``: the newest epoch that formed a group; ``finished`` / ``failed``: how the job ended.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ROOT", "dead", "epoch", "failed", "finished", "join_count", "join_request", "latest"]
+
+ROOT = "ferro/elastic"
+
+
+def dead(member: str) -> str:
+    """The key the agent sets when ``member``'s process has ended."""
+    return f"{ROOT}/dead/{member}"
+
+
+def join_count() -> str:
+    """The counter of join requests."""
+    return f"{ROOT}/join/count"
+
+
+def join_request(index: int) -> str:
+    """The member id of join request ``index`` (0-based)."""
+    return f"{ROOT}/join/{index}"
+
+
+def epoch(number: int, name: str) -> str:
+    """Key ``name`` of epoch ``number`` (``epoch(3, "members")``)."""
+    return f"{ROOT}/{number}/{name}"
+
+
+def latest() -> str:
+    """The newest epoch that formed its group."""
+    return f"{ROOT}/latest"
+
+
+def finished() -> str:
+    """Set when training has completed its last step."""
+    return f"{ROOT}/finished"
+
+
+def failed() -> str:
+    """Set, with the reason, when the job stopped below its minimum size."""
+    return f"{ROOT}/failed"

@@ -1,0 +1,200 @@
+"""Who trains in each epoch: the membership protocol, over the job's store.
+
+A *member* is one process, named ``"<launch rank>.<incarnation>"`` (``"2.0"``
+for the third rank as first started, ``"2.1"`` for its first replacement). An
+*epoch* is one membership and one process group: epoch 0 is every rank as
+launched; each shrink or grow makes the next. Moving to epoch ``n``:
+
+1. Every participant (the previous epoch's survivors, and the replacements it
+   invited) marks itself *here*.
+2. Each waits until every candidate is here or known dead (``ferro run``'s
+   agent writes ``dead/<member>`` within one poll of a process ending; a frozen
+   rank is killed by the agent when its heartbeat stops, so it too ends as dead).
+3. The first to see that proposes the members (the candidates here and not
+   dead, survivors first in their old order, then the newcomers) with a
+   compare-and-set on ``<n>/members``; everyone adopts what the store holds, so
+   all agree even when a rank died between two participants' looks.
+
+No participant decides alone about another's life: the store holds what the
+agent saw. Only if a candidate neither arrives nor dies within the group's
+timeout (alive but stuck, heartbeat still beating) is it left out; if it comes
+later it finds itself outside the epoch and raises :class:`MembershipError`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ferro.elastic import keys
+from ferro.errors import MembershipError
+
+__all__ = ["Epoch", "Invitation", "Membership"]
+
+# Seconds between looks at the store while a rendezvous or an invitation is pending.
+SETTLE_POLL_SECONDS = 0.002
+INVITE_POLL_SECONDS = 0.02
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One membership: its number, its members in rank order, and how many join requests it has considered.
+
+    Attributes:
+        number: 0 for the ranks as launched, then one more per change.
+        members: Member ids in rank order.
+        joins: Join requests considered up to this epoch (admitted, or dead before they could be).
+
+    """
+
+    number: int
+    members: tuple[str, ...]
+    joins: int
+
+    def rank_of(self, member: str) -> int:
+        """Return ``member``'s rank in this epoch."""
+        return self.members.index(member)
+
+
+@dataclass(frozen=True)
+class Invitation:
+    """A replacement's place: the epoch that admits it and who else takes part."""
+
+    number: int
+    previous: tuple[str, ...]
+    invited: tuple[str, ...]
+    joins: int
+
+
+class Membership:
+    """One member's side of the protocol, through a store client of its own.
+
+    Args:
+        store: A client of the job's store (not shared with a thread that blocks on it).
+        member: This process's member id.
+
+    """
+
+    def __init__(self, store: Any, member: str) -> None:
+        self.store, self.member = store, member
+
+    # --- what the store says ------------------------------------------------------
+
+    def is_dead(self, member: str) -> bool:
+        """Whether the agent recorded ``member``'s process as ended."""
+        return bool(self.store.check([keys.dead(member)]))
+
+    def dead_among(self, members: Iterable[str]) -> list[str]:
+        """Return the members the agent recorded as ended."""
+        return [m for m in members if self.is_dead(m)]
+
+    def how_it_ended(self, member: str) -> str:
+        """The agent's words for how ``member`` ended ("" when it has not)."""
+        if not self.is_dead(member):
+            return ""
+        return bytes(self.store.get(keys.dead(member))).decode(errors="replace")
+
+    def decided(self, number: int) -> Epoch | None:
+        """Return epoch ``number`` if its members were decided, else None."""
+        key = keys.epoch(number, "members")
+        if not self.store.check([key]):
+            return None
+        record = json.loads(bytes(self.store.get(key)))
+        return Epoch(number, tuple(record["members"]), int(record["joins"]))
+
+    def ended(self) -> str | None:
+        """``"finished"``, or the failure's reason, once the job has ended; else None."""
+        if self.store.check([keys.finished()]):
+            return "finished"
+        if self.store.check([keys.failed()]):
+            return bytes(self.store.get(keys.failed())).decode(errors="replace")
+        return None
+
+    # --- join requests ------------------------------------------------------------
+
+    def pending_joins(self) -> int:
+        """Return how many join requests were ever made."""
+        return int(self.store.add(keys.join_count(), 0))
+
+    def join_requests(self, start: int, stop: int) -> list[str]:
+        """Return the member ids of join requests ``start`` to ``stop - 1``."""
+        return [bytes(self.store.get(keys.join_request(k))).decode() for k in range(start, stop)]
+
+    def request_join(self) -> int:
+        """Ask to join; return this request's index."""
+        index = int(self.store.add(keys.join_count(), 1)) - 1
+        self.store.set(keys.join_request(index), self.member)
+        return index
+
+    def propose_invited(self, number: int, invited: Sequence[str], joins: int) -> tuple[tuple[str, ...], int]:
+        """Propose who epoch ``number`` admits; return what the store holds (the first proposal)."""
+        proposal = json.dumps({"invited": list(invited), "joins": joins})
+        held = json.loads(bytes(self.store.compare_set(keys.epoch(number, "invited"), "", proposal)))
+        return tuple(held["invited"]), int(held["joins"])
+
+    def wait_for_invitation(self, index: int) -> Invitation | None:
+        """Wait until an epoch invites join request ``index``; None if the job finished first.
+
+        Raises:
+            MembershipError: An epoch considered this request and left it out.
+            QuorumLostError: Never; a job that failed returns None too (see :meth:`ended`).
+
+        """
+        number = 1
+        while True:
+            if self.ended() is not None:
+                return None
+            record = self.decided(number)
+            if record is not None:
+                if record.joins > index and self.member not in record.members:
+                    raise MembershipError(
+                        f"member {self.member}: epoch {number} considered this join request and left it out "
+                        f"(it did not arrive in time)")
+                number += 1
+                continue
+            invited_key = keys.epoch(number, "invited")
+            if self.store.check([invited_key]):
+                held = json.loads(bytes(self.store.get(invited_key)))
+                previous = self.decided(number - 1)
+                if self.member in held["invited"] and previous is not None:
+                    return Invitation(number, previous.members, tuple(held["invited"]), int(held["joins"]))
+            time.sleep(INVITE_POLL_SECONDS)
+
+    # --- the rendezvous -----------------------------------------------------------
+
+    def settle(self, number: int, candidates: Sequence[str], joins: int, timeout: float) -> Epoch:
+        """Arrive at epoch ``number`` and return its members, the same on every participant.
+
+        Args:
+            number: The epoch.
+            candidates: Who may take part, in rank order (survivors, then invited replacements).
+            joins: Join requests considered by this epoch.
+            timeout: Seconds to wait for a candidate that neither arrives nor dies.
+
+        Raises:
+            MembershipError: The epoch was decided without this member.
+
+        """
+        self.store.set(keys.epoch(number, f"here/{self.member}"), "1")
+        deadline = time.monotonic() + timeout
+        while True:
+            epoch = self.decided(number)
+            if epoch is not None:
+                break
+            here = {m for m in candidates if self.store.check([keys.epoch(number, f"here/{m}")])}
+            dead = set(self.dead_among(candidates))
+            if all(m in here or m in dead for m in candidates) or time.monotonic() > deadline:
+                alive = [m for m in candidates if m in here and m not in dead]
+                proposal = json.dumps({"members": alive, "joins": joins})
+                record = json.loads(bytes(self.store.compare_set(keys.epoch(number, "members"), "", proposal)))
+                epoch = Epoch(number, tuple(record["members"]), int(record["joins"]))
+                break
+            time.sleep(SETTLE_POLL_SECONDS)
+        if self.member not in epoch.members:
+            raise MembershipError(
+                f"member {self.member}: epoch {number} formed without it (members {', '.join(epoch.members)}); "
+                f"it arrived after the others stopped waiting")
+        return epoch
