@@ -1,7 +1,7 @@
 """Train through a lost rank: kill any rank mid-run (rank 0 included) and the job still finishes, exit 0.
 
-    ferro run --nproc-per-node 4 --restart-policy rank --max-restarts 1 examples/elastic_train.py
-    ferro run --nproc-per-node 4 --restart-policy rank --max-restarts 1 examples/elastic_train.py --kill 0:50
+    ferro run --nproc-per-node 4 --restart-policy rank --max-restarts 1 --min-size 2 examples/elastic_train.py
+    ferro run --nproc-per-node 4 --restart-policy rank --max-restarts 1 --min-size 2 examples/elastic_train.py --kill 0:50
 
 While it trains, ``kill -9`` any rank's process from another shell (rank 0's pid is printed), or let
 ``--kill RANK:STEP`` do it: the other ranks abandon the step in flight, shrink their group in place and
@@ -67,7 +67,7 @@ def main() -> int:
     dtype = np.float64 if args.float64 else np.float32
     x, y = data(1024, 16, dtype)
     net, optimizer = model_and_optimizer(16, args.hidden, dtype, args.lr)
-    manager = Manager(min_size=2)
+    manager = Manager()  # min_size: ferro run --min-size
     model = manager.ddp(net)
     manager.register(model=net, optimizer=optimizer)
     criterion = nn.MSELoss()

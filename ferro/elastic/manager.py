@@ -223,9 +223,9 @@ class Manager:
         if self.min_size < 1:
             raise ConfigurationError(f"ferro.elastic.Manager: min_size must be at least 1, got {self.min_size}")
         self.backend = backend
+        env = _environment() if store is None else None
         self._secret = job_secret(secret)
-        if store is None:
-            env = _environment()
+        if env is not None:
             store = Store(env.master_addr, env.master_port, secret=self._secret, timeout=self.timeout)
             member = member or env.member
             joining = env.incarnation > 0

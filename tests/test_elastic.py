@@ -1,0 +1,308 @@
+"""ferro.elastic: training that survives lost ranks in place, checked against one process training the whole batch.
+
+The process tests run ``examples/elastic_train.py`` under ``ferro run --restart-policy rank`` (real
+processes, real sockets, the agent's store), kill ranks at fixed steps (SIGKILL, SIGSTOP, two at once,
+inside the heal, a replacement while it joins), and compare the final float64 parameters with a
+single-process run over the same global batches to 1e-12. The unit tests cover the sampler, the state
+transfer, the store view, and the protocol on threads with deaths written by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import ferro
+from ferro import nn
+from ferro.elastic import ElasticSampler, Manager, Step, keys, membership_failure
+from ferro.elastic.transfer import receive_state, send_state
+from ferro.errors import (
+    CollectiveMismatchError,
+    ConfigurationError,
+    MembershipError,
+    PeerLostError,
+    QuorumLostError,
+)
+from ferro.rendezvous.scoped import ScopedStore
+from ferro.rendezvous.settings import free_port
+from ferro.rendezvous.store import Store
+from ferro.testing import run_threads
+
+HERE = os.path.dirname(__file__)
+EXAMPLE = os.path.join(HERE, "..", "examples", "elastic_train.py")
+FAULTY = os.path.join(HERE, "elastic", "faulty_train.py")
+STEPS = 60
+
+
+# --- the reference: one process, the whole global batch each step ------------------------------------------
+
+def _reference(steps: int) -> dict[str, np.ndarray]:
+    sys.path.insert(0, os.path.dirname(EXAMPLE))
+    try:
+        from elastic_train import data, model_and_optimizer
+    finally:
+        sys.path.pop(0)
+    x, y = data(1024, 16, np.float64)
+    net, optimizer = model_and_optimizer(16, 64, np.float64, 0.05)
+    sampler, criterion = ElasticSampler(len(x), 64, seed=0), nn.MSELoss()
+    for step in range(steps):
+        batch = sampler.global_batch(step)
+        optimizer.zero_grad()
+        criterion(net(x[batch]), y[batch])
+        net.backward(criterion.backward())
+        optimizer.step()
+    return net.state_dict()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, np.ndarray]:
+    return _reference(STEPS)
+
+
+def _run(tmp_path, *args: str, script: str = EXAMPLE, restarts: int = 1, min_size: int | None = None,
+         heartbeat: float = 10.0) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "ferro", "run", "--nproc-per-node", "4", "--restart-policy", "rank",
+               "--max-restarts", str(restarts), "--heartbeat-timeout", str(heartbeat), "--grace", "2"]
+    if min_size is not None:
+        command += ["--min-size", str(min_size)]
+    return subprocess.run([*command, script, "--steps", str(STEPS), "--float64", "--sleep", "0.02",
+                           "--out", str(tmp_path / "final.npz"), *args],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+
+
+def _check_exact(tmp_path, done: subprocess.CompletedProcess, reference: dict[str, np.ndarray]) -> list[dict]:
+    assert done.returncode == 0, done.stdout + done.stderr
+    final = np.load(tmp_path / "final.npz")
+    for name, expected in reference.items():
+        np.testing.assert_allclose(final[name], expected, rtol=1e-12, atol=1e-14, err_msg=name)
+    record = json.loads((tmp_path / "final.npz.json").read_text())
+    steps = [entry[0] for entry in record["log"]]
+    # rank 0 at the end committed each step once, in order, from the step it joined at on (no step lost)
+    assert steps == list(range(steps[0], STEPS)) if steps else False
+    return record["history"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill", ["0:20", "2:20", "1:20,3:20"], ids=["rank 0", "a middle rank", "two at once"])
+def test_sigkilled_ranks_are_survived_in_place_and_training_is_exact(tmp_path, reference, kill):
+    done = _run(tmp_path, "--kill", kill)
+    history = _check_exact(tmp_path, done, reference)
+    lost = kill.count(":")
+    for rank in (item.split(":")[0] for item in kill.split(",")):
+        assert f"rank {rank}.0 was killed by SIGKILL; the others train on; starting a replacement" in done.stderr
+    sizes = [len(change["members"]) for change in history]
+    assert 4 - lost in sizes or history[0]["cause"] == "grow"  # it shrank (or this rank is a replacement)
+    assert sizes[-1] == 4  # and grew back
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_rank_is_killed_by_its_heartbeat_and_training_is_exact(tmp_path, reference):
+    done = _run(tmp_path, "--stop", "1:20", heartbeat=2.0)
+    _check_exact(tmp_path, done, reference)
+    assert "rank 1.0 sent no heartbeat for" in done.stderr
+    assert "rank 1.0 stopped responding and was killed; the others train on" in done.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("die_in", ["2.0:settle", "1.1:receive_state", "1.1:request_join"],
+                         ids=["a rank dies during heal", "a replacement dies receiving state",
+                              "a replacement dies before admission"])
+def test_deaths_during_recovery_end_correctly(tmp_path, reference, die_in):
+    done = _run(tmp_path, "--kill", "1:15", "--die-in", die_in, script=FAULTY, restarts=2)
+    history = _check_exact(tmp_path, done, reference)
+    member = die_in.split(":")[0]
+    assert f"rank {member} was killed by SIGKILL" in done.stderr
+    if member == "1.1":  # the slot's next replacement joined, or came after the last step: both end well
+        assert (len(history[-1]["members"]) == 4 or
+                "[rank 1.2] member 1.2: the job finished before it could join" in done.stderr), done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_below_min_size_every_rank_stops_with_one_clear_error(tmp_path):
+    done = _run(tmp_path, "--kill", "1:10,2:10", restarts=0, min_size=3)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "ferro run: job failed: only 2 rank(s) left (0.0, 3.0), fewer than min_size=3: training stops" in done.stderr
+    for rank in (0, 3):
+        assert f"[rank {rank}] ferro.errors.QuorumLostError" in done.stderr or \
+               f"[rank {rank}] QuorumLostError" in done.stderr, done.stderr
+
+
+def test_the_manager_needs_the_in_place_launcher(monkeypatch):
+    monkeypatch.delenv("FERRO_ELASTIC", raising=False)
+    with pytest.raises(ConfigurationError, match="--restart-policy rank"):
+        Manager()
+
+
+@pytest.mark.parametrize("flags, message", [(["--min-size", "5"], "--min-size must be between 1 and the 4 ranks"),
+                                            (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be positive")])
+def test_ferro_run_refuses_bad_elastic_settings(tmp_path, flags, message):
+    done = subprocess.run([sys.executable, "-m", "ferro", "run", "--nproc-per-node", "4", "--restart-policy", "rank",
+                           *flags, EXAMPLE], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2 and message in done.stderr
+
+
+# --- the protocol on threads: deaths written by the test, as the agent would --------------------------------
+
+@pytest.mark.timeout(120)
+def test_threads_shrink_in_place_when_a_member_is_recorded_dead():
+    port = free_port("127.0.0.1")
+    server = Store("127.0.0.1", port, secret=b"t", serve=True)
+    members = ["0.0", "1.0", "2.0"]
+    results: dict[str, tuple[int, list[int]]] = {}
+
+    def rank(i: int) -> None:
+        store = Store("127.0.0.1", port, secret=b"t")
+        manager = Manager(store=store, member=members[i], members=members, secret=b"t", timeout=20)
+        value = np.zeros(1)
+        sizes = []
+        for step in manager.steps(6):
+            with step:
+                if members[i] == "2.0" and step.number == 3:
+                    server.set(keys.dead("2.0"), "killed by the test")  # what the agent writes...
+                    manager.group.close()                             # ...when the process is gone
+                    return
+                value += ferro.allreduce(np.ones(1), group=manager.group)
+                sizes.append(step.world_size)
+        results[members[i]] = (manager.step, sizes)
+        manager.close()
+
+    try:
+        _run_in_threads(rank, 3)
+    finally:
+        server.close()
+    for member in ("0.0", "1.0"):
+        committed, sizes = results[member]
+        assert committed == 6
+        assert sizes == [3, 3, 3, 2, 2, 2]  # step 3 abandoned at 3 ranks and redone at 2
+
+
+def _run_in_threads(fn, n: int) -> None:
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,), name="rank") for i in range(n)]  # one thread tag
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(90)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+
+
+def test_a_member_left_out_of_an_epoch_is_told():
+    port = free_port("127.0.0.1")
+    with Store("127.0.0.1", port, secret=b"t", serve=True) as store:
+        store.set(keys.epoch(1, "members"), json.dumps({"members": ["0.0"], "joins": 0}))
+        from ferro.elastic.membership import Membership
+
+        with pytest.raises(MembershipError, match="epoch 1 formed without it"):
+            Membership(store, "1.0").settle(1, ["0.0", "1.0"], 0, timeout=5)
+
+
+# --- the pieces -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [1, 3, 4, 7])
+def test_the_sampler_splits_each_global_batch_once_and_weights_shards_to_the_global_mean(world_size):
+    sampler = ElasticSampler(100, 16, seed=3)
+    for step in (0, 5, 6, 7):  # step 6 spans two passes over the data (96..111)
+        shards = [sampler.shard(step, r, world_size) for r in range(world_size)]
+        together = np.concatenate([s.indices for s in shards])
+        np.testing.assert_array_equal(together, sampler.global_batch(step))
+        assert len(set(together.tolist())) == 16 or step == 6
+        # mean over ranks of (weight * local mean) is the global mean, for any per-sample values
+        values = np.random.default_rng(step).standard_normal(100)
+        weighted = np.mean([s.loss_weight * values[s.indices].mean() for s in shards])
+        np.testing.assert_allclose(weighted, values[sampler.global_batch(step)].mean(), rtol=1e-13)
+    passes = np.concatenate([sampler.global_batch(s) for s in range(6)])[:96]
+    assert len(set(passes.tolist())) == 96  # a pass visits each sample once
+    with pytest.raises(ValueError, match="cannot split a batch of 16"):
+        sampler.shard(0, 0, 17)
+
+
+def test_optimizer_state_round_trips_through_state_dict():
+    rng = np.random.default_rng(0)
+    for make in (lambda p: nn.SGD(p, lr=0.1, momentum=0.9), lambda p: nn.Adam(p, lr=0.01)):
+        a, b = nn.Linear(3, 2, rng=rng), nn.Linear(3, 2, rng=rng)
+        b.load_state_dict(a.state_dict())
+        opt_a, opt_b = make(a.parameters()), make(b.parameters())
+        for _ in range(2):
+            a(np.ones((4, 3), np.float32))
+            opt_a.zero_grad()
+            a.backward(np.ones((4, 2), np.float32))
+            opt_a.step()
+        b.load_state_dict(a.state_dict())
+        opt_b.load_state_dict(opt_a.state_dict())
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            model(np.full((4, 3), 0.5, np.float32))
+            opt.zero_grad()
+            model.backward(np.ones((4, 2), np.float32))
+            opt.step()
+        for name, value in a.state_dict().items():
+            np.testing.assert_array_equal(b.state_dict()[name], value)
+
+
+def test_state_transfer_moves_model_and_optimizer_between_simulated_ranks():
+    def body(group):
+        rng = np.random.default_rng(group.rank)
+        net = nn.Linear(5, 3, rng=rng, dtype=np.float64)
+        opt = nn.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        if group.rank == 0:
+            net(np.ones((2, 5)))
+            opt.zero_grad()
+            net.backward(np.ones((2, 3)))
+            opt.step()
+            send_state({"model": net, "optimizer": opt}, 17, 1, group)
+            return net.state_dict(), opt.state_dict()
+        step = receive_state({"model": net, "optimizer": opt}, 0, group)
+        assert step == 17
+        return net.state_dict(), opt.state_dict()
+
+    (model0, opt0), (model1, opt1) = run_threads(body, 2)
+    for name in model0:
+        np.testing.assert_array_equal(model0[name], model1[name])
+    for index, values in opt0["state"].items():
+        np.testing.assert_array_equal(values["momentum_buffer"], opt1["state"][index]["momentum_buffer"])
+
+
+def test_only_lost_members_abandon_a_step():
+    lost = PeerLostError("rank 1 exited", peer=1)
+    assert membership_failure(RuntimeError("wrapped")) is None
+    wrapped = RuntimeError("from torch")
+    wrapped.__cause__ = lost
+    assert membership_failure(wrapped) is lost
+    assert membership_failure(RuntimeError("ferro.errors.PeerLostError: rank 0: ...")) is not None
+    step = Step(3, 0, 2, None)
+    with step:
+        raise lost
+    assert step.failure is lost
+    with pytest.raises(CollectiveMismatchError), Step(3, 0, 2, None):
+        raise CollectiveMismatchError("a bug, not a lost rank")
+    with pytest.raises(QuorumLostError), Step(3, 0, 2, None):
+        raise QuorumLostError("below min_size")
+
+
+def test_scoped_store_keeps_its_keys_under_its_prefix():
+    port = free_port("127.0.0.1")
+    with Store("127.0.0.1", port, secret=b"t", serve=True) as store:
+        scoped = ScopedStore(store, "a/b/")
+        scoped.set("k", "v")
+        assert store.get("a/b/k") == b"v" and scoped.get("k") == b"v"
+        assert scoped.add("n", 2) == 2 and store.add("a/b/n", 0) == 2
+        assert scoped.compare_set("c", "", "x") == b"x" and scoped.check(["k", "c"]) and not scoped.check(["z"])
+        clone = scoped.clone()
+        assert clone.get("k") == b"v"
+        clone.close()
+        assert store.get("a/b/k") == b"v"  # the shared client is not closed by a view that does not own it
