@@ -1,7 +1,8 @@
 """Train through a lost rank: kill any rank mid-run (rank 0 included) and the job still finishes, exit 0.
 
     ferro run --nproc-per-node 4 --restart-policy rank --max-restarts 1 --min-size 2 examples/elastic_train.py
-    ferro run --nproc-per-node 4 --restart-policy rank --max-restarts 1 --min-size 2 examples/elastic_train.py --kill 0:50
+    ferro run --nproc-per-node 4 --restart-policy rank --max-restarts 1 --min-size 2 \
+        examples/elastic_train.py --kill 0:50
 
 While it trains, ``kill -9`` any rank's process from another shell (rank 0's pid is printed), or let
 ``--kill RANK:STEP`` do it: the other ranks abandon the step in flight, shrink their group in place and
@@ -29,7 +30,7 @@ from ferro.elastic import ElasticSampler, Manager
 
 
 def data(samples: int, features: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    """A fixed regression problem: targets from a random linear map plus a nonlinearity."""
+    """Return a fixed regression problem: targets from a random linear map plus a nonlinearity."""
     rng = np.random.default_rng(1234)
     x = rng.standard_normal((samples, features)).astype(dtype)
     w = rng.standard_normal((features, 4)).astype(dtype)
@@ -37,7 +38,7 @@ def data(samples: int, features: int, dtype: type) -> tuple[np.ndarray, np.ndarr
 
 
 def model_and_optimizer(features: int, hidden: int, dtype: type, lr: float) -> tuple[nn.Module, nn.Optimizer]:
-    """The same initial model on every rank that builds it (the manager makes it rank 0's anyway)."""
+    """Return the same initial model on every rank that builds it (the manager makes it rank 0's anyway)."""
     rng = np.random.default_rng(7)
     net = nn.Sequential(nn.Linear(features, hidden, rng=rng, dtype=dtype), nn.Tanh(),
                         nn.Linear(hidden, 4, rng=rng, dtype=dtype))
@@ -61,13 +62,14 @@ def main() -> int:
     parser.add_argument("--kill", help="RANK:STEP[,RANK:STEP]: that launch rank SIGKILLs itself in that step")
     parser.add_argument("--stop", help="RANK:STEP[,...]: that launch rank SIGSTOPs itself (freezes) in that step")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step (slows the demo)")
+    parser.add_argument("--backend", default="tcp", choices=("tcp", "shm"), help="each epoch's group")
     parser.add_argument("--out", help="rank 0 saves the final parameters here (.npz) with a log of the steps")
     args = parser.parse_args()
 
     dtype = np.float64 if args.float64 else np.float32
     x, y = data(1024, 16, dtype)
     net, optimizer = model_and_optimizer(16, args.hidden, dtype, args.lr)
-    manager = Manager()  # min_size: ferro run --min-size
+    manager = Manager(backend=args.backend)  # min_size: ferro run --min-size
     model = manager.ddp(net)
     manager.register(model=net, optimizer=optimizer)
     criterion = nn.MSELoss()

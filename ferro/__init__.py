@@ -7,7 +7,7 @@ in reprs and tracebacks, wherever in the layers they live.
 
 import sys
 
-from ferro import checkpoint, dtensor, nn, rpc
+from ferro import checkpoint, dtensor, elastic, nn, rpc
 from ferro.backend import Backend, HierarchicalBackend, ShmBackend, SimulatedBackend, SubBackend, TcpBackend
 from ferro.backend.mpi import MpiBackend
 from ferro.backend.nccl import HybridBackend, NcclBackend, nccl_version
@@ -58,10 +58,12 @@ from ferro.errors import (
     InvalidBufferError,
     InvalidRankError,
     InvalidWorldSizeError,
+    MembershipError,
     MpiError,
     NcclError,
     PeerLostError,
     ProtocolError,
+    QuorumLostError,
     RankFailedError,
     RemoteError,
     SelfSendError,
@@ -102,10 +104,12 @@ __all__ = [
     "InvalidBufferError",
     "InvalidRankError",
     "InvalidWorldSizeError",
+    "MembershipError",
     "MpiError",
     "NcclError",
     "PeerLostError",
     "ProtocolError",
+    "QuorumLostError",
     "RankFailedError",
     "RemoteError",
     "SelfSendError",
@@ -177,6 +181,7 @@ __all__ = [
     # namespaces
     "checkpoint",
     "dtensor",
+    "elastic",
     "nn",
     "p2p",
     "pipeline",

@@ -213,7 +213,7 @@ class QuorumLostError(DistributedError, RuntimeError):
 
 
 class MembershipError(DistributedError, RuntimeError):
-    """This process is not, or is no longer, a member of its elastic job (left out of an epoch, or too late)."""
+    """An elastic job's epoch formed without this process (it arrived after the others stopped waiting)."""
 
 
 class StoreError(DistributedError, ValueError):

@@ -33,11 +33,13 @@ BUILTIN_OF = {
     ferro.CudaError: RuntimeError,
     ferro.MpiError: RuntimeError,
     ferro.RemoteError: RuntimeError,
+    ferro.QuorumLostError: RuntimeError,
+    ferro.MembershipError: RuntimeError,
 }
 
 
 # Public as namespaces, as the issues name them.
-EXPORTED_MODULES = {"p2p", "nn", "pipeline", "checkpoint", "dtensor", "rpc"}
+EXPORTED_MODULES = {"p2p", "nn", "pipeline", "checkpoint", "dtensor", "elastic", "rpc"}
 
 
 def test_all_lists_exactly_the_public_names():
@@ -61,7 +63,8 @@ def test_every_error_is_a_distributed_error_and_its_builtin():
 
 @pytest.mark.parametrize("error", [ferro.PeerLostError("lost", peer=3), ferro.SizeMismatchError("m", 4, 8),
                                    ferro.RankFailedError("r", 2, "tb"), ferro.NcclError("n", 6),
-                                   ferro.CudaError("c", 100), ferro.MpiError("m", 5)])
+                                   ferro.CudaError("c", 100), ferro.MpiError("m", 5),
+                                   ferro.QuorumLostError("q", ("0.0", "3.0"), 3)])
 def test_errors_keep_their_fields_across_pickling(error):
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is type(error) and str(copy) == str(error) and copy.__dict__ == error.__dict__

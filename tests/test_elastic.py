@@ -83,22 +83,25 @@ def _check_exact(tmp_path, done: subprocess.CompletedProcess, reference: dict[st
         np.testing.assert_allclose(final[name], expected, rtol=1e-12, atol=1e-14, err_msg=name)
     record = json.loads((tmp_path / "final.npz.json").read_text())
     steps = [entry[0] for entry in record["log"]]
-    # rank 0 at the end committed each step once, in order, from the step it joined at on (no step lost)
-    assert steps == list(range(steps[0], STEPS)) if steps else False
+    # The rank that saved trained each step at most once, in order, to the last. (It may skip a step it
+    # received: a step others committed before a loss is taken from them, not trained again. The exact
+    # parameters above are what prove that no step was lost or counted twice.)
+    assert steps and steps == sorted(set(steps)) and steps[-1] == STEPS - 1, (steps, done.stderr)
     return record["history"]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kill", ["0:20", "2:20", "1:20,3:20"], ids=["rank 0", "a middle rank", "two at once"])
-def test_sigkilled_ranks_are_survived_in_place_and_training_is_exact(tmp_path, reference, kill):
-    done = _run(tmp_path, "--kill", kill)
+@pytest.mark.parametrize("kill, backend", [("0:20", "tcp"), ("2:20", "tcp"), ("1:20,3:20", "tcp"), ("0:20", "shm")],
+                         ids=["rank 0", "a middle rank", "two at once", "rank 0, shared memory"])
+def test_sigkilled_ranks_are_survived_in_place_and_training_is_exact(tmp_path, reference, kill, backend):
+    done = _run(tmp_path, "--kill", kill, "--backend", backend)
     history = _check_exact(tmp_path, done, reference)
     lost = kill.count(":")
     for rank in (item.split(":")[0] for item in kill.split(",")):
         assert f"rank {rank}.0 was killed by SIGKILL; the others train on; starting a replacement" in done.stderr
     sizes = [len(change["members"]) for change in history]
     assert 4 - lost in sizes or history[0]["cause"] == "grow"  # it shrank (or this rank is a replacement)
-    assert sizes[-1] == 4  # and grew back
+    assert sizes[-1] == 4, done.stderr  # and grew back
     assert "Traceback" not in done.stderr
 
 
@@ -118,7 +121,7 @@ def test_deaths_during_recovery_end_correctly(tmp_path, reference, die_in):
     done = _run(tmp_path, "--kill", "1:15", "--die-in", die_in, script=FAULTY, restarts=2)
     history = _check_exact(tmp_path, done, reference)
     member = die_in.split(":")[0]
-    assert f"rank {member} was killed by SIGKILL" in done.stderr
+    assert f"rank {member} was killed by SIGKILL" in done.stderr, done.stderr
     if member == "1.1":  # the slot's next replacement joined, or came after the last step: both end well
         assert (len(history[-1]["members"]) == 4 or
                 "[rank 1.2] member 1.2: the job finished before it could join" in done.stderr), done.stderr
@@ -129,9 +132,9 @@ def test_below_min_size_every_rank_stops_with_one_clear_error(tmp_path):
     done = _run(tmp_path, "--kill", "1:10,2:10", restarts=0, min_size=3)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "ferro run: job failed: only 2 rank(s) left (0.0, 3.0), fewer than min_size=3: training stops" in done.stderr
-    for rank in (0, 3):
-        assert f"[rank {rank}] ferro.errors.QuorumLostError" in done.stderr or \
-               f"[rank {rank}] QuorumLostError" in done.stderr, done.stderr
+    for rank in (0, 3):  # the same error on every survivor
+        assert (f"[rank {rank}] ferro.QuorumLostError: member {rank}.0: only 2 rank(s) left (0.0, 3.0), fewer than "
+                f"min_size=3" in done.stderr), done.stderr
 
 
 def test_the_manager_needs_the_in_place_launcher(monkeypatch):

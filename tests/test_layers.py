@@ -22,6 +22,7 @@ LAYERS = [
     ("backend", ["ferro.backend"]),
     ("collectives", ["ferro.collective"]),
     ("parallelism and state", ["ferro.parallel", "ferro.dtensor", "ferro.checkpoint"]),
+    ("fault tolerance", ["ferro.elastic"]),
     ("interop", ["ferro.interop"]),
     ("the public face", ["ferro"]),
     ("tools", ["ferro.tools", "ferro.launch", "ferro.__main__"]),

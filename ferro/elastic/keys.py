@@ -20,17 +20,17 @@ ROOT = "ferro/elastic"
 
 
 def dead(member: str) -> str:
-    """The key the agent sets when ``member``'s process has ended."""
+    """Return the key the agent sets when ``member``'s process has ended."""
     return f"{ROOT}/dead/{member}"
 
 
 def join_count() -> str:
-    """The counter of join requests."""
+    """Return the key counting join requests."""
     return f"{ROOT}/join/count"
 
 
 def join_request(index: int) -> str:
-    """The member id of join request ``index`` (0-based)."""
+    """Return the key holding the member id of join request ``index`` (0-based)."""
     return f"{ROOT}/join/{index}"
 
 
@@ -40,15 +40,15 @@ def epoch(number: int, name: str) -> str:
 
 
 def latest() -> str:
-    """The newest epoch that formed its group."""
+    """Return the key naming the newest epoch that formed its group."""
     return f"{ROOT}/latest"
 
 
 def finished() -> str:
-    """Set when training has completed its last step."""
+    """Return the key set when training has completed its last step."""
     return f"{ROOT}/finished"
 
 
 def failed() -> str:
-    """Set, with the reason, when the job stopped below its minimum size."""
+    """Return the key set, with the reason, when the job stopped below its minimum size."""
     return f"{ROOT}/failed"

@@ -195,7 +195,8 @@ class Manager:
         secret: The job secret (default ``$FERRO_SECRET``).
 
     Raises:
-        ConfigurationError: Not started by ``ferro run --restart-policy rank``, and no store given.
+        ConfigurationError: Not started by ``ferro run --restart-policy rank``, and no store given;
+            or another backend.
         QuorumLostError: Fewer than ``min_size`` ranks are left.
         SystemExit: (code 0) A replacement whose job finished before it could join.
 
@@ -222,6 +223,8 @@ class Manager:
         self.min_size = int(os.environ.get(MIN_SIZE_ENV, "1")) if min_size is None else int(min_size)
         if self.min_size < 1:
             raise ConfigurationError(f"ferro.elastic.Manager: min_size must be at least 1, got {self.min_size}")
+        if backend not in ("tcp", "shm"):
+            raise ConfigurationError(f"ferro.elastic.Manager: backend must be \"tcp\" or \"shm\", got {backend!r}")
         self.backend = backend
         env = _environment() if store is None else None
         self._secret = job_secret(secret)
@@ -267,7 +270,7 @@ class Manager:
 
     @property
     def rank(self) -> int:
-        """This rank in the current group."""
+        """Return this process's rank in the current group."""
         return self._group().rank
 
     @property

@@ -92,7 +92,7 @@ class Membership:
         return [m for m in members if self.is_dead(m)]
 
     def how_it_ended(self, member: str) -> str:
-        """The agent's words for how ``member`` ended ("" when it has not)."""
+        """Return the agent's words for how ``member`` ended ("" when it has not)."""
         if not self.is_dead(member):
             return ""
         return bytes(self.store.get(keys.dead(member))).decode(errors="replace")

@@ -147,6 +147,7 @@ class OutputPump:
         self._threads: list[threading.Thread] = []
 
     def follow(self, stream: IO[bytes], sink: IO[bytes], prefix: bytes) -> None:
+        """Copy ``stream`` to ``sink`` from a thread of its own, each line prefixed."""
         thread = threading.Thread(target=self._copy, args=(stream, sink, prefix), daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -159,6 +160,7 @@ class OutputPump:
         stream.close()
 
     def drain(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for every copy to reach its stream's end."""
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(deadline - time.monotonic(), 0))
@@ -166,6 +168,8 @@ class OutputPump:
 
 
 class Interrupted(Exception):
+    """SIGINT or SIGTERM reached the launcher; ``signum`` says which."""
+
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
@@ -234,7 +238,7 @@ def _watch(ranks: list[subprocess.Popen[bytes]], config: LaunchConfig, records: 
 
 
 def failure_of(rank: int, code: int, records: str, restart: int) -> RankFailure:
-    """Return how rank ``rank`` (attempt ``restart``) ended with exit status ``code``, with its record if it left one."""
+    """Return how rank ``rank`` (attempt ``restart``) ended with exit status ``code``, with its record if any."""
     record = read_failure(_error_file(records, rank, restart))
     return RankFailure(rank, code if code >= 0 else None, signal.Signals(-code).name if code < 0 else None,
                        record.error if record else None, record.lost_peer if record else None,
@@ -273,6 +277,7 @@ def _trace_cause(failure: RankFailure, ranks: list[subprocess.Popen[bytes]], con
 
 
 def say(message: str) -> None:
+    """Print ``message`` on stderr as the launcher's ("ferro run: ...")."""
     sys.stderr.write(f"ferro run: {message}\n")
     sys.stderr.flush()
 

@@ -1,0 +1,277 @@
+"""Recovering from a lost rank: ferro.elastic in place, against restarting from a checkpoint (ferro run, torchrun).
+
+Four ranks on loopback train a ~25 M-parameter float32 model (one 5000x5000
+linear layer with its bias, SGD with momentum, so the state is ~200 MB) with a
+global batch of 16; at step 50 launch rank 1 SIGKILLs itself. Each rank logs
+every step it completes with the time; the kill is logged just before it.
+
+* ``ferro-elastic``: ``ferro run --restart-policy rank --max-restarts 1``: the
+  survivors shrink in place and redo step 50; the replacement joins later.
+* ``ferro-restart``: ``ferro run --max-restarts 1``: every rank restarts and
+  resumes from the last checkpoint (every 20 steps, written by rank 0 with ``np.savez``).
+* ``torchrun-gloo``: the same model in PyTorch under ``torchrun --max-restarts 1``,
+  torch DDP over gloo, ``torch.save`` checkpoints every 20 steps.
+
+Reported per run: ``recover`` (kill -> the first step completed after it),
+``lost`` (steps trained before the kill and trained again), ``healed`` (kill ->
+first step completed at four ranks again), and for ferro.elastic the state
+transfer's bandwidth beside a point-to-point stream of the same bytes between two
+ranks (``loopback``). Medians over ``--rounds``.
+
+Run: ``python bench/bench_elastic.py [--rounds 3] [--steps 200] [--modes ferro-elastic,ferro-restart,torchrun-gloo]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before NumPy loads: 4 ranks share 2 cores
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+WIDTH, BATCH, KILL_STEP, KILLED_RANK, CHECKPOINT_EVERY = 5000, 16, 50, 1, 20
+MODES = ("ferro-elastic", "ferro-restart", "torchrun-gloo")
+
+
+# --- the rank programs ----------------------------------------------------------------------------------------
+
+class _Log:
+    def __init__(self, directory: str, rank: int) -> None:
+        self.path = os.path.join(directory, f"log-{rank}-{os.getpid()}.jsonl")
+
+    def write(self, **entry: object) -> None:
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps({"t": time.time(), **entry}) + "\n")
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((256, WIDTH), dtype=np.float32),
+            rng.standard_normal((256, WIDTH), dtype=np.float32))
+
+
+def _maybe_kill(log: _Log, rank: int, step: int, first_life: bool) -> None:
+    if first_life and rank == KILLED_RANK and step == KILL_STEP:
+        log.write(kill=step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _ferro_model():
+    from ferro import nn
+
+    net = nn.Sequential(nn.Linear(WIDTH, WIDTH, rng=np.random.default_rng(1)))
+    return net, nn.SGD(net.parameters(), lr=1e-4, momentum=0.9)
+
+
+def worker_ferro_elastic(directory: str, steps: int) -> None:
+    from ferro.elastic import ElasticSampler, Manager
+
+    rank = int(os.environ["RANK"])
+    log, (x, y) = _Log(directory, rank), _data()
+    net, optimizer = _ferro_model()
+    manager = Manager()
+    model = manager.ddp(net)
+    manager.register(model=net, optimizer=optimizer)
+    first_life = os.environ.get("FERRO_RESTART_COUNT", "0") == "0"
+    for step in manager.steps(steps, ElasticSampler(len(x), BATCH)):
+        with step:
+            index = step.shard.indices
+            optimizer.zero_grad()
+            out = model(x[index])
+            _maybe_kill(log, rank, step.number, first_life)
+            model.backward((out - y[index]) * (2 * step.shard.loss_weight / out.size))
+            optimizer.step()
+            log.write(step=step.number, world=step.world_size)
+    log.write(history=[change.__dict__ for change in manager.history])
+    manager.close()
+
+
+def worker_ferro_restart(directory: str, steps: int) -> None:
+    import ferro
+
+    rank = int(os.environ["RANK"])
+    log, (x, y) = _Log(directory, rank), _data()
+    group = ferro.init_process_group()
+    net, optimizer = _ferro_model()
+    model = ferro.DDP(net)
+    checkpoint, start = os.path.join(directory, "checkpoint.npz"), 0
+    if os.path.exists(checkpoint):
+        saved = np.load(checkpoint)
+        net.load_state_dict({name: saved[f"model.{name}"] for name in net.state_dict()})
+        optimizer.load_state_dict({"lr": optimizer.lr, "state": {
+            i: {"momentum_buffer": saved[f"momentum.{i}"]} for i in range(len(optimizer.params))}})
+        start = int(saved["step"])
+    first_life = os.environ.get("FERRO_RESTART_COUNT", "0") == "0"
+    world = group.world_size
+    for number in range(start, steps):
+        index = np.arange(number * BATCH, (number + 1) * BATCH)[rank::world] % len(x)
+        optimizer.zero_grad()
+        out = model(x[index])
+        _maybe_kill(log, rank, number, first_life)
+        model.backward((out - y[index]) * (2 / out.size))
+        optimizer.step()
+        log.write(step=number, world=world)
+        if (number + 1) % CHECKPOINT_EVERY == 0 and rank == 0:
+            state = {f"model.{k}": v for k, v in net.state_dict().items()}
+            state.update({f"momentum.{i}": s["momentum_buffer"] for i, s in optimizer.state_dict()["state"].items()})
+            np.savez(checkpoint + ".tmp.npz", step=number + 1, **state)
+            os.replace(checkpoint + ".tmp.npz", checkpoint)
+    ferro.destroy_process_group()
+
+
+def worker_torchrun_gloo(directory: str, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    log, (x_np, y_np) = _Log(directory, rank), _data()
+    x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
+    dist.init_process_group("gloo")
+    torch.manual_seed(1)
+    net = torch.nn.Linear(WIDTH, WIDTH)
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
+    checkpoint, start = os.path.join(directory, "checkpoint.pt"), 0
+    if os.path.exists(checkpoint):
+        saved = torch.load(checkpoint)
+        net.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        start = saved["step"]
+    first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    world = dist.get_world_size()
+    for number in range(start, steps):
+        index = torch.from_numpy(np.arange(number * BATCH, (number + 1) * BATCH)[rank::world] % len(x))
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[index]), y[index])
+        _maybe_kill(log, rank, number, first_life)
+        loss.backward()
+        optimizer.step()
+        log.write(step=number, world=world)
+        if (number + 1) % CHECKPOINT_EVERY == 0 and rank == 0:
+            torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(), "step": number + 1},
+                       checkpoint + ".tmp")
+            os.replace(checkpoint + ".tmp", checkpoint)
+    dist.destroy_process_group()
+
+
+# --- the orchestrator --------------------------------------------------------------------------------------------
+
+def _launch(mode: str, directory: str, steps: int) -> float:
+    me = os.path.abspath(__file__)
+    worker = [me, "--worker", mode, "--dir", directory, "--steps", str(steps)]
+    if mode == "torchrun-gloo":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1",
+                   "--standalone", *worker]
+    else:
+        policy = ["--restart-policy", "rank"] if mode == "ferro-elastic" else []
+        command = [sys.executable, "-m", "ferro", "run", "--nproc-per-node", "4", "--max-restarts", "1", *policy,
+                   "--grace", "2", *worker]
+    start = time.time()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"{mode} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return time.time() - start
+
+
+def _entries(directory: str) -> list[dict]:
+    entries = []
+    for path in glob.glob(os.path.join(directory, "log-*.jsonl")):
+        with open(path) as handle:
+            entries += [json.loads(line) for line in handle]
+    return sorted(entries, key=lambda e: e["t"])
+
+
+def _measure(mode: str, directory: str) -> dict[str, float]:
+    entries = _entries(directory)
+    killed = next(e["t"] for e in entries if "kill" in e)
+    before = max(e["step"] for e in entries if "step" in e and e["t"] < killed)
+    after = [e for e in entries if "step" in e and e["t"] > killed]
+    first = after[0]
+    result = {"recover": first["t"] - killed, "lost": float(before + 1 - first["step"]),
+              "healed": next(e["t"] for e in after if e["world"] == 4) - killed}
+    if mode == "ferro-elastic":
+        changes = [c for e in entries if "history" in e for c in e["history"] if c["sent_bytes"]]
+        if changes:
+            heal = max(changes, key=lambda c: c["synced"])
+            result["heal_gbps"] = heal["sent_bytes"] / max(heal["synced"] - heal["formed"], 1e-9) / 1e9
+    return result
+
+
+def _loopback_gbps(nbytes: int) -> float:
+    """Point-to-point bandwidth of ferro's TCP transport between two processes, for ``nbytes``."""
+    from ferro.testing import run_processes
+
+    def body(group) -> float:
+        import ferro
+
+        buffer = np.ones(nbytes // 4, np.float32)
+        ferro.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(3):
+            if group.rank == 0:
+                ferro.send(buffer, 1, group=group)
+            else:
+                ferro.recv_into(buffer, 0, group=group)
+        ferro.barrier(group=group)
+        return 3 * nbytes / (time.perf_counter() - start) / 1e9
+
+    return float(run_processes(body, 2, backend="tcp")[0])
+
+
+def main() -> int:
+    """Run the comparison and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        {"ferro-elastic": worker_ferro_elastic, "ferro-restart": worker_ferro_restart,
+         "torchrun-gloo": worker_torchrun_gloo}[args.worker](args.dir, args.steps)
+        return 0
+    modes = args.modes.split(",")
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    walls: dict[str, list[float]] = {mode: [] for mode in modes}
+    for round_ in range(args.rounds):
+        for mode in modes:  # interleaved: each round runs every mode once
+            directory = tempfile.mkdtemp(prefix=f"ferro-bench-elastic-{mode}-")
+            try:
+                walls[mode].append(_launch(mode, directory, args.steps))
+                results[mode].append(_measure(mode, directory))
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            print(f"round {round_ + 1} {mode}: {results[mode][-1]}", file=sys.stderr, flush=True)
+    loopback = _loopback_gbps(200_000_000)
+    print(f"4 ranks, {WIDTH}x{WIDTH}+{WIDTH} float32 parameters, SGD momentum; SIGKILL of rank {KILLED_RANK} at "
+          f"step {KILL_STEP} of {args.steps}; medians of {args.rounds} rounds")
+    print("| mode | recover (kill -> next step done) | steps lost | back to 4 ranks | whole run | heal GB/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for mode in modes:
+        rows = results[mode]
+
+        def median(key: str, rows: list[dict[str, float]] = rows) -> float:
+            return statistics.median(r[key] for r in rows if key in r) if any(key in r for r in rows) else float("nan")
+
+        heal = median("heal_gbps")
+        heal_text = f"{heal:.2f} ({heal / loopback:.0%} of loopback {loopback:.2f})" if heal == heal else "-"
+        print(f"| {mode} | {median('recover'):.2f} s | {median('lost'):.0f} | {median('healed'):.2f} s | "
+              f"{statistics.median(walls[mode]):.1f} s | {heal_text} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
