@@ -11,6 +11,8 @@ every step it completes with the time; the kill is logged just before it.
   resumes from the last checkpoint (every 20 steps, written by rank 0 with ``np.savez``).
 * ``torchrun-gloo``: the same model in PyTorch under ``torchrun --max-restarts 1``,
   torch DDP over gloo, ``torch.save`` checkpoints every 20 steps.
+* ``ferro-elastic-2hosts``: ``ferro-elastic`` on two emulated hosts of two ranks each (network
+  namespaces joined by a veth pair, one ``ferro run`` per host; needs root), the killed rank on the first.
 
 Reported per run: ``recover`` (kill -> the first step completed after it),
 ``lost`` (steps trained before the kill and trained again), ``healed`` (kill ->
@@ -41,7 +43,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 WIDTH, BATCH, KILL_STEP, KILLED_RANK, CHECKPOINT_EVERY = 5000, 16, 50, 1, 20
-MODES = ("ferro-elastic", "ferro-restart", "torchrun-gloo")
+LAUNCH_TIMEOUT = 600.0  # seconds a whole run may take before it counts as hung
+MODES = ("ferro-elastic", "ferro-elastic-2hosts", "ferro-restart", "torchrun-gloo")
 
 
 # --- the rank programs ----------------------------------------------------------------------------------------
@@ -131,6 +134,8 @@ def worker_ferro_restart(directory: str, steps: int) -> None:
 
 
 def worker_torchrun_gloo(directory: str, steps: int) -> None:
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -138,7 +143,8 @@ def worker_torchrun_gloo(directory: str, steps: int) -> None:
     rank = int(os.environ["RANK"])
     log, (x_np, y_np) = _Log(directory, rank), _data()
     x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
-    dist.init_process_group("gloo")
+    # A bounded rendezvous: torchrun's restarted workers were seen waiting in it for minutes (see _launch).
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(1)
     net = torch.nn.Linear(WIDTH, WIDTH)
     model = torch.nn.parallel.DistributedDataParallel(net)
@@ -168,9 +174,41 @@ def worker_torchrun_gloo(directory: str, steps: int) -> None:
 
 # --- the orchestrator --------------------------------------------------------------------------------------------
 
-def _launch(mode: str, directory: str, steps: int) -> float:
+def _launch_two_hosts(worker: list[str]) -> tuple[float, str]:
+    import secrets
+
+    from ferro.rendezvous.settings import free_port
+    from ferro.testing.netns import two_hosts
+
+    with two_hosts() as (names, master):
+        env = dict(os.environ, FERRO_SECRET=secrets.token_hex(16))
+        port = str(free_port("127.0.0.1"))
+        start = time.time()
+        launchers = [subprocess.Popen(
+            ["ip", "netns", "exec", name, sys.executable, "-m", "ferro", "run", "--nnodes", "2", "--node-rank",
+             str(node), "--nproc-per-node", "2", "--master-addr", master, "--master-port", port,
+             "--restart-policy", "rank", "--max-restarts", "1", "--grace", "2", *worker],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node, name in enumerate(names)]
+        problems = []
+        for launcher in launchers:
+            try:
+                _, err = launcher.communicate(timeout=max(LAUNCH_TIMEOUT - (time.time() - start), 1))
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.communicate()
+                problems.append(f"hung: no end within {LAUNCH_TIMEOUT:.0f} s")
+                continue
+            if launcher.returncode != 0:
+                problems.append(f"failed with {launcher.returncode}: {err[-300:]}")
+        return time.time() - start, "; ".join(problems)
+
+
+def _launch(mode: str, directory: str, steps: int) -> tuple[float, str]:
+    """Run one job; return its wall time and "" or what went wrong."""
     me = os.path.abspath(__file__)
-    worker = [me, "--worker", mode, "--dir", directory, "--steps", str(steps)]
+    worker = [me, "--worker", mode.removesuffix("-2hosts"), "--dir", directory, "--steps", str(steps)]
+    if mode == "ferro-elastic-2hosts":
+        return _launch_two_hosts(worker)
     if mode == "torchrun-gloo":
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1",
                    "--standalone", *worker]
@@ -179,10 +217,14 @@ def _launch(mode: str, directory: str, steps: int) -> float:
         command = [sys.executable, "-m", "ferro", "run", "--nproc-per-node", "4", "--max-restarts", "1", *policy,
                    "--grace", "2", *worker]
     start = time.time()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return time.time() - start, f"hung: no end within {LAUNCH_TIMEOUT:.0f} s"
     if done.returncode != 0:
-        raise SystemExit(f"{mode} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return time.time() - start
+        lines = [line for line in done.stderr.splitlines() if "Error" in line]
+        return time.time() - start, f"failed with {done.returncode}: {lines[-1][:200] if lines else ''}"
+    return time.time() - start, ""
 
 
 def _entries(directory: str) -> list[dict]:
@@ -196,15 +238,28 @@ def _entries(directory: str) -> list[dict]:
 def _measure(mode: str, directory: str) -> dict[str, float]:
     entries = _entries(directory)
     killed = next(e["t"] for e in entries if "kill" in e)
-    before = max(e["step"] for e in entries if "step" in e and e["t"] < killed)
+    done_before = [e for e in entries if "step" in e and e["t"] < killed]
+    before = max(e["step"] for e in done_before)
+    # a step's time: between completions of consecutive steps before the kill (median of the last 10)
+    times = sorted({e["step"]: e["t"] for e in done_before if e["step"] > before - 11}.items())
+    result = {"step": statistics.median(b[1] - a[1] for a, b in zip(times, times[1:], strict=False))}
     after = [e for e in entries if "step" in e and e["t"] > killed]
+    if not after:
+        return result
     first = after[0]
-    result = {"recover": first["t"] - killed, "lost": float(before + 1 - first["step"]),
-              "healed": next(e["t"] for e in after if e["world"] == 4) - killed}
-    if mode == "ferro-elastic":
-        changes = [c for e in entries if "history" in e for c in e["history"] if c["sent_bytes"]]
-        if changes:
-            heal = max(changes, key=lambda c: c["synced"])
+    result.update({"recover": first["t"] - killed, "lost": float(before + 1 - first["step"])})
+    back = [e["t"] for e in after if e["world"] == 4]
+    if back:
+        result["healed"] = back[0] - killed
+    if mode.startswith("ferro-elastic"):
+        changes = [c for e in entries if "history" in e for c in e["history"]]
+        shrink = [c for c in changes if c["cause"] not in ("start", "grow") and c["detected"] > killed]
+        if shrink:
+            result["detect"] = min(c["detected"] for c in shrink) - killed
+            result["reform"] = max(c["synced"] for c in shrink) - min(c["detected"] for c in shrink)
+        grown = [c for c in changes if c["sent_bytes"]]
+        if grown:
+            heal = max(grown, key=lambda c: c["synced"])
             result["heal_gbps"] = heal["sent_bytes"] / max(heal["synced"] - heal["formed"], 1e-9) / 1e9
     return result
 
@@ -246,20 +301,25 @@ def main() -> int:
     modes = args.modes.split(",")
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     walls: dict[str, list[float]] = {mode: [] for mode in modes}
+    problems: dict[str, list[str]] = {mode: [] for mode in modes}
     for round_ in range(args.rounds):
         for mode in modes:  # interleaved: each round runs every mode once
             directory = tempfile.mkdtemp(prefix=f"ferro-bench-elastic-{mode}-")
             try:
-                walls[mode].append(_launch(mode, directory, args.steps))
+                wall, problem = _launch(mode, directory, args.steps)
+                walls[mode].append(wall)
                 results[mode].append(_measure(mode, directory))
+                if problem:
+                    problems[mode].append(problem)
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
-            print(f"round {round_ + 1} {mode}: {results[mode][-1]}", file=sys.stderr, flush=True)
+            print(f"round {round_ + 1} {mode}: {results[mode][-1]} {problem}", file=sys.stderr, flush=True)
     loopback = _loopback_gbps(200_000_000)
     print(f"4 ranks, {WIDTH}x{WIDTH}+{WIDTH} float32 parameters, SGD momentum; SIGKILL of rank {KILLED_RANK} at "
           f"step {KILL_STEP} of {args.steps}; medians of {args.rounds} rounds")
-    print("| mode | recover (kill -> next step done) | steps lost | back to 4 ranks | whole run | heal GB/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| mode | step | recover (kill -> next step done) | of which detect / re-form | steps lost | "
+          "back to 4 ranks | whole run | heal GB/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for mode in modes:
         rows = results[mode]
 
@@ -268,8 +328,12 @@ def main() -> int:
 
         heal = median("heal_gbps")
         heal_text = f"{heal:.2f} ({heal / loopback:.0%} of loopback {loopback:.2f})" if heal == heal else "-"
-        print(f"| {mode} | {median('recover'):.2f} s | {median('lost'):.0f} | {median('healed'):.2f} s | "
-              f"{statistics.median(walls[mode]):.1f} s | {heal_text} |")
+        split = f"{median('detect'):.2f} / {median('reform'):.2f} s" if mode.startswith("ferro-elastic") else "-"
+        print(f"| {mode} | {median('step'):.2f} s | {median('recover'):.2f} s | {split} | {median('lost'):.0f} | "
+              f"{median('healed'):.2f} s | {statistics.median(walls[mode]):.1f} s | {heal_text} |")
+    for mode, seen in problems.items():
+        for problem in seen:
+            print(f"{mode}: {problem}")
     return 0
 
 

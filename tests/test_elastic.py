@@ -33,6 +33,7 @@ from ferro.rendezvous.scoped import ScopedStore
 from ferro.rendezvous.settings import free_port
 from ferro.rendezvous.store import Store
 from ferro.testing import run_threads
+from ferro.testing.netns import can_create_namespaces, two_hosts
 
 HERE = os.path.dirname(__file__)
 EXAMPLE = os.path.join(HERE, "..", "examples", "elastic_train.py")
@@ -103,6 +104,27 @@ def test_sigkilled_ranks_are_survived_in_place_and_training_is_exact(tmp_path, r
     assert 4 - lost in sizes or history[0]["cause"] == "grow"  # it shrank (or this rank is a replacement)
     assert sizes[-1] == 4, done.stderr  # and grew back
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not can_create_namespaces(), reason="two emulated hosts need root and iproute2's ip")
+def test_two_hosts_survive_a_rank_of_the_second_host_in_place(tmp_path, reference):
+    with two_hosts() as (names, master):
+        env = dict(os.environ, FERRO_SECRET="elastic-two-hosts")
+        port = str(free_port("127.0.0.1"))
+        launchers = [subprocess.Popen(
+            ["ip", "netns", "exec", name, sys.executable, "-m", "ferro", "run", "--nnodes", "2", "--node-rank",
+             str(node), "--nproc-per-node", "2", "--master-addr", master, "--master-port", port,
+             "--restart-policy", "rank", "--max-restarts", "1", "--grace", "2", EXAMPLE, "--steps", str(STEPS),
+             "--float64", "--sleep", "0.02", "--kill", "3:20", "--out", str(tmp_path / "final.npz")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path) for node, name in
+            enumerate(names)]
+        outputs = [launcher.communicate(timeout=240) for launcher in launchers]
+    for launcher, (out, err) in zip(launchers, outputs, strict=True):
+        assert launcher.returncode == 0, out + err
+    assert "rank 3.0 was killed by SIGKILL; the others train on; starting a replacement" in outputs[1][1]
+    history = _check_exact(tmp_path, subprocess.CompletedProcess([], 0, outputs[0][0], outputs[0][1]), reference)
+    assert [len(change["members"]) for change in history][-1] == 4
 
 
 @pytest.mark.timeout(300)

@@ -10,11 +10,12 @@ Every key lives under ``ferro/elastic/`` on the job's store, which ``ferro run
 * ``<epoch>/members``: the epoch's members in rank order (JSON, decided once by compare-and-set).
 * ``<epoch>/group/...``: the epoch's own process group (a scoped view: addresses, claims).
 * ``latest``: the newest epoch that formed a group; ``finished`` / ``failed``: how the job ended.
+* ``agent-done/<node>``: another node's agent has read the outcome (the serving agent waits for it before closing).
 """
 
 from __future__ import annotations
 
-__all__ = ["ROOT", "dead", "epoch", "failed", "finished", "join_count", "join_request", "latest"]
+__all__ = ["ROOT", "agent_done", "dead", "epoch", "failed", "finished", "join_count", "join_request", "latest"]
 
 ROOT = "ferro/elastic"
 
@@ -52,3 +53,8 @@ def finished() -> str:
 def failed() -> str:
     """Return the key set, with the reason, when the job stopped below its minimum size."""
     return f"{ROOT}/failed"
+
+
+def agent_done(node: int) -> str:
+    """Return the key node ``node``'s agent sets once it no longer needs the store."""
+    return f"{ROOT}/agent-done/{node}"

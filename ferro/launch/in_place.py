@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from ferro.elastic import keys
 from ferro.elastic.manager import ELASTIC_ENV, MIN_SIZE_ENV
-from ferro.errors import ConfigurationError
+from ferro.errors import ConfigurationError, DistributedError
 from ferro.launch.agent import (
     POLL_SECONDS,
     Interrupted,
@@ -47,6 +47,7 @@ from ferro.launch.agent import (
 )
 from ferro.launch.heartbeat import HEARTBEAT_FILE_ENV, age
 from ferro.launch.reaper import become_subreaper, end_descendants
+from ferro.rendezvous.connect import wait_before_closing
 from ferro.rendezvous.store import Store
 
 __all__ = ["run_in_place"]
@@ -135,7 +136,17 @@ def run_in_place(config: LaunchConfig) -> int:
                     _follow(config, slot, store, pump, records)
             time.sleep(POLL_SECONDS)
         pump.drain(5.0)
-        return _outcome(store, slots)
+        outcome = _outcome(store, slots)
+        if config.node_rank > 0:
+            store.set(keys.agent_done(config.node_rank), "1")
+        else:  # the other nodes' agents read the outcome from this store: serve it until they have
+            wait_before_closing(store, [keys.agent_done(n) for n in range(1, config.nnodes)], 30.0)
+        return outcome
+    except DistributedError as exc:  # only the store can raise here: the first node's launcher is gone
+        say(f"job failed: lost the job's store, served by the first node's launcher ({exc}); stopping this node")
+        stop_ranks([s.process for s in slots if s.process is not None], signal.SIGTERM, config.grace_seconds)
+        pump.drain(2.0)
+        return 1
     except Interrupted as stop:
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)
