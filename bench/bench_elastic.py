@@ -264,25 +264,26 @@ def _measure(mode: str, directory: str) -> dict[str, float]:
     return result
 
 
+def _stream(group, nbytes: int) -> float:
+    import ferro
+
+    buffer = np.ones(nbytes // 4, np.float32)
+    ferro.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(3):
+        if group.rank == 0:
+            ferro.send(buffer, 1, group=group)
+        else:
+            ferro.recv_into(buffer, 0, group=group)
+    ferro.barrier(group=group)
+    return 3 * nbytes / (time.perf_counter() - start) / 1e9
+
+
 def _loopback_gbps(nbytes: int) -> float:
-    """Point-to-point bandwidth of ferro's TCP transport between two processes, for ``nbytes``."""
+    """Point-to-point bandwidth of ferro's TCP transport between two processes, for ``nbytes`` (median of 3)."""
     from ferro.testing import run_processes
 
-    def body(group) -> float:
-        import ferro
-
-        buffer = np.ones(nbytes // 4, np.float32)
-        ferro.barrier(group=group)
-        start = time.perf_counter()
-        for _ in range(3):
-            if group.rank == 0:
-                ferro.send(buffer, 1, group=group)
-            else:
-                ferro.recv_into(buffer, 0, group=group)
-        ferro.barrier(group=group)
-        return 3 * nbytes / (time.perf_counter() - start) / 1e9
-
-    return float(run_processes(body, 2, backend="tcp")[0])
+    return statistics.median(float(run_processes(_stream, 2, args=(nbytes,), backend="tcp")[0]) for _ in range(3))
 
 
 def main() -> int:
@@ -313,7 +314,8 @@ def main() -> int:
                     problems[mode].append(problem)
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
-            print(f"round {round_ + 1} {mode}: {results[mode][-1]} {problem}", file=sys.stderr, flush=True)
+            print(f"round {round_ + 1} {mode}: {json.dumps(results[mode][-1])} {problem}", file=sys.stderr,
+                  flush=True)
     loopback = _loopback_gbps(200_000_000)
     print(f"4 ranks, {WIDTH}x{WIDTH}+{WIDTH} float32 parameters, SGD momentum; SIGKILL of rank {KILLED_RANK} at "
           f"step {KILL_STEP} of {args.steps}; medians of {args.rounds} rounds")

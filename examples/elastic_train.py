@@ -45,6 +45,17 @@ def model_and_optimizer(features: int, hidden: int, dtype: type, lr: float) -> t
     return net, nn.SGD(net.parameters(), lr=lr, momentum=0.9)
 
 
+def torch_model_and_optimizer(features: int, hidden: int, dtype: type, lr: float):
+    """Return the same model in PyTorch (``--torch``), initialised from the ferro.nn one's values."""
+    import torch
+
+    reference, _ = model_and_optimizer(features, hidden, dtype, lr)
+    net = torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 4))
+    net = net.to(torch.float64 if dtype is np.float64 else torch.float32)
+    net.load_state_dict({name: torch.from_numpy(value) for name, value in reference.state_dict().items()})
+    return net, torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+
+
 def _member_event(spec: str | None, rank: int, step: int) -> bool:
     if not spec:
         return False
@@ -62,13 +73,20 @@ def main() -> int:
     parser.add_argument("--kill", help="RANK:STEP[,RANK:STEP]: that launch rank SIGKILLs itself in that step")
     parser.add_argument("--stop", help="RANK:STEP[,...]: that launch rank SIGSTOPs itself (freezes) in that step")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step (slows the demo)")
+    parser.add_argument("--torch", action="store_true", help="the same model in PyTorch, through the same DDP")
     parser.add_argument("--backend", default="tcp", choices=("tcp", "shm"), help="each epoch's group")
     parser.add_argument("--out", help="rank 0 saves the final parameters here (.npz) with a log of the steps")
     args = parser.parse_args()
 
     dtype = np.float64 if args.float64 else np.float32
     x, y = data(1024, 16, dtype)
-    net, optimizer = model_and_optimizer(16, args.hidden, dtype, args.lr)
+    if args.torch:
+        import torch
+
+        net, optimizer = torch_model_and_optimizer(16, args.hidden, dtype, args.lr)
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
+    else:
+        net, optimizer = model_and_optimizer(16, args.hidden, dtype, args.lr)
     manager = Manager(backend=args.backend)  # min_size: ferro run --min-size
     model = manager.ddp(net)
     manager.register(model=net, optimizer=optimizer)
@@ -83,14 +101,22 @@ def main() -> int:
             shard = step.shard
             assert shard is not None
             optimizer.zero_grad()
-            loss = criterion(model(x[shard.indices]), y[shard.indices])
+            index = shard.indices
+            if args.torch:
+                loss_tensor = torch.nn.functional.mse_loss(model(x[index]), y[index]) * shard.loss_weight
+                loss = float(loss_tensor.detach()) / shard.loss_weight
+            else:
+                loss = criterion(model(x[index]), y[index])
             if first_life and _member_event(args.kill, launch_rank, step.number):
                 os.kill(os.getpid(), signal.SIGKILL)
             if first_life and _member_event(args.stop, launch_rank, step.number):
                 os.kill(os.getpid(), signal.SIGSTOP)
             if args.sleep:
                 time.sleep(args.sleep)
-            model.backward(criterion.backward() * shard.loss_weight)
+            if args.torch:
+                loss_tensor.backward()  # ferro.DDP averages the buckets during backward
+            else:
+                model.backward(criterion.backward() * shard.loss_weight)
             optimizer.step()
             log.append((step.number, step.world_size, time.time()))
             if step.rank == 0 and step.number % 50 == 0:
@@ -99,7 +125,8 @@ def main() -> int:
         changes = [(c.epoch, len(c.members), c.cause.split(":")[0]) for c in manager.history]
         print(f"done: {manager.step} steps; membership changes seen by this rank: {changes}", flush=True)
         if args.out:
-            np.savez(args.out, **{name: value for name, value in net.state_dict().items()})
+            final = {name: value.detach().numpy() if args.torch else value for name, value in net.state_dict().items()}
+            np.savez(args.out, **final)
             with open(args.out + ".json", "w") as handle:
                 json.dump({"log": log, "history": [c.__dict__ for c in manager.history]}, handle)
     manager.close()

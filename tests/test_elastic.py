@@ -92,10 +92,13 @@ def _check_exact(tmp_path, done: subprocess.CompletedProcess, reference: dict[st
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kill, backend", [("0:20", "tcp"), ("2:20", "tcp"), ("1:20,3:20", "tcp"), ("0:20", "shm")],
-                         ids=["rank 0", "a middle rank", "two at once", "rank 0, shared memory"])
-def test_sigkilled_ranks_are_survived_in_place_and_training_is_exact(tmp_path, reference, kill, backend):
-    done = _run(tmp_path, "--kill", kill, "--backend", backend)
+@pytest.mark.parametrize("kill, options", [("0:20", []), ("2:20", []), ("1:20,3:20", []), ("0:20", ["--backend", "shm"]),
+                                           ("2:5", ["--torch", "--sleep", "0.1"])],  # time for torch to import
+                         ids=["rank 0", "a middle rank", "two at once", "rank 0, shared memory", "a torch module"])
+def test_sigkilled_ranks_are_survived_in_place_and_training_is_exact(tmp_path, reference, kill, options):
+    if "--torch" in options:
+        pytest.importorskip("torch", reason="the torch variant needs torch (pip install '.[test]')")
+    done = _run(tmp_path, "--kill", kill, *options)
     history = _check_exact(tmp_path, done, reference)
     lost = kill.count(":")
     for rank in (item.split(":")[0] for item in kill.split(",")):
