@@ -11,6 +11,9 @@ every step it completes with the time; the kill is logged just before it.
   resumes from the last checkpoint (every 20 steps, written by rank 0 with ``np.savez``).
 * ``torchrun-gloo``: the same model in PyTorch under ``torchrun --max-restarts 1``,
   torch DDP over gloo, ``torch.save`` checkpoints every 20 steps.
+* ``torchft-gloo``: torchft 0.2 (``pip install torchft``): four replica groups of one rank, each under
+  ``torchrun --max-restarts 1``, its ``Manager`` over ``ProcessGroupGloo`` with the lighthouse its README
+  starts (``--min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000``); its own defaults otherwise.
 * ``ferro-elastic-2hosts``: ``ferro-elastic`` on two emulated hosts of two ranks each (network
   namespaces joined by a veth pair, one ``ferro run`` per host; needs root), the killed rank on the first.
 
@@ -44,7 +47,7 @@ import numpy as np  # noqa: E402
 
 WIDTH, BATCH, KILL_STEP, KILLED_RANK, CHECKPOINT_EVERY = 5000, 16, 50, 1, 20
 LAUNCH_TIMEOUT = 600.0  # seconds a whole run may take before it counts as hung
-MODES = ("ferro-elastic", "ferro-elastic-2hosts", "ferro-restart", "torchrun-gloo")
+MODES = ("ferro-elastic", "ferro-elastic-2hosts", "ferro-restart", "torchrun-gloo", "torchft-gloo")
 
 
 # --- the rank programs ----------------------------------------------------------------------------------------
@@ -172,7 +175,59 @@ def worker_torchrun_gloo(directory: str, steps: int) -> None:
     dist.destroy_process_group()
 
 
+def worker_torchft_gloo(directory: str, steps: int) -> None:
+    import torch
+    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    replica = int(os.environ["REPLICA_GROUP_ID"])
+    log, (x_np, y_np) = _Log(directory, replica), _data()
+    x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
+    torch.manual_seed(1)
+    net = torch.nn.Linear(WIDTH, WIDTH)
+    inner = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
+
+    def load_state_dict(state: dict) -> None:
+        net.load_state_dict(state["model"])
+        inner.load_state_dict(state["optimizer"])
+
+    manager = Manager(pg=ProcessGroupGloo(), min_replica_size=1, load_state_dict=load_state_dict,
+                      state_dict=lambda: {"model": net.state_dict(), "optimizer": inner.state_dict()},
+                      replica_id=f"bench_{replica}", use_async_quorum=False)
+    model = DistributedDataParallel(manager, net)
+    optimizer = Optimizer(manager, inner)
+    first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    while manager.current_step() < steps:
+        optimizer.zero_grad()  # the step's quorum
+        number, world = manager.current_step(), manager.num_participants()
+        index = torch.from_numpy(np.arange(number * BATCH, (number + 1) * BATCH)[manager.participating_rank()::world]
+                                 % len(x))
+        loss = torch.nn.functional.mse_loss(model(x[index]), y[index])
+        _maybe_kill(log, replica, number, first_life)
+        loss.backward()
+        if optimizer.step():  # committed
+            log.write(step=number, world=world)
+    manager.shutdown()
+
+
 # --- the orchestrator --------------------------------------------------------------------------------------------
+
+def _wait_for(launchers: list[subprocess.Popen[str]], start: float) -> tuple[float, str]:
+    """Wait for every launcher (LAUNCH_TIMEOUT from ``start`` in all); return the wall time and what went wrong."""
+    problems = []
+    for launcher in launchers:
+        try:
+            _, err = launcher.communicate(timeout=max(LAUNCH_TIMEOUT - (time.time() - start), 1))
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.communicate()
+            problems.append(f"hung: no end within {LAUNCH_TIMEOUT:.0f} s")
+            continue
+        if launcher.returncode != 0:
+            lines = [line for line in err.splitlines() if "Error" in line]
+            problems.append(f"failed with {launcher.returncode}: {lines[-1][:200] if lines else err[-200:]}")
+    return time.time() - start, "; ".join(problems)
+
 
 def _launch_two_hosts(worker: list[str]) -> tuple[float, str]:
     import secrets
@@ -189,18 +244,27 @@ def _launch_two_hosts(worker: list[str]) -> tuple[float, str]:
              str(node), "--nproc-per-node", "2", "--master-addr", master, "--master-port", port,
              "--restart-policy", "rank", "--max-restarts", "1", "--grace", "2", *worker],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node, name in enumerate(names)]
-        problems = []
-        for launcher in launchers:
-            try:
-                _, err = launcher.communicate(timeout=max(LAUNCH_TIMEOUT - (time.time() - start), 1))
-            except subprocess.TimeoutExpired:
-                launcher.kill()
-                launcher.communicate()
-                problems.append(f"hung: no end within {LAUNCH_TIMEOUT:.0f} s")
-                continue
-            if launcher.returncode != 0:
-                problems.append(f"failed with {launcher.returncode}: {err[-300:]}")
-        return time.time() - start, "; ".join(problems)
+        return _wait_for(launchers, start)
+
+
+def _launch_torchft(worker: list[str]) -> tuple[float, str]:
+    from ferro.rendezvous.settings import free_port
+
+    port = free_port("127.0.0.1")
+    lighthouse = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", "100",
+                                   "--join_timeout_ms", "10000", "--bind", f"[::]:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        start = time.time()
+        groups = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--max-restarts", "1",
+             "--standalone", *worker], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, REPLICA_GROUP_ID=str(i), NUM_REPLICA_GROUPS="4",
+                     TORCHFT_LIGHTHOUSE=f"http://localhost:{port}")) for i in range(4)]
+        return _wait_for(groups, start)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
 
 
 def _launch(mode: str, directory: str, steps: int) -> tuple[float, str]:
@@ -209,6 +273,8 @@ def _launch(mode: str, directory: str, steps: int) -> tuple[float, str]:
     worker = [me, "--worker", mode.removesuffix("-2hosts"), "--dir", directory, "--steps", str(steps)]
     if mode == "ferro-elastic-2hosts":
         return _launch_two_hosts(worker)
+    if mode == "torchft-gloo":
+        return _launch_torchft(worker)
     if mode == "torchrun-gloo":
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1",
                    "--standalone", *worker]
@@ -297,7 +363,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         {"ferro-elastic": worker_ferro_elastic, "ferro-restart": worker_ferro_restart,
-         "torchrun-gloo": worker_torchrun_gloo}[args.worker](args.dir, args.steps)
+         "torchrun-gloo": worker_torchrun_gloo, "torchft-gloo": worker_torchft_gloo}[args.worker](args.dir, args.steps)
         return 0
     modes = args.modes.split(",")
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
