@@ -177,7 +177,7 @@ def worker_torchrun_gloo(directory: str, steps: int) -> None:
 
 def worker_torchft_gloo(directory: str, steps: int) -> None:
     import torch
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft import Manager, Optimizer, ProcessGroupGloo
 
     torch.set_num_threads(1)
     replica = int(os.environ["REPLICA_GROUP_ID"])
@@ -194,38 +194,56 @@ def worker_torchft_gloo(directory: str, steps: int) -> None:
     manager = Manager(pg=ProcessGroupGloo(), min_replica_size=1, load_state_dict=load_state_dict,
                       state_dict=lambda: {"model": net.state_dict(), "optimizer": inner.state_dict()},
                       replica_id=f"bench_{replica}", use_async_quorum=False)
-    model = DistributedDataParallel(manager, net)
+    # Gradients through Manager.allreduce, torchft's fault-tolerant call: its DistributedDataParallel wrapper
+    # failed on this torch (2.13) the moment a peer died (`assert fut._fut` in its comm hook), ending every
+    # replica group, which then restarted from step 0.
     optimizer = Optimizer(manager, inner)
     first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     while manager.current_step() < steps:
         optimizer.zero_grad()  # the step's quorum
         number, world = manager.current_step(), manager.num_participants()
-        index = torch.from_numpy(np.arange(number * BATCH, (number + 1) * BATCH)[manager.participating_rank()::world]
-                                 % len(x))
-        loss = torch.nn.functional.mse_loss(model(x[index]), y[index])
+        share = manager.participating_rank() or 0  # None while this replica heals (its gradient is not counted)
+        index = torch.from_numpy(np.arange(number * BATCH, (number + 1) * BATCH)[share::world] % len(x))
+        loss = torch.nn.functional.mse_loss(net(x[index]), y[index])
         _maybe_kill(log, replica, number, first_life)
         loss.backward()
-        if optimizer.step():  # committed
+        for work in [manager.allreduce(param.grad) for param in net.parameters()]:
+            work.wait()
+        optimizer.step()  # applied only when every participant's reduction succeeded (should_commit)
+        if manager.current_step() > number:
             log.write(step=number, world=world)
     manager.shutdown()
 
 
 # --- the orchestrator --------------------------------------------------------------------------------------------
 
-def _wait_for(launchers: list[subprocess.Popen[str]], start: float) -> tuple[float, str]:
+def _start_all(commands: list[list[str]], envs: list[dict[str, str]]) -> list[tuple[subprocess.Popen, object]]:
+    """Start launchers side by side, their output into files: pipes read one after another would fill and stall."""
+    started = []
+    for command, env in zip(commands, envs, strict=True):
+        output = tempfile.TemporaryFile(mode="w+")
+        started.append((subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, text=True, env=env),
+                        output))
+    return started
+
+
+def _wait_for(launchers: list[tuple[subprocess.Popen, object]], start: float) -> tuple[float, str]:
     """Wait for every launcher (LAUNCH_TIMEOUT from ``start`` in all); return the wall time and what went wrong."""
     problems = []
-    for launcher in launchers:
+    for launcher, output in launchers:
         try:
-            _, err = launcher.communicate(timeout=max(LAUNCH_TIMEOUT - (time.time() - start), 1))
+            launcher.wait(timeout=max(LAUNCH_TIMEOUT - (time.time() - start), 1))
         except subprocess.TimeoutExpired:
             launcher.kill()
-            launcher.communicate()
+            launcher.wait()
             problems.append(f"hung: no end within {LAUNCH_TIMEOUT:.0f} s")
-            continue
-        if launcher.returncode != 0:
-            lines = [line for line in err.splitlines() if "Error" in line]
-            problems.append(f"failed with {launcher.returncode}: {lines[-1][:200] if lines else err[-200:]}")
+        else:
+            if launcher.returncode != 0:
+                output.seek(0)  # type: ignore[attr-defined]
+                text = output.read()  # type: ignore[attr-defined]
+                lines = [line for line in text.splitlines() if "Error" in line]
+                problems.append(f"failed with {launcher.returncode}: {lines[-1][:200] if lines else text[-200:]}")
+        output.close()  # type: ignore[attr-defined]
     return time.time() - start, "; ".join(problems)
 
 
@@ -239,11 +257,11 @@ def _launch_two_hosts(worker: list[str]) -> tuple[float, str]:
         env = dict(os.environ, FERRO_SECRET=secrets.token_hex(16))
         port = str(free_port("127.0.0.1"))
         start = time.time()
-        launchers = [subprocess.Popen(
-            ["ip", "netns", "exec", name, sys.executable, "-m", "ferro", "run", "--nnodes", "2", "--node-rank",
-             str(node), "--nproc-per-node", "2", "--master-addr", master, "--master-port", port,
-             "--restart-policy", "rank", "--max-restarts", "1", "--grace", "2", *worker],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node, name in enumerate(names)]
+        launchers = _start_all(
+            [["ip", "netns", "exec", name, sys.executable, "-m", "ferro", "run", "--nnodes", "2", "--node-rank",
+              str(node), "--nproc-per-node", "2", "--master-addr", master, "--master-port", port,
+              "--restart-policy", "rank", "--max-restarts", "1", "--grace", "2", *worker]
+             for node, name in enumerate(names)], [env, env])
         return _wait_for(launchers, start)
 
 
@@ -256,11 +274,10 @@ def _launch_torchft(worker: list[str]) -> tuple[float, str]:
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         start = time.time()
-        groups = [subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--max-restarts", "1",
-             "--standalone", *worker], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=dict(os.environ, REPLICA_GROUP_ID=str(i), NUM_REPLICA_GROUPS="4",
-                     TORCHFT_LIGHTHOUSE=f"http://localhost:{port}")) for i in range(4)]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--max-restarts", "1",
+                   "--standalone", *worker]
+        groups = _start_all([command] * 4, [dict(os.environ, REPLICA_GROUP_ID=str(i), NUM_REPLICA_GROUPS="4",
+                                                 TORCHFT_LIGHTHOUSE=f"http://localhost:{port}") for i in range(4)])
         return _wait_for(groups, start)
     finally:
         lighthouse.kill()
@@ -303,7 +320,10 @@ def _entries(directory: str) -> list[dict]:
 
 def _measure(mode: str, directory: str) -> dict[str, float]:
     entries = _entries(directory)
-    killed = next(e["t"] for e in entries if "kill" in e)
+    kills = [e["t"] for e in entries if "kill" in e]
+    if not kills:
+        return {}  # the run never reached the kill (its problem is reported)
+    killed = kills[0]
     done_before = [e for e in entries if "step" in e and e["t"] < killed]
     before = max(e["step"] for e in done_before)
     # a step's time: between completions of consecutive steps before the kill (median of the last 10)
