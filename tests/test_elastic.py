@@ -92,7 +92,8 @@ def _check_exact(tmp_path, done: subprocess.CompletedProcess, reference: dict[st
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kill, options", [("0:20", []), ("2:20", []), ("1:20,3:20", []), ("0:20", ["--backend", "shm"]),
+@pytest.mark.parametrize("kill, options", [("0:20", []), ("2:20", []), ("1:20,3:20", []),
+                                           ("0:20", ["--backend", "shm"]),
                                            ("2:5", ["--torch", "--sleep", "0.1"])],  # time for torch to import
                          ids=["rank 0", "a middle rank", "two at once", "rank 0, shared memory", "a torch module"])
 def test_sigkilled_ranks_are_survived_in_place_and_training_is_exact(tmp_path, reference, kill, options):
@@ -292,10 +293,11 @@ def test_state_transfer_moves_model_and_optimizer_between_simulated_ranks():
             opt.zero_grad()
             net.backward(np.ones((2, 3)))
             opt.step()
-            send_state({"model": net, "optimizer": opt}, 17, 1, group)
+            sent = send_state({"model": net, "optimizer": opt}, 1, group)
+            assert sent == (5 * 3 + 3) * 8 * 2  # weight and bias, and their momentum buffers, in float64
             return net.state_dict(), opt.state_dict()
-        step = receive_state({"model": net, "optimizer": opt}, 0, group)
-        assert step == 17
+        received = receive_state({"model": net, "optimizer": opt}, 0, group)
+        assert received == (5 * 3 + 3) * 8 * 2
         return net.state_dict(), opt.state_dict()
 
     (model0, opt0), (model1, opt1) = run_threads(body, 2)

@@ -9,13 +9,13 @@ Every key lives under ``ferro/elastic/`` on the job's store, which ``ferro run
 * ``<epoch>/here/<member>``: a member arrived at the epoch's rendezvous.
 * ``<epoch>/members``: the epoch's members in rank order (JSON, decided once by compare-and-set).
 * ``<epoch>/group/...``: the epoch's own process group (a scoped view: addresses, claims).
-* ``latest``: the newest epoch that formed a group; ``finished`` / ``failed``: how the job ended.
+* ``finished`` / ``failed``: how the job ended.
 * ``agent-done/<node>``: another node's agent has read the outcome (the serving agent waits for it before closing).
 """
 
 from __future__ import annotations
 
-__all__ = ["ROOT", "agent_done", "dead", "epoch", "failed", "finished", "join_count", "join_request", "latest"]
+__all__ = ["ROOT", "agent_done", "dead", "epoch", "failed", "finished", "join_count", "join_request"]
 
 ROOT = "ferro/elastic"
 
@@ -38,11 +38,6 @@ def join_request(index: int) -> str:
 def epoch(number: int, name: str) -> str:
     """Key ``name`` of epoch ``number`` (``epoch(3, "members")``)."""
     return f"{ROOT}/{number}/{name}"
-
-
-def latest() -> str:
-    """Return the key naming the newest epoch that formed its group."""
-    return f"{ROOT}/latest"
 
 
 def finished() -> str:

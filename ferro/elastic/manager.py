@@ -146,7 +146,6 @@ class Step:
 @dataclass
 class _Environment:
     member: str
-    launch_rank: int
     world_size: int
     incarnation: int
     master_addr: str
@@ -165,7 +164,7 @@ def _environment() -> _Environment:
     except (KeyError, ValueError) as exc:
         raise ConfigurationError(f"ferro.elastic.Manager: RANK and WORLD_SIZE must be set ({exc})") from None
     port = parse_port(os.environ.get("MASTER_PORT", ""))
-    return _Environment(f"{rank}.{incarnation}", rank, size, incarnation, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+    return _Environment(f"{rank}.{incarnation}", size, incarnation, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                         port)
 
 
@@ -412,8 +411,6 @@ class Manager:
                 obj.rebind(group)
             self._needs_sync = True
             self.history.append(Change(number, epoch.members, cause, self.step, started, time.time()))
-            if group.rank == 0:
-                self._store.set(keys.latest(), str(number))
             log.info("member %s: epoch %d formed: rank %d of %d (%s)", self.member, number, group.rank,
                      group.world_size, cause)
             return
@@ -470,19 +467,13 @@ class Manager:
         for index, receiver in enumerate(receivers):
             source = sources[index % len(sources)]
             if group.rank == source:
-                send_state(self._state, newest, receiver, group, timeout=self.timeout)
-                sent += 1
+                sent += send_state(self._state, receiver, group, timeout=self.timeout)
             elif group.rank == receiver:
-                self.step = receive_state(self._state, source, group, timeout=self.timeout)
-                received += 1
+                received += receive_state(self._state, source, group, timeout=self.timeout)
         self.step = newest
         self._fresh = False
         self._needs_sync = False
         if change is not None:
             change.synced = time.time()
             change.step = newest
-            if sent or received:
-                from ferro.elastic.transfer import state_bytes
-
-                nbytes = state_bytes(self._state)
-                change.sent_bytes, change.received_bytes = sent * nbytes, received * nbytes
+            change.sent_bytes, change.received_bytes = sent, received

@@ -91,12 +91,6 @@ class Membership:
         """Return the members the agent recorded as ended."""
         return [m for m in members if self.is_dead(m)]
 
-    def how_it_ended(self, member: str) -> str:
-        """Return the agent's words for how ``member`` ended ("" when it has not)."""
-        if not self.is_dead(member):
-            return ""
-        return bytes(self.store.get(keys.dead(member))).decode(errors="replace")
-
     def decided(self, number: int) -> Epoch | None:
         """Return epoch ``number`` if its members were decided, else None."""
         key = keys.epoch(number, "members")

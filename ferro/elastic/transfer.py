@@ -21,7 +21,7 @@ import numpy as np
 from ferro.backend.base import Backend
 from ferro.collective.p2p import recv, recv_into, send
 
-__all__ = ["receive_state", "send_state", "state_bytes"]
+__all__ = ["receive_state", "send_state"]
 
 # The point-to-point tag of state transfers (kept apart from a user's tag-0 messages).
 STATE_TAG = 0x5E1F
@@ -84,35 +84,36 @@ def _leaves(value: Any) -> list[_Leaf]:
     return []
 
 
-def _collect(state: Mapping[str, Any], step: int) -> tuple[dict[str, Any], list[Any]]:
+def _collect(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     arrays: list[Any] = []
-    skeleton = {"step": step, "objects": {name: _flatten(obj.state_dict(), arrays) for name, obj in state.items()}}
+    skeleton = {"objects": {name: _flatten(obj.state_dict(), arrays) for name, obj in state.items()}}
     return skeleton, arrays
 
 
-def state_bytes(state: Mapping[str, Any]) -> int:
-    """Return how many bytes of arrays :func:`send_state` moves for ``state``."""
-    _, arrays = _collect(state, 0)
-    return sum(int(a.nbytes) if isinstance(a, np.ndarray) else a.numel() * a.element_size() for a in arrays)
+def _nbytes(array: Any) -> int:
+    return int(array.nbytes) if isinstance(array, np.ndarray) else array.numel() * array.element_size()
 
 
-def send_state(state: Mapping[str, Any], step: int, dst: int, group: Backend, timeout: float | None = None) -> None:
-    """Send every object's ``state_dict()`` and the committed ``step`` to ``dst``.
+def send_state(state: Mapping[str, Any], dst: int, group: Backend, timeout: float | None = None) -> int:
+    """Send every object's ``state_dict()`` to ``dst``; return the array bytes sent.
 
     Example::
 
         # rank 0 (healthy)                         # rank 3 (the replacement)
-        send_state(state, manager.step, 3, group)  step = receive_state(state, 0, group)
+        send_state(state, 3, group)                receive_state(state, 0, group)
 
     """
-    skeleton, arrays = _collect(state, step)
+    skeleton, arrays = _collect(state)
     send(np.frombuffer(pickle.dumps(skeleton), np.uint8), dst, tag=STATE_TAG, group=group, timeout=timeout)
     for array in arrays:
         send(array, dst, tag=STATE_TAG, group=group, timeout=timeout)
+    return sum(_nbytes(array) for array in arrays)
 
 
 def receive_state(state: Mapping[str, Any], src: int, group: Backend, timeout: float | None = None) -> int:
-    """Receive :func:`send_state`'s message from ``src``, load it into ``state``'s objects; return the step.
+    """Receive :func:`send_state`'s message from ``src`` and load it into ``state``'s objects; return its bytes.
+
+    The step is not sent: every rank agreed on it (an all_gather) before the transfer.
 
     Raises:
         KeyError: The sender's state names objects this rank lacks, or lacks some it has.
@@ -130,4 +131,4 @@ def receive_state(state: Mapping[str, Any], src: int, group: Backend, timeout: f
         arrays.append(out)
     for name, obj in state.items():
         obj.load_state_dict(_rebuild(objects[name], arrays))
-    return int(skeleton["step"])
+    return sum(_nbytes(array) for array in arrays)
