@@ -10,6 +10,10 @@ redo that step with their shares of its samples; ``ferro run`` starts a replacem
 step boundary and receives the model and optimizer state from a healthy rank. With ``--stop RANK:STEP``
 the rank freezes itself instead (SIGSTOP): ``ferro run`` sees its heartbeat stop and kills it.
 
+``--torch-ddp`` trains through torch's own ``DistributedDataParallel`` on the "ferro" backend;
+``--replica-size 2`` shards the model over pairs of ranks (hybrid-sharded ``ferro.FSDP``): a pair
+that loses a rank waits out of training until its replacement has joined, the other pair trains on.
+
 Each step trains the same 64 samples whatever the world size (``ElasticSampler``), weighted so the
 gradient is the mean over all of them: the final parameters equal those of one process training on
 the whole batch (``--out`` saves them for that comparison).
@@ -74,12 +78,17 @@ def main() -> int:
     parser.add_argument("--stop", help="RANK:STEP[,...]: that launch rank SIGSTOPs itself (freezes) in that step")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step (slows the demo)")
     parser.add_argument("--torch", action="store_true", help="the same model in PyTorch, through the same DDP")
+    parser.add_argument("--torch-ddp", action="store_true",
+                        help="the PyTorch model through torch's own DistributedDataParallel (the 'ferro' backend)")
+    parser.add_argument("--replica-size", type=int, default=1,
+                        help="ranks per replica: >1 shards the model within each replica (hybrid-sharded FSDP)")
     parser.add_argument("--backend", default="tcp", choices=("tcp", "shm"), help="each epoch's group")
     parser.add_argument("--out", help="rank 0 saves the final parameters here (.npz) with a log of the steps")
     args = parser.parse_args()
 
     dtype = np.float64 if args.float64 else np.float32
     x, y = data(1024, 16, dtype)
+    args.torch = args.torch or args.torch_ddp
     if args.torch:
         import torch
 
@@ -87,9 +96,15 @@ def main() -> int:
         x, y = torch.from_numpy(x), torch.from_numpy(y)
     else:
         net, optimizer = model_and_optimizer(16, args.hidden, dtype, args.lr)
-    manager = Manager(backend=args.backend)  # min_size: ferro run --min-size
-    model = manager.ddp(net)
-    manager.register(model=net, optimizer=optimizer)
+    manager = Manager(backend=args.backend, replica_size=args.replica_size)  # min_size: ferro run --min-size
+    if args.replica_size > 1:
+        model = manager.fsdp(net)  # this rank's shards are what a rejoining rank receives
+        optimizer = (torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9) if args.torch else
+                     nn.SGD(model.parameters(), lr=args.lr, momentum=0.9))
+        manager.register(optimizer=optimizer)
+    else:
+        model = manager.torch_ddp(net) if args.torch_ddp else manager.ddp(net)
+        manager.register(model=net, optimizer=optimizer)
     criterion = nn.MSELoss()
     sampler = ElasticSampler(len(x), args.batch_size, seed=0)
     launch_rank, first_life = int(os.environ["RANK"]), os.environ.get("FERRO_RESTART_COUNT", "0") == "0"
@@ -114,18 +129,19 @@ def main() -> int:
             if args.sleep:
                 time.sleep(args.sleep)
             if args.torch:
-                loss_tensor.backward()  # ferro.DDP averages the buckets during backward
+                loss_tensor.backward()  # DDP averages the buckets during backward
             else:
                 model.backward(criterion.backward() * shard.loss_weight)
             optimizer.step()
             log.append((step.number, step.world_size, time.time()))
             if step.rank == 0 and step.number % 50 == 0:
                 print(f"step {step.number}: loss {loss:.5f} on {step.world_size} ranks", flush=True)
+    final = model.full_state_dict() if args.replica_size > 1 else net.state_dict()  # FSDP: collective
     if manager.rank == 0:
         changes = [(c.epoch, len(c.members), c.cause.split(":")[0]) for c in manager.history]
         print(f"done: {manager.step} steps; membership changes seen by this rank: {changes}", flush=True)
         if args.out:
-            final = {name: value.detach().numpy() if args.torch else value for name, value in net.state_dict().items()}
+            final = {name: value.detach().numpy() if args.torch else value for name, value in final.items()}
             np.savez(args.out, **final)
             with open(args.out + ".json", "w") as handle:
                 json.dump({"log": log, "history": [c.__dict__ for c in manager.history]}, handle)

@@ -11,11 +11,14 @@ Every key lives under ``ferro/elastic/`` on the job's store, which ``ferro run
 * ``<epoch>/group/...``: the epoch's own process group (a scoped view: addresses, claims).
 * ``finished`` / ``failed``: how the job ended.
 * ``agent-done/<node>``: another node's agent has read the outcome (the serving agent waits for it before closing).
+* ``agent-beat/<node>``: a counter another node's agent bumps while it lives (its lease; see
+  :mod:`ferro.launch.in_place`), and ``node-members/<node>``: that node's current members (JSON).
 """
 
 from __future__ import annotations
 
-__all__ = ["ROOT", "agent_done", "dead", "epoch", "failed", "finished", "join_count", "join_request"]
+__all__ = ["ROOT", "agent_beat", "agent_done", "dead", "epoch", "failed", "finished", "join_count", "join_request",
+           "node_members"]
 
 ROOT = "ferro/elastic"
 
@@ -53,3 +56,13 @@ def failed() -> str:
 def agent_done(node: int) -> str:
     """Return the key node ``node``'s agent sets once it no longer needs the store."""
     return f"{ROOT}/agent-done/{node}"
+
+
+def agent_beat(node: int) -> str:
+    """Return the counter node ``node``'s agent increments while it lives."""
+    return f"{ROOT}/agent-beat/{node}"
+
+
+def node_members(node: int) -> str:
+    """Return the key holding node ``node``'s current member ids (JSON list)."""
+    return f"{ROOT}/node-members/{node}"

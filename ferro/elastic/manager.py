@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +16,9 @@ from ferro.backend import JoinSpec, join_backend
 from ferro.backend.base import Backend
 from ferro.collective.movement import all_gather
 from ferro.collective.reductions import allreduce
+from ferro.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from ferro.elastic import keys
-from ferro.elastic.membership import Epoch, Membership
+from ferro.elastic.membership import Epoch, Membership, launch_rank, whole_replicas
 from ferro.elastic.sampler import ElasticSampler, Shard
 from ferro.elastic.transfer import receive_state, send_state
 from ferro.errors import (
@@ -35,7 +36,7 @@ from ferro.rendezvous.settings import default_timeout, job_secret, parse_port
 from ferro.rendezvous.store import Store
 from ferro.types import ReduceOp
 
-__all__ = ["ELASTIC_ENV", "MIN_SIZE_ENV", "Change", "Manager", "Step", "membership_failure"]
+__all__ = ["ELASTIC_ENV", "MIN_NODES_ENV", "MIN_SIZE_ENV", "Change", "Manager", "Step", "membership_failure"]
 
 log = logging.getLogger("ferro.elastic")
 
@@ -43,6 +44,8 @@ log = logging.getLogger("ferro.elastic")
 ELASTIC_ENV = "FERRO_ELASTIC"
 #: The job's minimum number of ranks (``ferro run --min-size``); below it training stops on every rank.
 MIN_SIZE_ENV = "FERRO_MIN_SIZE"
+#: The job's minimum number of nodes with a rank training (``ferro run --min-nodes``).
+MIN_NODES_ENV = "FERRO_MIN_NODES"
 
 # The errors that mean "a member is gone or unreachable": the step is abandoned and the group re-formed.
 # A mismatch or bad input is a bug in the program, not a membership change, and still raises.
@@ -67,6 +70,19 @@ def membership_failure(exc: BaseException) -> BaseException | None:
             return current
         current = current.__cause__ or current.__context__
     return None
+
+
+class _LocalShards:
+    """What a rejoining rank receives of a hybrid-sharded model: the shards at its place (no communication)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.model.local_state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_local_state_dict(state)
 
 
 class _Abandoned(Exception):
@@ -185,6 +201,9 @@ class Manager:
             optimizers): what a replacement receives. May also be given by :meth:`register`.
         min_size: Stop (on every rank, with :class:`~ferro.errors.QuorumLostError`) when fewer
             ranks remain (default ``$FERRO_MIN_SIZE`` or 1).
+        min_nodes: Stop likewise when the ranks left are on fewer nodes (default ``$FERRO_MIN_NODES``
+            or 1); a node is ``launch rank // ranks_per_node``.
+        ranks_per_node: Ranks each node started (default ``$LOCAL_WORLD_SIZE``, which ``ferro run`` sets).
         backend: The backend of each epoch's group (``"tcp"`` or ``"shm"``).
         timeout: Seconds for each blocking operation (default ``$FERRO_TIMEOUT`` or 60); a
             backstop only: death is seen on the connections, freezing by ``ferro run``'s heartbeat.
@@ -192,6 +211,10 @@ class Manager:
         member: This process's member id (default ``"<RANK>.<FERRO_RESTART_COUNT>"``).
         members: The initial members (default ``"<r>.0"`` for every rank of ``WORLD_SIZE``).
         secret: The job secret (default ``$FERRO_SECRET``).
+        replica_size: Ranks per replica for hybrid sharding (:meth:`fsdp`): launch rank ``r`` is
+            shard ``r % replica_size`` of replica ``r // replica_size``. A replica that loses a rank
+            stops training as a whole (its other ranks wait, in place) until its replacement has
+            joined; the other replicas train on. 1 (the default): every rank is a replica (DDP).
 
     Raises:
         ConfigurationError: Not started by ``ferro run --restart-policy rank``, and no store given;
@@ -215,16 +238,27 @@ class Manager:
 
     """
 
-    def __init__(self, state: Mapping[str, Any] | None = None, *, min_size: int | None = None, backend: str = "tcp",
+    def __init__(self, state: Mapping[str, Any] | None = None, *, min_size: int | None = None,
+                 min_nodes: int | None = None, ranks_per_node: int | None = None, backend: str = "tcp",
                  timeout: float | None = None, store: Any = None, member: str | None = None,
-                 members: list[str] | None = None, secret: bytes | str | None = None) -> None:
+                 members: list[str] | None = None, secret: bytes | str | None = None,
+                 replica_size: int = 1) -> None:
         self.timeout = default_timeout(timeout)
         self.min_size = int(os.environ.get(MIN_SIZE_ENV, "1")) if min_size is None else int(min_size)
         if self.min_size < 1:
             raise ConfigurationError(f"ferro.elastic.Manager: min_size must be at least 1, got {self.min_size}")
+        self.min_nodes = int(os.environ.get(MIN_NODES_ENV, "1")) if min_nodes is None else int(min_nodes)
+        per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        self.ranks_per_node = per_node if per_node > 0 else None
+        if self.min_nodes > 1 and self.ranks_per_node is None:
+            raise ConfigurationError("ferro.elastic.Manager: min_nodes needs ranks_per_node (ferro run sets "
+                                     "$LOCAL_WORLD_SIZE)")
         if backend not in ("tcp", "shm"):
             raise ConfigurationError(f"ferro.elastic.Manager: backend must be \"tcp\" or \"shm\", got {backend!r}")
         self.backend = backend
+        self.replica_size = int(replica_size)
+        if self.replica_size < 1:
+            raise ConfigurationError(f"ferro.elastic.Manager: replica_size must be at least 1, got {replica_size}")
         env = _environment() if store is None else None
         self._secret = job_secret(secret)
         if env is not None:
@@ -238,14 +272,20 @@ class Manager:
                 raise ConfigurationError("ferro.elastic.Manager: with store=, give member= and members=")
             joining = member not in members
             self._master = (getattr(store, "host", "127.0.0.1"), int(getattr(store, "port", 0)))
+        assert member is not None and members is not None
+        if len(members) % self.replica_size:
+            raise ConfigurationError(f"ferro.elastic.Manager: {len(members)} ranks do not make whole replicas of "
+                                     f"replica_size={self.replica_size}")
         self.member: str = member
         self._store = store
         self._membership = Membership(store, member)
         self._state: dict[str, Any] = dict(state or {})
-        self._tracked: list[Any] = []
+        self._tracked: list[Callable[[], None]] = []  # each re-points one wrapper at the new group
         self.step = 0
         self.history: list[Change] = []
         self.group: Backend | None = None
+        #: The current ``(replicate, shard)`` mesh over :attr:`group` when ``replica_size > 1``, else None.
+        self.mesh: DeviceMesh | None = None
         self.epoch: Epoch | None = None
         self._fresh = True  # state not yet synchronised with the group: rank 0's (or a source's) wins
         self._needs_sync = True
@@ -255,15 +295,19 @@ class Manager:
             return
         index = self._membership.request_join()
         log.info("member %s: asked to join (request %d)", member, index)
-        invitation = self._membership.wait_for_invitation(index)
+        self._join(index, 1, started)
+
+    def _join(self, index: int | None, start: int, started: float) -> None:
+        """Wait for an epoch from ``start`` on to invite this member (a replacement, or a replica's survivor)."""
+        invitation = self._membership.wait_for_invitation(index, start)
         if invitation is None:
             reason = self._membership.ended()
             if reason == "finished":
-                log.warning("member %s: the job finished before it could join; nothing to do", member)
+                log.warning("member %s: the job finished before it could join; nothing to do", self.member)
                 raise SystemExit(0)
-            raise QuorumLostError(f"member {member}: the job stopped before it could join: {reason}")
+            raise QuorumLostError(f"member {self.member}: the job stopped before it could join: {reason}")
         candidates = list(invitation.previous) + [m for m in invitation.invited if m not in invitation.previous]
-        self._advance(invitation.number, candidates, invitation.joins, "grow", started)
+        self._advance(invitation.number, candidates, invitation.joins, "grow", started, invitation.waiting)
 
     # --- what the training loop uses -------------------------------------------------
 
@@ -282,8 +326,28 @@ class Manager:
         self._state.update(objects)
 
     def track(self, obj: Any) -> Any:
-        """Call ``obj.rebind(group)`` whenever the group changes (a :class:`~ferro.DDP` built elsewhere); return it."""
-        self._tracked.append(obj)
+        """Re-point ``obj`` at every new group; return it.
+
+        ``obj`` is a :class:`~ferro.DDP` (``obj.rebind(group)``), a torch
+        ``DistributedDataParallel`` built on :meth:`torch_process_group`
+        (given each epoch's torch group), or a :class:`~ferro.FSDP` built on
+        :attr:`mesh` (given each epoch's mesh).
+
+        Raises:
+            ConfigurationError: ``obj`` is none of these.
+
+        """
+        from ferro.parallel.fsdp import FSDP
+
+        if isinstance(obj, FSDP):
+            self._tracked.append(lambda: obj.rebind(device_mesh=self._mesh()))
+        elif hasattr(obj, "_update_process_group"):  # torch's DDP: made to shrink and grow (torch >= 2.2)
+            self._tracked.append(lambda: obj._update_process_group(self.torch_process_group()))
+        elif callable(getattr(obj, "rebind", None)):
+            self._tracked.append(lambda: obj.rebind(self._group()))
+        else:
+            raise ConfigurationError(f"ferro.elastic.Manager.track: {type(obj).__name__} is not a ferro.DDP, "
+                                     f"ferro.FSDP or torch DistributedDataParallel")
         return obj
 
     def ddp(self, module: Any, **options: Any) -> DDP:
@@ -293,6 +357,92 @@ class Manager:
         every rank's state rank 0's (a replacement's, the healthy ranks').
         """
         return self.track(DDP(module, group=self._group(), broadcast_parameters=False, **options))
+
+    def torch_process_group(self) -> Any:
+        """Return a torch ``ProcessGroup`` over the current group (the ``"ferro"`` backend's); valid for this epoch.
+
+        For torch code that takes a process group; :meth:`torch_ddp` and
+        :meth:`track` hand a torch DDP the next epoch's group themselves.
+
+        Raises:
+            ImportError: torch is not installed (``pip install 'ferro[torch]'``).
+
+        """
+        from ferro.interop.torch import ProcessGroupFerro
+
+        epoch = self.epoch.number if self.epoch is not None else 0
+        return ProcessGroupFerro(self._group(), f"ferro-elastic-{epoch}")
+
+    def torch_ddp(self, module: Any, **options: Any) -> Any:
+        """Return torch's own ``DistributedDataParallel`` of ``module`` on the ``"ferro"`` backend, following changes.
+
+        One DDP serves the whole run: at each membership change it is given
+        the new epoch's torch group (``DistributedDataParallel._update_process_group``,
+        torch's way to shrink and grow DDP), so it averages over the ranks of
+        the step being trained. Parameters are not broadcast here: the first
+        :meth:`steps` iteration makes every rank's state the healthy ranks'.
+
+        Args:
+            module: A CPU ``torch.nn.Module``.
+            **options: DDP's own (``bucket_cap_mb``, ``find_unused_parameters``, ...), except
+                ``process_group``, ``device_mesh`` and ``init_sync``, which the manager sets.
+
+        Raises:
+            ConfigurationError: One of the options the manager sets.
+            ImportError: torch is not installed.
+
+        Example::
+
+            model = manager.torch_ddp(net)
+            manager.register(model=net, optimizer=optimizer)   # a torch.optim optimizer
+            for step in manager.steps(200, sampler):
+                with step:
+                    optimizer.zero_grad()
+                    loss = loss_fn(model(x[step.shard.indices]), y[step.shard.indices]) * step.shard.loss_weight
+                    loss.backward()
+                    optimizer.step()
+
+        """
+        taken = sorted({"process_group", "device_mesh", "init_sync"} & set(options))
+        if taken:
+            raise ConfigurationError(f"ferro.elastic.Manager.torch_ddp: the manager sets {', '.join(taken)}")
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(module, process_group=self.torch_process_group(), init_sync=False, **options)
+        return self.track(ddp)
+
+    def fsdp(self, module: Any, **options: Any) -> Any:
+        """Return a hybrid-sharded :class:`~ferro.FSDP` of ``module`` over :attr:`mesh`, following every change.
+
+        Each replica (``replica_size`` ranks) shards one copy of the model;
+        gradients are averaged across the replicas that train the step. A
+        replica that loses a rank drops out as a whole until its replacement
+        joins, and the rejoining ranks receive their shards (and optimizer
+        state) from the ranks at the same shard place of a healthy replica.
+        This rank's shards are registered under ``"fsdp"``: register the
+        optimizer (built on the wrapper's :meth:`~ferro.FSDP.parameters`) yourself.
+
+        Args:
+            module: A ferro.nn or CPU torch module.
+            **options: FSDP's own (``auto_wrap_policy``, ``mixed_precision``, ...), except
+                ``group``, ``device_mesh``, ``sharding_strategy`` and ``sync_module_states``.
+
+        Raises:
+            ConfigurationError: ``replica_size`` is 1 (use :meth:`ddp`), or an option the manager sets.
+
+        """
+        from ferro.parallel.fsdp import FSDP
+
+        if self.replica_size == 1:
+            raise ConfigurationError("ferro.elastic.Manager.fsdp: give Manager(replica_size=N), the ranks that shard "
+                                     "one copy of the model; with whole copies on every rank use manager.ddp()")
+        taken = sorted({"group", "device_mesh", "sharding_strategy", "sync_module_states"} & set(options))
+        if taken:
+            raise ConfigurationError(f"ferro.elastic.Manager.fsdp: the manager sets {', '.join(taken)}")
+        model = FSDP(module, device_mesh=self._mesh(), sharding_strategy="hybrid_shard", sync_module_states=False,
+                     **options)
+        self._state.setdefault("fsdp", _LocalShards(model))
+        return self.track(model)
 
     def steps(self, total: int, sampler: ElasticSampler | None = None) -> Iterator[Step]:
         """Yield the steps from the current one up to ``total``, each a :class:`Step` to run inside ``with step:``.
@@ -332,10 +482,13 @@ class Manager:
             self._store.set(keys.finished(), "1")
 
     def close(self) -> None:
-        """Close the current group and the store client."""
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        """Close the current group (and mesh) and the store client."""
+        groups = [self.group] if self.group is not None else []
+        if self.mesh is not None:
+            groups += [g for g in (self.mesh.get_group(0), self.mesh.get_group(1)) if g is not self.group]
+        for group in reversed(groups):
+            group.close()
+        self.group = self.mesh = None
         self._store.close()
 
     # --- changes ------------------------------------------------------------------------
@@ -345,21 +498,46 @@ class Manager:
             raise MembershipError(f"member {self.member}: no group (the manager was closed)")
         return self.group
 
+    def _mesh(self) -> DeviceMesh:
+        if self.mesh is None:
+            raise MembershipError(f"member {self.member}: no mesh (replica_size is 1, or the manager was closed)")
+        return self.mesh
+
     def _joins_waiting(self) -> int:
-        """Return the join-request count all ranks agree on when it is past this epoch's, else 0."""
+        """Return the join-request count all ranks agree on when some can be admitted now, else 0.
+
+        Rank 0 looks: a request can be admitted once its replica is whole among
+        the waiting members and the requests (always, with one rank per replica).
+        """
         group, epoch = self._group(), self.epoch
         assert epoch is not None
-        count = np.array([self._membership.pending_joins() if group.rank == 0 else 0], np.int64)
+        count = np.array([self._admissible_joins() if group.rank == 0 else 0], np.int64)
         allreduce(count, ReduceOp.MAX, group=group)
         return int(count[0]) if int(count[0]) > epoch.joins else 0
 
-    def _grow(self, joins: int) -> None:
+    def _admissible_joins(self) -> int:
         epoch = self.epoch
         assert epoch is not None
+        count = self._membership.pending_joins()
+        if self.replica_size == 1 or count <= epoch.joins:
+            return count
+        invite, _ = self._joining(count)
+        return count if invite else 0
+
+    def _joining(self, joins: int) -> tuple[list[str], list[str]]:
+        """Split the waiting members and join requests up to ``joins`` into ``(admitted now, still waiting)``."""
+        epoch = self.epoch
+        assert epoch is not None
+        pool = list(epoch.waiting) + [m for m in self._membership.join_requests(epoch.joins, joins)
+                                      if m not in epoch.waiting]
+        alive = [m for m in pool if not self._membership.is_dead(m)]
+        return whole_replicas(alive, self.replica_size)
+
+    def _grow(self, joins: int) -> None:
         started = time.time()
-        requests = self._membership.join_requests(epoch.joins, joins)
+        invite, waiting = self._joining(joins)
         self._leave_group()
-        self._next_epoch(requests, joins, "grow", started)
+        self._next_epoch(invite, joins, "grow", started, waiting)
 
     def _recover(self, failure: BaseException) -> None:
         started = time.time()
@@ -367,53 +545,99 @@ class Manager:
         self._leave_group()
         epoch = self.epoch
         assert epoch is not None
-        self._next_epoch([], epoch.joins, f"{type(failure).__name__}: {str(failure).splitlines()[0]}", started)
+        self._next_epoch([], epoch.joins, f"{type(failure).__name__}: {str(failure).splitlines()[0]}", started,
+                         list(epoch.waiting))
 
     def _leave_group(self) -> None:
         old, self.group = self.group, None
-        if old is not None:
+        mesh, self.mesh = self.mesh, None
+        groups = [old] if old is not None else []
+        if mesh is not None:  # the mesh's sub-groups have connections of their own: close them too
+            groups = [g for g in (mesh.get_group(0), mesh.get_group(1)) if g is not old] + groups
+
+        def close() -> None:
+            for group in groups:
+                group.close()
+
+        if groups:
             # Closed on the side: a group that sent abort notices lingers up to 2 s for its peers to close,
             # and a frozen peer never does. The new group has connections of its own.
-            threading.Thread(target=old.close, name="ferro-elastic-close", daemon=True).start()
+            threading.Thread(target=close, name="ferro-elastic-close", daemon=True).start()
 
-    def _next_epoch(self, invite: list[str], joins: int, cause: str, started: float) -> None:
+    def _next_epoch(self, invite: list[str], joins: int, cause: str, started: float,
+                    waiting: list[str] | None = None) -> None:
         epoch = self.epoch
         assert epoch is not None
         number = epoch.number + 1
-        invited, joins = self._membership.propose_invited(number, invite, joins)
+        invited, joins, still = self._membership.propose_invited(number, invite, joins, waiting or [])
         candidates = list(epoch.members) + [m for m in invited if m not in epoch.members]
-        self._advance(number, candidates, joins, cause, started)
+        self._advance(number, candidates, joins, cause, started, still)
 
-    def _advance(self, number: int, candidates: list[str], joins: int, cause: str, started: float) -> None:
+    def _advance(self, number: int, candidates: list[str], joins: int, cause: str, started: float,
+                 waiting: tuple[str, ...] | list[str] = ()) -> None:
         """Settle epoch ``number`` and connect its group; on a death while connecting, move on to the next."""
         while True:
             reason = self._membership.ended()
             if reason is not None and reason != "finished":
                 raise QuorumLostError(f"member {self.member}: the job stopped: {reason}")
-            epoch = self._membership.settle(number, candidates, joins, self.timeout)
-            if len(epoch.members) < self.min_size:
-                message = (f"only {len(epoch.members)} rank(s) left ({', '.join(epoch.members)}), fewer than "
-                           f"min_size={self.min_size}: training stops")
+            epoch = self._membership.settle(number, candidates, joins, self.timeout, waiting, self.replica_size)
+            message = self._below_minimum(epoch)
+            if message is not None:
                 self._store.compare_set(keys.failed(), "", message)
                 raise QuorumLostError(f"member {self.member}: {message}", epoch.members, self.min_size)
+            if self.member in epoch.waiting:
+                self._wait_for_replica(epoch, started)
+                return
             try:
                 group = self._connect(epoch)
+                self.mesh = self._layout(group)
             except (_Abandoned, *_MEMBERSHIP_FAILURES) as exc:
                 log.warning("member %s: epoch %d did not form (%s); trying again without the lost", self.member,
                             number, exc)
                 self.epoch = epoch
                 number, candidates = number + 1, list(epoch.members)
-                invited, joins = self._membership.propose_invited(number, [], epoch.joins)
+                invited, joins, waiting = self._membership.propose_invited(number, [], epoch.joins, epoch.waiting)
                 candidates += [m for m in invited if m not in candidates]
                 continue
             self.epoch, self.group = epoch, group
-            for obj in self._tracked:
-                obj.rebind(group)
+            for rebind in self._tracked:
+                rebind()
             self._needs_sync = True
             self.history.append(Change(number, epoch.members, cause, self.step, started, time.time()))
             log.info("member %s: epoch %d formed: rank %d of %d (%s)", self.member, number, group.rank,
                      group.world_size, cause)
             return
+
+    def _below_minimum(self, epoch: Epoch) -> str | None:
+        """Say why ``epoch`` is too small to train (``min_size`` ranks, ``min_nodes`` nodes), or None."""
+        message = None
+        if len(epoch.members) < self.min_size:
+            message = (f"only {len(epoch.members)} rank(s) left ({', '.join(epoch.members)}), fewer than "
+                       f"min_size={self.min_size}: training stops")
+        elif self.min_nodes > 1 and self.ranks_per_node is not None:
+            nodes = sorted({launch_rank(m) // self.ranks_per_node for m in epoch.members})
+            if len(nodes) < self.min_nodes:
+                message = (f"ranks on only {len(nodes)} node(s) left (node(s) {', '.join(map(str, nodes)) or 'none'}:"
+                           f" {', '.join(epoch.members)}), fewer than min_nodes={self.min_nodes}: training stops")
+        if message is not None and epoch.waiting:
+            message += (f" ({', '.join(epoch.waiting)} alive but out of training: their replicas of "
+                        f"{self.replica_size} ranks each lost a rank)")
+        return message
+
+    def _wait_for_replica(self, epoch: Epoch, started: float) -> None:
+        """Wait, out of training, until an epoch takes this member's replica (which lost a rank) back whole."""
+        log.warning("member %s: its replica lost a rank; waiting out of epoch %d until it is whole again",
+                    self.member, epoch.number)
+        self.epoch = epoch
+        self._fresh = True  # the replica missed steps: its state comes from a healthy replica when it rejoins
+        self._join(None, epoch.number + 1, started)
+
+    def _layout(self, group: Backend) -> DeviceMesh | None:
+        """Lay the group out as ``(replicate, shard)`` when replicas have several ranks (collective)."""
+        if self.replica_size == 1:
+            return None
+        return init_device_mesh((group.world_size // self.replica_size, self.replica_size), ("replicate", "shard"),
+                                group=group, timeout=self.timeout)
 
     def _connect(self, epoch: Epoch) -> Backend:
         """Build ``epoch``'s group on fresh connections, abandoning it if one of its members dies meanwhile."""
@@ -455,17 +679,20 @@ class Manager:
         change = self.history[-1] if self.history else None
         # Fresh state (just started, or a replacement) reports -1, except rank 0 of a fresh start: its
         # parameters become everyone's, as DDP's initial broadcast would make them.
-        mine = self.step if not self._fresh or (group.rank == 0 and self.epoch is not None and
+        size = self.replica_size
+        mine = self.step if not self._fresh or (group.rank < size and self.epoch is not None and
                                                 self.epoch.number == 0) else -1
         steps = np.asarray(all_gather(np.array([mine], np.int64), group=group)).reshape(-1)
         newest = int(steps.max())
-        if newest < 0:  # everyone fresh (rank 0 of epoch 0 died before anyone trained): take the lowest rank's
-            steps[0] = newest = 0
+        if newest < 0:  # everyone fresh (replica 0 of epoch 0 died before anyone trained): take the lowest ranks'
+            steps[:size] = newest = 0
         sources = [r for r in range(group.world_size) if steps[r] == newest]
         receivers = [r for r in range(group.world_size) if steps[r] < newest]
         sent = received = 0
         for index, receiver in enumerate(receivers):
-            source = sources[index % len(sources)]
+            # A shard's state comes from the same shard place of a healthy replica (place = rank % replica_size).
+            same_place = [r for r in sources if r % size == receiver % size]
+            source = same_place[index % len(same_place)]
             if group.rank == source:
                 sent += send_state(self._state, receiver, group, timeout=self.timeout)
             elif group.rank == receiver:

@@ -32,7 +32,7 @@ from typing import Any
 from ferro.elastic import keys
 from ferro.errors import MembershipError
 
-__all__ = ["Epoch", "Invitation", "Membership"]
+__all__ = ["Epoch", "Invitation", "Membership", "launch_rank", "whole_replicas"]
 
 # Seconds between looks at the store while a rendezvous or an invitation is pending.
 SETTLE_POLL_SECONDS = 0.002
@@ -46,13 +46,16 @@ class Epoch:
     Attributes:
         number: 0 for the ranks as launched, then one more per change.
         members: Member ids in rank order.
-        joins: Join requests considered up to this epoch (admitted, or dead before they could be).
+        joins: Join requests considered up to this epoch (admitted, waiting, or dead before they could be).
+        waiting: Live members left out until their replica is whole again (only with replicas of
+            several ranks: a replica that lost a rank stops training as a whole).
 
     """
 
     number: int
     members: tuple[str, ...]
     joins: int
+    waiting: tuple[str, ...] = ()
 
     def rank_of(self, member: str) -> int:
         """Return ``member``'s rank in this epoch."""
@@ -67,6 +70,42 @@ class Invitation:
     previous: tuple[str, ...]
     invited: tuple[str, ...]
     joins: int
+    waiting: tuple[str, ...] = ()
+
+
+def _epoch(number: int, record: dict[str, Any]) -> Epoch:
+    return Epoch(number, tuple(record["members"]), int(record["joins"]), tuple(record.get("waiting", ())))
+
+
+def launch_rank(member: str) -> int:
+    """Return the launch rank in a member id (``"2.1"`` -> 2): its replica and place in it never change."""
+    return int(member.split(".", 1)[0])
+
+
+def whole_replicas(members: Sequence[str], replica_size: int) -> tuple[list[str], list[str]]:
+    """Split ``members`` into those of whole replicas, in rank order, and the rest (in the order given).
+
+    Launch rank ``r`` is place ``r % replica_size`` of replica ``r // replica_size``
+    (a replica: the ranks that shard one copy of the model, ``HYBRID_SHARD``).
+    A replica trains only with every place filled, so its members are ordered by
+    launch rank: epoch rank ``i`` is place ``i % replica_size``. With one rank per
+    replica every member is whole, in the order given.
+
+    Example::
+
+        whole_replicas(["0.0", "2.0", "3.0", "1.1"], 2)   # (["0.0", "1.1", "2.0", "3.0"], [])
+        whole_replicas(["0.0", "2.0", "3.0"], 2)          # (["2.0", "3.0"], ["0.0"])
+
+    """
+    if replica_size == 1:
+        return list(members), []
+    by_replica: dict[int, dict[int, str]] = {}
+    for member in members:
+        rank = launch_rank(member)
+        by_replica.setdefault(rank // replica_size, {})[rank % replica_size] = member
+    whole = [member for replica in sorted(by_replica) if len(by_replica[replica]) == replica_size
+             for _place, member in sorted(by_replica[replica].items())]
+    return whole, [m for m in members if m not in whole]
 
 
 class Membership:
@@ -96,8 +135,7 @@ class Membership:
         key = keys.epoch(number, "members")
         if not self.store.check([key]):
             return None
-        record = json.loads(bytes(self.store.get(key)))
-        return Epoch(number, tuple(record["members"]), int(record["joins"]))
+        return _epoch(number, json.loads(bytes(self.store.get(key))))
 
     def ended(self) -> str | None:
         """``"finished"``, or the failure's reason, once the job has ended; else None."""
@@ -123,29 +161,41 @@ class Membership:
         self.store.set(keys.join_request(index), self.member)
         return index
 
-    def propose_invited(self, number: int, invited: Sequence[str], joins: int) -> tuple[tuple[str, ...], int]:
-        """Propose who epoch ``number`` admits; return what the store holds (the first proposal)."""
-        proposal = json.dumps({"invited": list(invited), "joins": joins})
-        held = json.loads(bytes(self.store.compare_set(keys.epoch(number, "invited"), "", proposal)))
-        return tuple(held["invited"]), int(held["joins"])
+    def propose_invited(self, number: int, invited: Sequence[str], joins: int, waiting: Sequence[str] = ()
+                        ) -> tuple[tuple[str, ...], int, tuple[str, ...]]:
+        """Propose who epoch ``number`` admits and who keeps waiting; return what the store holds (the first proposal).
 
-    def wait_for_invitation(self, index: int) -> Invitation | None:
-        """Wait until an epoch invites join request ``index``; None if the job finished first.
+        Returns:
+            ``(invited, joins, waiting)`` as the store holds them.
+
+        """
+        proposal = json.dumps({"invited": list(invited), "joins": joins, "waiting": list(waiting)})
+        held = json.loads(bytes(self.store.compare_set(keys.epoch(number, "invited"), "", proposal)))
+        return tuple(held["invited"]), int(held["joins"]), tuple(held.get("waiting", ()))
+
+    def wait_for_invitation(self, index: int | None, start: int = 1) -> Invitation | None:
+        """Wait until an epoch invites this member; None if the job finished first.
+
+        Args:
+            index: This member's join request, or None for a member waiting since epoch ``start - 1``
+                for its replica to be whole again.
+            start: The first epoch that may invite it.
 
         Raises:
-            MembershipError: An epoch considered this request and left it out.
+            MembershipError: An epoch considered this member and left it out (neither admitted nor waiting).
             QuorumLostError: Never; a job that failed returns None too (see :meth:`ended`).
 
         """
-        number = 1
+        number = start
         while True:
             if self.ended() is not None:
                 return None
             record = self.decided(number)
             if record is not None:
-                if record.joins > index and self.member not in record.members:
+                considered = index is None or record.joins > index
+                if considered and self.member not in record.members and self.member not in record.waiting:
                     raise MembershipError(
-                        f"member {self.member}: epoch {number} considered this join request and left it out "
+                        f"member {self.member}: epoch {number} considered this member and left it out "
                         f"(it did not arrive in time)")
                 number += 1
                 continue
@@ -154,12 +204,14 @@ class Membership:
                 held = json.loads(bytes(self.store.get(invited_key)))
                 previous = self.decided(number - 1)
                 if self.member in held["invited"] and previous is not None:
-                    return Invitation(number, previous.members, tuple(held["invited"]), int(held["joins"]))
+                    return Invitation(number, previous.members, tuple(held["invited"]), int(held["joins"]),
+                                      tuple(held.get("waiting", ())))
             time.sleep(INVITE_POLL_SECONDS)
 
     # --- the rendezvous -----------------------------------------------------------
 
-    def settle(self, number: int, candidates: Sequence[str], joins: int, timeout: float) -> Epoch:
+    def settle(self, number: int, candidates: Sequence[str], joins: int, timeout: float,
+               waiting: Sequence[str] = (), replica_size: int = 1) -> Epoch:
         """Arrive at epoch ``number`` and return its members, the same on every participant.
 
         Args:
@@ -167,6 +219,11 @@ class Membership:
             candidates: Who may take part, in rank order (survivors, then invited replacements).
             joins: Join requests considered by this epoch.
             timeout: Seconds to wait for a candidate that neither arrives nor dies.
+            waiting: Members already waiting for their replica (carried into the epoch's record).
+            replica_size: Ranks per replica: only whole replicas train (see :func:`whole_replicas`).
+
+        Returns:
+            The epoch; this member is among its ``members``, or among its ``waiting`` when its replica lost a rank.
 
         Raises:
             MembershipError: The epoch was decided without this member.
@@ -182,12 +239,14 @@ class Membership:
             dead = set(self.dead_among(candidates))
             if all(m in here or m in dead for m in candidates) or time.monotonic() > deadline:
                 alive = [m for m in candidates if m in here and m not in dead]
-                proposal = json.dumps({"members": alive, "joins": joins})
+                members, benched = whole_replicas(alive, replica_size)
+                still = [m for m in waiting if m not in members and not self.is_dead(m)]
+                proposal = json.dumps({"members": members, "joins": joins, "waiting": still + benched})
                 record = json.loads(bytes(self.store.compare_set(keys.epoch(number, "members"), "", proposal)))
-                epoch = Epoch(number, tuple(record["members"]), int(record["joins"]))
+                epoch = _epoch(number, record)
                 break
             time.sleep(SETTLE_POLL_SECONDS)
-        if self.member not in epoch.members:
+        if self.member not in epoch.members and self.member not in epoch.waiting:
             raise MembershipError(
                 f"member {self.member}: epoch {number} formed without it (members {', '.join(epoch.members)}); "
                 f"it arrived after the others stopped waiting")

@@ -519,6 +519,10 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     def _peer_links(self, name: str) -> PeerLinks:
         if self._links is None:
+            if self._ferro.world_size > 1:
+                raise ConfigurationError(f"{name}: this group carries collectives only (a ferro.elastic group, "
+                                         f"re-formed at every membership change); send point to point on a group "
+                                         f"from torch.distributed.new_group(backend='ferro')")
             raise ValueError(f"{name}: a group of one rank has no peer to send to or receive from")
         return self._links
 

@@ -49,8 +49,9 @@ class LaunchConfig:
             ``"rank"``: the others train on (:mod:`ferro.elastic`); only the failed rank
             is replaced, and the launcher serves the store (see :mod:`ferro.launch.in_place`).
         min_size: Under ``"rank"``, the fewest ranks the job trains with.
+        min_nodes: Under ``"rank"``, the fewest nodes with a rank training; below it the job stops.
         heartbeat_timeout: Under ``"rank"``, seconds without a heartbeat after which a
-            rank is taken for frozen and killed.
+            rank is taken for frozen and killed (and a node whose launcher went silent, for lost).
 
     """
 
@@ -66,6 +67,7 @@ class LaunchConfig:
     secret: str = field(default_factory=lambda: secrets.token_hex(16))
     restart_policy: str = "group"
     min_size: int = 1
+    min_nodes: int = 1
     heartbeat_timeout: float = 10.0
 
     @property

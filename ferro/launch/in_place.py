@@ -12,17 +12,23 @@ place) and does three things no rank can do for itself:
 * **It kills a frozen rank**: each rank beats a heartbeat file
   (:mod:`ferro.launch.heartbeat`); one silent for ``heartbeat_timeout`` seconds is
   killed, and from then on it is a dead rank like any other.
+* **It notices a lost node.** The agent of every other node holds a lease: a
+  counter in the store it bumps twice a second, next to its node's current
+  members. When a node dies whole (its agent with it), the serving agent sees
+  the counter stop for ``heartbeat_timeout`` seconds and records that node's
+  members dead, so the survivors' rendezvous does not wait out a timeout.
 
 A failed rank's slot is started again (a new *incarnation*:
 ``FERRO_RESTART_COUNT`` counts them) up to ``max_restarts`` times per slot; the
 replacement joins the running job at its next step boundary. The job succeeds
 when it finished its last step and every rank still running exits 0; it fails
-when its ranks stopped below ``min_size`` (the reason is printed) or no rank
-finished.
+when its ranks stopped below ``min_size`` ranks or ``min_nodes`` nodes (the
+reason is printed) or no rank finished.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -33,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 from ferro.elastic import keys
-from ferro.elastic.manager import ELASTIC_ENV, MIN_SIZE_ENV
+from ferro.elastic.manager import ELASTIC_ENV, MIN_NODES_ENV, MIN_SIZE_ENV
 from ferro.errors import ConfigurationError, DistributedError
 from ferro.launch.agent import (
     POLL_SECONDS,
@@ -73,7 +79,8 @@ class _Slot:
 def _start_slot(config: LaunchConfig, slot: _Slot, pump: OutputPump, records: str) -> None:
     if os.path.exists(slot.beat_file):
         os.unlink(slot.beat_file)  # a new process's age counts from its own start
-    extra = {ELASTIC_ENV: "1", MIN_SIZE_ENV: str(config.min_size), HEARTBEAT_FILE_ENV: slot.beat_file}
+    extra = {ELASTIC_ENV: "1", MIN_SIZE_ENV: str(config.min_size), MIN_NODES_ENV: str(config.min_nodes),
+             HEARTBEAT_FILE_ENV: slot.beat_file}
     label = str(slot.rank) if slot.incarnation == 0 else slot.member
     slot.process = start_rank(config, slot.local, slot.incarnation, pump, records, extra, label)
     slot.killed_frozen = False
@@ -99,6 +106,9 @@ def _validate(config: LaunchConfig) -> None:
     if not 1 <= config.min_size <= config.world_size:
         raise ConfigurationError(f"ferro run: --min-size must be between 1 and the {config.world_size} ranks, "
                                  f"got {config.min_size}")
+    if not 1 <= config.min_nodes <= config.nnodes:
+        raise ConfigurationError(f"ferro run: --min-nodes must be between 1 and the {config.nnodes} node(s), "
+                                 f"got {config.min_nodes}")
     if not config.heartbeat_timeout > 0:
         raise ConfigurationError(f"ferro run: --heartbeat-timeout must be positive, got {config.heartbeat_timeout}")
 
@@ -127,6 +137,9 @@ def run_in_place(config: LaunchConfig) -> int:
     first = config.node_rank * config.nproc_per_node
     slots = [_Slot(first + local, local, 0, None, os.path.join(records, f"heartbeat-{first + local}"))
              for local in range(config.nproc_per_node)]
+    lease = _Lease(store.clone(), config) if config.node_rank > 0 else None
+    nodes = _NodeWatch(config)
+    published: list[str] = []
     try:
         for slot in slots:
             _start_slot(config, slot, pump, records)
@@ -134,13 +147,20 @@ def run_in_place(config: LaunchConfig) -> int:
             for slot in slots:
                 if slot.process is not None:
                     _follow(config, slot, store, pump, records)
+            members = [slot.member for slot in slots if slot.process is not None]
+            if members != published:  # what the serving agent records dead if this node is lost
+                store.set(keys.node_members(config.node_rank), json.dumps(members))
+                published = members
+            if config.node_rank == 0:
+                nodes.look(store)
             time.sleep(POLL_SECONDS)
         pump.drain(5.0)
         outcome = _outcome(store, slots)
         if config.node_rank > 0:
             store.set(keys.agent_done(config.node_rank), "1")
         else:  # the other nodes' agents read the outcome from this store: serve it until they have
-            wait_before_closing(store, [keys.agent_done(n) for n in range(1, config.nnodes)], 30.0)
+            wait_before_closing(store, [keys.agent_done(n) for n in range(1, config.nnodes) if n not in nodes.lost],
+                                30.0)
         return outcome
     except DistributedError as exc:  # only the store can raise here: the first node's launcher is gone
         say(f"job failed: lost the job's store, served by the first node's launcher ({exc}); stopping this node")
@@ -155,6 +175,8 @@ def run_in_place(config: LaunchConfig) -> int:
         pump.drain(2.0)
         return 128 + stop.signum
     finally:
+        if lease is not None:
+            lease.stop()
         for slot in slots:
             if slot.process is not None and slot.process.poll() is None:
                 slot.process.kill()
@@ -165,6 +187,70 @@ def run_in_place(config: LaunchConfig) -> int:
             signal.signal(sig, handler)
         store.close()
         shutil.rmtree(records, ignore_errors=True)
+
+
+class _Lease:
+    """A node's lease on the serving agent's store: a counter bumped on a thread of its own while the agent lives."""
+
+    def __init__(self, store: Store, config: LaunchConfig) -> None:
+        self._store, self._node = store, config.node_rank
+        self._interval = min(0.5, config.heartbeat_timeout / 4)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ferro-run-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._store.add(keys.agent_beat(self._node), 1)
+                if self._stopped.wait(self._interval):
+                    return
+        except DistributedError:
+            return  # the store is gone: the main loop says so when it next uses it
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(5.0)
+        self._store.close()
+
+
+class _NodeWatch:
+    """The serving agent's view of the other nodes' leases: a node whose counter stops is lost, its members dead.
+
+    A node's clock starts at its first beat: one whose launcher starts late is not lost
+    for that. A node whose agent said it is done is not watched any more.
+    """
+
+    def __init__(self, config: LaunchConfig) -> None:
+        self._timeout = config.heartbeat_timeout
+        self._seen: dict[int, tuple[int, float]] = {node: (0, 0.0) for node in range(1, config.nnodes)}
+        self._next_look = 0.0
+        self.lost: set[int] = set()
+
+    def look(self, store: Store) -> None:
+        now = time.monotonic()
+        if not self._seen or now < self._next_look:
+            return
+        self._next_look = now + min(0.5, self._timeout / 4)
+        for node, (count, since) in list(self._seen.items()):
+            if store.check([keys.agent_done(node)]):
+                del self._seen[node]
+                continue
+            current = int(store.add(keys.agent_beat(node), 0))
+            if current != count:
+                self._seen[node] = (current, now)
+            elif count > 0 and now - since > self._timeout:
+                del self._seen[node]
+                self._lose(store, node, now - since)
+
+    def _lose(self, store: Store, node: int, silent: float) -> None:
+        self.lost.add(node)
+        key = keys.node_members(node)
+        members = json.loads(bytes(store.get(key))) if store.check([key]) else []
+        for member in members:  # a death its own agent recorded first keeps its words
+            store.compare_set(keys.dead(member), "", f"was lost with node {node}")
+        say(f"node {node}'s launcher sent nothing for {silent:.1f} s: its ranks ({', '.join(members) or 'none'}) "
+            f"are taken for lost; the others train on")
 
 
 def _follow(config: LaunchConfig, slot: _Slot, store: Store, pump: OutputPump, records: str) -> None:

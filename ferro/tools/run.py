@@ -38,8 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "train on in place (ferro.elastic) and only the failed rank is replaced")
     parser.add_argument("--min-size", type=int, default=1,
                         help="with --restart-policy rank: stop when fewer ranks than this are left (default 1)")
+    parser.add_argument("--min-nodes", type=int, default=1,
+                        help="with --restart-policy rank: stop when ranks on fewer nodes than this are left "
+                             "(default 1)")
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0,
-                        help="with --restart-policy rank: kill a rank silent this many seconds (default 10)")
+                        help="with --restart-policy rank: kill a rank silent this many seconds, and take a node "
+                             "whose launcher is silent that long for lost (default 10)")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds ranks get to exit after a stop request before they are killed (default 5)")
@@ -71,11 +75,14 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
             "ferro run: a job on several nodes needs the same FERRO_SECRET on every node; export one "
             "(for example `export FERRO_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))')`) "
             "before starting each node's launcher")
+    if args.restart_policy != "rank" and (args.min_size != 1 or args.min_nodes != 1):
+        raise ConfigurationError("ferro run: --min-size and --min-nodes apply to --restart-policy rank (training "
+                                 "in place); with the group policy every failure restarts all ranks")
     target = ["-m", args.target, *args.args] if args.module else [args.target, *args.args]
     fields = dict(target=target, nproc_per_node=args.nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                   master_addr=addr, master_port=port, max_restarts=args.max_restarts, prefix=not args.no_prefix,
                   grace_seconds=args.grace, restart_policy=args.restart_policy, min_size=args.min_size,
-                  heartbeat_timeout=args.heartbeat_timeout)
+                  min_nodes=args.min_nodes, heartbeat_timeout=args.heartbeat_timeout)
     return LaunchConfig(**fields, secret=secret) if secret else LaunchConfig(**fields)
 
 

@@ -269,6 +269,67 @@ class FSDP:
         for key in stats:
             stats[key] = 0.0 if key.endswith("seconds") else 0
 
+    # --- membership changes (ferro.elastic) ------------------------------------------------
+
+    def rebind(self, device_mesh: Any = None, group: Backend | None = None) -> None:
+        """Run on new groups from the next step: the same layout over new connections (``ferro.elastic``).
+
+        The shard dimension must keep its size and this rank its place in it
+        (its shards stay valid); the replicate dimension may grow or shrink.
+        A step that failed part-way is forgotten first: every unit goes back
+        to its shard and partial gradients are dropped.
+
+        Args:
+            device_mesh: The new mesh (as given to the constructor), or None with ``group``.
+            group: The new group, when the wrapper was made without a mesh.
+
+        Raises:
+            ConfigurationError: The new groups shard differently (size or this rank's place).
+
+        """
+        self._step.reset()
+        whole, shard, replicate = self._groups(group, device_mesh)
+        size = shard.world_size if shard is not None else 1
+        place = shard.rank if shard is not None else 0
+        old_place = self.shard_group.rank if self.shard_group is not None else 0
+        if size != self._shard_size or place != old_place:
+            raise ConfigurationError(
+                f"FSDP.rebind: the new groups shard {size} ways with this rank at shard {place}; the model is "
+                f"sharded {self._shard_size} ways with this rank at shard {old_place}: only the replicate dimension "
+                f"may change")
+        self.group, self.shard_group, self.replicate_group = whole, shard, replicate
+        self._comm = self.shard_group if self._shard_size > 1 else self.replicate_group
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """Return this rank's shards by :meth:`named_parameters` name: views, no communication.
+
+        What a rank at the same shard place of another replica loads with
+        :meth:`load_local_state_dict` (``ferro.elastic`` heals a replica this way).
+        """
+        return {name: self._shard_view(shard) for name, shard in self.named_parameters()}
+
+    def _shard_view(self, shard: Any) -> np.ndarray:
+        """Return a shard's elements as a writable NumPy view (torch: of the same memory)."""
+        return self._tensors.array_of(shard.detach()) if self._torch else self._tensors.values(shard)
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy shards saved by :meth:`local_state_dict` (same shard place) into this rank's, in place.
+
+        Raises:
+            KeyError: A shard is missing.
+            ValueError: A shard's size differs (another sharding or another model).
+
+        """
+        for name, shard in self.named_parameters():
+            if name not in state:
+                raise KeyError(f"FSDP.load_local_state_dict: no value for {name!r}")
+            target = self._shard_view(shard)
+            value = self._tensors.array_of(state[name]).reshape(-1)
+            if value.size != target.size:
+                raise ValueError(f"FSDP.load_local_state_dict: {name!r} holds {value.size} elements; this rank's "
+                                 f"shard holds {target.size}")
+            target[...] = value
+
     # --- state ----------------------------------------------------------------------------
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, Any]:

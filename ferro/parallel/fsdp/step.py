@@ -240,6 +240,36 @@ class StepHooks:
                 self._last_order = self._forward_order
             self.in_step = False
 
+    def reset(self) -> None:
+        """Forget a step that failed part-way (a lost rank): every unit back to its shard, no gradient kept.
+
+        A gather or reduction still queued on the old group is waited for (its
+        group is closed, so it fails at once) before its buffers are freed: a
+        torch buffer is released in place, under a collective that might still
+        write into it. Partial gradients are dropped, so the step can be redone.
+        """
+        for unit in self.fsdp.units:
+            if unit.pending is not None:
+                with contextlib.suppress(BaseException):  # the step's failure was already reported
+                    unit.pending.wait()
+                unit.pending = None
+            for group in unit.groups:
+                self.fsdp._tensors.take_grad(group)
+            if unit.state is not UnitState.SHARDED:
+                for group in unit.groups:
+                    self.fsdp._tensors.uninstall(group)
+                    self.fsdp._tensors.free(group)
+                unit.state = UnitState.SHARDED
+            unit.backward_started = unit.reduced = False
+            unit.grads_waiting = 0
+        for _unit, wait in self.reduces:
+            with contextlib.suppress(BaseException):
+                wait()
+        self.reduces = []
+        self.in_step = self._finish_queued = False
+        self._position = self._backward_position = 0
+        self._forward_order = []
+
     # --- gathering and freeing ---------------------------------------------------------
 
     def _prefetch(self, unit: Unit, tag: int) -> None:
