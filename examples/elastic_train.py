@@ -82,6 +82,9 @@ def main() -> int:
                         help="the PyTorch model through torch's own DistributedDataParallel (the 'ferro' backend)")
     parser.add_argument("--replica-size", type=int, default=1,
                         help="ranks per replica: >1 shards the model within each replica (hybrid-sharded FSDP)")
+    parser.add_argument("--wait-for-size", type=int, default=0,
+                        help="slow each of the last 20 steps by 0.5 s while fewer ranks than this train, so a "
+                             "replacement has time to join before the end (the tests use it)")
     parser.add_argument("--backend", default="tcp", choices=("tcp", "shm"), help="each epoch's group")
     parser.add_argument("--out", help="rank 0 saves the final parameters here (.npz) with a log of the steps")
     args = parser.parse_args()
@@ -128,6 +131,8 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGSTOP)
             if args.sleep:
                 time.sleep(args.sleep)
+            if step.world_size < args.wait_for_size and step.number >= args.steps - 20:
+                time.sleep(0.5)
             if args.torch:
                 loss_tensor.backward()  # DDP averages the buckets during backward
             else:

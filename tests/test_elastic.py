@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ import pytest
 import ferro
 from ferro import nn
 from ferro.elastic import ElasticSampler, Manager, Step, keys, membership_failure
+from ferro.elastic.membership import whole_replicas
 from ferro.elastic.transfer import receive_state, send_state
 from ferro.errors import (
     CollectiveMismatchError,
@@ -67,13 +69,14 @@ def reference() -> dict[str, np.ndarray]:
 
 
 def _run(tmp_path, *args: str, script: str = EXAMPLE, restarts: int = 1, min_size: int | None = None,
-         heartbeat: float = 10.0) -> subprocess.CompletedProcess:
+         heartbeat: float = 10.0, grow_to: int = 4) -> subprocess.CompletedProcess:
+    """Run the example under ``ferro run``; its last steps slow down until ``grow_to`` ranks train again."""
     command = [sys.executable, "-m", "ferro", "run", "--nproc-per-node", "4", "--restart-policy", "rank",
                "--max-restarts", str(restarts), "--heartbeat-timeout", str(heartbeat), "--grace", "2"]
     if min_size is not None:
         command += ["--min-size", str(min_size)]
     return subprocess.run([*command, script, "--steps", str(STEPS), "--float64", "--sleep", "0.02",
-                           "--out", str(tmp_path / "final.npz"), *args],
+                           "--wait-for-size", str(grow_to), "--out", str(tmp_path / "final.npz"), *args],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
 
 
@@ -94,8 +97,9 @@ def _check_exact(tmp_path, done: subprocess.CompletedProcess, reference: dict[st
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kill, options", [("0:20", []), ("2:20", []), ("1:20,3:20", []),
                                            ("0:20", ["--backend", "shm"]),
-                                           ("2:5", ["--torch", "--sleep", "0.1"])],  # time for torch to import
-                         ids=["rank 0", "a middle rank", "two at once", "rank 0, shared memory", "a torch module"])
+                                           ("2:5", ["--torch"]), ("0:5", ["--torch-ddp"])],
+                         ids=["rank 0", "a middle rank", "two at once", "rank 0, shared memory", "a torch module",
+                              "torch's own DDP, rank 0"])
 def test_sigkilled_ranks_are_survived_in_place_and_training_is_exact(tmp_path, reference, kill, options):
     if "--torch" in options:
         pytest.importorskip("torch", reason="the torch variant needs torch (pip install '.[test]')")
@@ -111,6 +115,71 @@ def test_sigkilled_ranks_are_survived_in_place_and_training_is_exact(tmp_path, r
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill", ["1:20", "0:20"], ids=["a replica's second rank", "rank 0"])
+def test_a_hybrid_sharded_replica_that_loses_a_rank_drops_out_whole_and_heals(tmp_path, reference, kill):
+    done = _run(tmp_path, "--kill", kill, "--replica-size", "2")
+    history = _check_exact(tmp_path, done, reference)
+    lost = int(kill.split(":")[0])
+    mate = lost ^ 1  # the other rank of its replica (pairs 0-1 and 2-3)
+    assert f"member {mate}.0: its replica lost a rank; waiting out of epoch 1 until it is whole again" in done.stderr
+    saver = [change["members"] for change in history]
+    assert saver[-1] == ["0.0", "1.1", "2.0", "3.0"] if lost == 1 else ["0.1", "1.0", "2.0", "3.0"], saver
+    if lost == 1:  # rank 0 waited out, then rejoined: it trained in epoch 0 and from the heal on
+        assert [len(members) for members in saver] == [4, 4], saver
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_sharding_stops_cleanly_when_every_replica_lost_a_rank(tmp_path):
+    done = _run(tmp_path, "--kill", "1:10,2:10", "--replica-size", "2", grow_to=0)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("ferro run: job failed: only 0 rank(s) left (), fewer than min_size=1: training stops (0.0, 3.0 alive "
+            "but out of training: their replicas of 2 ranks each lost a rank)") in done.stderr, done.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not can_create_namespaces(), reason="two emulated hosts need root and iproute2's ip")
+@pytest.mark.parametrize("min_nodes", [1, 2])
+def test_a_lost_node_is_noticed_by_its_lease_and_min_nodes_holds(tmp_path, reference, min_nodes):
+    with two_hosts() as (names, master):
+        env = dict(os.environ, FERRO_SECRET="elastic-node-loss")
+        port = str(free_port("127.0.0.1"))
+        logs = [tmp_path / f"node{node}.txt" for node in range(2)]
+        launchers = []
+        for node, name in enumerate(names):
+            with open(logs[node], "w") as out:
+                launchers.append(subprocess.Popen(
+                    ["ip", "netns", "exec", name, sys.executable, "-m", "ferro", "run", "--nnodes", "2",
+                     "--node-rank", str(node), "--nproc-per-node", "2", "--master-addr", master, "--master-port",
+                     port, "--restart-policy", "rank", "--min-nodes", str(min_nodes), "--heartbeat-timeout", "2",
+                     "--grace", "2", EXAMPLE, "--steps", str(STEPS), "--float64", "--sleep", "0.1", "--out",
+                     str(tmp_path / "final.npz")], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path))
+        try:
+            deadline = time.monotonic() + 120
+            while "step 0: loss" not in logs[0].read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)
+            launchers[1].kill()  # node 1 goes whole: its launcher, and with it (parent-death signal) its ranks
+            codes = [launcher.wait(timeout=200) for launcher in launchers]
+        finally:
+            for launcher in launchers:
+                launcher.kill()
+    text = logs[0].read_text()
+    assert "ferro run: node 1's launcher sent nothing for 2." in text, text
+    assert "its ranks (2.0, 3.0) are taken for lost" in text
+    if min_nodes == 1:
+        assert codes[0] == 0, text
+        history = _check_exact(tmp_path, subprocess.CompletedProcess([], 0, text, text), reference)
+        assert [len(change["members"]) for change in history][-1] == 2
+    else:
+        assert codes[0] == 1, text
+        message = "ranks on only 1 node(s) left (node(s) 0: 0.0, 1.0), fewer than min_nodes=2: training stops"
+        assert f"ferro run: job failed: {message}" in text
+        for rank in (0, 1):
+            assert f"[rank {rank}] ferro.QuorumLostError: member {rank}.0: {message}" in text
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not can_create_namespaces(), reason="two emulated hosts need root and iproute2's ip")
 def test_two_hosts_survive_a_rank_of_the_second_host_in_place(tmp_path, reference):
     with two_hosts() as (names, master):
@@ -120,7 +189,8 @@ def test_two_hosts_survive_a_rank_of_the_second_host_in_place(tmp_path, referenc
             ["ip", "netns", "exec", name, sys.executable, "-m", "ferro", "run", "--nnodes", "2", "--node-rank",
              str(node), "--nproc-per-node", "2", "--master-addr", master, "--master-port", port,
              "--restart-policy", "rank", "--max-restarts", "1", "--grace", "2", EXAMPLE, "--steps", str(STEPS),
-             "--float64", "--sleep", "0.02", "--kill", "3:20", "--out", str(tmp_path / "final.npz")],
+             "--float64", "--sleep", "0.02", "--wait-for-size", "4", "--kill", "3:20", "--out",
+             str(tmp_path / "final.npz")],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path) for node, name in
             enumerate(names)]
         outputs = [launcher.communicate(timeout=240) for launcher in launchers]
@@ -155,7 +225,7 @@ def test_deaths_during_recovery_end_correctly(tmp_path, reference, die_in):
 
 @pytest.mark.timeout(300)
 def test_below_min_size_every_rank_stops_with_one_clear_error(tmp_path):
-    done = _run(tmp_path, "--kill", "1:10,2:10", restarts=0, min_size=3)
+    done = _run(tmp_path, "--kill", "1:10,2:10", restarts=0, min_size=3, grow_to=0)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "ferro run: job failed: only 2 rank(s) left (0.0, 3.0), fewer than min_size=3: training stops" in done.stderr
     for rank in (0, 3):  # the same error on every survivor
@@ -170,11 +240,18 @@ def test_the_manager_needs_the_in_place_launcher(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, message", [(["--min-size", "5"], "--min-size must be between 1 and the 4 ranks"),
+                                            (["--min-nodes", "2"], "--min-nodes must be between 1 and the 1 node(s)"),
                                             (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be positive")])
 def test_ferro_run_refuses_bad_elastic_settings(tmp_path, flags, message):
     done = subprocess.run([sys.executable, "-m", "ferro", "run", "--nproc-per-node", "4", "--restart-policy", "rank",
                            *flags, EXAMPLE], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr
+
+
+def test_min_size_and_min_nodes_need_the_in_place_policy(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "ferro", "run", "--nproc-per-node", "2", "--min-size", "2",
+                           EXAMPLE], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2 and "--min-size and --min-nodes apply to --restart-policy rank" in done.stderr
 
 
 # --- the protocol on threads: deaths written by the test, as the agent would --------------------------------
@@ -239,6 +316,66 @@ def test_a_member_left_out_of_an_epoch_is_told():
 
         with pytest.raises(MembershipError, match="epoch 1 formed without it"):
             Membership(store, "1.0").settle(1, ["0.0", "1.0"], 0, timeout=5)
+
+
+def test_whole_replicas_train_in_launch_order_and_broken_ones_wait():
+    assert whole_replicas(["2.0", "0.0", "1.0"], 1) == (["2.0", "0.0", "1.0"], [])  # one rank each: all, as given
+    assert whole_replicas(["0.0", "2.0", "3.0", "1.1"], 2) == (["0.0", "1.1", "2.0", "3.0"], [])
+    assert whole_replicas(["3.0", "0.0", "2.0"], 2) == (["2.0", "3.0"], ["0.0"])
+    assert whole_replicas(["0.0", "4.1", "5.0", "3.0"], 3) == (["3.0", "4.1", "5.0"], ["0.0"])
+
+
+def test_a_waiting_member_is_invited_back_or_told_it_was_left_out():
+    port = free_port("127.0.0.1")
+    with Store("127.0.0.1", port, secret=b"t", serve=True) as store:
+        from ferro.elastic.membership import Membership
+
+        store.set(keys.epoch(1, "members"), json.dumps({"members": ["2.0", "3.0"], "joins": 1, "waiting": ["0.0"]}))
+        store.set(keys.epoch(2, "invited"), json.dumps({"invited": ["0.0", "1.1"], "joins": 1, "waiting": []}))
+        invitation = Membership(store, "0.0").wait_for_invitation(None, 2)
+        assert invitation is not None and (invitation.number, invitation.previous) == (2, ("2.0", "3.0"))
+        store.set(keys.epoch(2, "members"), json.dumps({"members": ["2.0", "3.0"], "joins": 1}))
+        with pytest.raises(MembershipError, match="epoch 2 considered this member and left it out"):
+            Membership(store, "1.0").wait_for_invitation(None, 2)
+
+
+@pytest.mark.timeout(120)
+def test_torch_ddp_and_fsdp_refuse_what_the_manager_sets():
+    torch = pytest.importorskip("torch", reason="torch's DDP needs torch (pip install '.[test]')")
+    port = free_port("127.0.0.1")
+    with Store("127.0.0.1", port, secret=b"t", serve=True) as server:
+        manager = Manager(store=server.clone(), member="0.0", members=["0.0"], secret=b"t", timeout=20)
+        try:
+            with pytest.raises(ConfigurationError, match="the manager sets init_sync, process_group"):
+                manager.torch_ddp(torch.nn.Linear(2, 2), process_group=None, init_sync=True)
+            with pytest.raises(ConfigurationError, match="give Manager\\(replica_size=N\\)"):
+                manager.fsdp(nn.Linear(2, 2))
+            ddp = manager.torch_ddp(torch.nn.Linear(2, 2))
+            assert ddp.process_group.size() == 1 and ddp.process_group.name() == "ferro"
+        finally:
+            manager.close()
+
+
+def test_fsdp_rebind_keeps_the_sharding_and_moves_local_shards():
+    def body(group):
+        mesh = ferro.init_device_mesh((2, 2), ("replicate", "shard"), group=group)
+        net = nn.Sequential(nn.Linear(6, 5, rng=np.random.default_rng(1), dtype=np.float64))
+        model = ferro.FSDP(net, device_mesh=mesh, sharding_strategy="hybrid_shard")
+        shards = model.local_state_dict()
+        same = ferro.init_device_mesh((2, 2), ("replicate", "shard"), group=group)
+        model.rebind(device_mesh=same)  # new sub-groups, same layout: accepted
+        assert model.shard_group is same.get_group(1) and model.replicate_group is same.get_group(0)
+        other = ferro.init_device_mesh((1, 4), ("replicate", "shard"), group=group)
+        with pytest.raises(ConfigurationError, match="only the replicate dimension may change"):
+            model.rebind(device_mesh=other)
+        model.load_local_state_dict({name: np.full_like(value, group.rank) for name, value in shards.items()})
+        with pytest.raises(ValueError, match="holds 3 elements"):
+            model.load_local_state_dict({name: np.zeros(3) for name in shards})
+        return {name: value.copy() for name, value in model.local_state_dict().items()}
+
+    for rank, state in enumerate(run_threads(body, 4)):
+        for value in state.values():
+            np.testing.assert_array_equal(value, np.full_like(value, rank))
 
 
 # --- the pieces -----------------------------------------------------------------------------------------

@@ -72,6 +72,15 @@ def membership_failure(exc: BaseException) -> BaseException | None:
     return None
 
 
+def _cause(failure: BaseException) -> str:
+    """Name a step's failure by the ferro error in it (torch wraps them in RuntimeErrors)."""
+    found = membership_failure(failure) or failure
+    name = type(found).__name__
+    if not isinstance(found, _MEMBERSHIP_FAILURES):
+        name = next((n for n in _FAILURE_NAMES if n in str(found)), name)
+    return f"{name}: {str(failure).splitlines()[0] if str(failure) else ''}"
+
+
 class _LocalShards:
     """What a rejoining rank receives of a hybrid-sharded model: the shards at its place (no communication)."""
 
@@ -341,8 +350,10 @@ class Manager:
 
         if isinstance(obj, FSDP):
             self._tracked.append(lambda: obj.rebind(device_mesh=self._mesh()))
-        elif hasattr(obj, "_update_process_group"):  # torch's DDP: made to shrink and grow (torch >= 2.2)
-            self._tracked.append(lambda: obj._update_process_group(self.torch_process_group()))
+        elif hasattr(obj, "_ddp_init_helper"):  # torch's DistributedDataParallel
+            from ferro.elastic._torch import rebind_torch_ddp
+
+            self._tracked.append(lambda: rebind_torch_ddp(obj, self.torch_process_group()))
         elif callable(getattr(obj, "rebind", None)):
             self._tracked.append(lambda: obj.rebind(self._group()))
         else:
@@ -376,10 +387,10 @@ class Manager:
     def torch_ddp(self, module: Any, **options: Any) -> Any:
         """Return torch's own ``DistributedDataParallel`` of ``module`` on the ``"ferro"`` backend, following changes.
 
-        One DDP serves the whole run: at each membership change it is given
-        the new epoch's torch group (``DistributedDataParallel._update_process_group``,
-        torch's way to shrink and grow DDP), so it averages over the ranks of
-        the step being trained. Parameters are not broadcast here: the first
+        One DDP serves the whole run: at each membership change every rank
+        gives it a fresh reducer over the new epoch's torch group (see
+        :mod:`ferro.elastic._torch` for why not torch's ``_update_process_group``),
+        so it averages over the ranks of the step being trained. Parameters are not broadcast here: the first
         :meth:`steps` iteration makes every rank's state the healthy ranks'.
 
         Args:
@@ -545,8 +556,7 @@ class Manager:
         self._leave_group()
         epoch = self.epoch
         assert epoch is not None
-        self._next_epoch([], epoch.joins, f"{type(failure).__name__}: {str(failure).splitlines()[0]}", started,
-                         list(epoch.waiting))
+        self._next_epoch([], epoch.joins, _cause(failure), started, list(epoch.waiting))
 
     def _leave_group(self) -> None:
         old, self.group = self.group, None
