@@ -16,6 +16,10 @@ every step it completes with the time; the kill is logged just before it.
   starts (``--min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000``); its own defaults otherwise.
 * ``ferro-elastic-2hosts``: ``ferro-elastic`` on two emulated hosts of two ranks each (network
   namespaces joined by a veth pair, one ``ferro run`` per host; needs root), the killed rank on the first.
+* On request (``--modes``): ``ferro-elastic-torch-ddp``, the same model in PyTorch through torch's own
+  ``DistributedDataParallel`` (``Manager.torch_ddp``); ``ferro-elastic-hsdp``, ``ferro.FSDP`` hybrid-sharded
+  over pairs of ranks (``Manager(replica_size=2).fsdp``): rank 1's pair drops out whole until its
+  replacement joins, so it trains at 2 ranks meanwhile.
 
 Reported per run: ``recover`` (kill -> the first step completed after it),
 ``lost`` (steps trained before the kill and trained again), ``healed`` (kill ->
@@ -48,6 +52,8 @@ import numpy as np  # noqa: E402
 WIDTH, BATCH, KILL_STEP, KILLED_RANK, CHECKPOINT_EVERY = 5000, 16, 50, 1, 20
 LAUNCH_TIMEOUT = 600.0  # seconds a whole run may take before it counts as hung
 MODES = ("ferro-elastic", "ferro-elastic-2hosts", "ferro-restart", "torchrun-gloo", "torchft-gloo")
+#: ferro.elastic beyond ferro.DDP, run on request (--modes): torch's own DDP, and hybrid-sharded FSDP in pairs.
+MORE_MODES = ("ferro-elastic-torch-ddp", "ferro-elastic-hsdp")
 
 
 # --- the rank programs ----------------------------------------------------------------------------------------
@@ -80,15 +86,21 @@ def _ferro_model():
     return net, nn.SGD(net.parameters(), lr=1e-4, momentum=0.9)
 
 
-def worker_ferro_elastic(directory: str, steps: int) -> None:
+def worker_ferro_elastic(directory: str, steps: int, hybrid: bool = False) -> None:
+    from ferro import nn
     from ferro.elastic import ElasticSampler, Manager
 
     rank = int(os.environ["RANK"])
     log, (x, y) = _Log(directory, rank), _data()
     net, optimizer = _ferro_model()
-    manager = Manager()
-    model = manager.ddp(net)
-    manager.register(model=net, optimizer=optimizer)
+    manager = Manager(replica_size=2 if hybrid else 1)
+    if hybrid:  # pairs of ranks shard the model; the pair that loses a rank waits for its replacement
+        model = manager.fsdp(net)
+        optimizer = nn.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        manager.register(optimizer=optimizer)
+    else:
+        model = manager.ddp(net)
+        manager.register(model=net, optimizer=optimizer)
     first_life = os.environ.get("FERRO_RESTART_COUNT", "0") == "0"
     for step in manager.steps(steps, ElasticSampler(len(x), BATCH)):
         with step:
@@ -97,6 +109,39 @@ def worker_ferro_elastic(directory: str, steps: int) -> None:
             out = model(x[index])
             _maybe_kill(log, rank, step.number, first_life)
             model.backward((out - y[index]) * (2 * step.shard.loss_weight / out.size))
+            optimizer.step()
+            log.write(step=step.number, world=step.world_size)
+    log.write(history=[change.__dict__ for change in manager.history])
+    manager.close()
+
+
+def worker_ferro_elastic_hsdp(directory: str, steps: int) -> None:
+    worker_ferro_elastic(directory, steps, hybrid=True)
+
+
+def worker_ferro_elastic_torch_ddp(directory: str, steps: int) -> None:
+    import torch
+
+    from ferro.elastic import ElasticSampler, Manager
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    log, (x, y) = _Log(directory, rank), _data()
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    torch.manual_seed(1)
+    net = torch.nn.Linear(WIDTH, WIDTH)
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
+    manager = Manager()
+    model = manager.torch_ddp(net)
+    manager.register(model=net, optimizer=optimizer)
+    first_life = os.environ.get("FERRO_RESTART_COUNT", "0") == "0"
+    for step in manager.steps(steps, ElasticSampler(len(x), BATCH)):
+        with step:
+            index = torch.from_numpy(step.shard.indices)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x[index]), y[index]) * step.shard.loss_weight
+            _maybe_kill(log, rank, step.number, first_life)
+            loss.backward()
             optimizer.step()
             log.write(step=step.number, world=step.world_size)
     log.write(history=[change.__dict__ for change in manager.history])
@@ -288,6 +333,7 @@ def _launch(mode: str, directory: str, steps: int) -> tuple[float, str]:
     """Run one job; return its wall time and "" or what went wrong."""
     me = os.path.abspath(__file__)
     worker = [me, "--worker", mode.removesuffix("-2hosts"), "--dir", directory, "--steps", str(steps)]
+    elastic = mode.startswith("ferro-elastic")
     if mode == "ferro-elastic-2hosts":
         return _launch_two_hosts(worker)
     if mode == "torchft-gloo":
@@ -296,7 +342,7 @@ def _launch(mode: str, directory: str, steps: int) -> tuple[float, str]:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1",
                    "--standalone", *worker]
     else:
-        policy = ["--restart-policy", "rank"] if mode == "ferro-elastic" else []
+        policy = ["--restart-policy", "rank"] if elastic else []
         command = [sys.executable, "-m", "ferro", "run", "--nproc-per-node", "4", "--max-restarts", "1", *policy,
                    "--grace", "2", *worker]
     start = time.time()
@@ -377,12 +423,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, of {', '.join(MODES + MORE_MODES)} (default: the first five)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         {"ferro-elastic": worker_ferro_elastic, "ferro-restart": worker_ferro_restart,
+         "ferro-elastic-torch-ddp": worker_ferro_elastic_torch_ddp, "ferro-elastic-hsdp": worker_ferro_elastic_hsdp,
          "torchrun-gloo": worker_torchrun_gloo, "torchft-gloo": worker_torchft_gloo}[args.worker](args.dir, args.steps)
         return 0
     modes = args.modes.split(",")

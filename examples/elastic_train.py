@@ -106,7 +106,12 @@ def main() -> int:
                      nn.SGD(model.parameters(), lr=args.lr, momentum=0.9))
         manager.register(optimizer=optimizer)
     else:
-        model = manager.torch_ddp(net) if args.torch_ddp else manager.ddp(net)
+        if args.torch_ddp:
+            from ferro.interop.torch_elastic import elastic_ddp
+
+            model = elastic_ddp(manager, net)  # torch's own DistributedDataParallel, re-pointed at each change
+        else:
+            model = manager.ddp(net)
         manager.register(model=net, optimizer=optimizer)
     criterion = nn.MSELoss()
     sampler = ElasticSampler(len(x), args.batch_size, seed=0)

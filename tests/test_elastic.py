@@ -342,15 +342,19 @@ def test_a_waiting_member_is_invited_back_or_told_it_was_left_out():
 @pytest.mark.timeout(120)
 def test_torch_ddp_and_fsdp_refuse_what_the_manager_sets():
     torch = pytest.importorskip("torch", reason="torch's DDP needs torch (pip install '.[test]')")
+    from ferro.interop.torch_elastic import elastic_ddp
+
     port = free_port("127.0.0.1")
     with Store("127.0.0.1", port, secret=b"t", serve=True) as server:
         manager = Manager(store=server.clone(), member="0.0", members=["0.0"], secret=b"t", timeout=20)
         try:
-            with pytest.raises(ConfigurationError, match="the manager sets init_sync, process_group"):
-                manager.torch_ddp(torch.nn.Linear(2, 2), process_group=None, init_sync=True)
+            with pytest.raises(ConfigurationError, match="init_sync, process_group are set here"):
+                elastic_ddp(manager, torch.nn.Linear(2, 2), process_group=None, init_sync=True)
             with pytest.raises(ConfigurationError, match="give Manager\\(replica_size=N\\)"):
                 manager.fsdp(nn.Linear(2, 2))
-            ddp = manager.torch_ddp(torch.nn.Linear(2, 2))
+            with pytest.raises(ConfigurationError, match="has no rebind"):
+                manager.track(torch.nn.Linear(2, 2))
+            ddp = elastic_ddp(manager, torch.nn.Linear(2, 2))
             assert ddp.process_group.size() == 1 and ddp.process_group.name() == "ferro"
         finally:
             manager.close()

@@ -31,6 +31,7 @@ from ferro.errors import (
     TransportError,
 )
 from ferro.parallel.ddp import DDP
+from ferro.parallel.fsdp import FSDP
 from ferro.rendezvous.scoped import ScopedStore
 from ferro.rendezvous.settings import default_timeout, job_secret, parse_port
 from ferro.rendezvous.store import Store
@@ -337,28 +338,21 @@ class Manager:
     def track(self, obj: Any) -> Any:
         """Re-point ``obj`` at every new group; return it.
 
-        ``obj`` is a :class:`~ferro.DDP` (``obj.rebind(group)``), a torch
-        ``DistributedDataParallel`` built on :meth:`torch_process_group`
-        (given each epoch's torch group), or a :class:`~ferro.FSDP` built on
-        :attr:`mesh` (given each epoch's mesh).
+        ``obj`` is a :class:`~ferro.FSDP` built on :attr:`mesh` (given each
+        epoch's mesh), or anything with ``rebind(group)``: a :class:`~ferro.DDP`,
+        or what :func:`ferro.interop.torch_elastic.elastic_ddp` tracks for torch's DDP.
 
         Raises:
-            ConfigurationError: ``obj`` is none of these.
+            ConfigurationError: ``obj`` is neither.
 
         """
-        from ferro.parallel.fsdp import FSDP
-
         if isinstance(obj, FSDP):
             self._tracked.append(lambda: obj.rebind(device_mesh=self._mesh()))
-        elif hasattr(obj, "_ddp_init_helper"):  # torch's DistributedDataParallel
-            from ferro.elastic._torch import rebind_torch_ddp
-
-            self._tracked.append(lambda: rebind_torch_ddp(obj, self.torch_process_group()))
         elif callable(getattr(obj, "rebind", None)):
             self._tracked.append(lambda: obj.rebind(self._group()))
         else:
-            raise ConfigurationError(f"ferro.elastic.Manager.track: {type(obj).__name__} is not a ferro.DDP, "
-                                     f"ferro.FSDP or torch DistributedDataParallel")
+            raise ConfigurationError(f"ferro.elastic.Manager.track: {type(obj).__name__} has no rebind(group) and is "
+                                     f"not a ferro.FSDP (for torch's DDP use ferro.interop.torch_elastic.elastic_ddp)")
         return obj
 
     def ddp(self, module: Any, **options: Any) -> DDP:
@@ -369,60 +363,7 @@ class Manager:
         """
         return self.track(DDP(module, group=self._group(), broadcast_parameters=False, **options))
 
-    def torch_process_group(self) -> Any:
-        """Return a torch ``ProcessGroup`` over the current group (the ``"ferro"`` backend's); valid for this epoch.
-
-        For torch code that takes a process group; :meth:`torch_ddp` and
-        :meth:`track` hand a torch DDP the next epoch's group themselves.
-
-        Raises:
-            ImportError: torch is not installed (``pip install 'ferro[torch]'``).
-
-        """
-        from ferro.interop.torch import ProcessGroupFerro
-
-        epoch = self.epoch.number if self.epoch is not None else 0
-        return ProcessGroupFerro(self._group(), f"ferro-elastic-{epoch}")
-
-    def torch_ddp(self, module: Any, **options: Any) -> Any:
-        """Return torch's own ``DistributedDataParallel`` of ``module`` on the ``"ferro"`` backend, following changes.
-
-        One DDP serves the whole run: at each membership change every rank
-        gives it a fresh reducer over the new epoch's torch group (see
-        :mod:`ferro.elastic._torch` for why not torch's ``_update_process_group``),
-        so it averages over the ranks of the step being trained. Parameters are not broadcast here: the first
-        :meth:`steps` iteration makes every rank's state the healthy ranks'.
-
-        Args:
-            module: A CPU ``torch.nn.Module``.
-            **options: DDP's own (``bucket_cap_mb``, ``find_unused_parameters``, ...), except
-                ``process_group``, ``device_mesh`` and ``init_sync``, which the manager sets.
-
-        Raises:
-            ConfigurationError: One of the options the manager sets.
-            ImportError: torch is not installed.
-
-        Example::
-
-            model = manager.torch_ddp(net)
-            manager.register(model=net, optimizer=optimizer)   # a torch.optim optimizer
-            for step in manager.steps(200, sampler):
-                with step:
-                    optimizer.zero_grad()
-                    loss = loss_fn(model(x[step.shard.indices]), y[step.shard.indices]) * step.shard.loss_weight
-                    loss.backward()
-                    optimizer.step()
-
-        """
-        taken = sorted({"process_group", "device_mesh", "init_sync"} & set(options))
-        if taken:
-            raise ConfigurationError(f"ferro.elastic.Manager.torch_ddp: the manager sets {', '.join(taken)}")
-        from torch.nn.parallel import DistributedDataParallel
-
-        ddp = DistributedDataParallel(module, process_group=self.torch_process_group(), init_sync=False, **options)
-        return self.track(ddp)
-
-    def fsdp(self, module: Any, **options: Any) -> Any:
+    def fsdp(self, module: Any, **options: Any) -> FSDP:
         """Return a hybrid-sharded :class:`~ferro.FSDP` of ``module`` over :attr:`mesh`, following every change.
 
         Each replica (``replica_size`` ranks) shards one copy of the model;
@@ -442,8 +383,6 @@ class Manager:
             ConfigurationError: ``replica_size`` is 1 (use :meth:`ddp`), or an option the manager sets.
 
         """
-        from ferro.parallel.fsdp import FSDP
-
         if self.replica_size == 1:
             raise ConfigurationError("ferro.elastic.Manager.fsdp: give Manager(replica_size=N), the ranks that shard "
                                      "one copy of the model; with whole copies on every rank use manager.ddp()")

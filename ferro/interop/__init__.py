@@ -4,4 +4,6 @@
   (``init_process_group("ferro")``), so torch's own DDP and FSDP run on ferro's
   transports. Importing this package imports nothing optional; the torch module
   needs torch.
+* :mod:`ferro.interop.torch_elastic`: torch's own ``DistributedDataParallel``
+  under :class:`ferro.elastic.Manager` (``elastic_ddp``), through lost and returning ranks.
 """
