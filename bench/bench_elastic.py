@@ -17,9 +17,9 @@ every step it completes with the time; the kill is logged just before it.
 * ``ferro-elastic-2hosts``: ``ferro-elastic`` on two emulated hosts of two ranks each (network
   namespaces joined by a veth pair, one ``ferro run`` per host; needs root), the killed rank on the first.
 * On request (``--modes``): ``ferro-elastic-torch-ddp``, the same model in PyTorch through torch's own
-  ``DistributedDataParallel`` (``Manager.torch_ddp``); ``ferro-elastic-hsdp``, ``ferro.FSDP`` hybrid-sharded
-  over pairs of ranks (``Manager(replica_size=2).fsdp``): rank 1's pair drops out whole until its
-  replacement joins, so it trains at 2 ranks meanwhile.
+  ``DistributedDataParallel`` (``ferro.interop.torch_elastic.elastic_ddp``); ``ferro-elastic-hsdp``,
+  ``ferro.FSDP`` hybrid-sharded over pairs of ranks (``Manager(replica_size=2).fsdp``): rank 1's pair drops
+  out whole until its replacement joins, so it trains at 2 ranks meanwhile.
 
 Reported per run: ``recover`` (kill -> the first step completed after it),
 ``lost`` (steps trained before the kill and trained again), ``healed`` (kill ->
@@ -123,6 +123,7 @@ def worker_ferro_elastic_torch_ddp(directory: str, steps: int) -> None:
     import torch
 
     from ferro.elastic import ElasticSampler, Manager
+    from ferro.interop.torch_elastic import elastic_ddp
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -132,7 +133,7 @@ def worker_ferro_elastic_torch_ddp(directory: str, steps: int) -> None:
     net = torch.nn.Linear(WIDTH, WIDTH)
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
     manager = Manager()
-    model = manager.torch_ddp(net)
+    model = elastic_ddp(manager, net)
     manager.register(model=net, optimizer=optimizer)
     first_life = os.environ.get("FERRO_RESTART_COUNT", "0") == "0"
     for step in manager.steps(steps, ElasticSampler(len(x), BATCH)):

@@ -233,6 +233,16 @@ def test_below_min_size_every_rank_stops_with_one_clear_error(tmp_path):
                 f"min_size=3" in done.stderr), done.stderr
 
 
+@pytest.mark.timeout(300)
+def test_when_every_rank_dies_at_once_the_replacements_say_so_and_stop(tmp_path):
+    done = _run(tmp_path, "--kill", "0:3,1:3,2:3,3:3", grow_to=0)
+    assert done.returncode == 1, done.stdout + done.stderr
+    message = ("every rank of epoch 0 ended (0.0, 1.0, 2.0, 3.0): no rank holds the training state any more, so "
+               "nothing can be joined")
+    assert f"ferro run: job failed: {message}" in done.stderr, done.stderr
+    assert f"QuorumLostError: member 2.1: the job stopped before it could join: {message}" in done.stderr
+
+
 def test_the_manager_needs_the_in_place_launcher(monkeypatch):
     monkeypatch.delenv("FERRO_ELASTIC", raising=False)
     with pytest.raises(ConfigurationError, match="--restart-policy rank"):

@@ -298,6 +298,7 @@ class Manager:
         self.mesh: DeviceMesh | None = None
         self.epoch: Epoch | None = None
         self._fresh = True  # state not yet synchronised with the group: rank 0's (or a source's) wins
+        self._initial = tuple(members)
         self._needs_sync = True
         started = time.time()
         if not joining:
@@ -309,7 +310,7 @@ class Manager:
 
     def _join(self, index: int | None, start: int, started: float) -> None:
         """Wait for an epoch from ``start`` on to invite this member (a replacement, or a replica's survivor)."""
-        invitation = self._membership.wait_for_invitation(index, start)
+        invitation = self._membership.wait_for_invitation(index, start, self._initial)
         if invitation is None:
             reason = self._membership.ended()
             if reason == "finished":

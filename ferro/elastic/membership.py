@@ -37,6 +37,8 @@ __all__ = ["Epoch", "Invitation", "Membership", "launch_rank", "whole_replicas"]
 # Seconds between looks at the store while a rendezvous or an invitation is pending.
 SETTLE_POLL_SECONDS = 0.002
 INVITE_POLL_SECONDS = 0.02
+# Seconds between a waiting member's looks at whether anyone is left to invite it.
+ORPHAN_POLL_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -173,13 +175,19 @@ class Membership:
         held = json.loads(bytes(self.store.compare_set(keys.epoch(number, "invited"), "", proposal)))
         return tuple(held["invited"]), int(held["joins"]), tuple(held.get("waiting", ()))
 
-    def wait_for_invitation(self, index: int | None, start: int = 1) -> Invitation | None:
-        """Wait until an epoch invites this member; None if the job finished first.
+    def wait_for_invitation(self, index: int | None, start: int = 1, initial: Sequence[str] = ()
+                            ) -> Invitation | None:
+        """Wait until an epoch invites this member; None if the job ended first.
+
+        Only the members of the latest epoch can invite: when every one of them
+        has ended, nobody holds the training state any more, and this records
+        the job as failed (saying so) rather than waiting forever.
 
         Args:
             index: This member's join request, or None for a member waiting since epoch ``start - 1``
                 for its replica to be whole again.
             start: The first epoch that may invite it.
+            initial: The members as launched (epoch 0's candidates, until it is decided).
 
         Raises:
             MembershipError: An epoch considered this member and left it out (neither admitted nor waiting).
@@ -187,9 +195,14 @@ class Membership:
 
         """
         number = start
+        next_look = 0.0
         while True:
             if self.ended() is not None:
                 return None
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + ORPHAN_POLL_SECONDS
+                if self._orphaned(number - 1, initial):
+                    return None
             record = self.decided(number)
             if record is not None:
                 considered = index is None or record.joins > index
@@ -207,6 +220,18 @@ class Membership:
                     return Invitation(number, previous.members, tuple(held["invited"]), int(held["joins"]),
                                       tuple(held.get("waiting", ())))
             time.sleep(INVITE_POLL_SECONDS)
+
+    def _orphaned(self, latest: int, initial: Sequence[str]) -> bool:
+        """Record the job failed if every member of epoch ``latest`` (the last decided) has ended; say whether."""
+        epoch = self.decided(latest) if latest >= 0 else None
+        members = epoch.members if epoch is not None else tuple(initial)
+        if not members or not all(self.is_dead(m) for m in members):
+            return False
+        if self.store.check([keys.epoch(latest + 1, "members")]):
+            return False  # a later epoch was decided meanwhile: the caller's next look finds it
+        self.store.compare_set(keys.failed(), "", f"every rank of epoch {max(latest, 0)} ended ({', '.join(members)}): "
+                               f"no rank holds the training state any more, so nothing can be joined")
+        return True
 
     # --- the rendezvous -----------------------------------------------------------
 
