@@ -9,8 +9,10 @@ transfer, the store view, and the protocol on threads with deaths written by the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -142,10 +144,12 @@ def test_hybrid_sharding_stops_cleanly_when_every_replica_lost_a_rank(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not can_create_namespaces(), reason="two emulated hosts need root and iproute2's ip")
-@pytest.mark.parametrize("min_nodes", [1, 2])
-def test_a_lost_node_is_noticed_by_its_lease_and_min_nodes_holds(tmp_path, reference, min_nodes):
+@pytest.mark.parametrize("how, min_nodes", [("killed", 1), ("frozen", 1), ("killed", 2)],
+                         ids=["node killed", "node frozen", "node killed below --min-nodes"])
+def test_a_lost_node_is_noticed_by_its_lease_and_min_nodes_holds(tmp_path, reference, how, min_nodes):
+    # A frozen node closes no connection: the survivors must not wait for the collective timeout (600 s here)
     with two_hosts() as (names, master):
-        env = dict(os.environ, FERRO_SECRET="elastic-node-loss")
+        env = dict(os.environ, FERRO_SECRET="elastic-node-loss", FERRO_TIMEOUT="600")
         port = str(free_port("127.0.0.1"))
         logs = [tmp_path / f"node{node}.txt" for node in range(2)]
         launchers = []
@@ -157,19 +161,31 @@ def test_a_lost_node_is_noticed_by_its_lease_and_min_nodes_holds(tmp_path, refer
                      port, "--restart-policy", "rank", "--min-nodes", str(min_nodes), "--heartbeat-timeout", "2",
                      "--grace", "2", EXAMPLE, "--steps", str(STEPS), "--float64", "--sleep", "0.1", "--out",
                      str(tmp_path / "final.npz")], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path))
+        frozen: list[int] = []
         try:
             deadline = time.monotonic() + 120
             while "step 0: loss" not in logs[0].read_text() and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(1.0)
-            launchers[1].kill()  # node 1 goes whole: its launcher, and with it (parent-death signal) its ranks
-            codes = [launcher.wait(timeout=200) for launcher in launchers]
+            if how == "frozen":  # the whole node stops: launcher and ranks, every connection left open
+                frozen = _process_tree(launchers[1].pid)
+                for pid in frozen:
+                    os.kill(pid, signal.SIGSTOP)
+            else:
+                launchers[1].kill()  # node 1 goes whole: its launcher, and with it (parent-death signal) its ranks
+            codes = [launchers[0].wait(timeout=150)]
         finally:
+            for pid in frozen:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             for launcher in launchers:
                 launcher.kill()
+                launcher.wait()
     text = logs[0].read_text()
     assert "ferro run: node 1's launcher sent nothing for 2." in text, text
     assert "its ranks (2.0, 3.0) are taken for lost" in text
+    if how == "frozen":
+        assert "member 0.0: the launcher recorded rank(s) 2, 3 of epoch 0 dead: cutting their connections" in text
     if min_nodes == 1:
         assert codes[0] == 0, text
         history = _check_exact(tmp_path, subprocess.CompletedProcess([], 0, text, text), reference)
@@ -180,6 +196,25 @@ def test_a_lost_node_is_noticed_by_its_lease_and_min_nodes_holds(tmp_path, refer
         assert f"ferro run: job failed: {message}" in text
         for rank in (0, 1):
             assert f"[rank {rank}] ferro.QuorumLostError: member {rank}.0: {message}" in text
+
+
+def _process_tree(pid: int) -> list[int]:
+    """Return ``pid`` and every process descended from it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue  # ended meanwhile
+            children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo += children.get(current, [])
+    return tree
 
 
 @pytest.mark.timeout(300)

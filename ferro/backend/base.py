@@ -261,6 +261,19 @@ class Backend(abc.ABC):
         waiting for its timeout. This default does nothing (peers then time out).
         """
 
+    def cut_peer(self, peer: int) -> bool:
+        """Break this rank's connection to ``peer`` from any thread: a call waiting on it fails at once.
+
+        For a peer known to be gone while its connection stays open (a lost
+        node, a frozen host): :mod:`ferro.elastic` cuts it when the launcher
+        records the peer dead. The group is unusable afterwards.
+
+        Returns:
+            Whether this backend could (the default cannot, and returns False).
+
+        """
+        return False
+
     @property
     def failure(self) -> str | None:
         """Why the group is unusable after a failed collective, or None while it is healthy."""

@@ -53,6 +53,10 @@ class SubBackend(Backend):
         """The channel's NCCL communicator, if it has one."""
         return self._channel.device_collectives
 
+    def cut_peer(self, peer: int) -> bool:
+        """Cut the channel's connection to sub-group rank ``peer`` (the channel's ranks are the sub-group's)."""
+        return self._channel.cut_peer(peer)
+
     def split_excluded(self, *, timeout: float | None = None) -> None:
         """Take part, left out, in a collective split of the channel."""
         self._channel.split_excluded(timeout=timeout)

@@ -211,6 +211,14 @@ class TcpBackend(StoreBackend, NativeCollectives):
         native.all_to_all(self._mesh, send, send_offsets, recv, recv_offsets, fingerprint, timeout)
         return True
 
+    def cut_peer(self, peer: int) -> bool:
+        """Close the connection to ``peer`` (safe from another thread: a waiter on it wakes and raises)."""
+        link = self._links.get(peer)
+        if link is None:
+            return False
+        link.close()
+        return True
+
     def abort_peers(self, payload: bytes) -> None:
         """Send an abort notice to every peer whose connection still works (one second each at most)."""
         self._aborted = True  # closing lingers, so that the notices arrive (see _release)

@@ -3,7 +3,8 @@
 Every key lives under ``ferro/elastic/`` on the job's store, which ``ferro run
 --restart-policy rank`` serves from its agent so that it outlives any rank.
 
-* ``dead/<member>``: the agent's record that a member's process ended (its words: "was killed by SIGKILL").
+* ``dead/<member>``: the agent's record that a member's process ended (its words: "was killed by SIGKILL"),
+  and ``deaths``: a counter of those records (what the ranks' watchers poll).
 * ``join/count`` and ``join/<k>``: replacements that asked to join, in order.
 * ``<epoch>/invited``: which join requests an epoch admits (JSON, first proposal wins).
 * ``<epoch>/here/<member>``: a member arrived at the epoch's rendezvous.
@@ -17,8 +18,8 @@ Every key lives under ``ferro/elastic/`` on the job's store, which ``ferro run
 
 from __future__ import annotations
 
-__all__ = ["ROOT", "agent_beat", "agent_done", "dead", "epoch", "failed", "finished", "join_count", "join_request",
-           "node_members"]
+__all__ = ["ROOT", "agent_beat", "agent_done", "dead", "deaths", "epoch", "failed", "finished", "join_count",
+           "join_request", "node_members"]
 
 ROOT = "ferro/elastic"
 
@@ -26,6 +27,11 @@ ROOT = "ferro/elastic"
 def dead(member: str) -> str:
     """Return the key the agent sets when ``member``'s process has ended."""
     return f"{ROOT}/dead/{member}"
+
+
+def deaths() -> str:
+    """Return the counter the agents add one to with every ``dead/<member>`` they write."""
+    return f"{ROOT}/deaths"
 
 
 def join_count() -> str:

@@ -24,6 +24,7 @@ from ferro.elastic.transfer import receive_state, send_state
 from ferro.errors import (
     ConfigurationError,
     ConnectionBrokenError,
+    DistributedError,
     DistributedTimeoutError,
     MembershipError,
     PeerLostError,
@@ -47,6 +48,8 @@ ELASTIC_ENV = "FERRO_ELASTIC"
 MIN_SIZE_ENV = "FERRO_MIN_SIZE"
 #: The job's minimum number of nodes with a rank training (``ferro run --min-nodes``).
 MIN_NODES_ENV = "FERRO_MIN_NODES"
+#: Seconds between the watcher's looks at the launcher's count of deaths.
+WATCH_SECONDS = 0.25
 
 # The errors that mean "a member is gone or unreachable": the step is abandoned and the group re-formed.
 # A mismatch or bad input is a bug in the program, not a membership change, and still raises.
@@ -80,6 +83,42 @@ def _cause(failure: BaseException) -> str:
     if not isinstance(found, _MEMBERSHIP_FAILURES):
         name = next((n for n in _FAILURE_NAMES if n in str(found)), name)
     return f"{name}: {str(failure).splitlines()[0] if str(failure) else ''}"
+
+
+class _Watcher:
+    """Cuts the current group's connections to members the launcher recorded dead, from a thread of its own.
+
+    A lost node or a frozen host closes no connection, so a rank waiting on it
+    would wait for the collective's timeout. The launcher records such members
+    dead (a node's lease ran out) and counts every record under ``deaths``;
+    this polls that one counter and, when it moved, cuts the connections to
+    current members now dead, so the step in flight fails at once.
+    """
+
+    def __init__(self, manager: Manager) -> None:
+        self._manager = manager
+        self._store = manager._store.clone()
+        self._membership = Membership(self._store, manager.member)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ferro-elastic-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        seen: tuple[int, int] | None = None
+        try:
+            while not self._stopped.wait(WATCH_SECONDS):
+                epoch = self._manager.epoch
+                look = (int(self._store.add(keys.deaths(), 0)), epoch.number if epoch is not None else -1)
+                if look != seen:
+                    seen = look
+                    self._manager._cut_dead(self._membership)
+        except DistributedError:
+            return  # the store is gone: the launcher says so, and the ranks' next store call raises
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(5.0)
+        self._store.close()
 
 
 class _LocalShards:
@@ -146,9 +185,11 @@ class Step:
 
     """
 
-    def __init__(self, number: int, rank: int, world_size: int, shard: Shard | None) -> None:
+    def __init__(self, number: int, rank: int, world_size: int, shard: Shard | None,
+                 lost_member: Callable[[BaseException], BaseException | None] = membership_failure) -> None:
         self.number, self.rank, self.world_size, self.shard = number, rank, world_size, shard
         self.failure: BaseException | None = None
+        self._lost_member = lost_member
 
     def __enter__(self) -> Step:
         return self
@@ -156,7 +197,7 @@ class Step:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if exc is None:
             return False
-        failure = membership_failure(exc)
+        failure = self._lost_member(exc)
         if failure is None:
             return False  # not a lost member: the program's own error propagates
         self.failure = exc
@@ -300,6 +341,8 @@ class Manager:
         self._fresh = True  # state not yet synchronised with the group: rank 0's (or a source's) wins
         self._initial = tuple(members)
         self._needs_sync = True
+        self._cut_epoch = -1  # the epoch whose connections the watcher cut (its errors mean a lost member)
+        self._watcher = _Watcher(self)
         started = time.time()
         if not joining:
             self._advance(0, list(members), 0, "start", started)
@@ -417,13 +460,13 @@ class Manager:
                     self._grow(admitted)
                     continue
             except BaseException as exc:
-                if membership_failure(exc) is None:
+                if self._lost_member(exc) is None:
                     raise
                 self._recover(exc)
                 continue
             group = self._group()
             shard = sampler.shard(self.step, group.rank, group.world_size) if sampler is not None else None
-            step = Step(self.step, group.rank, group.world_size, shard)
+            step = Step(self.step, group.rank, group.world_size, shard, self._lost_member)
             yield step
             if step.failure is not None:
                 self._recover(step.failure)
@@ -433,7 +476,8 @@ class Manager:
             self._store.set(keys.finished(), "1")
 
     def close(self) -> None:
-        """Close the current group (and mesh) and the store client."""
+        """Close the current group (and mesh), the watcher and the store client."""
+        self._watcher.stop()
         groups = [self.group] if self.group is not None else []
         if self.mesh is not None:
             groups += [g for g in (self.mesh.get_group(0), self.mesh.get_group(1)) if g is not self.group]
@@ -448,6 +492,43 @@ class Manager:
         if self.group is None:
             raise MembershipError(f"member {self.member}: no group (the manager was closed)")
         return self.group
+
+    def _lost_member(self, exc: BaseException) -> BaseException | None:
+        """Return the error in ``exc`` that means a lost member, or None (see :func:`membership_failure`).
+
+        After the watcher cut this epoch's connections to a dead member, a
+        collective that was waiting on one fails as closed by this process:
+        that too is the lost member (so is torch's wrapping of it).
+        """
+        found = membership_failure(exc)
+        if found is None and self.epoch is not None and self._cut_epoch == self.epoch.number and isinstance(
+                exc, (DistributedError, RuntimeError)):
+            return exc
+        return found
+
+    def _cut_dead(self, membership: Membership) -> None:
+        """Cut the connections to current members recorded dead (the watcher's thread)."""
+        group, epoch, mesh = self.group, self.epoch, self.mesh
+        if group is None or epoch is None:
+            return
+        dead = [epoch.rank_of(m) for m in membership.dead_among(m for m in epoch.members if m != self.member)]
+        if not dead:
+            return
+        log.warning("member %s: the launcher recorded rank(s) %s of epoch %d dead: cutting their connections",
+                    self.member, ", ".join(map(str, dead)), epoch.number)
+        self._cut_epoch = epoch.number
+        for rank in dead:
+            group.cut_peer(rank)
+        if mesh is not None:
+            coordinate = mesh.get_coordinate()
+            for dim in range(mesh.ndim):
+                sub = mesh.get_group(dim)
+                if sub is group:
+                    continue
+                line = [int(r) for r in mesh.mesh[coordinate[:dim] + (slice(None),) + coordinate[dim + 1:]]]
+                for rank in dead:
+                    if rank in line:
+                        sub.cut_peer(line.index(rank))
 
     def _mesh(self) -> DeviceMesh:
         if self.mesh is None:

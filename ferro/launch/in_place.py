@@ -249,6 +249,7 @@ class _NodeWatch:
         members = json.loads(bytes(store.get(key))) if store.check([key]) else []
         for member in members:  # a death its own agent recorded first keeps its words
             store.compare_set(keys.dead(member), "", f"was lost with node {node}")
+        store.add(keys.deaths(), 1)  # the survivors' watchers cut their connections to the lost node
         say(f"node {node}'s launcher sent nothing for {silent:.1f} s: its ranks ({', '.join(members) or 'none'}) "
             f"are taken for lost; the others train on")
 
@@ -266,6 +267,7 @@ def _follow(config: LaunchConfig, slot: _Slot, store: Store, pump: OutputPump, r
     failure = failure_of(slot.rank, code, records, slot.incarnation)
     how = "stopped responding and was killed" if slot.killed_frozen else failure.describe()
     store.set(keys.dead(slot.member), how)  # the survivors' rendezvous reads it: no timeout to wait out
+    store.add(keys.deaths(), 1)  # and their watchers, which cut a connection that stays open
     if store.check([keys.failed()]):
         return  # the job stopped below its minimum: nothing to replace
     if store.check([keys.finished()]):
