@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before NumPy loads: 4 ranks share 2 cores
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -86,6 +87,18 @@ def _ferro_model():
     return net, nn.SGD(net.parameters(), lr=1e-4, momentum=0.9)
 
 
+def _torch_model(directory: str, rank: int) -> tuple[_Log, Any, Any, Any, Any]:
+    """Return the log, the data as tensors, and the same model in PyTorch (one seed on every rank) with its SGD."""
+    import torch
+
+    torch.set_num_threads(1)
+    log, (x, y) = _Log(directory, rank), _data()
+    torch.manual_seed(1)
+    net = torch.nn.Linear(WIDTH, WIDTH)
+    return log, torch.from_numpy(x), torch.from_numpy(y), net, torch.optim.SGD(net.parameters(), lr=1e-4,
+                                                                               momentum=0.9)
+
+
 def worker_ferro_elastic(directory: str, steps: int, hybrid: bool = False) -> None:
     from ferro import nn
     from ferro.elastic import ElasticSampler, Manager
@@ -125,13 +138,8 @@ def worker_ferro_elastic_torch_ddp(directory: str, steps: int) -> None:
     from ferro.elastic import ElasticSampler, Manager
     from ferro.interop.torch_elastic import elastic_ddp
 
-    torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    log, (x, y) = _Log(directory, rank), _data()
-    x, y = torch.from_numpy(x), torch.from_numpy(y)
-    torch.manual_seed(1)
-    net = torch.nn.Linear(WIDTH, WIDTH)
-    optimizer = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
+    log, x, y, net, optimizer = _torch_model(directory, rank)
     manager = Manager()
     model = elastic_ddp(manager, net)
     manager.register(model=net, optimizer=optimizer)
@@ -188,16 +196,11 @@ def worker_torchrun_gloo(directory: str, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    log, (x_np, y_np) = _Log(directory, rank), _data()
-    x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
+    log, x, y, net, optimizer = _torch_model(directory, rank)
     # A bounded rendezvous: torchrun's restarted workers were seen waiting in it for minutes (see _launch).
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    torch.manual_seed(1)
-    net = torch.nn.Linear(WIDTH, WIDTH)
     model = torch.nn.parallel.DistributedDataParallel(net)
-    optimizer = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
     checkpoint, start = os.path.join(directory, "checkpoint.pt"), 0
     if os.path.exists(checkpoint):
         saved = torch.load(checkpoint)
@@ -225,13 +228,8 @@ def worker_torchft_gloo(directory: str, steps: int) -> None:
     import torch
     from torchft import Manager, Optimizer, ProcessGroupGloo
 
-    torch.set_num_threads(1)
     replica = int(os.environ["REPLICA_GROUP_ID"])
-    log, (x_np, y_np) = _Log(directory, replica), _data()
-    x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
-    torch.manual_seed(1)
-    net = torch.nn.Linear(WIDTH, WIDTH)
-    inner = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
+    log, x, y, net, inner = _torch_model(directory, replica)
 
     def load_state_dict(state: dict) -> None:
         net.load_state_dict(state["model"])

@@ -128,7 +128,7 @@ def test_a_hybrid_sharded_replica_that_loses_a_rank_drops_out_whole_and_heals(tm
     mate = lost ^ 1  # the other rank of its replica (pairs 0-1 and 2-3)
     assert f"member {mate}.0: its replica lost a rank; waiting out of epoch 1 until it is whole again" in done.stderr
     saver = [change["members"] for change in history]
-    assert saver[-1] == ["0.0", "1.1", "2.0", "3.0"] if lost == 1 else ["0.1", "1.0", "2.0", "3.0"], saver
+    assert saver[-1] == (["0.0", "1.1", "2.0", "3.0"] if lost == 1 else ["0.1", "1.0", "2.0", "3.0"]), saver
     if lost == 1:  # rank 0 waited out, then rejoined: it trained in epoch 0 and from the heal on
         assert [len(members) for members in saver] == [4, 4], saver
     assert "Traceback" not in done.stderr

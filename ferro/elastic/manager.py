@@ -478,12 +478,8 @@ class Manager:
     def close(self) -> None:
         """Close the current group (and mesh), the watcher and the store client."""
         self._watcher.stop()
-        groups = [self.group] if self.group is not None else []
-        if self.mesh is not None:
-            groups += [g for g in (self.mesh.get_group(0), self.mesh.get_group(1)) if g is not self.group]
-        for group in reversed(groups):
+        for group in self._take_groups():
             group.close()
-        self.group = self.mesh = None
         self._store.close()
 
     # --- changes ------------------------------------------------------------------------
@@ -579,12 +575,17 @@ class Manager:
         assert epoch is not None
         self._next_epoch([], epoch.joins, _cause(failure), started, list(epoch.waiting))
 
+    def _take_groups(self) -> list[Backend]:
+        """Let go of the current group and mesh; return every group to close (the mesh's sub-groups first)."""
+        group, mesh = self.group, self.mesh
+        self.group = self.mesh = None
+        groups = [group] if group is not None else []
+        if mesh is not None:  # the mesh's sub-groups have connections of their own
+            groups = [g for g in (mesh.get_group(0), mesh.get_group(1)) if g is not group] + groups
+        return groups
+
     def _leave_group(self) -> None:
-        old, self.group = self.group, None
-        mesh, self.mesh = self.mesh, None
-        groups = [old] if old is not None else []
-        if mesh is not None:  # the mesh's sub-groups have connections of their own: close them too
-            groups = [g for g in (mesh.get_group(0), mesh.get_group(1)) if g is not old] + groups
+        groups = self._take_groups()
 
         def close() -> None:
             for group in groups:
