@@ -843,15 +843,15 @@ cdef class DirectAllreduce(DirectCall):
             seconds = self.seconds(timeout)
             if not self.may_take(x):
                 return False  # the plan or the timeout ran Python code, and another thread took the group
-            self.begin()
+            self.begin(plan[2], <uint64_t>view.len)
             try:
                 if self.arena.world_size > 1:  # every op of one rank is the identity (MEAN divides by 1)
                     self.arena._allreduce(&view, plan[4], plan[0], plan[1], plan[2], seconds, plan[3], -1)
             except BaseException as exc:
-                self.end()
+                self.end(False)
                 self.fail(exc)
                 raise
-            self.end()
+            self.end(True)
             return True
         finally:
             PyBuffer_Release(&view)

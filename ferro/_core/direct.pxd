@@ -1,5 +1,7 @@
 # The front every compiled direct path shares (ferro/_core/direct.pyx): the checks, the plan, the group's turn.
 
+from libc.stdint cimport uint64_t
+
 from ferro._core.state cimport GroupState
 
 cdef enum:
@@ -18,6 +20,7 @@ cdef class DirectCall:
     cdef public double default_timeout
     cdef unsigned long owner
     cdef int slot
+    cdef uint64_t record        # the flight recorder's seq of the running call
     cdef tuple plan            # the plan of the last call that found one
     cdef object last_dtype     # that call's signature: dtype, extra (op, root or tag) and shape
     cdef object last_extra
@@ -27,6 +30,6 @@ cdef class DirectCall:
     cdef bint may_take(self, x) noexcept
     cdef bint find_plan(self, x, object extra, Py_buffer* view) except -1
     cdef double seconds(self, object timeout) except? -1.0
-    cdef void begin(self) noexcept
-    cdef int end(self) except -1
+    cdef void begin(self, uint64_t fingerprint, uint64_t nbytes) noexcept
+    cdef int end(self, bint ok) except -1
     cdef int fail(self, BaseException exc) except -1

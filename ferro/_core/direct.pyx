@@ -29,7 +29,7 @@ Subclasses (``ferro._core.arena.DirectAllreduce``, the mesh paths of
 
 from cpython.pythread cimport PyThread_get_thread_ident
 
-from ferro._core.state cimport ferro_count_call
+from ferro._core.state cimport callsites, ferro_count_call, ferro_rec_begin, ferro_rec_end
 
 
 cdef class DirectCall:
@@ -114,13 +114,15 @@ cdef class DirectCall:
     cdef double seconds(self, object timeout) except? -1.0:
         return self.default_timeout if timeout is None else self.resolve_timeout(timeout)
 
-    cdef void begin(self) noexcept:
+    cdef void begin(self, uint64_t fingerprint, uint64_t nbytes) noexcept:
         # Busy: a call from another thread queues on the worker instead of meeting this one on the wire.
         self.group_state.busy = True
         ferro_count_call(&self.group_state.stats, self.slot)
+        self.record = ferro_rec_begin(&self.group_state.rec, callsites(), self.slot, 0, fingerprint, nbytes, -1, 1)
 
-    cdef int end(self) except -1:
+    cdef int end(self, bint ok) except -1:
         state = self.group_state
+        ferro_rec_end(&state.rec, self.record, ok)
         state.busy = False
         if state.queued:
             self.wake()  # the worker saw the group busy and waits for a nudge

@@ -13,7 +13,9 @@ objects handed to it.
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 
 from ferro._core.reduce cimport ferro_divide
-from ferro._core.state cimport ALLREDUCE_SLOT, GroupState, ferro_count_call
+from libc.stdint cimport uint64_t
+
+from ferro._core.state cimport ALLREDUCE_SLOT, GroupState, callsites, ferro_count_call, ferro_rec_begin, ferro_rec_end
 from ferro._core.transport cimport monotonic_ns
 
 
@@ -98,6 +100,7 @@ cdef class DirectForeignAllreduce:
         cdef Py_buffer view
         cdef double seconds
         cdef Py_ssize_t count
+        cdef uint64_t record
         if type(x) is not self.ndarray:
             return False
         state = self.group_state
@@ -124,6 +127,7 @@ cdef class DirectForeignAllreduce:
             seconds = self.default_timeout if timeout is None else self.resolve_timeout(timeout)
             datatype, library_op, divisor, dtype_code = self.datatype, self.library_op, self.divisor, self.dtype_code
             ferro_count_call(&state.stats, ALLREDUCE_SLOT)
+            record = ferro_rec_begin(&state.rec, callsites(), ALLREDUCE_SLOT, 0, 0, <uint64_t>view.len, -1, 1)
             watch = self.watch
             watch.call, watch.seconds = self.name, seconds
             watch.deadline = monotonic_ns() * 1e-9 + seconds
@@ -132,9 +136,11 @@ cdef class DirectForeignAllreduce:
                 # each saves mpi4py a step on every call.
                 self.allreduce(self.in_place, x if datatype is None else [x, datatype], library_op)
             except BaseException as exc:
+                ferro_rec_end(&state.rec, record, False)
                 raise self.on_failure(exc)
             finally:
                 watch.deadline = 0.0
+            ferro_rec_end(&state.rec, record, True)
             if divisor != 0.0:
                 ferro_divide(view.buf, <size_t>count, dtype_code, divisor)
             return True

@@ -1,6 +1,7 @@
 # The per-group state object the Python layers and the compiled core share.
 
-from libc.stdint cimport uint32_t, uint64_t
+from cpython.ref cimport PyObject
+from libc.stdint cimport int16_t, int32_t, int64_t, uint32_t, uint64_t
 
 cdef extern from "stats.h" nogil:
     enum:
@@ -13,6 +14,40 @@ cdef extern from "stats.h" nogil:
     void ferro_count_sent(ferro_stats* s, int slot, uint64_t n)
     void ferro_count_received(ferro_stats* s, int slot, uint64_t n)
     void ferro_count_call(ferro_stats* s, int slot)
+
+cdef extern from "recorder.h":
+    ctypedef struct ferro_callsite_table:
+        PyObject* prefixes[4]
+        int n_prefixes
+        PyObject* names[256]
+    ctypedef struct ferro_record:
+        uint64_t seq
+        uint64_t fingerprint
+        uint64_t nbytes
+        int64_t queued
+        int64_t started
+        int64_t ended
+        PyObject* code
+        int32_t offset
+        int16_t collective
+        int16_t state
+        int32_t peer
+        int32_t kind
+    ctypedef struct ferro_recorder:
+        ferro_record* ring
+        uint64_t capacity
+        uint64_t seq
+        uint64_t completed
+        int64_t last_ended
+    int64_t ferro_ticks() nogil
+    uint64_t ferro_rec_begin(ferro_recorder* r, ferro_callsite_table* sites, int collective, int kind, uint64_t fingerprint,
+                             uint64_t nbytes, int peer, int running)
+    void ferro_rec_start(ferro_recorder* r, uint64_t seq)
+    void ferro_rec_end(ferro_recorder* r, uint64_t seq, int ok)
+    void ferro_rec_clear(ferro_recorder* r)
+
+# The table of call sites every group's recorder shares (ferro._core.state.set_library_prefixes fills it).
+cdef ferro_callsite_table* callsites() noexcept
 
 # The counters' slot of allreduce (ferro.types.COLLECTIVE_IDS["allreduce"]), for the compiled direct paths.
 cdef enum:
@@ -30,3 +65,9 @@ cdef class GroupState:
     cdef public bint busy                # an operation of the group is running (kept by the worker)
     cdef public Py_ssize_t queued        # async operations waiting on the worker
     cdef ferro_stats stats               # bytes and calls per collective id, counted in C
+    cdef ferro_recorder rec              # the flight recorder: the group's latest calls
+    cdef public object owner             # a weak reference to the group (for the dump's description), or None
+    cdef readonly uint64_t created       # creation order among this process's groups
+    cdef object __weakref__
+
+    cdef set_capacity(self, uint64_t capacity)

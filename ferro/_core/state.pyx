@@ -10,10 +10,85 @@ allreduce path checks ``failure``, ``busy`` and ``queued`` without a lookup),
 and every transport of the group adds the bytes it moves to its counters in C.
 """
 
+import weakref
+
+from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.string cimport memset
+
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 #: Marks the direct paths (``direct_allreduce``, ...) as not looked up yet (None means "this group has none").
 UNSET = object()
+
+cdef extern from "recorder.h":
+    enum:
+        FERRO_TICKS_ARE_TSC
+        FERRO_CALLSITE_PREFIXES
+        FERRO_CALLSITE_CACHE
+
+#: Whether recorder ticks are time-stamp-counter cycles (else nanoseconds of CLOCK_MONOTONIC).
+TICKS_ARE_TSC = bool(FERRO_TICKS_ARE_TSC)
+
+# The flight recorders' process-wide settings: the call-site table they share (a cache), the size new groups'
+# rings get, and the live groups' states, for the dump (a weak set: it keeps no group alive).
+cdef ferro_callsite_table _SITES
+cdef uint64_t _capacity = 2048
+cdef uint64_t _created = 0
+_LIVE = weakref.WeakSet()
+
+
+cdef ferro_callsite_table* callsites() noexcept:
+    return &_SITES
+
+
+def set_library_prefixes(prefixes) -> None:
+    """Name the folders whose files are the library's: a call site is the innermost frame outside them."""
+    cdef int i
+    values = tuple(str(p) for p in prefixes)[:FERRO_CALLSITE_PREFIXES]
+    for i in range(FERRO_CALLSITE_PREFIXES):
+        Py_XDECREF(_SITES.prefixes[i])
+        _SITES.prefixes[i] = NULL
+    for i in range(len(values)):
+        Py_INCREF(values[i])
+        _SITES.prefixes[i] = <PyObject*>values[i]
+    _SITES.n_prefixes = len(values)
+    for i in range(FERRO_CALLSITE_CACHE):  # decided under the old prefixes
+        Py_XDECREF(_SITES.names[i])
+        _SITES.names[i] = NULL
+
+
+def set_recorder_capacity(Py_ssize_t records) -> None:
+    """Give every group's flight recorder room for ``records`` calls (rounded up to a power of two); 0: off.
+
+    Applies to live groups (their records are dropped) and to groups made later.
+    """
+    global _capacity
+    if records < 0:
+        raise ValueError(f"flight recorder size must be >= 0, got {records}")
+    cdef uint64_t n = 1
+    while n < <uint64_t>records:
+        n <<= 1
+    _capacity = n if records > 0 else 0
+    for state in list(_LIVE):
+        (<GroupState>state).set_capacity(_capacity)
+
+
+def recorder_capacity() -> int:
+    """The number of records each group's flight recorder keeps (0: off)."""
+    return _capacity
+
+
+def live_states() -> list:
+    """The states of this process's groups that still exist, in creation order."""
+    return sorted(_LIVE, key=lambda state: state.created)
+
+
+def tick_calibration() -> tuple:
+    """``(ticks, CLOCK_MONOTONIC ns)`` read back to back, for turning recorder ticks into times."""
+    cdef timespec t
+    cdef int64_t ticks = ferro_ticks()
+    clock_gettime(CLOCK_MONOTONIC, &t)
+    return ticks, <int64_t>t.tv_sec * 1000000000 + t.tv_nsec
 
 
 cdef class GroupState:
@@ -30,6 +105,57 @@ cdef class GroupState:
         self.busy = False
         self.queued = 0
         memset(&self.stats, 0, sizeof(ferro_stats))
+        memset(&self.rec, 0, sizeof(ferro_recorder))
+        self.rec.capacity = _capacity
+        self.owner = None
+        global _created
+        _created += 1
+        self.created = _created
+        _LIVE.add(self)
+
+    def __dealloc__(self):
+        ferro_rec_clear(&self.rec)
+
+    cdef set_capacity(self, uint64_t capacity):
+        ferro_rec_clear(&self.rec)
+        self.rec.capacity = capacity
+
+    def record_call(self, int collective_id, uint64_t fingerprint, uint64_t nbytes, int peer, bint running,
+                    int kind=0) -> int:
+        """Record a call being made (running now, or queued); return its sequence number (0: recorder off).
+
+        ``kind``: 0 a collective, 1 a send, 2 a receive, 3 both at once (``peer`` is then the destination).
+        """
+        return ferro_rec_begin(&self.rec, &_SITES, collective_id, kind, fingerprint, nbytes, peer, running)
+
+    def record_start(self, uint64_t seq) -> None:
+        """Record that queued call ``seq`` began to run."""
+        ferro_rec_start(&self.rec, seq)
+
+    def record_end(self, uint64_t seq, bint ok) -> None:
+        """Record that call ``seq`` ended, done (``ok``) or failed."""
+        ferro_rec_end(&self.rec, seq, ok)
+
+    def records(self) -> list:
+        """The recorded calls, oldest first: ``(seq, collective id, kind, fingerprint, nbytes, peer, queued,
+        started, ended, state, code, offset)``; times in ticks, state 1 queued, 2 running, 3 done, 4 failed."""
+        cdef uint64_t first, seq
+        cdef ferro_record* e
+        found = []
+        if self.rec.ring == NULL:
+            return found
+        first = self.rec.seq - self.rec.capacity + 1 if self.rec.seq > self.rec.capacity else 1
+        for seq in range(first, self.rec.seq + 1):
+            e = &self.rec.ring[(seq - 1) & (self.rec.capacity - 1)]
+            if e.seq != seq:
+                continue
+            found.append((e.seq, e.collective, e.kind, e.fingerprint, e.nbytes, e.peer, e.queued, e.started, e.ended,
+                          e.state, <object>e.code if e.code != NULL else None, e.offset))
+        return found
+
+    def progress(self) -> tuple:
+        """``(calls made, calls ended, ticks of the latest end or 0, capacity)``."""
+        return self.rec.seq, self.rec.completed, self.rec.last_ended, self.rec.capacity
 
     def adopt_worker(self, candidate):
         """Make ``candidate`` the group's worker unless it has one; return the worker.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -85,7 +86,10 @@ class Backend(abc.ABC):
             return self._group_state
         except AttributeError:
             # setdefault is atomic under the GIL: racing first uses agree on one state.
-            return self.__dict__.setdefault("_group_state", GroupState())
+            state = self.__dict__.setdefault("_group_state", GroupState())
+            if state.owner is None:  # the flight recorder's dump describes the group through it
+                state.owner = weakref.ref(self)
+            return state
 
     @property
     def native(self) -> NativeCollectives | None:

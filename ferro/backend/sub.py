@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ class SubBackend(Backend):
         self.host_memory = channel.host_memory
         self.splits_collectively = channel.splits_collectively
         self.nonblocking_collectives = channel.nonblocking_collectives
+        channel.state.owner = weakref.ref(self)  # the channel's calls are the sub-group's: describe it in dumps
 
     def issue_nonblocking(self, body: Callable[[], Any], call: str, description: str,
                           buffers: tuple[Any, ...]) -> Any:

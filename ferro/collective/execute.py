@@ -55,8 +55,25 @@ def _describe_mismatch(exc: CollectiveMismatchError, group: Backend) -> str:
     return message
 
 
-def _run_guarded(group: Backend, name: str, body: Callable[[], Any]) -> Any:
-    """Run a collective; on a failure part-way, tell the peers and mark the group failed."""
+def _run_guarded(group: Backend, name: str, body: Callable[[], Any], record: int = 0, queued: bool = False) -> Any:
+    """Run a collective; on a failure part-way, tell the peers and mark the group failed.
+
+    ``record`` is the call's flight-recorder entry (0: none); ``queued``: it was
+    recorded as queued and starts now.
+    """
+    state = group.state
+    if queued:
+        state.record_start(record)
+    try:
+        result = _checked_body(group, name, body)
+    except BaseException:
+        state.record_end(record, False)
+        raise
+    state.record_end(record, True)
+    return result
+
+
+def _checked_body(group: Backend, name: str, body: Callable[[], Any]) -> Any:
     if group.closed:
         raise BackendClosedError(f"rank {group.rank}: {name}: this process group was closed (destroy_process_group() "
                                  f"or close()); create a new one to go on")
@@ -96,15 +113,22 @@ def _give_up(group: Backend, code: int, peer: int | None, message: str) -> None:
     group.abort_peers(abort_payload(code, -1 if peer is None else peer, message))
 
 
-def execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, buffers: tuple[Any, ...]) -> Any:
-    """Run (or queue, with ``async_op``) one operation of the group, counted in its stats, in call order."""
+def execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, buffers: tuple[Any, ...],
+            link: Link | None = None) -> Any:
+    """Run (or queue, with ``async_op``) one operation of the group, counted in its stats and flight recorder,
+    in call order (``link`` gives the recorder the call's fingerprint).
+    """
     if not group.host_memory and name != "barrier":
         raise InvalidBufferError(
             f"rank {group.rank}: {name}: this {type(group).__name__} moves GPU memory only; for host arrays and "
             f"objects use backend='hybrid' (TCP for the host, NCCL for the GPU)")
-    group.state.count_call(COLLECTIVE_IDS[name])
+    state = group.state
+    collective = COLLECTIVE_IDS[name]
+    state.count_call(collective)
+    record = state.record_call(collective, link.fingerprint if link is not None else 0,
+                               sum(getattr(b, "nbytes", 0) for b in buffers), -1, not async_op)
     worker = worker_of(group)
-    guarded = lambda: _run_guarded(group, name, body)  # noqa: E731 - a closure over this call's arguments
+    guarded = lambda: _run_guarded(group, name, body, record, async_op)  # noqa: E731 - this call's closure
     if async_op:
         if group.nonblocking_collectives:  # MPI: the calls start now and complete in the handle's wait()
             return group.issue_nonblocking(guarded, name, f"{name} on rank {group.rank}", buffers)

@@ -80,7 +80,7 @@ def broadcast(x: Any, root: int = 0, *, group: Backend | None = None, timeout: f
             algo.broadcast(link, flat, root_rank)
         return x
 
-    return execute(g, "broadcast", body, async_op, (x,))
+    return execute(g, "broadcast", body, async_op, (x,), link)
 
 
 def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout: float | None = None,
@@ -147,7 +147,7 @@ def all_gather(x: Any, out: Any = None, *, group: Backend | None = None, timeout
                 algo.all_gather_ring(link, out_bytes, byte_bounds)
         return out if out is not None else wrap_like(result.array, data)
 
-    return execute(g, "all_gather", body, async_op, (x, result.array))
+    return execute(g, "all_gather", body, async_op, (x, result.array), link)
 
 
 def async_all_gather(x: Any, *, group: Backend | None = None, timeout: float | None = None) -> PendingCollective:
@@ -188,7 +188,7 @@ def gather(x: Any, dst: int = 0, *, group: Backend | None = None, timeout: float
             algo.gather_direct(link, flat, out, root)
         return wrap_like(out, data) if out is not None else None
 
-    return execute(g, "gather", body, async_op, (x,))
+    return execute(g, "gather", body, async_op, (x,), link)
 
 
 def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None = None,
@@ -248,7 +248,7 @@ def scatter(chunks: Sequence[Any] | None, src: int = 0, *, group: Backend | None
             algo.scatter_direct(link, None, incoming.array, root)
         return wrap_like(incoming.array, incoming)
 
-    return execute(g, "scatter", body, async_op, tuple(chunks) if chunks is not None else ())
+    return execute(g, "scatter", body, async_op, tuple(chunks) if chunks is not None else (), link)
 
 
 def _native_scatter(group: Backend, link: algo.Link, blocks: list[np.ndarray] | None, out: np.ndarray,
@@ -300,7 +300,7 @@ def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = 
         _exchange_blocks(g, link, data.array, offsets, result, offsets)
         return wrap_like(result, data) if given is None else out
 
-    return execute(g, "all_to_all", body, async_op, (x,) if given is None else (x, given.array))
+    return execute(g, "all_to_all", body, async_op, (x,) if given is None else (x, given.array), link)
 
 
 def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Sequence[int], *,
@@ -360,7 +360,7 @@ def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Se
                          [o * row_bytes for o in recv_offsets])
         return wrap_like(result, data) if given is None else out
 
-    return execute(g, "all_to_all_single_uneven", body, async_op, (x,) if given is None else (x, given.array))
+    return execute(g, "all_to_all_single_uneven", body, async_op, (x,) if given is None else (x, given.array), link)
 
 
 def _exchange_blocks(group: Backend, link: algo.Link, send: np.ndarray, send_offsets: list[int], recv: np.ndarray,

@@ -48,7 +48,7 @@ def broadcast_object(obj: Any, root: int = 0, *, group: Backend | None = None, t
             algo.broadcast_tree(link, data, root_rank)
         return obj if g.rank == root_rank else pickle.loads(data.tobytes())
 
-    return execute(g, "broadcast_object", body, False, ())
+    return execute(g, "broadcast_object", body, False, (), link)
 
 
 def all_gather_object(obj: Any, *, group: Backend | None = None, timeout: float | None = None) -> list[Any]:
@@ -78,4 +78,4 @@ def all_gather_object(obj: Any, *, group: Backend | None = None, timeout: float 
             algo.all_gather_ring(link, padded, [i * width for i in range(n + 1)])
         return [pickle.loads(padded[i * width: i * width + int(lengths[i])].tobytes()) for i in range(n)]
 
-    return execute(g, "all_gather_object", body, False, ())
+    return execute(g, "all_gather_object", body, False, (), link)

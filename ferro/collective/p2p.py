@@ -32,19 +32,40 @@ from ferro.collective.meta import META_BYTES, array_from_meta, decode_meta, enco
 from ferro.collective.resolve import resolve_group, resolve_timeout
 from ferro.collective.work import PendingCollective, worker_of
 from ferro.errors import CollectiveMismatchError, DistributedTimeoutError, SizeMismatchError
-from ferro.types import fingerprint
+from ferro.types import COLLECTIVE_IDS, fingerprint
 
 __all__ = ["irecv", "irecv_any", "isend", "recv", "recv_any", "recv_into", "send", "sendrecv"]
 
 _META_FP = fingerprint("p2p", root=1)
 _DATA_FP = fingerprint("p2p", root=2)
 MAX_TAG = 2**31 - 1
+_P2P = COLLECTIVE_IDS["p2p"]
+_SEND, _RECV, _SENDRECV = 1, 2, 3  # a point-to-point record's kind (ferro._core.recorder.h)
 
 
 def _tag(tag: Any) -> int:
     if isinstance(tag, bool) or not hasattr(tag, "__index__") or not 0 <= tag.__index__() <= MAX_TAG:
         raise ValueError(f"tag must be an integer in [0, {MAX_TAG}], got {tag!r}")
     return int(tag.__index__())
+
+
+def _recorded(g: Backend, body: Callable[[], Any], kind: int, peer: int, nbytes: int) -> Callable[[], Any]:
+    """Count the call and give it a flight-recorder entry, queued now; the returned body marks it run and ended."""
+    state = g.state
+    state.count_call(_P2P)
+    record = state.record_call(_P2P, 0, nbytes, peer, False, kind)
+
+    def recorded() -> Any:
+        state.record_start(record)
+        try:
+            result = body()
+        except BaseException:
+            state.record_end(record, False)
+            raise
+        state.record_end(record, True)
+        return result
+
+    return recorded
 
 
 def _state(group: Backend) -> tuple[dict[tuple[int, int], deque[Operand]], dict[int, dict[str, Any]]]:
@@ -116,8 +137,7 @@ def _sender(x: Any, dst: int, tag: int, group: Backend | None, timeout: float | 
         g.send_tagged(data.array.reshape(-1).view(np.uint8), dst, kind=KIND_DATA, fingerprint=_DATA_FP,
                       timeout=seconds)
 
-    g.count_call("p2p")
-    return g, body
+    return g, _recorded(g, body, _SEND, dst, data.array.nbytes)
 
 
 def _next_message(g: Backend, src: int, seconds: float, max_bytes: int | None) -> tuple[int, Operand]:
@@ -202,8 +222,7 @@ def _receiver(src: int, tag: int, group: Backend | None, timeout: float | None, 
         message = _take(g, src, wanted, seconds, max_bytes)
         return wrap_like(message.array, message)
 
-    g.count_call("p2p")
-    return g, body
+    return g, _recorded(g, body, _RECV, src, 0)
 
 
 # How long a receive from any source sleeps between looks at its peers: short at first (a message often comes at
@@ -297,8 +316,7 @@ def _any_receiver(tag: int, group: Backend | None, timeout: float | None, max_by
         src, message = _take_any(g, wanted, seconds, max_bytes)
         return src, wrap_like(message.array, message)
 
-    g.count_call("p2p")
-    return g, body
+    return g, _recorded(g, body, _RECV, -1, 0)
 
 
 def recv_into(out: Any, src: int, *, tag: int = 0, group: Backend | None = None, timeout: float | None = None) -> Any:
@@ -332,8 +350,7 @@ def recv_into(out: Any, src: int, *, tag: int = 0, group: Backend | None = None,
         target.array.reshape(-1)[:] = array.reshape(-1)
         return out
 
-    g.count_call("p2p")
-    return worker_of(g).run(body, "recv_into", (out,))
+    return worker_of(g).run(_recorded(g, body, _RECV, src, target.array.nbytes), "recv_into", (out,))
 
 
 def sendrecv(x: Any, peer: int, *, tag: int = 0, group: Backend | None = None, timeout: float | None = None,
@@ -384,5 +401,4 @@ def sendrecv(x: Any, peer: int, *, tag: int = 0, group: Backend | None = None, t
                 message = _take(g, peer, wanted, seconds, max_bytes)
         return wrap_like(message.array, message)
 
-    g.count_call("p2p")
-    return worker_of(g).run(body, "sendrecv", (x,))
+    return worker_of(g).run(_recorded(g, body, _SENDRECV, peer, data.array.nbytes), "sendrecv", (x,))

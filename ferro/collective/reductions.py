@@ -125,7 +125,7 @@ def _allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: boo
             _finish_mean(flat, data.dtype, reduce_op, g.world_size)
         return x
 
-    return execute(g, "allreduce", body, async_op, (x,))
+    return execute(g, "allreduce", body, async_op, (x,), link)
 
 
 def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,
@@ -168,7 +168,7 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend 
             _finish_mean(flat, data.dtype, reduce_op, g.world_size)
         return x
 
-    return execute(g, "reduce", body, async_op, (x,))
+    return execute(g, "reduce", body, async_op, (x,), link)
 
 
 def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,
@@ -232,7 +232,7 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
 
         return native.when_complete(result) if native is not None else result()
 
-    return execute(g, "reduce_scatter", body, async_op, (x,) if given is None else (x, given.array))
+    return execute(g, "reduce_scatter", body, async_op, (x,) if given is None else (x, given.array), link)
 
 
 def async_reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = None,

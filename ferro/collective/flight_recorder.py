@@ -1,0 +1,326 @@
+"""The flight recorder: every group's latest calls, and the dump that turns them into a file a person can read.
+
+Each group records its calls where they run (``ferro/_core/recorder.h``): a ring
+of the latest ``FERRO_FLIGHT_RECORDER_SIZE`` calls (default 2048; 0 turns it
+off) with their sequence number in the group, operation, fingerprint, bytes,
+peer, times, state and the user's call site. This module reads the rings of
+every live group of the process and writes them, with the stacks of all its
+threads, as one JSON file per rank: ``rank-<rank>.json`` in the dump folder
+(``$FERRO_DUMP_DIR``, else ``<tmp>/ferro-dumps/<job>``).
+
+Dumps happen on a failed collective (a timeout, a lost peer, a mismatch), on
+``SIGUSR1`` (see :mod:`ferro.collective.hang_watch`), when a hang watchdog
+asks, and on demand (:func:`dump_flight_record`). ``ferro doctor DIR`` reads
+all ranks' dumps and says which rank did not arrive where.
+
+The entries use the field names of torch's flight recorder where the meaning
+is the same (``record_id``, ``collective_seq_id``, ``profiling_name``,
+``time_created_ns``, ``state``, ``frames``, ...); ``ferro doctor --torch DIR``
+writes them in the pickled layout torch's analyser (``torchfrtrace``) reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ferro._core import state as _state
+from ferro.errors import ConfigurationError
+from ferro.types import collective_name, describe_fingerprint, dtype_by_code
+
+__all__ = ["DUMP_DIR_ENV", "SIZE_ENV", "dump_dir", "dump_flight_record", "flight_records", "job_name",
+           "set_flight_recorder_size", "where_is"]
+
+log = logging.getLogger("ferro.collective.flight_recorder")
+
+#: Where dumps go (a folder; ``ferro run`` sets it for its ranks).
+DUMP_DIR_ENV = "FERRO_DUMP_DIR"
+#: Records each group keeps (0: the recorder is off).
+SIZE_ENV = "FERRO_FLIGHT_RECORDER_SIZE"
+#: Set to 0 to write no dump when a collective fails.
+DUMP_ON_FAILURE_ENV = "FERRO_DUMP_ON_FAILURE"
+FORMAT = "ferro-flight-recorder"
+VERSION = 1
+
+_LIBRARY = str(Path(__file__).resolve().parent.parent) + os.sep  # the ferro package
+_STATES = {1: "scheduled", 2: "started", 3: "completed", 4: "failed"}
+_KINDS = {0: "collective", 1: "send", 2: "recv", 3: "sendrecv"}
+# The calibration the dump converts ticks with: the first taken when ferro loaded, the second when a dump runs.
+_FIRST_CALIBRATION = _state.tick_calibration()
+
+
+def _configure() -> None:
+    _state.set_library_prefixes([_LIBRARY, *_extra_prefixes()])
+    size = os.environ.get(SIZE_ENV)
+    if size:
+        try:
+            _state.set_recorder_capacity(int(size))
+        except ValueError:
+            raise ConfigurationError(
+                f"{SIZE_ENV}={size!r}: give the number of calls each group's flight recorder keeps (0: off)"
+            ) from None
+
+
+def _extra_prefixes() -> list[str]:
+    # Frames of torch.distributed sit between a user's call and ferro's when ferro serves torch's API; its
+    # folder counts as the library's, so a call site is the user's line, not distributed_c10d.py's.
+    torch = sys.modules.get("torch")
+    if torch is None or not getattr(torch, "__file__", None):
+        return []
+    return [str(Path(torch.__file__).resolve().parent / "distributed") + os.sep,
+            str(Path(torch.__file__).resolve().parent / "nn" / "parallel") + os.sep]
+
+
+def include_torch_frames() -> None:
+    """Count torch.distributed's frames as library frames for call sites (the interop layer calls this)."""
+    _state.set_library_prefixes([_LIBRARY, *_extra_prefixes()])
+
+
+def set_flight_recorder_size(records: int) -> None:
+    """Keep the latest ``records`` calls of every group (0 turns the recorder off); drops what was recorded."""
+    _state.set_recorder_capacity(records)
+
+
+def job_name(environ: dict[str, str] | None = None) -> str:
+    """The job's name for its dump folder: ferro run's, torchrun's, SLURM's or Open MPI's id, else the parent pid."""
+    env = os.environ if environ is None else environ
+    for key in ("FERRO_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid"):
+        if env.get(key):
+            return f"{key.split('_')[0].lower()}-{env[key]}"
+    return f"ppid-{os.getppid()}"
+
+
+def dump_dir() -> Path:
+    """The folder dumps go to: ``$FERRO_DUMP_DIR``, else ``<tmp>/ferro-dumps/<job>``."""
+    given = os.environ.get(DUMP_DIR_ENV)
+    return Path(given) if given else Path(tempfile.gettempdir()) / "ferro-dumps" / job_name()
+
+
+def job_rank(groups: list[dict[str, Any]]) -> int | None:
+    """This process's rank in the job: the launcher's (``RANK``, Open MPI's, PMI's), else its rank in the
+    largest of ``groups`` (described as in a dump), else None.
+    """
+    rank = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK")
+    if rank and rank.isdigit():
+        return int(rank)
+    sized = [g for g in groups if g.get("world_size")]
+    if not sized:
+        return None
+    largest = max(sized, key=lambda g: g["world_size"])
+    return int(largest["ranks"][largest["rank"]])
+
+
+class _Clock:
+    """Turns recorder ticks into Unix nanoseconds, from two calibrations far enough apart."""
+
+    def __init__(self) -> None:
+        ticks0, mono0 = _FIRST_CALIBRATION
+        ticks1, mono1 = _state.tick_calibration()
+        if _state.TICKS_ARE_TSC and mono1 - mono0 < 20_000_000:  # too close to tell the rate well
+            time.sleep(0.02)
+            ticks1, mono1 = _state.tick_calibration()
+        self.rate = (mono1 - mono0) / (ticks1 - ticks0) if _state.TICKS_ARE_TSC and ticks1 != ticks0 else 1.0
+        self.ticks, self.mono = ticks1, mono1
+        self.wall_offset = time.time_ns() - time.monotonic_ns()
+
+    def unix_ns(self, ticks: int) -> int | None:
+        if not ticks:
+            return None
+        return int(self.mono + (ticks - self.ticks) * self.rate) + self.wall_offset
+
+
+def _site(code: Any, offset: int) -> dict[str, Any] | None:
+    if code is None:
+        return None
+    line = code.co_firstlineno
+    for start, end, number in code.co_lines():
+        if start <= offset < end and number is not None:
+            line = number
+            break
+    return {"name": code.co_name, "filename": code.co_filename, "line": line}
+
+
+def _group_ranks(group: Any) -> list[int]:
+    ranks = list(range(group.world_size))
+    while hasattr(group, "parent") and hasattr(group, "ranks"):
+        ranks = [group.ranks[r] for r in ranks]
+        group = group.parent
+    return ranks
+
+
+def _describe_group(state: Any, ordinals: dict[tuple[int, ...], int]) -> dict[str, Any]:
+    group = state.owner() if state.owner is not None else None
+    if group is None:
+        return {"pg_id": f"group-{state.created}", "desc": "a group already closed", "rank": None,
+                "world_size": None, "ranks": None, "backend": None}
+    ranks = _group_ranks(group)
+    key = tuple(ranks)
+    ordinal = ordinals.get(key, 0)
+    ordinals[key] = ordinal + 1
+    return {"pg_id": f"{ranks}#{ordinal}", "desc": type(group).__name__,
+            "rank": group.rank, "world_size": group.world_size, "ranks": ranks, "backend": type(group).__name__,
+            "closed": bool(getattr(group, "closed", False))}
+
+
+def _entry(record: tuple[Any, ...], group: dict[str, Any], clock: _Clock) -> dict[str, Any]:
+    seq, collective, kind, fingerprint, nbytes, peer, queued, started, ended, state, code, offset = record
+    name = collective_name(collective)
+    created, began, finished = clock.unix_ns(queued), clock.unix_ns(started), clock.unix_ns(ended)
+    frame = _site(code, offset)
+    entry: dict[str, Any] = {
+        "record_id": seq, "collective_seq_id": seq, "pg_id": group["pg_id"],
+        "process_group": [group["pg_id"], group["desc"]], "profiling_name": f"ferro:{name}", "op": name,
+        "kind": _KINDS.get(kind, "collective"), "is_p2p": kind != 0 or name == "p2p",
+        "fingerprint": f"{fingerprint:016x}" if fingerprint else None,
+        "call": _describe_call(name, kind, fingerprint, nbytes, peer),
+        "nbytes": nbytes, "peer": None if peer < 0 else peer, "state": _STATES.get(state, "unknown"),
+        "time_created_ns": created, "time_discovered_started_ns": began, "time_discovered_completed_ns": finished,
+        "duration_ms": (finished - began) / 1e6 if finished and began else None,
+        "frames": [frame] if frame else [],
+        "site": f"{frame['filename']}:{frame['line']}" if frame else None,
+    }
+    dtype = (fingerprint >> 53 & 0x1F) - 1 if fingerprint else -1
+    if dtype >= 0:
+        try:
+            entry["dtype"] = dtype_by_code(dtype).name
+        except (KeyError, ValueError):
+            pass
+    return entry
+
+
+def _describe_call(name: str, kind: int, fingerprint: int, nbytes: int, peer: int) -> str:
+    if kind == 1:
+        return f"send of {nbytes} bytes to rank {peer}"
+    if kind == 2:
+        return f"recv from {'any rank' if peer < 0 else f'rank {peer}'}"
+    if kind == 3:
+        return f"sendrecv of {nbytes} bytes with rank {peer}"
+    if fingerprint:
+        return describe_fingerprint(fingerprint)
+    return f"{name}({nbytes} bytes)" if nbytes else f"{name}()"
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith(_LIBRARY) or filename.startswith("<frozen ") or "/threading.py" in filename
+
+
+def _frames(frame: Any) -> list[dict[str, Any]]:
+    found = []
+    while frame is not None:
+        found.append({"name": frame.f_code.co_name, "filename": frame.f_code.co_filename, "line": frame.f_lineno})
+        frame = frame.f_back
+    return found
+
+
+def where_is(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The innermost of ``frames`` (innermost first) outside ferro: where a thread is in the user's code."""
+    for frame in frames:
+        if not _is_library(frame["filename"]):
+            return frame
+    return frames[0] if frames else None
+
+
+def _threads() -> list[dict[str, Any]]:
+    names = {t.ident: t for t in threading.enumerate()}
+    found = []
+    for ident, frame in sys._current_frames().items():
+        thread = names.get(ident)
+        frames = _frames(frame)
+        at = where_is(frames)
+        found.append({"name": thread.name if thread else f"thread {ident}", "ident": ident,
+                      "native_id": getattr(thread, "native_id", None), "daemon": bool(thread and thread.daemon),
+                      "main": thread is threading.main_thread(), "frames": frames,
+                      "where": f"{at['filename']}:{at['line']} in {at['name']}" if at else None})
+    found.sort(key=lambda t: (not t["main"], t["name"]))
+    return found
+
+
+def flight_records(states: Iterable[Any] | None = None) -> list[dict[str, Any]]:
+    """Every live group's description and recorded calls (as in a dump's ``"groups"``), oldest call first."""
+    clock = _Clock()
+    ordinals: dict[tuple[int, ...], int] = {}
+    groups = []
+    for state in _state.live_states() if states is None else states:
+        calls, completed, last_ended, capacity = state.progress()
+        if not calls:
+            continue
+        group = _describe_group(state, ordinals)
+        group.update(calls=calls, completed=completed, capacity=capacity,
+                     last_completed_ns=clock.unix_ns(last_ended),
+                     entries=[_entry(record, group, clock) for record in state.records()])
+        groups.append(group)
+    return groups
+
+
+def snapshot(reason: str, round_id: str | None = None, signal_traceback: str | None = None) -> dict[str, Any]:
+    """This rank's dump as a dict: its groups' records, its threads' stacks, and where its main thread is."""
+    threads = _threads()
+    main = next((t for t in threads if t["main"]), None)
+    groups = flight_records()
+    return {
+        "format": FORMAT, "version": VERSION, "source": "rank", "rank": job_rank(groups),
+        "host": socket.gethostname(), "pid": os.getpid(), "job": job_name(), "reason": reason, "round": round_id,
+        "time_ns": time.time_ns(), "hang_timeout": _hang_timeout(), "groups": groups, "threads": threads,
+        "where": main["where"] if main else None, "signal_traceback": signal_traceback,
+    }
+
+
+def _hang_timeout() -> float | None:
+    value = os.environ.get("FERRO_HANG_TIMEOUT")
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
+
+
+def write_dump(data: dict[str, Any], folder: Path | None = None) -> Path:
+    """Write a dump atomically as ``rank-<rank>.json`` (``pid-<pid>.json`` without a rank) in ``folder``."""
+    folder = dump_dir() if folder is None else folder
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"rank-{data['rank']}.json" if data.get("rank") is not None else f"pid-{data['pid']}.json"
+    path = folder / name
+    temporary = folder / f".{name}.{os.getpid()}.tmp"
+    temporary.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(temporary, path)
+    return path
+
+
+def dump_flight_record(reason: str = "on demand", folder: str | os.PathLike[str] | None = None) -> Path:
+    """Write this rank's flight record and thread stacks to the dump folder; return the file's path.
+
+    Args:
+        reason: Why (kept in the file).
+        folder: Where (default ``$FERRO_DUMP_DIR``, else ``<tmp>/ferro-dumps/<job>``).
+
+    Example::
+
+        # every rank, after a suspicious step:
+        ferro.dump_flight_record("step 120 took 30 s")
+        # then: ferro doctor /tmp/ferro-dumps/<job>
+
+    """
+    return write_dump(snapshot(reason), Path(folder) if folder is not None else None)
+
+
+def dump_on_failure(reason: str) -> None:
+    """The dump a failed collective writes (unless ``FERRO_DUMP_ON_FAILURE=0``); never raises."""
+    if os.environ.get(DUMP_ON_FAILURE_ENV, "1") == "0" or _state.recorder_capacity() == 0:
+        return
+    try:
+        path = write_dump(snapshot(reason))
+    except Exception as exc:  # a dump must never hide the failure it documents
+        log.warning("could not write the flight record: %s", exc)
+        return
+    log.warning("flight record written to %s (ferro doctor %s reads every rank's)", path, path.parent)
+
+
+_configure()
