@@ -173,6 +173,8 @@ cdef class Arena:
     cdef int64_t deadline              # the running call's deadline (monotonic ns), -1 for none
     cdef int64_t timeout_ns            # its timeout, for a deadline set at the first wait
     cdef int64_t spin_ns
+    cdef readonly int64_t first_wait   # the running (or last) call's first and last clock reads while it waited
+    cdef readonly int64_t last_wait    # for a peer (0: it never waited); the flight recorder's times
     cdef ferro_rank_ctl** ranks
     cdef ferro_arena_ctl** ctl
     cdef unsigned char** slots
@@ -501,6 +503,8 @@ cdef class Arena:
     cdef int _enter(self, str op, double timeout) except -1:
         cdef long long micros
         cdef int got
+        self.first_wait = 0
+        self.last_wait = 0
         if self.closed or not self.has_view:
             raise BackendClosedError(f"rank {self.rank}: {op}: this process group was closed")
         if self.broken is not None:
@@ -600,6 +604,9 @@ cdef class Arena:
             if pending == 0:
                 return 0
             now = monotonic_ns()
+            self.last_wait = now
+            if self.first_wait == 0:
+                self.first_wait = now
             if not started:
                 started = True
                 if self.deadline == DEADLINE_AT_FIRST_WAIT:
@@ -830,6 +837,7 @@ cdef class DirectAllreduce(DirectCall):
         cdef Py_buffer view
         cdef double seconds
         cdef tuple plan
+        cdef uint64_t fingerprint
         if not self.may_take(x):
             return False
         try:
@@ -843,15 +851,16 @@ cdef class DirectAllreduce(DirectCall):
             seconds = self.seconds(timeout)
             if not self.may_take(x):
                 return False  # the plan or the timeout ran Python code, and another thread took the group
-            self.begin(plan[2], <uint64_t>view.len)
+            fingerprint = plan[2]
+            self.begin(fingerprint, <uint64_t>view.len, 0)
             try:
                 if self.arena.world_size > 1:  # every op of one rank is the identity (MEAN divides by 1)
-                    self.arena._allreduce(&view, plan[4], plan[0], plan[1], plan[2], seconds, plan[3], -1)
+                    self.arena._allreduce(&view, plan[4], plan[0], plan[1], fingerprint, seconds, plan[3], -1)
             except BaseException as exc:
-                self.end(False)
+                self.end(False, self.arena.first_wait, self.arena.last_wait)
                 self.fail(exc)
                 raise
-            self.end(True)
+            self.end(True, self.arena.first_wait, self.arena.last_wait)
             return True
         finally:
             PyBuffer_Release(&view)

@@ -37,6 +37,12 @@ typedef struct {
     int n_prefixes;
     PyObject *names[FERRO_CALLSITE_CACHE];       /* file-name objects seen (strong references) */
     char library[FERRO_CALLSITE_CACHE];          /* whether names[i] lies under a prefix */
+    /* The last answer, for a call made again from the same place: a loop calling a collective has the same
+     * library frame (at the same address of the frame stack) right above the same user frame, at the same
+     * instruction. Compared as addresses only, never dereferenced unless they match the live frames. */
+    const void *last_top, *last_user, *last_at;
+    PyObject *last_top_code, *last_code;
+    int last_offset;
 } ferro_callsite_table;
 
 /* Whether a file name lies under one of the table's prefixes, cached by the name object. */
@@ -56,9 +62,9 @@ static int ferro_callsite_is_library(ferro_callsite_table *t, PyObject *filename
     return found;
 }
 
-/* Set *code (a new reference, or NULL) and *offset (bytes into its instructions) to the innermost frame of the
- * calling thread outside the library. Needs the GIL. Never raises. */
-static void ferro_callsite(ferro_callsite_table *t, PyObject **code, int *offset) {
+/* Set *code (a borrowed reference, alive while the call runs; or NULL) and *offset (bytes into its instructions)
+ * to the innermost frame of the calling thread outside the library. Needs the GIL. Never raises. */
+static inline void ferro_callsite(ferro_callsite_table *t, PyObject **code, int *offset) {
     int depth = 0;
     *code = NULL;
     *offset = -1;
@@ -69,6 +75,21 @@ static void ferro_callsite(ferro_callsite_table *t, PyObject **code, int *offset
 #  else
     _PyInterpreterFrame *f = ts->cframe->current_frame;
 #  endif
+#  if PY_VERSION_HEX >= 0x030D0000
+#    define FERRO_FRAME_AT(frame) ((const void *)(frame)->instr_ptr)
+#    define FERRO_FRAME_CODE(frame) ((PyObject *)(frame)->f_executable)
+#  else
+#    define FERRO_FRAME_AT(frame) ((const void *)(frame)->prev_instr)
+#    define FERRO_FRAME_CODE(frame) ((PyObject *)(frame)->f_code)
+#  endif
+    if (f != NULL && f == t->last_top && f->previous == t->last_user && f->previous != NULL
+            && FERRO_FRAME_CODE(f) == t->last_top_code && FERRO_FRAME_CODE(f->previous) == t->last_code
+            && FERRO_FRAME_AT(f->previous) == t->last_at) {
+        *code = t->last_code;  /* the live frame's code, so never a stale address */
+        *offset = t->last_offset;
+        return;
+    }
+    _PyInterpreterFrame *top = f;
     for (; f != NULL && depth < FERRO_CALLSITE_DEPTH; f = f->previous, depth++) {
 #  if PY_VERSION_HEX >= 0x030D0000
         if (f->owner == FRAME_OWNED_BY_CSTACK || !PyCode_Check(f->f_executable)) continue;
@@ -83,16 +104,22 @@ static void ferro_callsite(ferro_callsite_table *t, PyObject **code, int *offset
         _Py_CODEUNIT *at = f->prev_instr;
 #  endif
         if (ferro_callsite_is_library(t, c->co_filename)) continue;
-        Py_INCREF(c);
         *code = (PyObject *)c;
         *offset = (int)((char *)at - (char *)_PyCode_CODE(c));
+        if (top != NULL && top->previous == f) {  /* remember the common case: the user's frame right above */
+            t->last_top = top;
+            t->last_top_code = FERRO_FRAME_CODE(top);
+            t->last_user = f;
+            t->last_at = at;
+            t->last_code = *code;  /* compared by address only, as above */
+            t->last_offset = *offset;
+        }
         return;
     }
 #elif PY_VERSION_HEX >= 0x030A0000 && PY_VERSION_HEX < 0x030B0000
     PyFrameObject *f = PyThreadState_GET()->frame;
     for (; f != NULL && depth < FERRO_CALLSITE_DEPTH; f = f->f_back, depth++) {
         if (ferro_callsite_is_library(t, f->f_code->co_filename)) continue;
-        Py_INCREF(f->f_code);
         *code = (PyObject *)f->f_code;
         *offset = f->f_lasti * 2; /* 3.10 counts instructions of two bytes */
         return;
@@ -103,8 +130,9 @@ static void ferro_callsite(ferro_callsite_table *t, PyObject **code, int *offset
     while (f != NULL && depth < FERRO_CALLSITE_DEPTH) {
         PyCodeObject *c = PyFrame_GetCode(f);
         if (!ferro_callsite_is_library(t, c->co_filename)) {
-            *code = (PyObject *)c;
+            *code = (PyObject *)c;  /* the frame, alive while the call runs, keeps it */
             *offset = PyFrame_GetLasti(f);
+            Py_DECREF(c);
             Py_DECREF(f);
             return;
         }

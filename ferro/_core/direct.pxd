@@ -1,6 +1,6 @@
 # The front every compiled direct path shares (ferro/_core/direct.pyx): the checks, the plan, the group's turn.
 
-from libc.stdint cimport uint64_t
+from libc.stdint cimport int64_t, uint64_t
 
 from ferro._core.state cimport GroupState
 
@@ -30,6 +30,6 @@ cdef class DirectCall:
     cdef bint may_take(self, x) noexcept
     cdef bint find_plan(self, x, object extra, Py_buffer* view) except -1
     cdef double seconds(self, object timeout) except? -1.0
-    cdef void begin(self, uint64_t fingerprint, uint64_t nbytes) noexcept
-    cdef int end(self, bint ok) except -1
+    cdef void begin(self, uint64_t fingerprint, uint64_t nbytes, int64_t made) noexcept
+    cdef int end(self, bint ok, int64_t started, int64_t ended) except -1
     cdef int fail(self, BaseException exc) except -1

@@ -114,15 +114,17 @@ cdef class DirectCall:
     cdef double seconds(self, object timeout) except? -1.0:
         return self.default_timeout if timeout is None else self.resolve_timeout(timeout)
 
-    cdef void begin(self, uint64_t fingerprint, uint64_t nbytes) noexcept:
+    cdef void begin(self, uint64_t fingerprint, uint64_t nbytes, int64_t made) noexcept:
         # Busy: a call from another thread queues on the worker instead of meeting this one on the wire.
         self.group_state.busy = True
         ferro_count_call(&self.group_state.stats, self.slot)
-        self.record = ferro_rec_begin(&self.group_state.rec, callsites(), self.slot, 0, fingerprint, nbytes, -1, 1)
+        self.record = ferro_rec_begin(&self.group_state.rec, callsites(), self.slot, 0, fingerprint, nbytes, -1, 1,
+                                      made)
 
-    cdef int end(self, bint ok) except -1:
+    cdef int end(self, bint ok, int64_t started, int64_t ended) except -1:
+        # The times come from the caller, which has them from its engine's clock reads (see recorder.h).
         state = self.group_state
-        ferro_rec_end(&state.rec, self.record, ok)
+        ferro_rec_end(&state.rec, self.record, ok, started, ended)
         state.busy = False
         if state.queued:
             self.wake()  # the worker saw the group busy and waits for a nudge

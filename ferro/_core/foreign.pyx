@@ -12,10 +12,11 @@ objects handed to it.
 
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 
-from ferro._core.reduce cimport ferro_divide
 from libc.stdint cimport uint64_t
 
-from ferro._core.state cimport ALLREDUCE_SLOT, GroupState, callsites, ferro_count_call, ferro_rec_begin, ferro_rec_end
+from ferro._core.reduce cimport ferro_divide
+from ferro._core.state cimport (ALLREDUCE_SLOT, GroupState, callsites, ferro_count_call, ferro_now_ns,
+                                ferro_rec_begin, ferro_rec_end)
 from ferro._core.transport cimport monotonic_ns
 
 
@@ -127,7 +128,8 @@ cdef class DirectForeignAllreduce:
             seconds = self.default_timeout if timeout is None else self.resolve_timeout(timeout)
             datatype, library_op, divisor, dtype_code = self.datatype, self.library_op, self.divisor, self.dtype_code
             ferro_count_call(&state.stats, ALLREDUCE_SLOT)
-            record = ferro_rec_begin(&state.rec, callsites(), ALLREDUCE_SLOT, 0, 0, <uint64_t>view.len, -1, 1)
+            record = ferro_rec_begin(&state.rec, callsites(), ALLREDUCE_SLOT, 0, 0, <uint64_t>view.len, -1, 1,
+                                     ferro_now_ns())
             watch = self.watch
             watch.call, watch.seconds = self.name, seconds
             watch.deadline = monotonic_ns() * 1e-9 + seconds
@@ -136,11 +138,11 @@ cdef class DirectForeignAllreduce:
                 # each saves mpi4py a step on every call.
                 self.allreduce(self.in_place, x if datatype is None else [x, datatype], library_op)
             except BaseException as exc:
-                ferro_rec_end(&state.rec, record, False)
+                ferro_rec_end(&state.rec, record, False, 0, ferro_now_ns())
                 raise self.on_failure(exc)
             finally:
                 watch.deadline = 0.0
-            ferro_rec_end(&state.rec, record, True)
+            ferro_rec_end(&state.rec, record, True, 0, ferro_now_ns())
             if divisor != 0.0:
                 ferro_divide(view.buf, <size_t>count, dtype_code, divisor)
             return True

@@ -5,11 +5,15 @@
  * fingerprint (what the ranks compare), the bytes it passes, the peer, the times it was queued, started and
  * ended, its state and the user's call site. A record is written by the thread that holds the group (the
  * caller, or the group's worker for queued calls) with the GIL held, and read under the GIL by the dump; so it
- * needs no atomics.
+ * needs no atomics. A call's record costs about 10 ns (one cache line, the call site) plus its clock reads.
  *
- * Times are ticks: the time-stamp counter where the CPU has an invariant one (a read costs about 12 ns on the
- * development VM, against 30 ns for clock_gettime), else CLOCK_MONOTONIC nanoseconds. The dump converts them
- * to wall-clock time with a calibration taken when it runs (ferro._core.state.tick_calibration).
+ * Times are CLOCK_MONOTONIC nanoseconds, and a record takes them from clock reads its engine makes anyway where
+ * it can: the shared-memory arena reads the clock only while it waits for a peer, so its calls carry the first
+ * and last moments they waited (a call that never waited carries none: it finished in the time the arena spins
+ * before it looks at the clock, and it was the last to arrive). Two more reads per call would cost 2 % of a
+ * 4-byte shared-memory allreduce (measured in bench/bench_flight_recorder.py); the other paths, ten times
+ * slower, read the clock at both ends. A call still running has no start yet when its engine sets none; the
+ * hang watch (ferro.collective.hang_watch) sees since when it runs by sampling the group's progress.
  */
 #ifndef FERRO_RECORDER_H
 #define FERRO_RECORDER_H
@@ -20,69 +24,74 @@
 #include <time.h>
 #include "callsite.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#  include <x86intrin.h>
-#  define FERRO_TICKS_ARE_TSC 1
-static inline int64_t ferro_ticks(void) { return (int64_t)__rdtsc(); }
-#else
-#  define FERRO_TICKS_ARE_TSC 0
-static inline int64_t ferro_ticks(void) {
+static inline int64_t ferro_now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
-#endif
 
 enum { FERRO_REC_EMPTY = 0, FERRO_REC_QUEUED = 1, FERRO_REC_RUNNING = 2, FERRO_REC_DONE = 3, FERRO_REC_FAILED = 4 };
 enum { FERRO_REC_COLLECTIVE = 0, FERRO_REC_SEND = 1, FERRO_REC_RECV = 2, FERRO_REC_SENDRECV = 3 };
 
+/* One cache line per call: the ring is walked in order, and a record never straddles two lines. */
 typedef struct {
     uint64_t seq;          /* the call's number in its group, from 1 */
     uint64_t fingerprint;  /* what every frame of the call carries (0: a call that sends none) */
     uint64_t nbytes;       /* bytes this rank passes in */
-    int64_t queued;        /* ticks: when the call was made */
-    int64_t started;       /* when it began to run (0: not yet) */
-    int64_t ended;         /* when it finished (0: not yet) */
+    int64_t started;       /* ns: when it began to run (until then, when it was made); 0: not known */
+    int64_t ended;         /* when it finished; 0: not yet, or not known */
     PyObject *code;        /* the user's code object at the call (a strong reference), or NULL */
+    int32_t waited;        /* how long it was queued before it started, in units of FERRO_WAIT_UNIT ns */
     int32_t offset;        /* bytes into code's instructions */
+    int32_t peer;          /* point-to-point peer, -1 for none */
     int16_t collective;    /* ferro.types.COLLECTIVE_IDS */
-    int16_t state;         /* FERRO_REC_* */
-    int32_t peer;          /* point-to-point peer or root, -1 for none */
-    int32_t kind;          /* FERRO_REC_* of the call's kind: a collective, or which side of point-to-point */
-} ferro_record;
+    int8_t state;          /* FERRO_REC_* */
+    int8_t kind;           /* a collective, or which side of point-to-point */
+} __attribute__((aligned(64))) ferro_record;
+
+#define FERRO_WAIT_UNIT 1000
 
 typedef struct {
     ferro_record *ring;    /* capacity records, allocated at the first call */
+    void *block;           /* what was allocated (ring is its first aligned address) */
     uint64_t capacity;     /* a power of two; 0: the recorder is off */
     uint64_t seq;          /* calls recorded so far */
     uint64_t completed;    /* calls that ended (done or failed) */
-    int64_t last_ended;    /* ticks of the latest end */
 } ferro_recorder;
 
-/* Take the next record and fill in what is known when the call is made. Returns its seq, 0 when off. */
+/* Take the next record and fill in what is known when the call is made (at time made, 0: not known).
+ * Returns its seq, 0 when the recorder is off. */
 static inline uint64_t ferro_rec_begin(ferro_recorder *r, ferro_callsite_table *sites, int collective, int kind,
-                                       uint64_t fingerprint, uint64_t nbytes, int peer, int running) {
+                                       uint64_t fingerprint, uint64_t nbytes, int peer, int running,
+                                       int64_t made) {
     ferro_record *e;
-    PyObject *old;
+    PyObject *code;
+    int offset;
     if (r->capacity == 0) return 0;
     if (r->ring == NULL) {
-        r->ring = (ferro_record *)PyMem_Calloc((size_t)r->capacity, sizeof(ferro_record));
-        if (r->ring == NULL) { r->capacity = 0; return 0; }
+        r->block = PyMem_Calloc((size_t)r->capacity + 1, sizeof(ferro_record));
+        if (r->block == NULL) { r->capacity = 0; return 0; }
+        r->ring = (ferro_record *)(((uintptr_t)r->block + 63) & ~(uintptr_t)63);
     }
     e = &r->ring[r->seq & (r->capacity - 1)];
-    old = e->code;
     e->seq = ++r->seq;
     e->fingerprint = fingerprint;
     e->nbytes = nbytes;
     e->collective = (int16_t)collective;
-    e->kind = kind;
+    e->kind = (int8_t)kind;
     e->peer = peer;
-    e->queued = ferro_ticks();
-    e->started = running ? e->queued : 0;
+    e->started = made;
     e->ended = 0;
+    e->waited = 0;
     e->state = running ? FERRO_REC_RUNNING : FERRO_REC_QUEUED;
-    ferro_callsite(sites, &e->code, &e->offset);
-    Py_XDECREF(old);
+    ferro_callsite(sites, &code, &offset);
+    e->offset = offset;
+    if (code != e->code) {  /* the same call site as the last lap's keeps its reference */
+        PyObject *old = e->code;
+        Py_XINCREF(code);
+        e->code = code;
+        Py_XDECREF(old);
+    }
     return e->seq;
 }
 
@@ -96,17 +105,25 @@ static inline ferro_record *ferro_rec_find(ferro_recorder *r, uint64_t seq) {
 
 static inline void ferro_rec_start(ferro_recorder *r, uint64_t seq) {
     ferro_record *e = ferro_rec_find(r, seq);
-    if (e) { e->started = ferro_ticks(); e->state = FERRO_REC_RUNNING; }
+    int64_t now, units;
+    if (!e) return;
+    now = ferro_now_ns();
+    units = e->started ? (now - e->started) / FERRO_WAIT_UNIT : 0;
+    e->waited = (int32_t)(units > INT32_MAX ? INT32_MAX : units);
+    e->started = now;
+    e->state = FERRO_REC_RUNNING;
 }
 
-static inline void ferro_rec_end(ferro_recorder *r, uint64_t seq, int ok) {
+/* Call seq ended; started (if not 0) replaces its start, ended is its end (0: not known). */
+static inline void ferro_rec_end(ferro_recorder *r, uint64_t seq, int ok, int64_t started, int64_t ended) {
     ferro_record *e = ferro_rec_find(r, seq);
-    int64_t now;
     if (seq == 0) return;
-    now = ferro_ticks();
     r->completed++;
-    r->last_ended = now;
-    if (e) { e->ended = now; e->state = ok ? FERRO_REC_DONE : FERRO_REC_FAILED; }
+    if (e) {
+        if (started) e->started = started;
+        e->ended = ended;
+        e->state = ok ? FERRO_REC_DONE : FERRO_REC_FAILED;
+    }
 }
 
 /* Drop every record (and the code objects they hold); the recorder keeps its capacity. */
@@ -114,8 +131,9 @@ static inline void ferro_rec_clear(ferro_recorder *r) {
     uint64_t i;
     if (r->ring != NULL) {
         for (i = 0; i < r->capacity; i++) Py_XDECREF(r->ring[i].code);
-        PyMem_Free(r->ring);
+        PyMem_Free(r->block);
         r->ring = NULL;
+        r->block = NULL;
     }
 }
 

@@ -1,7 +1,7 @@
 # The per-group state object the Python layers and the compiled core share.
 
 from cpython.ref cimport PyObject
-from libc.stdint cimport int16_t, int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint32_t, uint64_t
 
 cdef extern from "stats.h" nogil:
     enum:
@@ -24,26 +24,25 @@ cdef extern from "recorder.h":
         uint64_t seq
         uint64_t fingerprint
         uint64_t nbytes
-        int64_t queued
         int64_t started
         int64_t ended
         PyObject* code
+        int32_t waited
         int32_t offset
-        int16_t collective
-        int16_t state
         int32_t peer
-        int32_t kind
+        int16_t collective
+        int8_t state
+        int8_t kind
     ctypedef struct ferro_recorder:
         ferro_record* ring
         uint64_t capacity
         uint64_t seq
         uint64_t completed
-        int64_t last_ended
-    int64_t ferro_ticks() nogil
+    int64_t ferro_now_ns() nogil
     uint64_t ferro_rec_begin(ferro_recorder* r, ferro_callsite_table* sites, int collective, int kind, uint64_t fingerprint,
-                             uint64_t nbytes, int peer, int running)
+                             uint64_t nbytes, int peer, int running, int64_t made)
     void ferro_rec_start(ferro_recorder* r, uint64_t seq)
-    void ferro_rec_end(ferro_recorder* r, uint64_t seq, int ok)
+    void ferro_rec_end(ferro_recorder* r, uint64_t seq, int ok, int64_t started, int64_t ended)
     void ferro_rec_clear(ferro_recorder* r)
 
 # The table of call sites every group's recorder shares (ferro._core.state.set_library_prefixes fills it).

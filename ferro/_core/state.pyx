@@ -15,19 +15,15 @@ import weakref
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.string cimport memset
 
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
-
 #: Marks the direct paths (``direct_allreduce``, ...) as not looked up yet (None means "this group has none").
 UNSET = object()
 
 cdef extern from "recorder.h":
     enum:
-        FERRO_TICKS_ARE_TSC
         FERRO_CALLSITE_PREFIXES
         FERRO_CALLSITE_CACHE
+        FERRO_WAIT_UNIT
 
-#: Whether recorder ticks are time-stamp-counter cycles (else nanoseconds of CLOCK_MONOTONIC).
-TICKS_ARE_TSC = bool(FERRO_TICKS_ARE_TSC)
 
 # The flight recorders' process-wide settings: the call-site table they share (a cache), the size new groups'
 # rings get, and the live groups' states, for the dump (a weak set: it keeps no group alive).
@@ -83,12 +79,9 @@ def live_states() -> list:
     return sorted(_LIVE, key=lambda state: state.created)
 
 
-def tick_calibration() -> tuple:
-    """``(ticks, CLOCK_MONOTONIC ns)`` read back to back, for turning recorder ticks into times."""
-    cdef timespec t
-    cdef int64_t ticks = ferro_ticks()
-    clock_gettime(CLOCK_MONOTONIC, &t)
-    return ticks, <int64_t>t.tv_sec * 1000000000 + t.tv_nsec
+def monotonic_ns() -> int:
+    """The recorder's clock: CLOCK_MONOTONIC in nanoseconds (what ``time.monotonic_ns()`` reads on Linux)."""
+    return ferro_now_ns()
 
 
 cdef class GroupState:
@@ -126,7 +119,8 @@ cdef class GroupState:
 
         ``kind``: 0 a collective, 1 a send, 2 a receive, 3 both at once (``peer`` is then the destination).
         """
-        return ferro_rec_begin(&self.rec, &_SITES, collective_id, kind, fingerprint, nbytes, peer, running)
+        return ferro_rec_begin(&self.rec, &_SITES, collective_id, kind, fingerprint, nbytes, peer, running,
+                               ferro_now_ns())
 
     def record_start(self, uint64_t seq) -> None:
         """Record that queued call ``seq`` began to run."""
@@ -134,11 +128,12 @@ cdef class GroupState:
 
     def record_end(self, uint64_t seq, bint ok) -> None:
         """Record that call ``seq`` ended, done (``ok``) or failed."""
-        ferro_rec_end(&self.rec, seq, ok)
+        ferro_rec_end(&self.rec, seq, ok, 0, ferro_now_ns())
 
     def records(self) -> list:
         """The recorded calls, oldest first: ``(seq, collective id, kind, fingerprint, nbytes, peer, queued,
-        started, ended, state, code, offset)``; times in ticks, state 1 queued, 2 running, 3 done, 4 failed."""
+        started, ended, state, code, offset)``; times in CLOCK_MONOTONIC ns (0: not known), state 1 queued,
+        2 running, 3 done, 4 failed."""
         cdef uint64_t first, seq
         cdef ferro_record* e
         found = []
@@ -149,13 +144,15 @@ cdef class GroupState:
             e = &self.rec.ring[(seq - 1) & (self.rec.capacity - 1)]
             if e.seq != seq:
                 continue
-            found.append((e.seq, e.collective, e.kind, e.fingerprint, e.nbytes, e.peer, e.queued, e.started, e.ended,
+            found.append((e.seq, e.collective, e.kind, e.fingerprint, e.nbytes, e.peer,
+                          e.started - <int64_t>e.waited * FERRO_WAIT_UNIT if e.started else 0,
+                          e.started if e.state >= 2 else 0, e.ended,
                           e.state, <object>e.code if e.code != NULL else None, e.offset))
         return found
 
     def progress(self) -> tuple:
-        """``(calls made, calls ended, ticks of the latest end or 0, capacity)``."""
-        return self.rec.seq, self.rec.completed, self.rec.last_ended, self.rec.capacity
+        """``(calls made, calls ended, capacity)``."""
+        return self.rec.seq, self.rec.completed, self.rec.capacity
 
     def adopt_worker(self, candidate):
         """Make ``candidate`` the group's worker unless it has one; return the worker.

@@ -54,8 +54,6 @@ VERSION = 1
 _LIBRARY = str(Path(__file__).resolve().parent.parent) + os.sep  # the ferro package
 _STATES = {1: "scheduled", 2: "started", 3: "completed", 4: "failed"}
 _KINDS = {0: "collective", 1: "send", 2: "recv", 3: "sendrecv"}
-# The calibration the dump converts ticks with: the first taken when ferro loaded, the second when a dump runs.
-_FIRST_CALIBRATION = _state.tick_calibration()
 
 
 def _configure() -> None:
@@ -120,22 +118,13 @@ def job_rank(groups: list[dict[str, Any]]) -> int | None:
 
 
 class _Clock:
-    """Turns recorder ticks into Unix nanoseconds, from two calibrations far enough apart."""
+    """Turns the recorder's CLOCK_MONOTONIC nanoseconds into Unix nanoseconds."""
 
     def __init__(self) -> None:
-        ticks0, mono0 = _FIRST_CALIBRATION
-        ticks1, mono1 = _state.tick_calibration()
-        if _state.TICKS_ARE_TSC and mono1 - mono0 < 20_000_000:  # too close to tell the rate well
-            time.sleep(0.02)
-            ticks1, mono1 = _state.tick_calibration()
-        self.rate = (mono1 - mono0) / (ticks1 - ticks0) if _state.TICKS_ARE_TSC and ticks1 != ticks0 else 1.0
-        self.ticks, self.mono = ticks1, mono1
-        self.wall_offset = time.time_ns() - time.monotonic_ns()
+        self.offset = time.time_ns() - _state.monotonic_ns()
 
-    def unix_ns(self, ticks: int) -> int | None:
-        if not ticks:
-            return None
-        return int(self.mono + (ticks - self.ticks) * self.rate) + self.wall_offset
+    def unix_ns(self, monotonic: int) -> int | None:
+        return monotonic + self.offset if monotonic else None
 
 
 def _site(code: Any, offset: int) -> dict[str, Any] | None:
@@ -184,7 +173,8 @@ def _entry(record: tuple[Any, ...], group: dict[str, Any], clock: _Clock) -> dic
         "call": _describe_call(name, kind, fingerprint, nbytes, peer),
         "nbytes": nbytes, "peer": None if peer < 0 else peer, "state": _STATES.get(state, "unknown"),
         "time_created_ns": created, "time_discovered_started_ns": began, "time_discovered_completed_ns": finished,
-        "duration_ms": (finished - began) / 1e6 if finished and began else None,
+        "duration_ms": (finished - began) / 1e6 if finished and began else (
+            0.0 if state == 3 and not began else None),  # done, never waited for a peer: as fast as it gets
         "frames": [frame] if frame else [],
         "site": f"{frame['filename']}:{frame['line']}" if frame else None,
     }
@@ -250,12 +240,11 @@ def flight_records(states: Iterable[Any] | None = None) -> list[dict[str, Any]]:
     ordinals: dict[tuple[int, ...], int] = {}
     groups = []
     for state in _state.live_states() if states is None else states:
-        calls, completed, last_ended, capacity = state.progress()
+        calls, completed, capacity = state.progress()
         if not calls:
             continue
         group = _describe_group(state, ordinals)
         group.update(calls=calls, completed=completed, capacity=capacity,
-                     last_completed_ns=clock.unix_ns(last_ended),
                      entries=[_entry(record, group, clock) for record in state.records()])
         groups.append(group)
     return groups
