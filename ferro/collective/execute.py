@@ -115,8 +115,9 @@ def _give_up(group: Backend, code: int, peer: int | None, message: str) -> None:
 
 def execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, buffers: tuple[Any, ...],
             link: Link | None = None) -> Any:
-    """Run (or queue, with ``async_op``) one operation of the group, counted in its stats and flight recorder,
-    in call order (``link`` gives the recorder the call's fingerprint).
+    """Run (or queue, with ``async_op``) one operation of the group, in call order.
+
+    The call is counted in the group's stats and flight recorder (``link`` gives the recorder its fingerprint).
     """
     if not group.host_memory and name != "barrier":
         raise InvalidBufferError(

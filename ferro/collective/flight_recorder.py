@@ -89,7 +89,7 @@ def set_flight_recorder_size(records: int) -> None:
 
 
 def job_name(environ: dict[str, str] | None = None) -> str:
-    """The job's name for its dump folder: ferro run's, torchrun's, SLURM's or Open MPI's id, else the parent pid."""
+    """Return the job's dump-folder name: its launcher's id (ferro run, torchrun, SLURM, Open MPI), else the ppid."""
     env = os.environ if environ is None else environ
     for key in ("FERRO_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid"):
         if env.get(key):
@@ -98,14 +98,16 @@ def job_name(environ: dict[str, str] | None = None) -> str:
 
 
 def dump_dir() -> Path:
-    """The folder dumps go to: ``$FERRO_DUMP_DIR``, else ``<tmp>/ferro-dumps/<job>``."""
+    """Return the folder dumps go to: ``$FERRO_DUMP_DIR``, else ``<tmp>/ferro-dumps/<job>``."""
     given = os.environ.get(DUMP_DIR_ENV)
     return Path(given) if given else Path(tempfile.gettempdir()) / "ferro-dumps" / job_name()
 
 
 def job_rank(groups: list[dict[str, Any]]) -> int | None:
-    """This process's rank in the job: the launcher's (``RANK``, Open MPI's, PMI's), else its rank in the
-    largest of ``groups`` (described as in a dump), else None.
+    """Return this process's rank in the job.
+
+    The launcher's (``RANK``, Open MPI's, PMI's), else its rank in the largest
+    of ``groups`` (described as in a dump), else None.
     """
     rank = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK")
     if rank and rank.isdigit():
@@ -212,7 +214,7 @@ def _frames(frame: Any) -> list[dict[str, Any]]:
 
 
 def where_is(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The innermost of ``frames`` (innermost first) outside ferro: where a thread is in the user's code."""
+    """Return the innermost of ``frames`` (innermost first) outside ferro: where a thread is in the user's code."""
     for frame in frames:
         if not _is_library(frame["filename"]):
             return frame
@@ -251,7 +253,7 @@ def flight_records(states: Iterable[Any] | None = None) -> list[dict[str, Any]]:
 
 
 def snapshot(reason: str, round_id: str | None = None, signal_traceback: str | None = None) -> dict[str, Any]:
-    """This rank's dump as a dict: its groups' records, its threads' stacks, and where its main thread is."""
+    """Return this rank's dump as a dict: its groups' records, its threads' stacks, where its main thread is."""
     threads = _threads()
     main = next((t for t in threads if t["main"]), None)
     groups = flight_records()
@@ -301,7 +303,7 @@ def dump_flight_record(reason: str = "on demand", folder: str | os.PathLike[str]
 
 
 def dump_on_failure(reason: str) -> None:
-    """The dump a failed collective writes (unless ``FERRO_DUMP_ON_FAILURE=0``); never raises."""
+    """Write the dump of a failed collective (unless ``FERRO_DUMP_ON_FAILURE=0``); never raises."""
     if os.environ.get(DUMP_ON_FAILURE_ENV, "1") == "0" or _state.recorder_capacity() == 0:
         return
     try:
