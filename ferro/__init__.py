@@ -29,6 +29,7 @@ from ferro.collective import (
     reduce_scatter,
     scatter,
 )
+from ferro.collective.flight_recorder import dump_flight_record, flight_records, set_flight_recorder_size
 from ferro.collective.gpu import gpu_allreduce, gpu_broadcast
 from ferro.collective.p2p import irecv, irecv_any, isend, recv, recv_any, recv_into, send, sendrecv
 from ferro.collective.process_group import (
@@ -168,6 +169,10 @@ __all__ = [
     "recv_into",
     "send",
     "sendrecv",
+    # diagnosis (ferro.collective.flight_recorder)
+    "dump_flight_record",
+    "flight_records",
+    "set_flight_recorder_size",
     # parallelism and state
     "DDP",
     "DeviceMesh",

@@ -24,6 +24,7 @@ from ferro._core.transport import (
 )
 from ferro.backend.base import Backend
 from ferro.collective.algorithms import Link
+from ferro.collective.flight_recorder import dump_on_failure
 from ferro.collective.work import issuer_tag, worker_of
 from ferro.errors import (
     BackendClosedError,
@@ -111,6 +112,7 @@ def fail_together(group: Backend, name: str, exc: BaseException) -> None:
 def _give_up(group: Backend, code: int, peer: int | None, message: str) -> None:
     group.mark_failed(message)
     group.abort_peers(abort_payload(code, -1 if peer is None else peer, message))
+    dump_on_failure(message)  # after the peers were told: they need not wait for the file
 
 
 def execute(group: Backend, name: str, body: Callable[[], Any], async_op: bool, buffers: tuple[Any, ...],

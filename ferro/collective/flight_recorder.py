@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -302,12 +303,28 @@ def dump_flight_record(reason: str = "on demand", folder: str | os.PathLike[str]
     return write_dump(snapshot(reason), Path(folder) if folder is not None else None)
 
 
+def request_round(folder: Path, by: str) -> str:
+    """Ask every rank's hang watch to write its dump (``request.json`` in ``folder``); return the round's id."""
+    round_id = uuid.uuid4().hex
+    folder.mkdir(parents=True, exist_ok=True)
+    temporary = folder / f".request.json.{os.getpid()}.tmp"
+    temporary.write_text(json.dumps({"round": round_id, "by": by, "time_ns": time.time_ns()}))
+    os.replace(temporary, folder / "request.json")
+    return round_id
+
+
 def dump_on_failure(reason: str) -> None:
-    """Write the dump of a failed collective (unless ``FERRO_DUMP_ON_FAILURE=0``); never raises."""
+    """Write the dump of a failed collective (unless ``FERRO_DUMP_ON_FAILURE=0``); never raises.
+
+    It also asks the other ranks' hang watches for theirs, so the dump folder
+    holds the whole job's view, the rank that caused the failure included.
+    """
     if os.environ.get(DUMP_ON_FAILURE_ENV, "1") == "0" or _state.recorder_capacity() == 0:
         return
     try:
-        path = write_dump(snapshot(reason))
+        folder = dump_dir()
+        round_id = request_round(folder, reason)
+        path = write_dump(snapshot(reason, round_id), folder)
     except Exception as exc:  # a dump must never hide the failure it documents
         log.warning("could not write the flight record: %s", exc)
         return

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 from ferro.backend import JoinSpec, backend_entry, join_backend
 from ferro.backend.base import Backend
 from ferro.backend.sub import SubBackend, sub_group
+from ferro.collective.hang_watch import start_hang_watch, stop_hang_watch
 from ferro.errors import ConfigurationError
 from ferro.rendezvous.env import detect, job_rank_and_size, master_address
 from ferro.rendezvous.file_store import FileStore
@@ -129,6 +130,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
             world_size = launched.world_size if world_size is None else world_size
         _default_group = MpiBackend.join_world(rank, world_size, timeout)
         log.debug("init_process_group: MPI rank %s of %s", _default_group.rank, _default_group.world_size)
+        start_hang_watch()
         return _default_group
     master_addr: str | None = None
     master_port: int | None = None
@@ -169,6 +171,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
                     secret=secret, store=store, bind_addr=bind_addr, close_store=close_store, device_id=device_id)
     group = join_backend(backend, spec)
     _default_group = group
+    start_hang_watch()
     return group
 
 
@@ -195,6 +198,7 @@ def destroy_process_group() -> None:
     global _default_group
     group, _default_group = _default_group, None
     if group is not None:
+        stop_hang_watch()
         group.close()
 
 

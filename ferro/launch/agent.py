@@ -19,6 +19,7 @@ from ferro.errors import ConfigurationError
 from ferro.launch import bootstrap
 from ferro.launch.bootstrap import GRACE_ENV, LAUNCHER_PID_ENV
 from ferro.launch.failures import ERROR_FILE_ENV, read_failure
+from ferro.launch.hang import HANG_EXIT_CODE, HangWatchdog
 from ferro.launch.reaper import become_subreaper, end_descendants
 
 __all__ = ["Interrupted", "LaunchConfig", "OutputPump", "RankFailure", "failure_of", "run_job", "say", "start_rank",
@@ -52,6 +53,11 @@ class LaunchConfig:
         min_nodes: Under ``"rank"``, the fewest nodes with a rank training; below it the job stops.
         heartbeat_timeout: Under ``"rank"``, seconds without a heartbeat after which a
             rank is taken for frozen and killed (and a node whose launcher went silent, for lost).
+        hang_timeout: Seconds in which no rank made or ended a call after which the job is
+            taken for stuck: every rank's flight record is collected, the verdict printed and
+            the job stopped (:mod:`ferro.launch.hang`); 0 turns the watchdog off.
+        dump_dir: Where the ranks' flight records go (default ``$FERRO_DUMP_DIR``, else
+            ``<tmp>/ferro-dumps/run-<master port>``).
 
     """
 
@@ -69,6 +75,8 @@ class LaunchConfig:
     min_size: int = 1
     min_nodes: int = 1
     heartbeat_timeout: float = 10.0
+    hang_timeout: float = 300.0
+    dump_dir: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -195,8 +203,9 @@ def start_rank(config: LaunchConfig, local: int, restart: int, pump: OutputPump,
     return process
 
 
-def _start(config: LaunchConfig, restart: int, pump: OutputPump, records: str) -> list[subprocess.Popen[bytes]]:
-    return [start_rank(config, local, restart, pump, records) for local in range(config.nproc_per_node)]
+def _start(config: LaunchConfig, restart: int, pump: OutputPump, records: str,
+           extra: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+    return [start_rank(config, local, restart, pump, records, extra) for local in range(config.nproc_per_node)]
 
 
 def _signal_all(ranks: list[subprocess.Popen[bytes]], signum: int) -> None:
@@ -211,6 +220,7 @@ def _signal_all(ranks: list[subprocess.Popen[bytes]], signum: int) -> None:
 def stop_ranks(ranks: list[subprocess.Popen[bytes]], signum: int, grace: float) -> None:
     """Ask every rank's process group to stop, then kill what is left after ``grace`` seconds."""
     _signal_all(ranks, signum)
+    _signal_all(ranks, signal.SIGCONT)  # a stopped rank (SIGSTOP, a debugger let go) must run to hear it
     deadline = time.monotonic() + grace
     while any(p.poll() is None for p in ranks) and time.monotonic() < deadline:
         time.sleep(POLL_SECONDS)
@@ -224,9 +234,12 @@ def stop_ranks(ranks: list[subprocess.Popen[bytes]], signum: int, grace: float) 
 
 
 def _watch(ranks: list[subprocess.Popen[bytes]], config: LaunchConfig, records: str,
-           restart: int) -> RankFailure | None:
-    """Wait until all ranks succeed (None) or one fails (the first failure)."""
+           restart: int, watchdog: HangWatchdog) -> RankFailure | str | None:
+    """Wait until all ranks succeed (None), one fails (the first failure) or the job hangs (the verdict)."""
     while True:
+        verdict = watchdog.check()
+        if verdict is not None:
+            return verdict
         running = False
         for local, process in enumerate(ranks):
             code = process.poll()
@@ -310,19 +323,32 @@ def run_job(config: LaunchConfig) -> int:
     # Whatever a rank's processes orphan comes back here (if its guardian was killed first), to be ended below.
     become_subreaper()
     records = tempfile.mkdtemp(prefix="ferro-run-")  # the ranks' failure records (see ferro.launch.failures)
+    first_local = config.node_rank * config.nproc_per_node
+    watchdog = HangWatchdog(config.hang_timeout, config.dump_dir, config.world_size,
+                            list(range(first_local, first_local + config.nproc_per_node)), config.master_port)
     try:
         for restart in range(config.max_restarts + 1):
-            ranks = _start(config, restart, pump, records)
-            first = _watch(ranks, config, records, restart)
+            ranks = _start(config, restart, pump, records, watchdog.environment())
+            first = _watch(ranks, config, records, restart, watchdog)
             if first is None:
                 pump.drain(5.0)
                 return 0
+            if isinstance(first, str):
+                for line in first.splitlines():
+                    say(line)
+                say(f"stopping the job (exit code {HANG_EXIT_CODE})")
+                stop_ranks(ranks, signal.SIGTERM, config.grace_seconds)
+                pump.drain(5.0)
+                return HANG_EXIT_CODE
             *consequences, failure = _trace_cause(first, ranks, config, records, restart)
             after = "".join(f.consequence() for f in consequences)
             say(f"rank {failure.rank} {failure.describe()}{after}; stopping the other ranks")
             stop_ranks(ranks, signal.SIGTERM, config.grace_seconds)
             end_descendants(os.getpid(), config.grace_seconds)  # nothing of this attempt lives into the next
             pump.drain(5.0)
+            explained = watchdog.explain_failure()
+            for line in (explained or "").splitlines():
+                say(line)
             if restart < config.max_restarts:
                 say(f"restarting all ranks (restart {restart + 1} of {config.max_restarts})")
                 continue

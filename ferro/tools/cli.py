@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ferro.errors import DistributedError
+from ferro.tools import doctor
 
 __all__ = ["main"]
 
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument("path", help="the checkpoint directory")
     consolidate.add_argument("--out", required=True, help="the safetensors file to write")
     consolidate.set_defaults(handler=_ckpt_consolidate)
+    doctor.add_parser(commands)
     return parser
 
 

@@ -44,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0,
                         help="with --restart-policy rank: kill a rank silent this many seconds, and take a node "
                              "whose launcher is silent that long for lost (default 10)")
+    parser.add_argument("--hang-timeout", type=float, default=300.0,
+                        help="seconds in which no rank made or ended a collective or point-to-point call after "
+                             "which the job is taken for stuck: every rank's flight record is collected, the "
+                             "verdict printed (which rank did not arrive where) and the job stopped with exit "
+                             "code 86 (default 300; 0: off)")
+    parser.add_argument("--dump-dir", default=None,
+                        help="folder for the ranks' flight records (default $FERRO_DUMP_DIR, else "
+                             "<tmp>/ferro-dumps/run-<master port>); read them with ferro doctor")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds ranks get to exit after a stop request before they are killed (default 5)")
@@ -78,11 +86,15 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     if args.restart_policy != "rank" and (args.min_size != 1 or args.min_nodes != 1):
         raise ConfigurationError("ferro run: --min-size and --min-nodes apply to --restart-policy rank (training "
                                  "in place); with the group policy every failure restarts all ranks")
+    if args.hang_timeout < 0:
+        raise ConfigurationError(f"ferro run: --hang-timeout must be >= 0 seconds (0 turns it off), got "
+                                 f"{args.hang_timeout:g}")
     target = ["-m", args.target, *args.args] if args.module else [args.target, *args.args]
     fields = dict(target=target, nproc_per_node=args.nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                   master_addr=addr, master_port=port, max_restarts=args.max_restarts, prefix=not args.no_prefix,
                   grace_seconds=args.grace, restart_policy=args.restart_policy, min_size=args.min_size,
-                  min_nodes=args.min_nodes, heartbeat_timeout=args.heartbeat_timeout)
+                  min_nodes=args.min_nodes, heartbeat_timeout=args.heartbeat_timeout,
+                  hang_timeout=args.hang_timeout, dump_dir=args.dump_dir)
     return LaunchConfig(**fields, secret=secret) if secret else LaunchConfig(**fields)
 
 

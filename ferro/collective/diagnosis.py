@@ -1,0 +1,335 @@
+"""Reading every rank's flight record at once: which rank did not arrive where, who called what, who lags.
+
+:func:`load_dumps` reads a dump folder (``rank-<r>.json``, as
+:mod:`ferro.collective.flight_recorder` writes them, and the outside views the
+hang watch writes for ranks that could not answer); :func:`diagnose` lines the
+ranks' records up by their sequence number in each group, which is the same on
+every rank for the same call, and returns a :class:`Diagnosis` whose
+:meth:`~Diagnosis.report` is what ``ferro doctor`` prints:
+
+* a **hang**: the ranks waiting in the group's latest call, the ranks that never
+  made it, and where each of those is (its main thread's innermost frame outside
+  ferro, and its stack);
+* a **mismatch**: at one sequence number, ranks made different calls (operation,
+  dtype, size, op or root); the odd ones out are named with their call sites;
+* a **straggler** report over the last calls every rank completed: per rank, the
+  median time it waited in a collective. The rank that arrives last waits least.
+
+:func:`chrome_trace` turns the records into a Chrome/Perfetto trace, one process per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Diagnosis", "Finding", "chrome_trace", "diagnose", "load_dumps"]
+
+#: The least the others must wait (median, ms) for a rank to be called a straggler: below, it is noise.
+STRAGGLER_WAIT_MS = 1.0
+
+
+def load_dumps(folder: str | os.PathLike[str], round_id: str | None = None) -> dict[int, dict[str, Any]]:
+    """Read every ``rank-<r>.json`` of ``folder`` (only those of round ``round_id`` when given), by rank."""
+    dumps: dict[int, dict[str, Any]] = {}
+    for path in sorted(Path(folder).glob("rank-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # half-written by a rank that died writing it: the others still tell the story
+        if round_id is not None and data.get("round") != round_id:
+            continue
+        rank = data.get("rank")
+        if isinstance(rank, int):
+            dumps[rank] = data
+    return dumps
+
+
+@dataclass
+class Finding:
+    """One thing the records show: its kind (``hang``, ``mismatch``, ``straggler``), its culprits, its text."""
+
+    kind: str
+    group: str
+    culprits: list[int]
+    summary: str
+    details: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Diagnosis:
+    """What :func:`diagnose` found across the ranks' dumps."""
+
+    ranks: list[int]
+    missing: list[int]
+    findings: list[Finding]
+    stragglers: list[str]
+
+    def culprits(self) -> list[int]:
+        """Return the ranks the findings blame, in order of appearance."""
+        found: list[int] = []
+        for finding in self.findings:
+            found.extend(r for r in finding.culprits if r not in found)
+        return found
+
+    def report(self, stragglers: bool = True) -> str:
+        """Return the text ``ferro doctor`` prints (``stragglers=False``: the straggler report only if it names one)."""
+        lines = [f"ferro doctor: dumps of ranks {_ranges(self.ranks)}"
+                 + (f"; no dump from ranks {_ranges(self.missing)}" if self.missing else "")]
+        if not self.findings:
+            lines.append("no hang and no mismatch: every rank's latest call in every group completed alike")
+        for finding in self.findings:
+            lines.append(f"{finding.kind.upper()} in group {finding.group}: {finding.summary}")
+            lines.extend(f"  {line}" for line in finding.details)
+        lines.extend(line for line in self.stragglers
+                     if stragglers or any(s.strip().startswith("straggler: rank") for s in self.stragglers))
+        for finding in self.findings:
+            if finding.kind != "straggler":
+                lines.append(f"verdict: {finding.summary}")
+                break
+        return "\n".join(lines)
+
+
+def _ranges(ranks: Iterable[int]) -> str:
+    return ", ".join(str(r) for r in sorted(ranks)) or "none"
+
+
+def _where(dump: dict[str, Any] | None) -> str:
+    if dump is None:
+        return "unknown"
+    return str(dump.get("where") or "unknown")
+
+
+def _stack(dump: dict[str, Any] | None, limit: int = 12) -> list[str]:
+    if dump is None:
+        return []
+    threads = dump.get("threads") or []
+    main = next((t for t in threads if t.get("main")), threads[0] if threads else None)
+    if not main:
+        return []
+    frames = main.get("frames") or []
+    lines = [f"stack of rank {dump.get('rank')}'s {main.get('name', 'main')} thread (innermost first):"]
+    lines.extend(f"  {f['filename']}:{f['line']} in {f['name']}" for f in frames[:limit])
+    if len(frames) > limit:
+        lines.append(f"  ... {len(frames) - limit} more")
+    return lines
+
+
+def _state_of(dump: dict[str, Any] | None) -> str:
+    if dump is None:
+        return "sent no dump"
+    if dump.get("source") == "outside":
+        return str(dump.get("process_state") or "did not answer")
+    return ""
+
+
+def _short(entry: dict[str, Any]) -> str:
+    # The call as a person reads it: without the shape's hash and the issuing thread's tag.
+    return re.sub(r", (shape hash [0-9a-f]+|from thread tag [0-9a-f]+)", "", str(entry["call"]))
+
+
+def _call_key(entry: dict[str, Any]) -> tuple[Any, ...]:
+    # What ranks must agree on: the fingerprint without its thread tag (bits 8-19), else the operation and size.
+    fingerprint = entry.get("fingerprint")
+    if fingerprint:
+        return (entry.get("op"), int(fingerprint, 16) & ~(0xFFF << 8))
+    return (entry.get("op"), entry.get("kind"), entry.get("nbytes") if entry.get("kind") == "collective" else None)
+
+
+def _groups(dumps: dict[int, dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """``{pg_id: {job rank: that rank's group record}}``."""
+    found: dict[str, dict[int, dict[str, Any]]] = {}
+    for rank, dump in dumps.items():
+        for group in dump.get("groups") or []:
+            found.setdefault(group["pg_id"], {})[rank] = group
+    return found
+
+
+def _expected(pg_id: str, records: dict[int, dict[str, Any]]) -> list[int]:
+    for group in records.values():
+        if group.get("ranks"):
+            return list(group["ranks"])
+    return sorted(records)
+
+
+def diagnose(dumps: dict[int, dict[str, Any]], world_size: int | None = None, last: int = 50) -> Diagnosis:
+    """Line the ranks' records up and say what went wrong, and which ranks lag.
+
+    Args:
+        dumps: By job rank, as :func:`load_dumps` returns them.
+        world_size: Ranks in the job (default: the largest group's size).
+        last: How many of the latest calls every rank completed the straggler report looks at.
+
+    Returns:
+        The findings, hang and mismatch first, then the straggler report.
+
+    """
+    by_group = _groups(dumps)
+    sizes = [len(_expected(pg, recs)) for pg, recs in by_group.items()]
+    world = world_size or max(sizes + [max(dumps) + 1 if dumps else 0])
+    answered = sorted(r for r, d in dumps.items() if d.get("source") != "outside")
+    missing = [r for r in range(world) if r not in answered]
+    findings: list[Finding] = []
+    stragglers: list[str] = []
+    # The largest groups first: a hang of the world explains the sub-groups' hangs.
+    for pg_id, records in sorted(by_group.items(), key=lambda item: -len(_expected(*item))):
+        expected = _expected(pg_id, records)
+        mismatch = _mismatch(pg_id, records, dumps)
+        if mismatch is not None:
+            findings.append(mismatch)
+            continue
+        hang = _hang(pg_id, records, expected, dumps)
+        if hang is not None and not any(f.kind == "hang" and set(hang.culprits) <= set(f.culprits)
+                                        for f in findings):
+            findings.append(hang)
+        if len(expected) > 1:
+            stragglers.extend(_straggler(pg_id, records, expected, last))
+    return Diagnosis(answered, missing, findings, stragglers)
+
+
+def _mismatch(pg_id: str, records: dict[int, dict[str, Any]], dumps: dict[int, dict[str, Any]]) -> Finding | None:
+    calls: dict[int, dict[int, dict[str, Any]]] = {}
+    for rank, group in records.items():
+        for entry in group.get("entries") or []:
+            calls.setdefault(entry["collective_seq_id"], {})[rank] = entry
+    for seq in sorted(calls):
+        at = calls[seq]
+        if len(at) < 2:
+            continue
+        kinds = Counter(_call_key(e) for e in at.values())
+        if len(kinds) < 2:
+            continue
+        common = kinds.most_common(1)[0][0]
+        odd = sorted(r for r, e in at.items() if _call_key(e) != common)
+        usual = sorted(r for r, e in at.items() if _call_key(e) == common)
+        sample = at[usual[0]]
+        details = [f"ranks {_ranges(usual)} called {_short(sample)} at {sample.get('site')}"]
+        details.extend(f"rank {r} called {_short(at[r])} at {at[r].get('site')}" for r in odd)
+        summary = (f"at call #{seq} rank{'s' if len(odd) > 1 else ''} {_ranges(odd)} called "
+                   f"{_short(at[odd[0]])} at {at[odd[0]].get('site')}, but ranks {_ranges(usual)} called "
+                   f"{_short(sample)} at {sample.get('site')}")
+        return Finding("mismatch", pg_id, odd, summary, details)
+    return None
+
+
+def _hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
+          dumps: dict[int, dict[str, Any]]) -> Finding | None:
+    made = {r: int(records[r].get("calls") or 0) for r in records}
+    latest = max(made.values(), default=0)
+    last_entry = {r: (records[r].get("entries") or [None])[-1] for r in records}
+    waiting = sorted(r for r in records if made[r] == latest and last_entry[r]
+                     and last_entry[r]["state"] in ("started", "scheduled"))
+    if not waiting:
+        return None
+    behind = sorted(r for r in expected if r not in records or made.get(r, 0) < latest)
+    silent = sorted(r for r in expected if r not in dumps or dumps[r].get("source") == "outside")
+    culprits = sorted(set(behind) | (set(silent) - set(waiting)))
+    if not culprits:
+        culprits = sorted(silent)
+    if not culprits:
+        return None
+    call = last_entry[waiting[0]]
+    sites = sorted({str(last_entry[r].get("site")) for r in waiting})
+    since = [_waited(last_entry[r], dumps.get(r)) for r in waiting]
+    waited = max((s for s in since if s is not None), default=None)
+    details = [f"ranks {_ranges(waiting)} wait in call #{latest}: {_short(call)} at {', '.join(sites)}"
+               + (f", for {waited:.1f} s" if waited is not None else "")]
+    for rank in culprits:
+        dump = dumps.get(rank)
+        previous = last_entry.get(rank)
+        state = _state_of(dump)
+        if previous is not None and made.get(rank, 0) < latest:
+            last = f"its last call was #{made[rank]} {previous['op']} ({previous['state']}, at {previous.get('site')})"
+        elif rank in records:
+            last = f"its last call was #{made.get(rank, 0)}"
+        else:
+            last = "it made no call in this group" if dump is not None and dump.get("source") != "outside" else (
+                "its records are unknown")
+        details.append(f"rank {rank} never arrived: {last}; it is at {_where(dump)}" + (f" ({state})" if state else ""))
+        details.extend(f"  {line}" for line in _stack(dump))
+    first = culprits[0]
+    summary = (f"rank{'s' if len(culprits) > 1 else ''} {_ranges(culprits)} did not arrive at call #{latest} "
+               f"({_short(call)}), which ranks {_ranges(waiting)} wait in; rank {first} is at "
+               f"{_where(dumps.get(first))}")
+    return Finding("hang", pg_id, culprits, summary, details)
+
+
+def _waited(entry: dict[str, Any], dump: dict[str, Any] | None) -> float | None:
+    started = entry.get("time_discovered_started_ns") or entry.get("time_created_ns")
+    if dump is None:
+        return None
+    if started:
+        return (dump["time_ns"] - started) / 1e9
+    seen = (dump.get("progress") or {}).get("stalled_for")
+    return float(seen) if seen is not None else None
+
+
+def _straggler(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int], last: int) -> list[str]:
+    done: dict[int, dict[int, float]] = {}
+    for rank, group in records.items():
+        for entry in group.get("entries") or []:
+            if entry["state"] == "completed" and entry.get("duration_ms") is not None and entry["kind"] == "collective":
+                done.setdefault(entry["collective_seq_id"], {})[rank] = entry["duration_ms"]
+    common = sorted(seq for seq, ranks in done.items() if len(ranks) == len(expected))[-last:]
+    if len(common) < 5:
+        return []
+    medians = {r: statistics.median(done[seq][r] for seq in common) for r in expected}
+    last_in = Counter(min(done[seq], key=lambda r: done[seq][r]) for seq in common)
+    slowest, times = last_in.most_common(1)[0]
+    others = statistics.median(medians[r] for r in expected if r != slowest)
+    lines = [f"straggler report for group {pg_id}, over its last {len(common)} calls every rank completed "
+             f"(the rank that arrives last waits least):"]
+    lines.extend(f"  rank {r}: median wait {medians[r]:.3f} ms, arrived last in {last_in.get(r, 0)} calls"
+                 for r in expected)
+    if times >= 0.5 * len(common) and medians[slowest] < 0.5 * others and others >= STRAGGLER_WAIT_MS:
+        site = _common_site(records.get(slowest), common)
+        lines.append(f"  straggler: rank {slowest} arrived last in {times} of {len(common)} calls; the others "
+                     f"waited a median {others:.3f} ms for it (its calls are made at {site})")
+    else:
+        lines.append("  no straggler: no rank arrived last in most calls")
+    return lines
+
+
+def _common_site(group: dict[str, Any] | None, seqs: list[int]) -> str:
+    if not group:
+        return "unknown"
+    wanted = set(seqs)
+    sites = Counter(e.get("site") for e in group.get("entries") or [] if e["collective_seq_id"] in wanted)
+    return str(sites.most_common(1)[0][0]) if sites else "unknown"
+
+
+def straggler_of(report: Iterable[str]) -> int | None:
+    """Return the rank a straggler report names, or None."""
+    for line in report:
+        if line.strip().startswith("straggler: rank "):
+            return int(line.strip().split()[2])
+    return None
+
+
+def chrome_trace(dumps: dict[int, dict[str, Any]], last: int = 200) -> dict[str, Any]:
+    """Return a Chrome/Perfetto trace (ui.perfetto.dev) of each rank's last calls in each group."""
+    events: list[dict[str, Any]] = []
+    for rank, dump in sorted(dumps.items()):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for index, group in enumerate(dump.get("groups") or []):
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": index,
+                           "args": {"name": f"group {group['pg_id']}"}})
+            for entry in (group.get("entries") or [])[-last:]:
+                start = entry.get("time_discovered_started_ns") or entry.get("time_created_ns")
+                end = entry.get("time_discovered_completed_ns")
+                args = {"seq": entry["collective_seq_id"], "call": entry["call"], "state": entry["state"],
+                        "site": entry.get("site")}
+                if start and end:
+                    events.append({"name": entry["op"], "ph": "X", "pid": rank, "tid": index, "ts": start / 1e3,
+                                   "dur": max(end - start, 0) / 1e3, "args": args})
+                elif start:
+                    events.append({"name": entry["op"], "ph": "i", "s": "t", "pid": rank, "tid": index,
+                                   "ts": start / 1e3, "args": args})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

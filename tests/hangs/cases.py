@@ -1,0 +1,75 @@
+"""The hangs and slips of ferro doctor's tests (and bench/bench_hang.py), at 4 ranks: one injected per run.
+
+    ferro run --nproc-per-node 4 --hang-timeout 3 tests/hangs/cases.py CASE [--torch]
+
+CASE: ``skip`` (rank 2 skips one allreduce, then evaluates for an hour), ``spin``
+(rank 1 spins in a Python loop before a collective), ``stop`` (rank 3 SIGSTOPs
+itself), ``size`` (rank 0 calls allreduce with another size), ``slow`` (rank 3
+is 5x slower than the others for 50 steps, then every rank dumps its record).
+With ``--torch`` the same runs on torch.distributed's gloo (run it under torchrun,
+with TORCH_DISTRIBUTED_DEBUG=DETAIL to see what torch says).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+STEPS = {"slow": 50}
+FAULT_STEP = 5
+
+
+def spin_forever() -> None:
+    """A rank stuck in user code: a busy loop that never returns."""
+    n = 0
+    while True:
+        n += 1  # CULPRIT spin
+
+
+def main() -> None:
+    case = sys.argv[1]
+    torch_mode = "--torch" in sys.argv
+    if torch_mode:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        seconds = float(os.environ.get("CASE_TIMEOUT", "30"))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
+        rank = dist.get_rank()
+        allreduce = lambda values: dist.all_reduce(torch.from_numpy(values))  # noqa: E731
+    else:
+        import ferro
+
+        rank = ferro.init_process_group().rank
+        allreduce = ferro.allreduce  # called straight from the loop below: the call sites are its lines
+
+    x = np.ones(1, np.float32)
+    for step in range(STEPS.get(case, 8)):
+        if case == "slow":
+            time.sleep(0.05 if rank == 3 else 0.01)
+        if step == FAULT_STEP:
+            if case == "skip" and rank == 2:
+                continue  # CULPRIT skip
+            if case == "spin" and rank == 1:
+                spin_forever()
+            if case == "stop" and rank == 3:
+                os.kill(os.getpid(), signal.SIGSTOP)  # CULPRIT stop
+            if case == "size" and rank == 0:
+                allreduce(np.ones(2, np.float32))  # CULPRIT size
+                continue
+        allreduce(x)  # WAIT
+    if case == "slow" and not torch_mode:
+        ferro.dump_flight_record("after 50 steps")
+    if case == "skip":
+        time.sleep(3600)  # CULPRIT evaluate
+    print(f"rank {rank} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
