@@ -60,14 +60,14 @@ typedef struct {
 } ferro_recorder;
 
 /* Take the next record and fill in what is known when the call is made (at time made, 0: not known).
- * Returns its seq, 0 when the recorder is off. */
+ * Returns its seq (counted when the recorder is off too). */
 static inline uint64_t ferro_rec_begin(ferro_recorder *r, ferro_callsite_table *sites, int collective, int kind,
                                        uint64_t fingerprint, uint64_t nbytes, int peer, int running,
                                        int64_t made) {
     ferro_record *e;
     PyObject *code;
     int offset;
-    if (r->capacity == 0) return 0;
+    if (r->capacity == 0) return ++r->seq;  /* off: still counted, the hang watch reads progress from it */
     if (r->ring == NULL) {
         r->block = PyMem_Calloc((size_t)r->capacity + 1, sizeof(ferro_record));
         if (r->block == NULL) { r->capacity = 0; return 0; }
@@ -98,7 +98,7 @@ static inline uint64_t ferro_rec_begin(ferro_recorder *r, ferro_callsite_table *
 /* The record of call seq, or NULL once the ring has moved past it. */
 static inline ferro_record *ferro_rec_find(ferro_recorder *r, uint64_t seq) {
     ferro_record *e;
-    if (seq == 0 || r->ring == NULL) return NULL;
+    if (seq == 0 || r->ring == NULL || r->capacity == 0) return NULL;
     e = &r->ring[(seq - 1) & (r->capacity - 1)];
     return e->seq == seq ? e : NULL;
 }

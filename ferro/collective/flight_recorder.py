@@ -73,10 +73,11 @@ def _extra_prefixes() -> list[str]:
     # Frames of torch.distributed sit between a user's call and ferro's when ferro serves torch's API; its
     # folder counts as the library's, so a call site is the user's line, not distributed_c10d.py's.
     torch = sys.modules.get("torch")
-    if torch is None or not getattr(torch, "__file__", None):
+    location = getattr(torch, "__file__", None)
+    if not location:
         return []
-    return [str(Path(torch.__file__).resolve().parent / "distributed") + os.sep,
-            str(Path(torch.__file__).resolve().parent / "nn" / "parallel") + os.sep]
+    root = Path(location).resolve().parent
+    return [str(root / "distributed") + os.sep, str(root / "nn" / "parallel") + os.sep]
 
 
 def include_torch_frames() -> None:
@@ -184,9 +185,11 @@ def _entry(record: tuple[Any, ...], group: dict[str, Any], clock: _Clock) -> dic
     dtype = (fingerprint >> 53 & 0x1F) - 1 if fingerprint else -1
     if dtype >= 0:
         try:
-            entry["dtype"] = dtype_by_code(dtype).name
+            found = dtype_by_code(dtype)
         except (KeyError, ValueError):
-            pass
+            found = None
+        if found is not None:
+            entry["dtype"] = found.name
     return entry
 
 

@@ -80,6 +80,10 @@ class _Watch:
         self.thread = threading.Thread(target=self._run, name="ferro-hang-watch", daemon=True)
 
     def start(self) -> None:
+        faulthandler.unregister(signal.SIGUSR1)  # an earlier registration would keep its own handler in place
+        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN, None):
+            # Chaining to the default action would end the process: a handler that does nothing instead.
+            signal.signal(signal.SIGUSR1, _ignore)
         faulthandler.register(signal.SIGUSR1, file=self.write_end, all_threads=True, chain=True)
         self._hello()
         self.thread.start()
@@ -209,6 +213,10 @@ class _Watch:
         os._exit(HANG_EXIT_CODE)
 
 
+def _ignore(signum: int, frame: Any) -> None:
+    """SIGUSR1's Python-level handler when the program had none: the hang watch's thread does the work."""
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(data))
@@ -253,6 +261,8 @@ def collect(folder: Path, world_size: int, *, by: str, own: Any = None, wait: fl
         if rank not in dumps:
             view = outside_view(folder, rank)
             if view is not None:
+                view["round"] = round_id
+                flight_recorder.write_dump(view, folder)  # for ferro doctor, beside the ranks' own
                 dumps[rank] = view
     return dumps
 

@@ -41,6 +41,8 @@ from torch.distributed.constants import default_pg_timeout
 from ferro import collective
 from ferro.backend import JoinSpec, join_backend
 from ferro.backend.base import Backend
+from ferro.collective.flight_recorder import include_torch_frames
+from ferro.collective.hang_watch import start_hang_watch
 from ferro.collective.process_group import BACKEND_ENV, backend_by_hosts
 from ferro.collective.work import PendingCollective, worker_of
 from ferro.errors import ConfigurationError, DistributedError, InvalidBufferError
@@ -144,6 +146,8 @@ def create_process_group(options: Any, backend_options: Any) -> ProcessGroupFerr
     bind_addr = None if master else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
     spec = JoinSpec(rank, size, master or "127.0.0.1", timeout=seconds, store=store, bind_addr=bind_addr)
     group = join_backend(chosen, spec)
+    include_torch_frames()  # call sites are the user's lines, not torch.distributed's
+    start_hang_watch()  # dumps on SIGUSR1 and on request, as under ferro's own init_process_group
     try:
         # Point-to-point gets a TCP mesh of its own (see ferro.interop._peer_links for why).
         links = PeerLinks(join_backend("tcp", spec), seconds) if size > 1 else None

@@ -81,7 +81,8 @@ class HangWatchdog:
         found = diagnosis.diagnose(dumps, self.world_size)
         header = (f"no rank made or ended a call for {self.hang_timeout:g} s (--hang-timeout); "
                   f"the job is stuck")
-        report = found.report(stragglers=False) if found.findings else "no hang in the records: every rank is outside ferro"
+        report = (found.report(stragglers=False) if found.findings
+                  else "no hang in the records: every rank is outside ferro's calls")
         text = f"{header}\n{report}\ndumps in {self.folder} (ferro doctor {self.folder})"
         (self.folder / "verdict.txt").write_text(text + "\n")
         return text

@@ -63,7 +63,8 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_s
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": _LOCALHOST, "MASTER_PORT": str(store_port), "FERRO_SECRET": secret})
     stack_file = open(stack_path, "w")  # noqa: SIM115 - must outlive this frame for faulthandler
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # SIGUSR2: SIGUSR1 belongs to the rank's hang watch (ferro.collective.hang_watch), which dumps its record.
+    faulthandler.register(signal.SIGUSR2, file=stack_file, all_threads=True)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     reported = False
 
@@ -262,7 +263,7 @@ def _hang_report(processes: list[multiprocessing.process.BaseProcess], pending: 
         pid = processes[rank].pid
         if pid is not None and processes[rank].is_alive():
             try:
-                os.kill(pid, signal.SIGUSR1)
+                os.kill(pid, signal.SIGUSR2)
             except ProcessLookupError:
                 pass
     time.sleep(STACK_DUMP_GRACE)

@@ -68,7 +68,7 @@ def torch_layout(dumps: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
     converted = {}
     for rank, dump in dumps.items():
         pg_config = {}
-        entries = []
+        entries: list[dict[str, Any]] = []
         for group in dump.get("groups") or []:
             name = group["pg_id"]
             desc = "default_pg" if group.get("ranks") == list(range(len(group.get("ranks") or []))) and \
@@ -98,6 +98,7 @@ def torch_layout(dumps: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 def _itemsize(dtype: str | None) -> int:
     try:
-        return dtype_by_name(dtype).itemsize if dtype else 1
+        found = dtype_by_name(dtype) if dtype else None
     except (KeyError, ValueError):
         return 1
+    return found.itemsize if found is not None else 1

@@ -25,9 +25,8 @@ FAULT_STEP = 5
 
 def spin_forever() -> None:
     """A rank stuck in user code: a busy loop that never returns."""
-    n = 0
-    while True:
-        n += 1  # CULPRIT spin
+    while True:  # CULPRIT spin
+        pass
 
 
 def main() -> None:

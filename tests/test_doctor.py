@@ -1,0 +1,291 @@
+"""The flight recorder, the dumps, the hang watch and ferro doctor: which rank, where, and why."""
+
+import inspect
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ferro
+from ferro.collective import diagnosis, hang_watch
+from ferro.testing import run_processes, run_threads
+
+FERRO = [sys.executable, "-m", "ferro"]
+CASES = Path(__file__).parent / "hangs" / "cases.py"
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def _line(marker):
+    """The line of cases.py carrying ``# marker``."""
+    for number, text in enumerate(CASES.read_text().splitlines(), 1):
+        if text.rstrip().endswith(f"# {marker}"):
+            return f"{CASES}:{number}"
+    raise AssertionError(f"no line marked {marker}")
+
+
+def _here():
+    frame = inspect.currentframe().f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno + 1}"  # the line after the call
+
+
+# -- the recorder -------------------------------------------------------------------------------------------------
+
+def _record_calls(group):
+    x = np.ones(3, np.float32)
+    sites = [_here()]
+    ferro.allreduce(x, group=group)
+    sites.append(_here())
+    ferro.broadcast(x, 0, group=group)
+    sites.append(_here())
+    ferro.all_gather(x, group=group)
+    sites.append(_here())
+    ferro.reduce_scatter(np.ones(4, np.float64), group=group)
+    if group.rank == 0:
+        sites.append(_here())
+        ferro.send(x, 1, group=group)
+    else:
+        sites.append(_here())
+        ferro.recv(0, group=group)
+    (mine,) = [g for g in ferro.flight_records() if g["rank"] == group.rank and g["world_size"] == 2]
+    return sites, mine
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm", "simulated"])
+def test_every_call_is_recorded_with_its_seq_call_and_call_site(backend):
+    if backend == "simulated":
+        results = run_threads(_record_calls, 2)
+    else:
+        results = run_processes(_record_calls, 2, backend=backend, timeout=120)
+    for rank, (sites, group) in enumerate(results):
+        entries = group["entries"]
+        assert group["rank"] == rank and group["calls"] == group["completed"] == 5
+        assert [e["collective_seq_id"] for e in entries] == [1, 2, 3, 4, 5]
+        assert [e["op"] for e in entries] == ["allreduce", "broadcast", "all_gather", "reduce_scatter", "p2p"]
+        assert [e["site"] for e in entries] == sites
+        assert all(e["state"] == "completed" for e in entries)
+        assert entries[0]["nbytes"] == 12 and entries[0]["dtype"] == "float32"
+        assert entries[3]["nbytes"] == 32 and entries[3]["dtype"] == "float64"
+        assert entries[4]["kind"] == ("send" if rank == 0 else "recv") and entries[4]["peer"] == 1 - rank
+        ended = [e["time_discovered_completed_ns"] for e in entries if e["time_discovered_completed_ns"]]
+        assert ended == sorted(ended)
+    # The same call has the same number and fingerprint on every rank: what lines the ranks up.
+    assert [e["fingerprint"] for e in results[0][1]["entries"][:4]] == \
+        [e["fingerprint"] for e in results[1][1]["entries"][:4]]
+
+
+def _ring(group):
+    ferro.set_flight_recorder_size(8)
+    x = np.ones(1)
+    for _ in range(20):
+        ferro.allreduce(x, group=group)
+    kept = [e["collective_seq_id"] for e in ferro.flight_records()[-1]["entries"]]
+    ferro.set_flight_recorder_size(0)
+    for _ in range(3):
+        ferro.allreduce(x, group=group)
+    (off,) = ferro.flight_records()
+    ferro.set_flight_recorder_size(2048)
+    return kept, off
+
+
+def test_the_ring_keeps_the_latest_calls_and_the_recorder_can_be_off():
+    for kept, off in run_processes(_ring, 2, backend="shm", timeout=60):
+        assert kept == list(range(13, 21))
+        assert off["entries"] == [] and off["calls"] == off["completed"] == 23  # off: counted, not recorded
+
+
+def test_bad_recorder_size_is_refused():
+    with pytest.raises(ValueError, match=">= 0"):
+        ferro.set_flight_recorder_size(-1)
+
+
+# -- dumps --------------------------------------------------------------------------------------------------------
+
+def _mismatch(group, folder):
+    os.environ["FERRO_DUMP_DIR"] = folder
+    x = np.ones(2 if group.rank == 1 else 1, np.float32)
+    ferro.allreduce(np.ones(1, np.float32), group=group)
+    try:
+        ferro.allreduce(x, group=group)
+    except ferro.CollectiveMismatchError:
+        return "mismatch"
+    return "no error"
+
+
+def test_a_failed_collective_dumps_and_doctor_names_the_odd_rank(tmp_path):
+    results = run_processes(_mismatch, 3, args=(str(tmp_path),), backend="tcp", timeout=60)
+    assert results == ["mismatch"] * 3
+    dumps = diagnosis.load_dumps(tmp_path)
+    assert sorted(dumps) == [0, 1, 2]
+    found = diagnosis.diagnose(dumps)
+    assert [f.kind for f in found.findings] == ["mismatch"] and found.culprits() == [1]
+    assert "at call #2 rank 1 called allreduce(float32, SUM, 2 elements)" in found.findings[0].summary
+    assert all(d["reason"] and "differ" in d["reason"] for d in dumps.values())
+
+
+def _signal_dump(group, folder):
+    os.environ["FERRO_DUMP_DIR"] = folder
+    ferro.allreduce(np.ones(1), group=group)
+    hang_watch.start_hang_watch(0)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        path = Path(folder) / f"rank-{group.rank}.json"
+        deadline = time.monotonic() + 20
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return json.loads(path.read_text())
+    finally:
+        hang_watch.stop_hang_watch()
+
+
+def test_sigusr1_writes_the_record_and_every_thread_s_stack(tmp_path):
+    for rank, dump in enumerate(run_processes(_signal_dump, 2, args=(str(tmp_path),), backend="shm", timeout=60)):
+        assert dump["reason"] == "signal SIGUSR1" and dump["rank"] == rank
+        assert "_signal_dump" in dump["signal_traceback"]  # faulthandler's view at the signal
+        assert dump["groups"][-1]["entries"][0]["op"] == "allreduce"
+        assert dump["where"].startswith(f"{__file__}:")
+        assert any(t["name"] == "ferro-hang-watch" for t in dump["threads"])
+
+
+# -- the hangs, at 4 ranks under ferro run ------------------------------------------------------------------------
+
+def _ferro_run(case, tmp_path, hang_timeout=3):
+    folder = tmp_path / "dumps"
+    env = dict(os.environ, FERRO_SECRET=SECRET, FERRO_TIMEOUT="60")
+    env.pop("FERRO_DUMP_DIR", None)
+    started = time.monotonic()
+    done = subprocess.run([*FERRO, "run", "--nproc-per-node", "4", "--hang-timeout", str(hang_timeout),
+                           "--dump-dir", str(folder), str(CASES), case], capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path, env=env)
+    return done, time.monotonic() - started, folder
+
+
+def _verdict(stderr):
+    return next(line for line in stderr.splitlines() if line.startswith("ferro run: verdict: "))
+
+
+def _no_secret(folder):
+    for path in folder.iterdir():
+        assert SECRET not in path.read_text(errors="replace"), path
+
+
+@pytest.mark.parametrize("case, culprit, marker, call", [
+    # Rank 2 skipped one of 8 allreduces, then went on to evaluate: the others wait in their 8th, its 7th matched.
+    ("skip", 2, "CULPRIT evaluate", 8),
+    ("spin", 1, "CULPRIT spin", 6),  # spins in Python before the 6th collective
+    ("stop", 3, "CULPRIT stop", 6),  # SIGSTOPped before it: read from outside, by py-spy
+])
+def test_the_watchdog_names_the_rank_that_did_not_arrive_and_its_line(tmp_path, case, culprit, marker, call):
+    done, elapsed, folder = _ferro_run(case, tmp_path)
+    assert done.returncode == hang_watch.HANG_EXIT_CODE, done.stderr[-3000:]
+    verdict = _verdict(done.stderr)
+    waiting = ", ".join(str(r) for r in range(4) if r != culprit)
+    assert f"rank {culprit} did not arrive at call #{call}" in verdict, verdict
+    assert f"which ranks {waiting} wait in" in verdict and _line(marker) in verdict, verdict
+    assert f"wait in call #{call}: allreduce(float32, SUM, 1 elements) at {_line('WAIT')}" in done.stderr
+    assert elapsed < 60  # the watchdog stopped it, not the collective timeout (FERRO_TIMEOUT=60)
+    # ferro doctor reads the same dumps to the same verdict.
+    doctor = subprocess.run([*FERRO, "doctor", str(folder)], capture_output=True, text=True, timeout=60)
+    assert doctor.returncode == 1 and f"verdict: rank {culprit} did not arrive" in doctor.stdout
+    assert _line(marker) in doctor.stdout
+    _no_secret(folder)
+
+
+def test_a_rank_calling_another_size_is_named_with_its_line(tmp_path):
+    done, _, folder = _ferro_run("size", tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    verdict = _verdict(done.stderr)
+    assert verdict.startswith(f"ferro run: verdict: at call #6 rank 0 called allreduce(float32, SUM, 2 elements) "
+                              f"at {_line('CULPRIT size')}, but ranks 1, 2, 3 called allreduce(float32, SUM, 1 "
+                              f"elements) at {_line('WAIT')}"), verdict
+    _no_secret(folder)
+
+
+def test_doctor_names_the_straggler_and_writes_traces(tmp_path):
+    done, _, folder = _ferro_run("slow", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trace, torch_dir = tmp_path / "trace.json", tmp_path / "torch"
+    doctor = subprocess.run([*FERRO, "doctor", str(folder), "--trace", str(trace), "--torch", str(torch_dir)],
+                            capture_output=True, text=True, timeout=60)
+    assert doctor.returncode == 0, doctor.stderr
+    report = doctor.stdout.splitlines()
+    assert diagnosis.straggler_of(report) == 3, doctor.stdout
+    assert f"its calls are made at {_line('WAIT')}" in doctor.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1, 2, 3}
+    assert sum(1 for e in events if e.get("ph") == "X" and e["pid"] == 0) >= 40  # rank 0 waited in each call
+    # torch's own analyser reads the converted dumps and finds the ranks' calls in agreement.
+    layout = pickle.loads((torch_dir / "rank0").read_bytes())
+    assert layout["version"] == "2.10" and len(layout["entries"]) == 50
+    pytest.importorskip("torch")
+    analysed = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(torch_dir)],
+                              capture_output=True, text=True, timeout=120)
+    assert analysed.returncode == 0, analysed.stderr[-2000:]
+    _no_secret(folder)
+
+
+def test_without_ferro_run_the_first_rank_to_notice_collects_and_stops_the_job(tmp_path):
+    """Under torchrun, mpirun or srun: the ranks' own hang watch gives the verdict."""
+    folder = tmp_path / "dumps"
+    port = str(29000 + os.getpid() % 1000)
+    ranks = []
+    for rank in range(4):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   FERRO_SECRET=SECRET, FERRO_TIMEOUT="60", FERRO_HANG_TIMEOUT="3", FERRO_DUMP_DIR=str(folder))
+        env.pop("FERRO_HANG_COLLECTOR", None)
+        ranks.append(subprocess.Popen([sys.executable, str(CASES), "spin"], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=tmp_path))
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and all(p.poll() is None for p in ranks):
+            time.sleep(0.1)
+        collectors = [p for p in ranks if p.poll() == hang_watch.HANG_EXIT_CODE]
+        assert collectors, [p.poll() for p in ranks]
+        stderr = collectors[0].stderr.read()
+        assert f"verdict: rank 1 did not arrive at call #6" in stderr and _line("CULPRIT spin") in stderr, stderr
+        assert "rank 1 did not arrive" in (folder / "verdict.txt").read_text()
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
+
+
+# -- the diagnosis itself -----------------------------------------------------------------------------------------
+
+def _dump(rank, calls, state="completed", where="train.py:9 in main", durations=None):
+    entries = [{"collective_seq_id": s, "op": "allreduce", "kind": "collective", "is_p2p": False,
+                "fingerprint": "0420000000100000", "call": "allreduce(float32, SUM, 1 elements)", "nbytes": 4,
+                "state": state if s == calls else "completed", "site": "train.py:5",
+                "duration_ms": (durations or {}).get(s, 1.0), "time_created_ns": None,
+                "time_discovered_started_ns": None, "time_discovered_completed_ns": None}
+               for s in range(1, calls + 1)]
+    group = {"pg_id": "[0, 1, 2]#0", "desc": "TcpBackend", "rank": rank, "world_size": 3, "ranks": [0, 1, 2],
+             "calls": calls, "completed": calls - (state != "completed"), "entries": entries}
+    return {"rank": rank, "source": "rank", "time_ns": 0, "where": where, "groups": [group], "threads": []}
+
+
+def test_a_rank_with_no_dump_and_no_outside_view_is_still_the_culprit():
+    dumps = {0: _dump(0, 4, "started"), 1: _dump(1, 4, "started")}
+    found = diagnosis.diagnose(dumps, 3)
+    assert found.missing == [2] and found.culprits() == [2]
+    assert "rank 2 did not arrive at call #4" in found.findings[0].summary
+
+
+def test_no_finding_when_every_rank_completed_alike():
+    found = diagnosis.diagnose({r: _dump(r, 6) for r in range(3)})
+    assert found.findings == [] and "no hang and no mismatch" in found.report()
+
+
+def test_a_straggler_needs_to_make_the_others_wait():
+    quick = {s: 0.0 for s in range(1, 11)}
+    # Rank 2 arrives last in every call, but the others wait 0.01 ms: noise, not a straggler.
+    dumps = {r: _dump(r, 10, durations=quick if r == 2 else {s: 0.01 for s in quick}) for r in range(3)}
+    assert diagnosis.straggler_of(diagnosis.diagnose(dumps).stragglers) is None
+    dumps = {r: _dump(r, 10, durations=quick if r == 2 else {s: 30.0 for s in quick}) for r in range(3)}
+    assert diagnosis.straggler_of(diagnosis.diagnose(dumps).stragglers) == 2
