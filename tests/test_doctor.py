@@ -248,7 +248,7 @@ def test_without_ferro_run_the_first_rank_to_notice_collects_and_stops_the_job(t
         collectors = [p for p in ranks if p.poll() == hang_watch.HANG_EXIT_CODE]
         assert collectors, [p.poll() for p in ranks]
         stderr = collectors[0].stderr.read()
-        assert f"verdict: rank 1 did not arrive at call #6" in stderr and _line("CULPRIT spin") in stderr, stderr
+        assert "verdict: rank 1 did not arrive at call #6" in stderr and _line("CULPRIT spin") in stderr, stderr
         assert "rank 1 did not arrive" in (folder / "verdict.txt").read_text()
     finally:
         for process in ranks:
