@@ -3,7 +3,8 @@
  * The flight recorder stores it with every call, so it has to cost what a few pointer loads cost, not what
  * sys._getframe() costs (which makes a frame object, about 100 ns on 3.11: several times the whole budget of a
  * 4-byte shared-memory allreduce's 1 %). The interpreter's own frame chain is read where the version's layout is
- * known (3.10 to 3.13); any other version takes the public API, correct but slower. What is kept is the code
+ * known (3.10 to 3.13, each checked by a build and a call-site test); any other version takes the public API,
+ * correct but slower. What is kept is the code
  * object (a strong reference, so its address cannot be reused while recorded) and the byte offset of the
  * instruction running in it; ferro.collective.flight_recorder turns them into file:line only when it dumps.
  *
@@ -16,7 +17,12 @@
 
 #include <Python.h>
 
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000
+/* FERRO_CALLSITE_PUBLIC forces the public-API path (how it is tested on a version with a known layout). */
+#if !defined(FERRO_CALLSITE_PUBLIC) && PY_VERSION_HEX >= 0x030A0000 && PY_VERSION_HEX < 0x030B0000
+#  define FERRO_CALLSITE_310 1
+#  include <frameobject.h> /* 3.10: the frame's fields are public */
+#elif !defined(FERRO_CALLSITE_PUBLIC) && PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000
+#  define FERRO_CALLSITE_INTERNAL 1
 #  ifndef Py_BUILD_CORE
 #    define Py_BUILD_CORE 1
 #    define FERRO_UNDEF_BUILD_CORE 1
@@ -68,7 +74,7 @@ static inline void ferro_callsite(ferro_callsite_table *t, PyObject **code, int 
     int depth = 0;
     *code = NULL;
     *offset = -1;
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000
+#if defined(FERRO_CALLSITE_INTERNAL)
     PyThreadState *ts = PyThreadState_GET();
 #  if PY_VERSION_HEX >= 0x030D0000
     _PyInterpreterFrame *f = ts->current_frame;
@@ -116,7 +122,7 @@ static inline void ferro_callsite(ferro_callsite_table *t, PyObject **code, int 
         }
         return;
     }
-#elif PY_VERSION_HEX >= 0x030A0000 && PY_VERSION_HEX < 0x030B0000
+#elif defined(FERRO_CALLSITE_310)
     PyFrameObject *f = PyThreadState_GET()->frame;
     for (; f != NULL && depth < FERRO_CALLSITE_DEPTH; f = f->f_back, depth++) {
         if (ferro_callsite_is_library(t, f->f_code->co_filename)) continue;

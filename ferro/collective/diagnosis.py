@@ -224,8 +224,9 @@ def _hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
     made = {r: int(records[r].get("calls") or 0) for r in records}
     latest = max(made.values(), default=0)
     last_entry = {r: (records[r].get("entries") or [None])[-1] for r in records}
+    # A rank that gave up (its timeout) waited as long as it could: it counts with those still waiting.
     waiting = sorted(r for r in records if made[r] == latest and last_entry[r]
-                     and last_entry[r]["state"] in ("started", "scheduled"))
+                     and last_entry[r]["state"] in ("started", "scheduled", "failed"))
     if not waiting:
         return None
     behind = sorted(r for r in expected if r not in records or made.get(r, 0) < latest)
@@ -239,8 +240,11 @@ def _hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
     sites = sorted({str(last_entry[r].get("site")) for r in waiting})
     since = [_waited(last_entry[r], dumps.get(r)) for r in waiting]
     waited = max((s for s in since if s is not None), default=None)
-    details = [f"ranks {_ranges(waiting)} wait in call #{latest}: {_short(call)} at {', '.join(sites)}"
-               + (f", for {waited:.1f} s" if waited is not None else "")]
+    gave_up = [r for r in waiting if last_entry[r]["state"] == "failed"]
+    verb = "waited" if gave_up else "wait"
+    details = [f"ranks {_ranges(waiting)} {verb} in call #{latest}: {_short(call)} at {', '.join(sites)}"
+               + (f", for {waited:.1f} s" if waited is not None and not gave_up else "")
+               + (f" (ranks {_ranges(gave_up)} gave up: timed out or told so)" if gave_up else "")]
     for rank in culprits:
         dump = dumps.get(rank)
         previous = last_entry.get(rank)
@@ -256,7 +260,7 @@ def _hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
         details.extend(f"  {line}" for line in _stack(dump))
     first = culprits[0]
     summary = (f"rank{'s' if len(culprits) > 1 else ''} {_ranges(culprits)} did not arrive at call #{latest} "
-               f"({_short(call)}), which ranks {_ranges(waiting)} wait in; rank {first} is at "
+               f"({_short(call)}), which ranks {_ranges(waiting)} {verb} in; rank {first} is at "
                f"{_where(dumps.get(first))}")
     return Finding("hang", pg_id, culprits, summary, details)
 

@@ -60,33 +60,29 @@ def _run_guarded(group: Backend, name: str, body: Callable[[], Any], record: int
     """Run a collective; on a failure part-way, tell the peers and mark the group failed.
 
     ``record`` is the call's flight-recorder entry (0: none); ``queued``: it was
-    recorded as queued and starts now.
+    recorded as queued and starts now. The entry is marked failed before the peers
+    are told, so the dump the failure writes shows it so.
     """
     state = group.state
     if queued:
         state.record_start(record)
-    try:
-        result = _checked_body(group, name, body)
-    except BaseException:
-        state.record_end(record, False)
-        raise
-    state.record_end(record, True)
-    return result
-
-
-def _checked_body(group: Backend, name: str, body: Callable[[], Any]) -> Any:
     if group.closed:
+        state.record_end(record, False)
         raise BackendClosedError(f"rank {group.rank}: {name}: this process group was closed (destroy_process_group() "
                                  f"or close()); create a new one to go on")
     if group.failure is not None:
+        state.record_end(record, False)
         raise ConnectionBrokenError(
             f"rank {group.rank}: {name}: this group is unusable after an earlier failed collective "
             f"({group.failure}); create a new group")
     try:
-        return body()
+        result = body()
     except BaseException as exc:
+        state.record_end(record, False)
         fail_together(group, name, exc)
         raise
+    state.record_end(record, True)
+    return result
 
 
 def fail_together(group: Backend, name: str, exc: BaseException) -> None:

@@ -70,18 +70,17 @@ def _configure() -> None:
 
 
 def _extra_prefixes() -> list[str]:
-    # Frames of torch.distributed sit between a user's call and ferro's when ferro serves torch's API; its
-    # folder counts as the library's, so a call site is the user's line, not distributed_c10d.py's.
+    # Frames of torch sit between a user's call and ferro's when ferro serves torch's API (torch.distributed,
+    # DDP's hooks run by autograd): its folder counts as the library's, so a call site is the user's line.
     torch = sys.modules.get("torch")
     location = getattr(torch, "__file__", None)
     if not location:
         return []
-    root = Path(location).resolve().parent
-    return [str(root / "distributed") + os.sep, str(root / "nn" / "parallel") + os.sep]
+    return [str(Path(location).resolve().parent) + os.sep]  # torch's autograd engine calls DDP's hooks, too
 
 
 def include_torch_frames() -> None:
-    """Count torch.distributed's frames as library frames for call sites (the interop layer calls this)."""
+    """Count torch's frames as library frames for call sites (the interop layer calls this)."""
     _state.set_library_prefixes([_LIBRARY, *_extra_prefixes()])
 
 

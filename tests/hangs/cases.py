@@ -49,10 +49,14 @@ def main() -> None:
         allreduce = ferro.allreduce  # called straight from the loop below: the call sites are its lines
 
     x = np.ones(1, np.float32)
+    if case == "slow" and rank == 3:
+        print("FAULT slow on rank 3", flush=True)
     for step in range(STEPS.get(case, 8)):
         if case == "slow":
             time.sleep(0.05 if rank == 3 else 0.01)
         if step == FAULT_STEP:
+            if rank == {"skip": 2, "spin": 1, "stop": 3, "size": 0}.get(case):
+                print(f"FAULT {case} on rank {rank}", flush=True)  # bench/bench_hang.py times from here
             if case == "skip" and rank == 2:
                 continue  # CULPRIT skip
             if case == "spin" and rank == 1:
