@@ -3,7 +3,8 @@
 Each rank runs rounds of ``--calls`` allreduces of one float32, alternating the
 recorder on (``--size`` records) and off (size 0) from round to round, with the
 order of the pair swapped every other round, in the same processes over the same
-group. Each round's time per call is the slowest rank's; the table gives the
+group. Each setting is warmed up first, the ring filled once (a job's first lap
+of a new ring pays page faults that steady training does not). Each round's time per call is the slowest rank's; the table gives the
 median over rounds of each setting, their ratio, and the median of each round's
 own on/off ratio (the figure to read: it cancels the machine's slow drifts).
 
@@ -30,7 +31,9 @@ def _rank(group: ferro.Backend, rounds: int, calls: int, size: int) -> list[tupl
         order = [("on", size), ("off", 0)] if i % 2 == 0 else [("off", 0), ("on", size)]
         for label, records in order:
             set_flight_recorder_size(records)
-            for _ in range(200):  # warm the plan and the caches in this setting
+            # Warm the plan and the caches in this setting, and fill the ring once: switching frees it, and the
+            # first lap of a fresh one takes a page fault every 64 records (a cost a job pays once, not per call).
+            for _ in range(200 + 2 * records):
                 ferro.allreduce(x, group=group)
             ferro.barrier(group=group)
             start = time.perf_counter()

@@ -95,7 +95,8 @@ def run_case(case: str, library: str, timeout: float, limit: float) -> dict[str,
     if told is None:
         return {"delay": None, "line": "(nothing)", "names_culprit": False}
     stamp, line = told
-    names = bool(re.search(rf"\brank {culprit}\b|\[rank{culprit}\]|Rank {culprit}\b", line))
+    # "rank N" or "Ranks N" in the text; not torch's "[rankN]:" prefix, which names the rank that reports.
+    names = bool(re.search(rf"(?<!\[)\b[Rr]anks? {culprit}\b", line))
     return {"delay": stamp - fault, "line": line.strip()[:220], "names_culprit": names}
 
 
