@@ -4,9 +4,10 @@ Each rank runs rounds of ``--calls`` allreduces of one float32, alternating the
 recorder on (``--size`` records) and off (size 0) from round to round, with the
 order of the pair swapped every other round, in the same processes over the same
 group. Each setting is warmed up first, the ring filled once (a job's first lap
-of a new ring pays page faults that steady training does not). Each round's time per call is the slowest rank's; the table gives the
-median over rounds of each setting, their ratio, and the median of each round's
-own on/off ratio (the figure to read: it cancels the machine's slow drifts).
+of a new ring pays page faults that steady training does not). Each round's time
+per call is the slowest rank's; the table gives the median over rounds of each
+setting, their ratio, and the median of each round's own on/off ratio (the
+figure to read: it cancels the machine's slow drifts).
 
     python bench/bench_flight_recorder.py --backend shm --backend tcp
 """
