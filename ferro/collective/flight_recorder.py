@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -204,8 +205,15 @@ def _describe_call(name: str, kind: int, fingerprint: int, nbytes: int, peer: in
     return f"{name}({nbytes} bytes)" if nbytes else f"{name}()"
 
 
+# Where a thread "is" skips the standard library too: a rank waiting in queue.get() or polling a path is at the
+# user's line that called it (the whole stack is in the dump).
+_STANDARD_LIBRARY = str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep
+
+
 def _is_library(filename: str) -> bool:
-    return filename.startswith(_LIBRARY) or filename.startswith("<frozen ") or "/threading.py" in filename
+    if filename.startswith((_LIBRARY, "<frozen ")):
+        return True  # site-packages may lie inside the standard library's folder (pyenv, a system Python)
+    return filename.startswith(_STANDARD_LIBRARY) and "-packages" + os.sep not in filename
 
 
 def _frames(frame: Any) -> list[dict[str, Any]]:

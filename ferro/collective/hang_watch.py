@@ -66,8 +66,10 @@ ANSWER_SECONDS = 1.0
 class _Watch:
     """The thread and its pipe (one per process: the signal handler has no group to ask)."""
 
-    def __init__(self, hang_timeout: float) -> None:
+    def __init__(self, hang_timeout: float, rank: int | None) -> None:
         self.hang_timeout = hang_timeout
+        self.rank = rank
+        self.previous_handler: Any = None
         self.read_end, self.write_end = os.pipe()
         os.set_blocking(self.write_end, False)  # a full pipe drops a traceback rather than block a signal handler
         os.set_blocking(self.read_end, False)
@@ -81,7 +83,8 @@ class _Watch:
 
     def start(self) -> None:
         faulthandler.unregister(signal.SIGUSR1)  # an earlier registration would keep its own handler in place
-        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN, None):
+        self.previous_handler = signal.getsignal(signal.SIGUSR1)
+        if self.previous_handler in (signal.SIG_DFL, signal.SIG_IGN, None):
             # Chaining to the default action would end the process: a handler that does nothing instead.
             signal.signal(signal.SIGUSR1, _ignore)
         faulthandler.register(signal.SIGUSR1, file=self.write_end, all_threads=True, chain=True)
@@ -96,6 +99,8 @@ class _Watch:
             pass
         try:
             faulthandler.unregister(signal.SIGUSR1)
+            if self.previous_handler is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGUSR1, self.previous_handler)
         except (ValueError, RuntimeError):
             pass
         self.thread.join(timeout=2 * POLL_SECONDS)
@@ -110,7 +115,7 @@ class _Watch:
         try:
             folder = flight_recorder.dump_dir()
             folder.mkdir(parents=True, exist_ok=True)
-            rank = flight_recorder.job_rank(flight_recorder.flight_records())
+            rank = self.rank if self.rank is not None else flight_recorder.job_rank(flight_recorder.flight_records())
             info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "time_ns": time.time_ns()}
             _write_json(folder / f"hello-{rank if rank is not None else os.getpid()}.json", info)
             self.request_mtime = _mtime(folder / "request.json")  # a request already there is an old job's
@@ -317,12 +322,13 @@ def outside_view(folder: Path, rank: int) -> dict[str, Any] | None:
 _watch: _Watch | None = None  # the process's one watch (see _Watch): started by start_hang_watch
 
 
-def start_hang_watch(hang_timeout: float | None = None) -> None:
+def start_hang_watch(hang_timeout: float | None = None, rank: int | None = None) -> None:
     """Start the process's hang watch (once; later calls change nothing but a given timeout).
 
     Args:
         hang_timeout: Seconds without progress before the job is taken for stuck
             (default ``$FERRO_HANG_TIMEOUT``, else off: dumps on request and on ``SIGUSR1`` only).
+        rank: This process's rank in the job, for a collector that must find it (default the launcher's ``RANK``).
 
     """
     global _watch
@@ -338,7 +344,7 @@ def start_hang_watch(hang_timeout: float | None = None) -> None:
         return
     if threading.current_thread() is not threading.main_thread():
         return  # simulated ranks (threads): the process's main thread owns signals
-    watch = _Watch(hang_timeout)
+    watch = _Watch(hang_timeout, rank)
     watch.start()
     _watch = watch
 

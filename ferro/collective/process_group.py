@@ -130,7 +130,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
             world_size = launched.world_size if world_size is None else world_size
         _default_group = MpiBackend.join_world(rank, world_size, timeout)
         log.debug("init_process_group: MPI rank %s of %s", _default_group.rank, _default_group.world_size)
-        start_hang_watch()
+        start_hang_watch(rank=_default_group.rank)
         return _default_group
     master_addr: str | None = None
     master_port: int | None = None
@@ -171,7 +171,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
                     secret=secret, store=store, bind_addr=bind_addr, close_store=close_store, device_id=device_id)
     group = join_backend(backend, spec)
     _default_group = group
-    start_hang_watch()
+    start_hang_watch(rank=group.rank)
     return group
 
 
