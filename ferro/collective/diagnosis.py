@@ -34,6 +34,8 @@ __all__ = ["Diagnosis", "Finding", "chrome_trace", "diagnose", "load_dumps"]
 
 #: The least the others must wait (median, ms) for a rank to be called a straggler: below, it is noise.
 STRAGGLER_WAIT_MS = 1.0
+#: The fewest calls a straggler is named from (a job's first calls wait on its start-up, not on a straggler).
+STRAGGLER_MIN_CALLS = 20
 
 
 def load_dumps(folder: str | os.PathLike[str], round_id: str | None = None) -> dict[int, dict[str, Any]]:
@@ -80,7 +82,7 @@ class Diagnosis:
         return found
 
     def report(self, stragglers: bool = True) -> str:
-        """Return the text ``ferro doctor`` prints (``stragglers=False``: the straggler report only if it names one)."""
+        """Return the text ``ferro doctor`` prints (``stragglers=False``: without the straggler report)."""
         lines = [f"ferro doctor: dumps of ranks {_ranges(self.ranks)}"
                  + (f"; no dump from ranks {_ranges(self.missing)}" if self.missing else "")]
         if not self.findings:
@@ -88,8 +90,8 @@ class Diagnosis:
         for finding in self.findings:
             lines.append(f"{finding.kind.upper()} in group {finding.group}: {finding.summary}")
             lines.extend(f"  {line}" for line in finding.details)
-        lines.extend(line for line in self.stragglers
-                     if stragglers or any(s.strip().startswith("straggler: rank") for s in self.stragglers))
+        if stragglers:
+            lines.extend(self.stragglers)
         for finding in self.findings:
             if finding.kind != "straggler":
                 lines.append(f"verdict: {finding.summary}")
@@ -119,6 +121,10 @@ def _stack(dump: dict[str, Any] | None, limit: int = 12) -> list[str]:
     lines.extend(f"  {f['filename']}:{f['line']} in {f['name']}" for f in frames[:limit])
     if len(frames) > limit:
         lines.append(f"  ... {len(frames) - limit} more")
+    native = next((t for t in dump.get("native_threads") or [] if t.get("native_id") == dump.get("pid")), None)
+    if native and native.get("frames"):
+        lines.append("its native stack (py-spy, innermost first):")
+        lines.extend(f"  {f['name']} ({f['filename']}:{f['line']})" for f in native["frames"][:limit])
     return lines
 
 
@@ -292,12 +298,15 @@ def _straggler(pg_id: str, records: dict[int, dict[str, Any]], expected: list[in
              f"(the rank that arrives last waits least):"]
     lines.extend(f"  rank {r}: median wait {medians[r]:.3f} ms, arrived last in {last_in.get(r, 0)} calls"
                  for r in expected)
-    if times >= 0.5 * len(common) and medians[slowest] < 0.5 * others and others >= STRAGGLER_WAIT_MS:
+    if (len(common) >= STRAGGLER_MIN_CALLS and times >= 0.5 * len(common) and medians[slowest] < 0.5 * others
+            and others >= STRAGGLER_WAIT_MS):
         site = _common_site(records.get(slowest), common)
         lines.append(f"  straggler: rank {slowest} arrived last in {times} of {len(common)} calls; the others "
                      f"waited a median {others:.3f} ms for it (its calls are made at {site})")
     else:
-        lines.append("  no straggler: no rank arrived last in most calls")
+        lines.append("  no straggler: no rank arrived last in most of them and kept the others waiting"
+                     + (f" (too few calls to tell: {len(common)} < {STRAGGLER_MIN_CALLS})"
+                        if len(common) < STRAGGLER_MIN_CALLS else ""))
     return lines
 
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -263,8 +265,33 @@ def flight_records(states: Iterable[Any] | None = None) -> list[dict[str, Any]]:
     return groups
 
 
-def snapshot(reason: str, round_id: str | None = None, signal_traceback: str | None = None) -> dict[str, Any]:
-    """Return this rank's dump as a dict: its groups' records, its threads' stacks, where its main thread is."""
+def native_stacks(pid: int) -> list[dict[str, Any]] | None:
+    """Return every thread's stack of process ``pid``, native frames included, as py-spy reads them; None without it.
+
+    py-spy pauses the process for the read (a process may read itself); about 0.1 s.
+    """
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return None
+    try:
+        out = subprocess.run([spy, "dump", "--native", "--json", "--pid", str(pid)], capture_output=True, text=True,
+                             timeout=20)
+        threads = json.loads(out.stdout) if out.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+    if not isinstance(threads, list):
+        return None
+    return [{"name": t.get("thread_name") or f"thread {t.get('os_thread_id')}", "native_id": t.get("os_thread_id"),
+             "frames": [{"name": f.get("name"), "filename": f.get("filename") or f.get("short_filename"),
+                         "line": f.get("line")} for f in t.get("frames", [])]} for t in threads]
+
+
+def snapshot(reason: str, round_id: str | None = None, signal_traceback: str | None = None,
+             native: bool = False) -> dict[str, Any]:
+    """Return this rank's dump as a dict: its groups' records, its threads' stacks, where its main thread is.
+
+    ``native``: add every thread's native stack too, where py-spy is installed (``native_threads``).
+    """
     threads = _threads()
     main = next((t for t in threads if t["main"]), None)
     groups = flight_records()
@@ -273,6 +300,7 @@ def snapshot(reason: str, round_id: str | None = None, signal_traceback: str | N
         "host": socket.gethostname(), "pid": os.getpid(), "job": job_name(), "reason": reason, "round": round_id,
         "time_ns": time.time_ns(), "hang_timeout": _hang_timeout(), "groups": groups, "threads": threads,
         "where": main["where"] if main else None, "signal_traceback": signal_traceback,
+        "native_threads": native_stacks(os.getpid()) if native else None,
     }
 
 
@@ -296,12 +324,14 @@ def write_dump(data: dict[str, Any], folder: Path | None = None) -> Path:
     return path
 
 
-def dump_flight_record(reason: str = "on demand", folder: str | os.PathLike[str] | None = None) -> Path:
+def dump_flight_record(reason: str = "on demand", folder: str | os.PathLike[str] | None = None,
+                       native: bool = True) -> Path:
     """Write this rank's flight record and thread stacks to the dump folder; return the file's path.
 
     Args:
         reason: Why (kept in the file).
         folder: Where (default ``$FERRO_DUMP_DIR``, else ``<tmp>/ferro-dumps/<job>``).
+        native: Add native stacks where py-spy is installed (``pip install 'ferro[doctor]'``; about 0.1 s).
 
     Example::
 
@@ -310,7 +340,7 @@ def dump_flight_record(reason: str = "on demand", folder: str | os.PathLike[str]
         # then: ferro doctor /tmp/ferro-dumps/<job>
 
     """
-    return write_dump(snapshot(reason), Path(folder) if folder is not None else None)
+    return write_dump(snapshot(reason, native=native), Path(folder) if folder is not None else None)
 
 
 def request_round(folder: Path, by: str) -> str:

@@ -158,7 +158,7 @@ class _Watch:
             log.warning("flight record written to %s (SIGUSR1)", path)
 
     def _snapshot(self, reason: str, round_id: str | None, traceback: str | None = None) -> dict[str, Any]:
-        data = flight_recorder.snapshot(reason, round_id, traceback)
+        data = flight_recorder.snapshot(reason, round_id, traceback, native=True)
         data["progress"] = {"stalled_for": round(time.monotonic() - self.changed, 3),
                             "hang_timeout": self.hang_timeout}
         return data
