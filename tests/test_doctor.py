@@ -194,7 +194,8 @@ def test_the_watchdog_names_the_rank_that_did_not_arrive_and_its_line(tmp_path, 
     assert f"wait in call #{call}: allreduce(float32, SUM, 1 elements) at {_line('WAIT')}" in done.stderr
     assert elapsed < 60  # the watchdog stopped it, not the collective timeout (FERRO_TIMEOUT=60)
     # ferro doctor reads the same dumps to the same verdict.
-    doctor = subprocess.run([*FERRO, "doctor", str(folder)], capture_output=True, text=True, timeout=60)
+    doctor = subprocess.run([*FERRO, "doctor", str(folder)], capture_output=True, text=True, timeout=60,
+                            cwd=tmp_path)  # not the clone's root, whose ferro/ is the uncompiled source
     assert doctor.returncode == 1 and f"verdict: rank {culprit} did not arrive" in doctor.stdout
     assert _line(marker) in doctor.stdout
     _no_secret(folder)
@@ -215,7 +216,7 @@ def test_doctor_names_the_straggler_and_writes_traces(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     trace, torch_dir = tmp_path / "trace.json", tmp_path / "torch"
     doctor = subprocess.run([*FERRO, "doctor", str(folder), "--trace", str(trace), "--torch", str(torch_dir)],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert doctor.returncode == 0, doctor.stderr
     report = doctor.stdout.splitlines()
     assert diagnosis.straggler_of(report) == 3, doctor.stdout
@@ -228,7 +229,7 @@ def test_doctor_names_the_straggler_and_writes_traces(tmp_path):
     assert layout["version"] == "2.10" and len(layout["entries"]) == 50
     pytest.importorskip("torch")
     analysed = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(torch_dir)],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert analysed.returncode == 0, analysed.stderr[-2000:]
     _no_secret(folder)
 
