@@ -265,12 +265,18 @@ def flight_records(states: Iterable[Any] | None = None) -> list[dict[str, Any]]:
     return groups
 
 
+def py_spy() -> str | None:
+    """Return the path of py-spy (on ``PATH``, or beside this Python: a virtual environment used unactivated)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.is_file() else None)
+
+
 def native_stacks(pid: int) -> list[dict[str, Any]] | None:
     """Return every thread's stack of process ``pid``, native frames included, as py-spy reads them; None without it.
 
     py-spy pauses the process for the read (a process may read itself); about 0.1 s.
     """
-    spy = shutil.which("py-spy")
+    spy = py_spy()
     if spy is None:
         return None
     try:

@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -295,7 +294,7 @@ def outside_view(folder: Path, rank: int) -> dict[str, Any] | None:
     except OSError:
         view["process_state"] = f"process {pid} has exited"
         return view
-    spy = shutil.which("py-spy")
+    spy = flight_recorder.py_spy()
     if spy is None:
         view["process_state"] += "; install py-spy (pip install 'ferro[doctor]') to read its stack from outside"
         return view
