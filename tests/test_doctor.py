@@ -162,11 +162,10 @@ def _ferro_run(case, tmp_path, hang_timeout=3):
     folder = tmp_path / "dumps"
     env = dict(os.environ, FERRO_SECRET=SECRET, FERRO_TIMEOUT="60")
     env.pop("FERRO_DUMP_DIR", None)
-    started = time.monotonic()
     done = subprocess.run([*FERRO, "run", "--nproc-per-node", "4", "--hang-timeout", str(hang_timeout),
                            "--dump-dir", str(folder), str(CASES), case], capture_output=True, text=True,
                           timeout=180, cwd=tmp_path, env=env)
-    return done, time.monotonic() - started, folder
+    return done, folder
 
 
 def _verdict(stderr):
@@ -185,14 +184,14 @@ def _no_secret(folder):
     ("stop", 3, "CULPRIT stop", 6),  # SIGSTOPped before it: read from outside, by py-spy
 ])
 def test_the_watchdog_names_the_rank_that_did_not_arrive_and_its_line(tmp_path, case, culprit, marker, call):
-    done, elapsed, folder = _ferro_run(case, tmp_path)
+    done, folder = _ferro_run(case, tmp_path)
+    # 86: the watchdog stopped it, not the 60 s collective timeout (FERRO_TIMEOUT=60), which exits with 1.
     assert done.returncode == hang_watch.HANG_EXIT_CODE, done.stderr[-3000:]
     verdict = _verdict(done.stderr)
     waiting = ", ".join(str(r) for r in range(4) if r != culprit)
     assert f"rank {culprit} did not arrive at call #{call}" in verdict, verdict
     assert f"which ranks {waiting} wait in" in verdict and _line(marker) in verdict, verdict
     assert f"wait in call #{call}: allreduce(float32, SUM, 1 elements) at {_line('WAIT')}" in done.stderr
-    assert elapsed < 60  # the watchdog stopped it, not the collective timeout (FERRO_TIMEOUT=60)
     # ferro doctor reads the same dumps to the same verdict.
     doctor = subprocess.run([*FERRO, "doctor", str(folder)], capture_output=True, text=True, timeout=60,
                             cwd=tmp_path)  # not the clone's root, whose ferro/ is the uncompiled source
@@ -202,7 +201,7 @@ def test_the_watchdog_names_the_rank_that_did_not_arrive_and_its_line(tmp_path, 
 
 
 def test_a_rank_calling_another_size_is_named_with_its_line(tmp_path):
-    done, _, folder = _ferro_run("size", tmp_path)
+    done, folder = _ferro_run("size", tmp_path)
     assert done.returncode == 1, done.stderr[-3000:]
     verdict = _verdict(done.stderr)
     assert verdict.startswith(f"ferro run: verdict: at call #6 rank 0 called allreduce(float32, SUM, 2 elements) "
@@ -212,7 +211,7 @@ def test_a_rank_calling_another_size_is_named_with_its_line(tmp_path):
 
 
 def test_doctor_names_the_straggler_and_writes_traces(tmp_path):
-    done, _, folder = _ferro_run("slow", tmp_path)
+    done, folder = _ferro_run("slow", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     trace, torch_dir = tmp_path / "trace.json", tmp_path / "torch"
     doctor = subprocess.run([*FERRO, "doctor", str(folder), "--trace", str(trace), "--torch", str(torch_dir)],

@@ -158,7 +158,8 @@ def _groups(dumps: dict[int, dict[str, Any]]) -> dict[str, dict[int, dict[str, A
     return found
 
 
-def _expected(pg_id: str, records: dict[int, dict[str, Any]]) -> list[int]:
+def _expected(records: dict[int, dict[str, Any]]) -> list[int]:
+    """Return the group's members (job ranks), from any rank's description of it."""
     for group in records.values():
         if group.get("ranks"):
             return list(group["ranks"])
@@ -178,15 +179,15 @@ def diagnose(dumps: dict[int, dict[str, Any]], world_size: int | None = None, la
 
     """
     by_group = _groups(dumps)
-    sizes = [len(_expected(pg, recs)) for pg, recs in by_group.items()]
+    sizes = [len(_expected(recs)) for recs in by_group.values()]
     world = world_size or max(sizes + [max(dumps) + 1 if dumps else 0])
     answered = sorted(r for r, d in dumps.items() if d.get("source") != "outside")
     missing = [r for r in range(world) if r not in answered]
     findings: list[Finding] = []
     stragglers: list[str] = []
     # The largest groups first: a hang of the world explains the sub-groups' hangs.
-    for pg_id, records in sorted(by_group.items(), key=lambda item: -len(_expected(*item))):
-        expected = _expected(pg_id, records)
+    for pg_id, records in sorted(by_group.items(), key=lambda item: -len(_expected(item[1]))):
+        expected = _expected(records)
         mismatch = _mismatch(pg_id, records, dumps)
         if mismatch is not None:
             findings.append(mismatch)
