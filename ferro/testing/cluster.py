@@ -1,0 +1,152 @@
+"""An emulated cluster on one machine: hosts as network namespaces joined through a bridge, links shaped by ``tc``.
+
+``EmulatedCluster(hosts=2, rate="1gbit")`` makes one namespace per host (its own
+loopback and one interface, ``eth0``, with address ``10.<net>.<sub>.<host + 1>``),
+one more namespace for the switch (a bridge), and a veth pair from each host to
+the switch. Each host's link is shaped in both directions by a token-bucket
+filter (``tbf``) at ``rate``: on the host's interface (what it sends) and on the
+switch's end (what it receives), as a switch port would. Commands run inside a
+host with :meth:`EmulatedCluster.command` (``ip netns exec``).
+
+What it does not emulate: propagation delay. ``netem``, the qdisc that adds
+delay, is not available on the machines this was built on, so a link here has
+its rate and the queueing delay its bucket adds, and no more (a 10 Gbit LAN's
+propagation delay is a few microseconds, below what these VMs resolve anyway).
+
+It needs root (namespaces, ``ip``, ``tc``); :func:`cluster_unavailable` says why
+when it cannot run, for tests to skip with.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from types import TracebackType
+
+from ferro.errors import ConfigurationError
+
+__all__ = ["EmulatedCluster", "cluster_unavailable", "parse_emulation"]
+
+_SPEC = re.compile(r"^(\d+)x(\d+)@(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
+
+
+def parse_emulation(spec: str) -> tuple[int, int, str]:
+    """Parse ``HxR@RATE`` (``2x2@1gbit``, ``4x1@10gbit``) into ``(hosts, ranks per host, tc rate)``.
+
+    Raises:
+        ConfigurationError: Not of that form, or fewer than 1 host or rank.
+
+    """
+    found = _SPEC.match(spec.strip().lower())
+    if not found:
+        raise ConfigurationError(f"--emulate {spec!r}: give HOSTSxRANKS@RATE, for example 2x2@1gbit or 4x1@10gbit "
+                                 f"(rates in kbit, mbit or gbit)")
+    hosts, ranks = int(found.group(1)), int(found.group(2))
+    if hosts < 1 or ranks < 1:
+        raise ConfigurationError(f"--emulate {spec!r}: need at least 1 host and 1 rank per host")
+    return hosts, ranks, f"{found.group(3)}{found.group(4)}"
+
+
+def cluster_unavailable() -> str | None:
+    """Return why an emulated cluster cannot be made here (None when it can)."""
+    if os.geteuid() != 0:
+        return "an emulated cluster needs root (it creates network namespaces); run as root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"an emulated cluster needs {' and '.join(missing)} (Debian: apt-get install iproute2)"
+    return None
+
+
+def _run(*argv: str) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ConfigurationError(f"emulated cluster: `{' '.join(argv)}` failed: {done.stderr.strip()}")
+
+
+class EmulatedCluster:
+    """``hosts`` network namespaces behind one bridge, each link shaped to ``rate`` both ways.
+
+    Args:
+        hosts: How many hosts.
+        rate: Each link's rate, as ``tc`` writes it (``"1gbit"``, ``"10gbit"``, ``"100mbit"``).
+        burst: The token bucket's size (default: 1 ms of the rate, at least 64 KiB).
+
+    Example::
+
+        with EmulatedCluster(2, "1gbit") as cluster:
+            server = subprocess.Popen(cluster.command(0, ["python", "serve.py"]))
+            client = subprocess.run(cluster.command(1, ["python", "fetch.py", cluster.address(0)]))
+
+    """
+
+    def __init__(self, hosts: int, rate: str = "1gbit", burst: str | None = None) -> None:
+        reason = cluster_unavailable()
+        if reason is not None:
+            raise ConfigurationError(reason)
+        if hosts < 1:
+            raise ConfigurationError(f"emulated cluster: need at least 1 host, got {hosts}")
+        self.hosts = hosts
+        self.rate = rate
+        self.burst = burst or _burst(rate)
+        tag = os.getpid() % 100000
+        self.namespaces = [f"ferro{tag}h{i}" for i in range(hosts)]
+        self.switch = f"ferro{tag}sw"
+        self.subnet = f"10.{200 + tag % 50}.{tag % 250}"
+        self._made: list[str] = []
+
+    def address(self, host: int) -> str:
+        """Return the address of ``host`` (its ``eth0``)."""
+        return f"{self.subnet}.{host + 1}"
+
+    def command(self, host: int, argv: Sequence[str]) -> list[str]:
+        """Return ``argv`` as run inside ``host``'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[host], *argv]
+
+    def __enter__(self) -> EmulatedCluster:
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+    def _make(self) -> None:
+        _run("ip", "netns", "add", self.switch)
+        self._made.append(self.switch)
+        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for host, namespace in enumerate(self.namespaces):
+            _run("ip", "netns", "add", namespace)
+            self._made.append(namespace)
+            _run("ip", "-n", namespace, "link", "set", "lo", "up")
+            port = f"port{host}"
+            _run("ip", "link", "add", "eth0", "netns", namespace, "type", "veth", "peer", "name", port, "netns",
+                 self.switch)
+            _run("ip", "-n", namespace, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
+            _run("ip", "-n", namespace, "link", "set", "eth0", "up")
+            _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+            _run("ip", "-n", self.switch, "link", "set", port, "up")
+            # Both directions, as a switch port at that speed would pass them.
+            for where, device in ((namespace, "eth0"), (self.switch, port)):
+                _run("tc", "-n", where, "qdisc", "add", "dev", device, "root", "tbf", "rate", self.rate, "burst",
+                     self.burst, "latency", "50ms")
+
+    def close(self) -> None:
+        """Delete every namespace made (their interfaces go with them)."""
+        while self._made:
+            subprocess.run(["ip", "netns", "del", self._made.pop()], capture_output=True)
+
+
+def _burst(rate: str) -> str:
+    found = re.match(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$", rate)
+    if not found:
+        return "256kb"
+    bits = float(found.group(1)) * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[found.group(2)]
+    return f"{max(int(bits / 8 / 1000), 65536)}b"  # a millisecond of the rate

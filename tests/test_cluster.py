@@ -1,0 +1,84 @@
+"""The emulated cluster: hosts as network namespaces behind a bridge, links shaped by tc, ferro jobs across them."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ferro.errors import ConfigurationError
+from ferro.testing.cluster import EmulatedCluster, cluster_unavailable, parse_emulation
+
+FERRO = [sys.executable, "-m", "ferro"]
+needs_cluster = pytest.mark.skipif(cluster_unavailable() is not None, reason=str(cluster_unavailable()))
+
+
+def test_emulation_specs_are_parsed_and_bad_ones_refused():
+    assert parse_emulation("2x2@1gbit") == (2, 2, "1gbit")
+    assert parse_emulation("4x1@10GBIT") == (4, 1, "10gbit")
+    assert parse_emulation("3x8@100mbit") == (3, 8, "100mbit")
+    for bad in ("2x2", "2x2@1gb", "0x2@1gbit", "x2@1gbit", "2*2@1gbit"):
+        with pytest.raises(ConfigurationError, match="HOSTSxRANKS@RATE|at least 1"):
+            parse_emulation(bad)
+
+
+def _namespaces():
+    return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+
+
+@needs_cluster
+def test_links_are_shaped_both_ways_and_the_namespaces_go_away():
+    with EmulatedCluster(2, "100mbit") as cluster:
+        names = [*cluster.namespaces, cluster.switch]
+        assert set(names) <= _namespaces()
+        for host in range(2):
+            shown = subprocess.run(cluster.command(host, ["tc", "qdisc", "show", "dev", "eth0"]),
+                                   capture_output=True, text=True).stdout
+            assert "tbf" in shown and "rate 100Mbit" in shown, shown
+            switch_side = subprocess.run(["tc", "-n", cluster.switch, "qdisc", "show", "dev", f"port{host}"],
+                                         capture_output=True, text=True).stdout
+            assert "rate 100Mbit" in switch_side, switch_side
+        # The hosts reach each other, and only through the bridge: their own loopbacks are their own.
+        connect = f"import socket; socket.create_connection(('{cluster.address(1)}', 9), timeout=5)"
+        ping = subprocess.run(cluster.command(0, [sys.executable, "-c", connect]), capture_output=True, text=True)
+        assert "Connection refused" in ping.stderr, ping.stderr  # reached host 1, which listens on nothing
+    assert not set(names) & _namespaces()
+
+
+JOB = """
+    import json, os
+    import numpy as np, ferro
+    group = ferro.init_process_group(timeout=60)
+    x = np.full(4, float(group.rank + 1))
+    ferro.allreduce(x)
+    print("RESULT " + json.dumps({"rank": group.rank, "sum": x.tolist(), "backend": type(group).__name__}))
+    ferro.destroy_process_group()
+"""
+
+
+@needs_cluster
+def test_a_job_across_two_emulated_hosts_of_two_ranks_runs_hierarchical(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+    with EmulatedCluster(2, "1gbit") as cluster:
+        launchers = []
+        for host in range(2):
+            env = dict(os.environ, FERRO_SECRET="0123456789abcdef0123456789abcdef", FERRO_HOST_ID=f"host{host}",
+                       FERRO_BIND_ADDR=cluster.address(host))
+            command = cluster.command(host, [*FERRO, "run", "--nnodes", "2", "--node-rank", str(host),
+                                             "--nproc-per-node", "2", "--master-addr", cluster.address(0),
+                                             "--master-port", "29611", str(script)])
+            launchers.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              text=True, cwd=tmp_path))
+        outputs = [p.communicate(timeout=120) for p in launchers]
+    results = {}
+    for (out, err), launcher in zip(outputs, launchers, strict=True):
+        assert launcher.returncode == 0, err[-3000:]
+        for line in out.splitlines():
+            if "RESULT " in line:
+                found = json.loads(line.split("RESULT ", 1)[1])
+                results[found["rank"]] = found
+    assert sorted(results) == [0, 1, 2, 3]
+    assert all(r["sum"] == [10.0] * 4 and r["backend"] == "HierarchicalBackend" for r in results.values())
