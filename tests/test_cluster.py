@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from ferro.errors import ConfigurationError
-from ferro.testing.cluster import EmulatedCluster, cluster_unavailable, parse_emulation
+from ferro.tools.emulate import EmulatedCluster, cluster_unavailable, parse_emulation
 
 FERRO = [sys.executable, "-m", "ferro"]
 needs_cluster = pytest.mark.skipif(cluster_unavailable() is not None, reason=str(cluster_unavailable()))
@@ -82,3 +82,30 @@ def test_a_job_across_two_emulated_hosts_of_two_ranks_runs_hierarchical(tmp_path
                 results[found["rank"]] = found
     assert sorted(results) == [0, 1, 2, 3]
     assert all(r["sum"] == [10.0] * 4 and r["backend"] == "HierarchicalBackend" for r in results.values())
+
+
+def test_bench_refuses_a_bad_emulation_and_a_rank_count_that_disagrees():
+    bad = subprocess.run([*FERRO, "bench", "--emulate", "2x2", "allreduce"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "HOSTSxRANKS@RATE" in bad.stderr
+    if cluster_unavailable() is None:
+        other = subprocess.run([*FERRO, "bench", "--emulate", "2x2@1gbit", "-n", "3", "allreduce"],
+                               capture_output=True, text=True, timeout=60)
+        assert other.returncode == 2 and "is 4 ranks" in other.stderr
+
+
+@needs_cluster
+def test_bench_runs_ferro_and_gloo_on_an_emulated_cluster(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "rows.json"
+    done = subprocess.run([*FERRO, "bench", "--emulate", "2x1@1gbit", "-b", "4K", "-e", "64K", "-f", "4",
+                           "--iters", "3", "--warmup", "1", "--check", "--compare", "torch-gloo", "--json", str(out),
+                           "allreduce"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    libraries = {r["library"] for r in rows}
+    # Two hosts of one rank: no two ranks share a host, so auto picks TCP, across the namespaces' link.
+    assert libraries == {"ferro-tcp", "torch-gloo"}, libraries
+    assert all(r["world_size"] == 2 for r in rows)
+    # --check verifies ferro's results (the worker checks ferro's rows only): every element right.
+    assert all(r["oop_wrong"] == 0 and r["ip_wrong"] == 0 for r in rows if r["library"] == "ferro-tcp")

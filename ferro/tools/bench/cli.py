@@ -13,7 +13,9 @@ reference: a collective moves every byte at least once).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -27,6 +29,7 @@ from ferro.tools.bench.reference import memcpy_seconds
 from ferro.tools.bench.table import Row, read_json, write_csv, write_json
 from ferro.tools.bench.worker import OPS, sizes_from
 from ferro.tools.bench.worker import main as worker_main
+from ferro.tools.emulate import EmulatedCluster, cluster_unavailable, parse_emulation
 
 __all__ = ["build_parser", "main", "parse_size"]
 
@@ -84,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--csv", help="write the rows as CSV")
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--plot", help="draw bus bandwidth and latency against size into this PNG (matplotlib)")
+    parser.add_argument("--emulate", default=None, metavar="HxR@RATE",
+                        help="run on an emulated cluster: H hosts of R ranks as network namespaces, each host's "
+                             "link shaped to RATE both ways (2x2@1gbit, 4x1@10gbit); needs root")
     parser.add_argument("--compare", default="",
                         help=f"also run any of {', '.join(PEERS)}, e.g. mpi,ferro-tcp (MPI over "
                              "TCP beside --backend tcp, else with its default settings: shared memory on one host)")
@@ -101,8 +107,15 @@ def _worker_args(args: argparse.Namespace, ops: list[str], library: str, out: st
     return argv + (["--check"] if args.check else [])
 
 
-def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: str) -> int:
+def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: str,
+                 cluster: EmulatedCluster | None = None) -> int:
     worker = _worker_args(args, ops, library, out)
+    if cluster is not None:
+        if _needs_mpirun(library, args.backend):
+            print(f"# {library}: not run on an emulated cluster yet (mpirun would need a launch agent in every "
+                  f"namespace); skipped")
+            return 0
+        return _run_emulated(cluster, args.emulate, worker)
     if _needs_mpirun(library, args.backend):
         from ferro.backend.mpi.launch import find_mpirun, mpirun_command, mpirun_environment
 
@@ -117,6 +130,26 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
     # A free port, as `ferro run` picks on one node: never a fixed one another job may hold.
     return run_job(LaunchConfig(target=["-m", "ferro.tools.bench.worker", *worker], nproc_per_node=args.nproc,
                                 master_port=free_port(), prefix=False))
+
+
+def _run_emulated(cluster: EmulatedCluster, spec: str, worker: list[str]) -> int:
+    """Run the worker as one ``ferro run`` per emulated host, each in its namespace; the first failure's code."""
+    hosts, ranks, _ = parse_emulation(spec)
+    secret = os.environ.get("FERRO_SECRET") or secrets.token_hex(16)
+    port = str(free_port())
+    launchers = []
+    for host in range(hosts):
+        # Hosts told apart by FERRO_HOST_ID (they share this machine's name); every rank listens on its host's
+        # address; gloo's ranks use the host's interface, not loopback.
+        env = dict(os.environ, FERRO_SECRET=secret, FERRO_HOST_ID=f"host{host}", FERRO_BIND_ADDR=cluster.address(host),
+                   GLOO_SOCKET_IFNAME="eth0")
+        command = cluster.command(host, [sys.executable, "-m", "ferro", "run", "--nnodes", str(hosts), "--node-rank",
+                                         str(host), "--nproc-per-node", str(ranks), "--master-addr",
+                                         cluster.address(0), "--master-port", port, "--no-prefix", "-m",
+                                         "ferro.tools.bench.worker", *worker])
+        launchers.append(subprocess.Popen(command, env=env))
+    codes = [launcher.wait() for launcher in launchers]
+    return next((code for code in codes if code), 0)
 
 
 def _needs_mpirun(library: str, backend: str) -> bool:
@@ -203,6 +236,20 @@ def main(argv: list[str] | None = None) -> int:
     if any(p == f"ferro-{args.backend}" for p in peers):
         print(f"ferro bench: --compare ferro-{args.backend} is the backend being measured", file=sys.stderr)
         return 2
+    if args.emulate:
+        try:
+            hosts, ranks, rate = parse_emulation(args.emulate)
+            unavailable = cluster_unavailable()
+            if unavailable:
+                raise ConfigurationError(f"--emulate: {unavailable}")
+        except ConfigurationError as exc:
+            print(f"ferro bench: {exc}", file=sys.stderr)
+            return 2
+        if args.nproc not in (None, [hosts * ranks]):
+            print(f"ferro bench: --emulate {args.emulate} is {hosts * ranks} ranks; drop -n or give -n "
+                  f"{hosts * ranks}", file=sys.stderr)
+            return 2
+        args.nproc = [hosts * ranks]
     if args.nproc is None:
         if peers:
             print("ferro bench: --compare starts its own ranks; give -n", file=sys.stderr)
@@ -216,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     primaries: dict[int, str] = {}
     status = 0
     world_sizes = args.nproc
-    with tempfile.TemporaryDirectory(prefix="ferro-bench-") as tmp:
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(EmulatedCluster(hosts, rate)) if args.emulate else None
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="ferro-bench-"))
         for world_size in world_sizes:
             args.nproc = world_size
             for library in ["ferro", *peers]:
@@ -226,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 out = os.path.join(tmp, f"{library}-{world_size}.json")
                 try:
-                    code = _run_library(library, args, ops, out)
+                    code = _run_library(library, args, ops, out, cluster)
                 except ConfigurationError as exc:
                     print(f"ferro bench: {exc}", file=sys.stderr)
                     return 2
