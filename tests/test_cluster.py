@@ -84,13 +84,14 @@ def test_a_job_across_two_emulated_hosts_of_two_ranks_runs_hierarchical(tmp_path
     assert all(r["sum"] == [10.0] * 4 and r["backend"] == "HierarchicalBackend" for r in results.values())
 
 
-def test_bench_refuses_a_bad_emulation_and_a_rank_count_that_disagrees():
+def test_bench_refuses_a_bad_emulation_and_a_rank_count_that_disagrees(tmp_path):
+    # cwd: not the clone's root, whose ferro/ is the uncompiled source tree
     bad = subprocess.run([*FERRO, "bench", "--emulate", "2x2", "allreduce"], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=60, cwd=tmp_path)
     assert bad.returncode == 2 and "HOSTSxRANKS@RATE" in bad.stderr
     if cluster_unavailable() is None:
         other = subprocess.run([*FERRO, "bench", "--emulate", "2x2@1gbit", "-n", "3", "allreduce"],
-                               capture_output=True, text=True, timeout=60)
+                               capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert other.returncode == 2 and "is 4 ranks" in other.stderr
 
 
