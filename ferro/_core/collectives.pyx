@@ -16,9 +16,9 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memmove, memset
 
-from ferro._core.direct cimport DirectCall
+from ferro._core.direct cimport READ_CLOCK, DirectCall
 from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
-from ferro._core.state cimport ferro_now_ns, ferro_stat_slot
+from ferro._core.state cimport ferro_stat_slot
 from ferro._core.status cimport ST_OK
 from ferro._core.transport cimport (
     ConnState,
@@ -886,7 +886,7 @@ cdef class DirectMeshAllreduce(_MeshCall):
             segment -= segment % itemsize
             memset(&s, 0, sizeof(SendOp))
             memset(&r, 0, sizeof(RecvOp))
-            self.begin(fingerprint, <uint64_t>view.len, ferro_now_ns())
+            self.begin(fingerprint, <uint64_t>view.len, READ_CLOCK)
             try:
                 if mesh.n > 1:  # every op of one rank is the identity (MEAN divides by 1)
                     mesh.acquire(seconds, "allreduce")
@@ -901,10 +901,10 @@ cdef class DirectMeshAllreduce(_MeshCall):
                     if rc:
                         _fail_call(&s, &r, "allreduce", seconds)
             except BaseException as exc:
-                self.end(False, 0, ferro_now_ns())
+                self.end(False, 0, READ_CLOCK)
                 self.fail(exc)
                 raise
-            self.end(True, 0, ferro_now_ns())
+            self.end(True, 0, READ_CLOCK)
             return True
         finally:
             PyBuffer_Release(&view)
@@ -944,7 +944,7 @@ cdef class DirectMeshBroadcast(_MeshCall):
                 return False
             memset(&s, 0, sizeof(SendOp))
             memset(&r, 0, sizeof(RecvOp))
-            self.begin(fingerprint, <uint64_t>view.len, ferro_now_ns())
+            self.begin(fingerprint, <uint64_t>view.len, READ_CLOCK)
             try:
                 if mesh.n > 1:
                     mesh.acquire(seconds, "broadcast")
@@ -958,10 +958,10 @@ cdef class DirectMeshBroadcast(_MeshCall):
                     if rc:
                         _fail_call(&s, &r, "broadcast", seconds)
             except BaseException as exc:
-                self.end(False, 0, ferro_now_ns())
+                self.end(False, 0, READ_CLOCK)
                 self.fail(exc)
                 raise
-            self.end(True, 0, ferro_now_ns())
+            self.end(True, 0, READ_CLOCK)
             return True
         finally:
             PyBuffer_Release(&view)
@@ -1015,7 +1015,7 @@ cdef class DirectMeshAllGather(_MeshCall):
                 return None
             memset(&s, 0, sizeof(SendOp))
             memset(&r, 0, sizeof(RecvOp))
-            self.begin(fingerprint, <uint64_t>nbytes, ferro_now_ns())
+            self.begin(fingerprint, <uint64_t>nbytes, READ_CLOCK)
             try:
                 # memmove: x may be this rank's part of out (an in-place gather).
                 memmove(<unsigned char*>into.buf + mesh.rank * nbytes, view.buf, nbytes)
@@ -1028,10 +1028,10 @@ cdef class DirectMeshAllGather(_MeshCall):
                     if rc:
                         _fail_call(&s, &r, "all_gather", seconds)
             except BaseException as exc:
-                self.end(False, 0, ferro_now_ns())
+                self.end(False, 0, READ_CLOCK)
                 self.fail(exc)
                 raise
-            self.end(True, 0, ferro_now_ns())
+            self.end(True, 0, READ_CLOCK)
             return result
         finally:
             PyBuffer_Release(&view)
@@ -1056,7 +1056,7 @@ cdef class DirectMeshBarrier(_MeshCall):
             return False
         memset(&s, 0, sizeof(SendOp))
         memset(&r, 0, sizeof(RecvOp))
-        self.begin(0, 0, ferro_now_ns())
+        self.begin(0, 0, READ_CLOCK)
         try:
             if mesh.n > 1:
                 mesh.acquire(seconds, "barrier")
@@ -1069,8 +1069,8 @@ cdef class DirectMeshBarrier(_MeshCall):
                 if rc:
                     _fail_call(&s, &r, "barrier", seconds)
         except BaseException as exc:
-            self.end(False, 0, ferro_now_ns())
+            self.end(False, 0, READ_CLOCK)
             self.fail(exc)
             raise
-        self.end(True, 0, ferro_now_ns())
+        self.end(True, 0, READ_CLOCK)
         return True

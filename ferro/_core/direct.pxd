@@ -6,6 +6,7 @@ from ferro._core.state cimport GroupState
 
 cdef enum:
     MAX_DIMS = 64  # NumPy's limit; a direct path remembers the last call's shape
+    READ_CLOCK = -1  # a time DirectCall.begin/end read themselves, when the flight recorder is on
 
 
 cdef class DirectCall:

@@ -29,7 +29,7 @@ Subclasses (``ferro._core.arena.DirectAllreduce``, the mesh paths of
 
 from cpython.pythread cimport PyThread_get_thread_ident
 
-from ferro._core.state cimport callsites, ferro_count_call, ferro_rec_begin, ferro_rec_end
+from ferro._core.state cimport callsites, ferro_count_call, ferro_now_ns, ferro_rec_begin, ferro_rec_end
 
 
 cdef class DirectCall:
@@ -118,12 +118,18 @@ cdef class DirectCall:
         # Busy: a call from another thread queues on the worker instead of meeting this one on the wire.
         self.group_state.busy = True
         ferro_count_call(&self.group_state.stats, self.slot)
+        # made: the caller's clock read, 0 for none, READ_CLOCK to read it here, and only if the recorder is on.
+        if made == READ_CLOCK:
+            made = ferro_now_ns() if self.group_state.rec.capacity else 0
         self.record = ferro_rec_begin(&self.group_state.rec, callsites(), self.slot, 0, fingerprint, nbytes, -1, 1,
                                       made)
 
     cdef int end(self, bint ok, int64_t started, int64_t ended) except -1:
-        # The times come from the caller, which has them from its engine's clock reads (see recorder.h).
+        # The times come from the caller, which has them from its engine's clock reads (see recorder.h), or
+        # READ_CLOCK, as for begin().
         state = self.group_state
+        if ended == READ_CLOCK:
+            ended = ferro_now_ns() if state.rec.capacity else 0
         ferro_rec_end(&state.rec, self.record, ok, started, ended)
         state.busy = False
         if state.queued:

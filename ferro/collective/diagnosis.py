@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ferro.types import THREAD_TAG_BITS
+
 __all__ = ["Diagnosis", "Finding", "chrome_trace", "diagnose", "load_dumps"]
 
 #: The least the others must wait (median, ms) for a rank to be called a straggler: below, it is noise.
@@ -56,7 +58,7 @@ def load_dumps(folder: str | os.PathLike[str], round_id: str | None = None) -> d
 
 @dataclass
 class Finding:
-    """One thing the records show: its kind (``hang``, ``mismatch``, ``straggler``), its culprits, its text."""
+    """One thing the records show: its kind (``hang`` or ``mismatch``), its culprits, its text."""
 
     kind: str
     group: str
@@ -92,10 +94,8 @@ class Diagnosis:
             lines.extend(f"  {line}" for line in finding.details)
         if stragglers:
             lines.extend(self.stragglers)
-        for finding in self.findings:
-            if finding.kind != "straggler":
-                lines.append(f"verdict: {finding.summary}")
-                break
+        if self.findings:
+            lines.append(f"verdict: {self.findings[0].summary}")
         return "\n".join(lines)
 
 
@@ -142,10 +142,10 @@ def _short(entry: dict[str, Any]) -> str:
 
 
 def _call_key(entry: dict[str, Any]) -> tuple[Any, ...]:
-    # What ranks must agree on: the fingerprint without its thread tag (bits 8-19), else the operation and size.
+    # What ranks must agree on: the fingerprint without its thread tag, else the operation and size.
     fingerprint = entry.get("fingerprint")
     if fingerprint:
-        return (entry.get("op"), int(fingerprint, 16) & ~(0xFFF << 8))
+        return (entry.get("op"), int(fingerprint, 16) & ~THREAD_TAG_BITS)
     return (entry.get("op"), entry.get("kind"), entry.get("nbytes") if entry.get("kind") == "collective" else None)
 
 
@@ -188,7 +188,7 @@ def diagnose(dumps: dict[int, dict[str, Any]], world_size: int | None = None, la
     # The largest groups first: a hang of the world explains the sub-groups' hangs.
     for pg_id, records in sorted(by_group.items(), key=lambda item: -len(_expected(item[1]))):
         expected = _expected(records)
-        mismatch = _mismatch(pg_id, records, dumps)
+        mismatch = _mismatch(pg_id, records)
         if mismatch is not None:
             findings.append(mismatch)
             continue
@@ -201,7 +201,7 @@ def diagnose(dumps: dict[int, dict[str, Any]], world_size: int | None = None, la
     return Diagnosis(answered, missing, findings, stragglers)
 
 
-def _mismatch(pg_id: str, records: dict[int, dict[str, Any]], dumps: dict[int, dict[str, Any]]) -> Finding | None:
+def _mismatch(pg_id: str, records: dict[int, dict[str, Any]]) -> Finding | None:
     calls: dict[int, dict[int, dict[str, Any]]] = {}
     for rank, group in records.items():
         for entry in group.get("entries") or []:
@@ -238,9 +238,7 @@ def _hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
         return None
     behind = sorted(r for r in expected if r not in records or made.get(r, 0) < latest)
     silent = sorted(r for r in expected if r not in dumps or dumps[r].get("source") == "outside")
-    culprits = sorted(set(behind) | (set(silent) - set(waiting)))
-    if not culprits:
-        culprits = sorted(silent)
+    culprits = sorted(set(behind) | set(silent))  # a silent rank has no records, so it is never among the waiting
     if not culprits:
         return None
     call = last_entry[waiting[0]]

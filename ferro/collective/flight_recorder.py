@@ -39,6 +39,7 @@ from typing import Any
 
 from ferro._core import state as _state
 from ferro.errors import ConfigurationError
+from ferro.rendezvous.env import detect
 from ferro.types import collective_name, describe_fingerprint, dtype_by_code
 
 __all__ = ["DUMP_DIR_ENV", "SIZE_ENV", "dump_dir", "dump_flight_record", "flight_records", "job_name",
@@ -61,7 +62,7 @@ _KINDS = {0: "collective", 1: "send", 2: "recv", 3: "sendrecv"}
 
 
 def _configure() -> None:
-    _state.set_library_prefixes([_LIBRARY, *_extra_prefixes()])
+    include_torch_frames()
     size = os.environ.get(SIZE_ENV)
     if size:
         try:
@@ -83,7 +84,7 @@ def _extra_prefixes() -> list[str]:
 
 
 def include_torch_frames() -> None:
-    """Count torch's frames as library frames for call sites (the interop layer calls this)."""
+    """Count torch's frames, if torch is loaded, as library frames for call sites (the interop layer calls this)."""
     _state.set_library_prefixes([_LIBRARY, *_extra_prefixes()])
 
 
@@ -113,24 +114,17 @@ def job_rank(groups: list[dict[str, Any]]) -> int | None:
     The launcher's (``RANK``, Open MPI's, PMI's), else its rank in the largest
     of ``groups`` (described as in a dump), else None.
     """
-    rank = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK")
-    if rank and rank.isdigit():
-        return int(rank)
+    try:
+        launched = detect(os.environ)
+    except ConfigurationError:
+        launched = None  # half-set variables: init_process_group says so; a dump goes on without them
+    if launched is not None:
+        return launched.rank
     sized = [g for g in groups if g.get("world_size")]
     if not sized:
         return None
     largest = max(sized, key=lambda g: g["world_size"])
     return int(largest["ranks"][largest["rank"]])
-
-
-class _Clock:
-    """Turns the recorder's CLOCK_MONOTONIC nanoseconds into Unix nanoseconds."""
-
-    def __init__(self) -> None:
-        self.offset = time.time_ns() - _state.monotonic_ns()
-
-    def unix_ns(self, monotonic: int) -> int | None:
-        return monotonic + self.offset if monotonic else None
 
 
 def _site(code: Any, offset: int) -> dict[str, Any] | None:
@@ -156,20 +150,20 @@ def _describe_group(state: Any, ordinals: dict[tuple[int, ...], int]) -> dict[st
     group = state.owner() if state.owner is not None else None
     if group is None:
         return {"pg_id": f"group-{state.created}", "desc": "a group already closed", "rank": None,
-                "world_size": None, "ranks": None, "backend": None}
+                "world_size": None, "ranks": None}
     ranks = _group_ranks(group)
     key = tuple(ranks)
     ordinal = ordinals.get(key, 0)
     ordinals[key] = ordinal + 1
-    return {"pg_id": f"{ranks}#{ordinal}", "desc": type(group).__name__,
-            "rank": group.rank, "world_size": group.world_size, "ranks": ranks, "backend": type(group).__name__,
-            "closed": bool(getattr(group, "closed", False))}
+    return {"pg_id": f"{ranks}#{ordinal}", "desc": type(group).__name__, "rank": group.rank,
+            "world_size": group.world_size, "ranks": ranks, "closed": bool(getattr(group, "closed", False))}
 
 
-def _entry(record: tuple[Any, ...], group: dict[str, Any], clock: _Clock) -> dict[str, Any]:
+def _entry(record: tuple[Any, ...], group: dict[str, Any], to_unix: int) -> dict[str, Any]:
     seq, collective, kind, fingerprint, nbytes, peer, queued, started, ended, state, code, offset = record
     name = collective_name(collective)
-    created, began, finished = clock.unix_ns(queued), clock.unix_ns(started), clock.unix_ns(ended)
+    # Recorder times are CLOCK_MONOTONIC ns, 0 for "not known"; to_unix turns them into Unix ns.
+    created, began, finished = (t + to_unix if t else None for t in (queued, started, ended))
     frame = _site(code, offset)
     entry: dict[str, Any] = {
         "record_id": seq, "collective_seq_id": seq, "pg_id": group["pg_id"],
@@ -226,12 +220,14 @@ def _frames(frame: Any) -> list[dict[str, Any]]:
     return found
 
 
-def where_is(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Return the innermost of ``frames`` (innermost first) outside ferro: where a thread is in the user's code."""
-    for frame in frames:
-        if not _is_library(frame["filename"]):
-            return frame
-    return frames[0] if frames else None
+def where_is(frames: list[dict[str, Any]]) -> str | None:
+    """Return where a thread is in the user's code, as ``file:line in function``.
+
+    That is the innermost of ``frames`` (innermost first) outside ferro and the
+    standard library, else the innermost; None without frames.
+    """
+    at = next((frame for frame in frames if not _is_library(frame["filename"])), frames[0] if frames else None)
+    return f"{at['filename']}:{at['line']} in {at['name']}" if at else None
 
 
 def _threads() -> list[dict[str, Any]]:
@@ -240,29 +236,31 @@ def _threads() -> list[dict[str, Any]]:
     for ident, frame in sys._current_frames().items():
         thread = names.get(ident)
         frames = _frames(frame)
-        at = where_is(frames)
         found.append({"name": thread.name if thread else f"thread {ident}", "ident": ident,
                       "native_id": getattr(thread, "native_id", None), "daemon": bool(thread and thread.daemon),
-                      "main": thread is threading.main_thread(), "frames": frames,
-                      "where": f"{at['filename']}:{at['line']} in {at['name']}" if at else None})
+                      "main": thread is threading.main_thread(), "frames": frames, "where": where_is(frames)})
     found.sort(key=lambda t: (not t["main"], t["name"]))
     return found
 
 
-def flight_records(states: Iterable[Any] | None = None) -> list[dict[str, Any]]:
-    """Every live group's description and recorded calls (as in a dump's ``"groups"``), oldest call first."""
-    clock = _Clock()
+def describe_groups(states: Iterable[Any] | None = None) -> list[tuple[Any, dict[str, Any]]]:
+    """Return ``(state, description)`` of every live group that made a call: ids, ranks, calls made and ended."""
     ordinals: dict[tuple[int, ...], int] = {}
-    groups = []
+    described = []
     for state in _state.live_states() if states is None else states:
         calls, completed, capacity = state.progress()
-        if not calls:
-            continue
-        group = _describe_group(state, ordinals)
-        group.update(calls=calls, completed=completed, capacity=capacity,
-                     entries=[_entry(record, group, clock) for record in state.records()])
-        groups.append(group)
-    return groups
+        if calls:
+            group = _describe_group(state, ordinals)
+            group.update(calls=calls, completed=completed, capacity=capacity)
+            described.append((state, group))
+    return described
+
+
+def flight_records(states: Iterable[Any] | None = None) -> list[dict[str, Any]]:
+    """Every live group's description and recorded calls (as in a dump's ``"groups"``), oldest call first."""
+    to_unix = time.time_ns() - _state.monotonic_ns()
+    return [dict(group, entries=[_entry(record, group, to_unix) for record in state.records()])
+            for state, group in describe_groups(states)]
 
 
 def py_spy() -> str | None:
@@ -271,17 +269,18 @@ def py_spy() -> str | None:
     return shutil.which("py-spy") or (str(beside) if beside.is_file() else None)
 
 
-def native_stacks(pid: int) -> list[dict[str, Any]] | None:
-    """Return every thread's stack of process ``pid``, native frames included, as py-spy reads them; None without it.
+def py_spy_stacks(pid: int, native: bool) -> list[dict[str, Any]] | None:
+    """Return every thread's stack of process ``pid`` as py-spy reads it (None without py-spy, or if it failed).
 
-    py-spy pauses the process for the read (a process may read itself); about 0.1 s.
+    ``native``: native frames too; py-spy pauses the process for that read (a process may read itself; about
+    0.1 s), and cannot on a stopped one. Without it, py-spy reads without pausing, a stopped process included.
     """
     spy = py_spy()
     if spy is None:
         return None
     try:
-        out = subprocess.run([spy, "dump", "--native", "--json", "--pid", str(pid)], capture_output=True, text=True,
-                             timeout=20)
+        out = subprocess.run([spy, "dump", "--pid", str(pid), "--json", "--native" if native else "--nonblocking"],
+                             capture_output=True, text=True, timeout=20)
         threads = json.loads(out.stdout) if out.returncode == 0 else None
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
@@ -304,18 +303,10 @@ def snapshot(reason: str, round_id: str | None = None, signal_traceback: str | N
     return {
         "format": FORMAT, "version": VERSION, "source": "rank", "rank": job_rank(groups),
         "host": socket.gethostname(), "pid": os.getpid(), "job": job_name(), "reason": reason, "round": round_id,
-        "time_ns": time.time_ns(), "hang_timeout": _hang_timeout(), "groups": groups, "threads": threads,
+        "time_ns": time.time_ns(), "groups": groups, "threads": threads,
         "where": main["where"] if main else None, "signal_traceback": signal_traceback,
-        "native_threads": native_stacks(os.getpid()) if native else None,
+        "native_threads": py_spy_stacks(os.getpid(), native=True) if native else None,
     }
-
-
-def _hang_timeout() -> float | None:
-    value = os.environ.get("FERRO_HANG_TIMEOUT")
-    try:
-        return float(value) if value else None
-    except ValueError:
-        return None
 
 
 def write_dump(data: dict[str, Any], folder: Path | None = None) -> Path:
@@ -323,8 +314,12 @@ def write_dump(data: dict[str, Any], folder: Path | None = None) -> Path:
     folder = dump_dir() if folder is None else folder
     folder.mkdir(parents=True, exist_ok=True)
     name = f"rank-{data['rank']}.json" if data.get("rank") is not None else f"pid-{data['pid']}.json"
-    path = folder / name
-    temporary = folder / f".{name}.{os.getpid()}.tmp"
+    return write_json(folder / name, data)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> Path:
+    """Write ``data`` to ``path`` whole or not at all (a temporary file, then a rename): readers never see half."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(data, indent=1, default=str))
     os.replace(temporary, path)
     return path
@@ -353,9 +348,7 @@ def request_round(folder: Path, by: str) -> str:
     """Ask every rank's hang watch to write its dump (``request.json`` in ``folder``); return the round's id."""
     round_id = uuid.uuid4().hex
     folder.mkdir(parents=True, exist_ok=True)
-    temporary = folder / f".request.json.{os.getpid()}.tmp"
-    temporary.write_text(json.dumps({"round": round_id, "by": by, "time_ns": time.time_ns()}))
-    os.replace(temporary, folder / "request.json")
+    write_json(folder / "request.json", {"round": round_id, "by": by, "time_ns": time.time_ns()})
     return round_id
 
 

@@ -35,7 +35,6 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -114,9 +113,11 @@ class _Watch:
         try:
             folder = flight_recorder.dump_dir()
             folder.mkdir(parents=True, exist_ok=True)
-            rank = self.rank if self.rank is not None else flight_recorder.job_rank(flight_recorder.flight_records())
-            info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "time_ns": time.time_ns()}
-            _write_json(folder / f"hello-{rank if rank is not None else os.getpid()}.json", info)
+            if self.rank is None:
+                self.rank = flight_recorder.job_rank([g for _, g in flight_recorder.describe_groups()])
+            info = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "time_ns": time.time_ns()}
+            flight_recorder.write_json(folder / f"hello-{self.rank if self.rank is not None else os.getpid()}.json",
+                                       info)
             self.request_mtime = _mtime(folder / "request.json")  # a request already there is an old job's
             lock = folder / "collector.lock"
             if 0 < _mtime(lock) < time.time() - 5:
@@ -193,16 +194,17 @@ class _Watch:
             return
         self.suspected = signature
         folder = flight_recorder.dump_dir()
-        rank = flight_recorder.job_rank(flight_recorder.flight_records())
+        groups = [g for _, g in flight_recorder.describe_groups()]  # without their records: cheap
+        rank = self.rank if self.rank is not None else flight_recorder.job_rank(groups)
         if os.environ.get(LAUNCHER_COLLECTS_ENV) == "launcher":
-            _write_json(folder / f"suspect-{rank}.json", {"rank": rank, "stalled_for": now - self.changed,
-                                                          "time_ns": time.time_ns()})
+            flight_recorder.write_json(folder / f"suspect-{rank}.json",
+                                       {"rank": rank, "stalled_for": now - self.changed, "time_ns": time.time_ns()})
             return
         try:  # the first rank to notice collects; the others answer it
             os.close(os.open(folder / "collector.lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         except FileExistsError:
             return
-        world = max((g["world_size"] for g in flight_recorder.flight_records() if g.get("world_size")), default=1)
+        world = max((g["world_size"] for g in groups if g.get("world_size")), default=1)
         dumps = collect(folder, world, by=f"rank {rank}", own=self._snapshot)
         verdict = diagnosis.diagnose(dumps, world)
         if not verdict.findings:
@@ -219,12 +221,6 @@ class _Watch:
 
 def _ignore(signum: int, frame: Any) -> None:
     """SIGUSR1's Python-level handler when the program had none: the hang watch's thread does the work."""
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(data))
-    os.replace(temporary, path)
 
 
 def _mtime(path: Path) -> float:
@@ -294,27 +290,15 @@ def outside_view(folder: Path, rank: int) -> dict[str, Any] | None:
     except OSError:
         view["process_state"] = f"process {pid} has exited"
         return view
-    spy = flight_recorder.py_spy()
-    if spy is None:
+    if flight_recorder.py_spy() is None:
         view["process_state"] += "; install py-spy (pip install 'ferro[doctor]') to read its stack from outside"
         return view
-    try:
-        # --nonblocking: read the stack without pausing it (works on a stopped process too).
-        out = subprocess.run([spy, "dump", "--pid", str(pid), "--json", "--nonblocking"], capture_output=True,
-                             text=True, timeout=10)
-        threads = json.loads(out.stdout) if out.returncode == 0 else []
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        threads = []
-    for index, thread in enumerate(threads):
-        frames = [{"name": f["name"], "filename": f["filename"], "line": f["line"]} for f in thread.get("frames", [])]
-        at = flight_recorder.where_is(frames)
-        main = thread.get("os_thread_id") == pid or (index == 0 and not any(
-            t.get("os_thread_id") == pid for t in threads))
-        view["threads"].append({"name": thread.get("thread_name") or f"thread {thread.get('os_thread_id')}",
-                                "main": main, "frames": frames,
-                                "where": f"{at['filename']}:{at['line']} in {at['name']}" if at else None})
-        if main and at:
-            view["where"] = f"{at['filename']}:{at['line']} in {at['name']} (read by py-spy)"
+    for thread in flight_recorder.py_spy_stacks(pid, native=False) or []:  # without pausing: stopped ones too
+        # The main thread's id is the process's.
+        thread.update(main=thread["native_id"] == pid, where=flight_recorder.where_is(thread["frames"]))
+        view["threads"].append(thread)
+        if thread["main"] and thread["where"]:
+            view["where"] = f"{thread['where']} (read by py-spy)"
     return view
 
 

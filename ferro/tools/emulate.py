@@ -30,7 +30,9 @@ from ferro.errors import ConfigurationError
 
 __all__ = ["EmulatedCluster", "cluster_unavailable", "parse_emulation"]
 
-_SPEC = re.compile(r"^(\d+)x(\d+)@(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
+_RATE = r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)"
+_SPEC = re.compile(rf"^(\d+)x(\d+)@{_RATE}$")
+_BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
 def parse_emulation(spec: str) -> tuple[int, int, str]:
@@ -145,8 +147,8 @@ class EmulatedCluster:
 
 
 def _burst(rate: str) -> str:
-    found = re.match(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$", rate)
+    found = re.fullmatch(_RATE, rate)
     if not found:
         return "256kb"
-    bits = float(found.group(1)) * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[found.group(2)]
+    bits = float(found.group(1)) * _BITS[found.group(2)]
     return f"{max(int(bits / 8 / 1000), 65536)}b"  # a millisecond of the rate

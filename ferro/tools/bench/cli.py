@@ -115,7 +115,7 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
             print(f"# {library}: not run on an emulated cluster yet (mpirun would need a launch agent in every "
                   f"namespace); skipped")
             return 0
-        return _run_emulated(cluster, args.emulate, worker)
+        return _run_emulated(cluster, args.nproc // cluster.hosts, worker)
     if _needs_mpirun(library, args.backend):
         from ferro.backend.mpi.launch import find_mpirun, mpirun_command, mpirun_environment
 
@@ -132,9 +132,9 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
                                 master_port=free_port(), prefix=False))
 
 
-def _run_emulated(cluster: EmulatedCluster, spec: str, worker: list[str]) -> int:
-    """Run the worker as one ``ferro run`` per emulated host, each in its namespace; the first failure's code."""
-    hosts, ranks, _ = parse_emulation(spec)
+def _run_emulated(cluster: EmulatedCluster, ranks: int, worker: list[str]) -> int:
+    """Run the worker as one ``ferro run`` of ``ranks`` per host, each in its namespace; the first failure's code."""
+    hosts = cluster.hosts
     secret = os.environ.get("FERRO_SECRET") or secrets.token_hex(16)
     port = str(free_port())
     launchers = []
