@@ -322,3 +322,28 @@ def test_done_callbacks_run_in_order_once_the_call_completes(run):
     for seen, late in run(rank_done_callbacks, 2):
         assert seen == [("first", [2.0] * 4), ("third", True)]
         assert late == [True]
+
+
+def rank_callback_waits_on_a_later_call(group):
+    import threading
+
+    chained, done = [], threading.Event()
+
+    def issue_and_wait(_):
+        # A later call of the same group, issued and waited for inside the first one's callback
+        # (torch's PowerSGD chains its futures so): another thread must serve the group meanwhile.
+        chained.append(ferro.allreduce(np.full(3, 2.0), group=group, async_op=True).wait(20).tolist())
+        done.set()
+
+    first = ferro.allreduce(np.ones(3), group=group, async_op=True)
+    first.add_done_callback(issue_and_wait)
+    first.wait(20)
+    assert done.wait(20)
+    after = ferro.allreduce(np.ones(1), group=group, async_op=True).wait(20).tolist()  # the group goes on
+    return chained, after
+
+
+def test_a_done_callback_may_issue_and_wait_on_a_later_call_of_its_group(run):
+    for chained, after in run(rank_callback_waits_on_a_later_call, 2):
+        assert chained == [[4.0] * 3]
+        assert after == [2.0]

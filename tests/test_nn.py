@@ -119,9 +119,11 @@ def test_state_dict_round_trip_and_shape_check():
 @pytest.mark.parametrize("make", [
     lambda ps, torch: (nn.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
                        lambda tps: torch.optim.SGD(tps, lr=0.1, momentum=0.9, weight_decay=0.01)),
+    lambda ps, torch: (nn.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+                       lambda tps: torch.optim.SGD(tps, lr=0.7, momentum=0.9, nesterov=True)),
     lambda ps, torch: (nn.Adam(ps, lr=0.01, weight_decay=0.01),
                        lambda tps: torch.optim.Adam(tps, lr=0.01, weight_decay=0.01)),
-], ids=["sgd", "adam"])
+], ids=["sgd", "sgd_nesterov", "adam"])
 def test_optimizers_match_torch(make):
     import torch
 

@@ -158,6 +158,7 @@ class GroupWorker:
         self._queue: deque[tuple[Callable[[], Any], PendingCollective, int]] = deque()
         self._owner: int | None = None  # the thread running the group's current operation
         self._thread: threading.Thread | None = None
+        self._calling_back: int | None = None  # the worker thread while it runs a finished call's callbacks
 
     def submit(self, fn: Callable[[], Any], description: str, buffers: tuple[Any, ...]) -> PendingCollective:
         """Queue ``fn`` behind the group's earlier calls and return its handle."""
@@ -165,6 +166,10 @@ class GroupWorker:
         with self._cond:
             self._queue.append((fn, pending, issuer_tag()))
             self._state.queued = len(self._queue)
+            if self._calling_back is not None and self._calling_back == threading.get_ident():
+                # A done-callback issues a call (torch's PowerSGD chains futures this way) and may wait on it:
+                # a fresh thread serves the queue from here, and this one ends when its callbacks return.
+                self._calling_back, self._thread = None, None
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"ferro-worker-{self._name}", daemon=True)
                 self._thread.start()
@@ -230,7 +235,17 @@ class GroupWorker:
                     state.busy = False
                     self._owner = None
                     self._cond.notify_all()
-            pending._finish(result, error)
+            with self._cond:
+                self._calling_back = threading.get_ident()
+            _issuing.task_tag = tag  # what a callback issues is its call's issuer's, as the task's own calls are
+            try:
+                pending._finish(result, error)
+            finally:
+                _issuing.task_tag = None
+            with self._cond:
+                if self._thread is not threading.current_thread():
+                    return  # a callback handed the queue to a new worker thread (see submit)
+                self._calling_back = None
             # Drop the task: its closure may hold large buffers, and this frame lives until the next task.
             fn = pending = result = error = None  # type: ignore[assignment]
 

@@ -61,10 +61,12 @@ from ferro.interop._torch_args import (
 )
 from ferro.interop._torch_store import TorchStore
 from ferro.interop._torch_work import HANDLES, FerroWork
+from ferro.interop.torch_comm_hooks import comm_hook
 from ferro.rendezvous.settings import TIMEOUT_ENV, default_timeout
 from ferro.types import ReduceOp
 
-__all__ = ["BACKEND_NAME", "FerroWork", "ProcessGroupFerro", "create_process_group", "group_timeout", "register"]
+__all__ = ["BACKEND_NAME", "FerroWork", "ProcessGroupFerro", "comm_hook", "create_process_group", "group_timeout",
+           "register"]
 
 #: The name ``torch.distributed.init_process_group`` takes.
 BACKEND_NAME = "ferro"

@@ -76,13 +76,20 @@ class SGD(Optimizer):
     """Stochastic gradient descent with momentum and weight decay, as ``torch.optim.SGD`` computes them.
 
     ``d = grad + weight_decay * p``; ``buf = momentum * buf + d`` (``buf = d`` on the
-    first step); ``p -= lr * buf``. The buffer is ``state[param]["momentum_buffer"]``.
+    first step); ``p -= lr * buf``, or with Nesterov momentum ``p -= lr * (d + momentum * buf)``.
+    The buffer is ``state[param]["momentum_buffer"]``.
+
+    Raises:
+        ValueError: Nesterov momentum without momentum.
+
     """
 
     def __init__(self, params: Iterable[Parameter], lr: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, nesterov: bool = False) -> None:
         super().__init__(params, lr)
-        self.momentum, self.weight_decay = momentum, weight_decay
+        if nesterov and momentum <= 0:
+            raise ValueError("SGD: Nesterov momentum needs a momentum above 0")
+        self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
 
     def step(self) -> None:
         """Apply one update."""
@@ -98,7 +105,7 @@ class SGD(Optimizer):
                 else:
                     buf *= self.momentum
                     buf += d
-                d = buf
+                d = d + self.momentum * buf if self.nesterov else buf
             param.data -= (self.lr * d).astype(param.data.dtype, copy=False)
 
 

@@ -13,82 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
 from ferro.backend.base import Backend
-from ferro.collective import ReduceOp, allreduce, broadcast
-from ferro.collective.work import PendingCollective, worker_of
+from ferro.collective import broadcast
+from ferro.collective.work import worker_of
 from ferro.errors import ConfigurationError
 from ferro.parallel._model import Model, TorchModel, model_adapter
+from ferro.parallel.comm_hooks import Bucket, CommHook, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 
-__all__ = ["DDP", "Bucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+__all__ = ["DDP", "Bucket", "CommHook", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 
 MB = 1024 * 1024
-
-
-@dataclass
-class Bucket:
-    """Gradients reduced together.
-
-    Attributes:
-        index: Position in reduction order (0 holds the last parameters, reduced first).
-        buffer: The flat gradient buffer: a NumPy array, or a PyTorch tensor for torch modules.
-        parameters: The parameters whose gradients are views into ``buffer``.
-        offsets: Element offset of each parameter's gradient in ``buffer``.
-
-    """
-
-    index: int
-    buffer: Any
-    parameters: list[Any]
-    offsets: list[int]
-    ready: set[int] = field(default_factory=set)
-    pending: PendingCollective | None = None
-
-    def array(self) -> np.ndarray:
-        """Return the buffer as a NumPy array (zero-copy; a same-width integer view for bfloat16 tensors)."""
-        if isinstance(self.buffer, np.ndarray):
-            return self.buffer
-        from ferro._buffers import operand
-
-        return operand(self.buffer, "bucket", writable=True).array
-
-
-CommHook = Callable[[Backend, Bucket], None]
-
-
-def allreduce_hook(group: Backend, bucket: Bucket) -> None:
-    """Average the bucket over the group, in place (the default communication hook)."""
-    allreduce(bucket.buffer, ReduceOp.MEAN, group=group)
-
-
-def _compress_hook(group: Backend, bucket: Bucket, compressed_dtype: Any) -> None:
-    data = bucket.array()
-    if data.dtype.kind != "f" or data.dtype.itemsize <= 2:
-        allreduce(bucket.buffer, ReduceOp.MEAN, group=group)  # already 16-bit (or not float): nothing to gain
-        return
-    # Divide first: the sum of n compressed gradients then stays in the narrow type's range.
-    compressed = (data / group.world_size).astype(compressed_dtype)
-    allreduce(compressed, ReduceOp.SUM, group=group)
-    data[...] = compressed.astype(data.dtype)
-
-
-def fp16_compress_hook(group: Backend, bucket: Bucket) -> None:
-    """Average in float16: divide by the world size, compress, sum, decompress. Halves the bytes sent."""
-    _compress_hook(group, bucket, np.float16)
-
-
-def bf16_compress_hook(group: Backend, bucket: Bucket) -> None:
-    """Average in bfloat16 (float32's range, 8 bits of mantissa). Needs ``ml_dtypes``."""
-    try:
-        import ml_dtypes
-    except ImportError as exc:
-        raise ConfigurationError("bf16_compress_hook needs ml_dtypes: pip install ml_dtypes") from exc
-    _compress_hook(group, bucket, ml_dtypes.bfloat16)
 
 
 class DDP:
@@ -105,7 +42,8 @@ class DDP:
         first_bucket_mb: Size of the first bucket (the last layers' gradients,
             ready first), kept small so communication starts early.
         broadcast_parameters: Copy rank 0's parameters to every rank now.
-        comm_hook: How a bucket is reduced (default :func:`allreduce_hook`).
+        comm_hook: How a bucket is reduced (default :func:`allreduce_hook`; compressing hooks are in
+            :mod:`ferro.parallel.comm_hooks`).
 
     Example::
 
@@ -299,7 +237,8 @@ class DDP:
 
         It runs on the group's worker thread, overlapped with backward, and must
         leave the *average* of the bucket over the group in ``bucket.buffer``
-        (see :func:`fp16_compress_hook`).
+        (see :mod:`ferro.parallel.comm_hooks`: float16, bfloat16, int8 and
+        PowerSGD compression).
         """
         self.comm_hook = hook
 
