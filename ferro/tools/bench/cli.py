@@ -26,6 +26,7 @@ from ferro.launch.agent import LaunchConfig, run_job
 from ferro.rendezvous.env import detect
 from ferro.rendezvous.settings import free_port
 from ferro.tools.bench.reference import memcpy_seconds
+from ferro.tools.bench.stream import measure_stream, stream_rows
 from ferro.tools.bench.table import Row, read_json, write_csv, write_json
 from ferro.tools.bench.worker import OPS, sizes_from
 from ferro.tools.bench.worker import main as worker_main
@@ -35,7 +36,7 @@ __all__ = ["build_parser", "main", "parse_size"]
 
 # The ferro peers are the registry's backends (ferro.backend.BACKENDS) that a single host can run.
 FERRO_PEERS = tuple(f"ferro-{name}" for name in available_backends(gpu=False) if name != "hierarchical")
-PEERS = ("torch-gloo", "mpi", "torch-nccl", *FERRO_PEERS)
+PEERS = ("torch-gloo", "mpi", "torch-nccl", "stream", *FERRO_PEERS)
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 
 
@@ -92,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "link shaped to RATE both ways (2x2@1gbit, 4x1@10gbit); needs root")
     parser.add_argument("--compare", default="",
                         help=f"also run any of {', '.join(PEERS)}, e.g. mpi,ferro-tcp (MPI over "
-                             "TCP beside --backend tcp, else with its default settings: shared memory on one host)")
+                             "TCP beside --backend tcp, else with its default settings: shared memory on one host; "
+                             "stream, with --emulate: the links' raw full-duplex TCP stream, the line-rate reference)")
     return parser
 
 
@@ -157,7 +159,9 @@ def _needs_mpirun(library: str, backend: str) -> bool:
     return library in ("mpi", "ferro-mpi") or (library == "ferro" and backend == "mpi")
 
 
-def _available(library: str, backend: str = "") -> str | None:
+def _available(library: str, backend: str = "", hosts: int = 1) -> str | None:
+    if library == "stream":
+        return None if hosts > 1 else "the line-rate reference needs --emulate with 2 or more hosts"
     if library == "ferro-mpi" or (library == "ferro" and backend == "mpi"):
         library = "mpi"
     if library.startswith("ferro"):
@@ -181,7 +185,11 @@ def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[i
     lines = ["#", f"# {primary} beside its peers, {world_size} ranks: time per call (us), in-place where every "
              "library has it, else out-of-place (marked oop);",
              "# ratio = peer / ferro (above 1: ferro is faster); memcpy = one core copying the same bytes once"]
-    header = f"# {'op':<15}{'size':>12}{'memcpy':>9}{primary:>11}"
+    if "stream" in peers:
+        lines.append("# stream = the time the emulated links alone need for the op's bytes at the raw duplex TCP "
+                     "stream's rate; its ratio is the fraction of line rate ferro reaches")
+    width = max(11, len(primary) + 2)
+    header = f"# {'op':<15}{'size':>12}{'memcpy':>9}{primary:>{width}}"
     for peer in peers:
         header += f"{peer:>12}{'ratio':>8}"
     lines.append(header)
@@ -192,7 +200,7 @@ def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[i
         in_place = mine.ip_time_us is not None and all(t is None or t.ip_time_us is not None for t in theirs)
         mine_t = mine.time_us() if in_place else mine.oop_time_us
         basis = "" if in_place or mine.ip_time_us is None else " oop"
-        line = f"  {op + basis:<15}{size:>12}{copy_us.get(size, float('nan')):>9.1f}{mine_t:>11.1f}"
+        line = f"  {op + basis:<15}{size:>12}{copy_us.get(size, float('nan')):>9.1f}{mine_t:>{width}.1f}"
         for row in theirs:
             if row is None:
                 line += f"{'N/A':>12}{'N/A':>8}"
@@ -266,12 +274,22 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(EmulatedCluster(hosts, rate)) if args.emulate else None
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="ferro-bench-"))
+        line_rate = None
+        if "stream" in peers and cluster is not None and cluster.hosts > 1:
+            line_rate = measure_stream(cluster)
+            print(f"# stream: the raw full-duplex TCP stream of the emulated {rate} links: {line_rate / 1e6:.1f} MB/s "
+                  f"each way per host; its ratio below is the fraction of it each op reaches")
         for world_size in world_sizes:
             args.nproc = world_size
             for library in ["ferro", *peers]:
-                reason = _available(library, args.backend)
+                reason = _available(library, args.backend, cluster.hosts if cluster else 1)
                 if reason:
                     print(f"# {library}: {reason}; skipped")
+                    continue
+                if library == "stream":
+                    if line_rate is not None and cluster is not None:
+                        rows += stream_rows(line_rate, [r for r in rows if r.world_size == world_size
+                                                        and r.library.startswith("ferro")], cluster.hosts)
                     continue
                 out = os.path.join(tmp, f"{library}-{world_size}.json")
                 try:
