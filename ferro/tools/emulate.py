@@ -98,6 +98,7 @@ class EmulatedCluster:
         self.switch = f"ferro{tag}sw"
         self.subnet = f"10.{200 + tag % 50}.{tag % 250}"
         self._made: list[str] = []
+        self._head = False  # whether the bridge has mpirun's address yet
 
     def address(self, host: int) -> str:
         """Return the address of ``host`` (its ``eth0``)."""
@@ -106,6 +107,34 @@ class EmulatedCluster:
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
         """Return ``argv`` as run inside ``host``'s namespace."""
         return ["ip", "netns", "exec", self.namespaces[host], *argv]
+
+    def mpirun_command(self, mpirun: str, ranks_per_host: int, argv: Sequence[str], workdir: str) -> list[str]:
+        """Return an Open MPI 5 ``mpirun`` command that runs ``argv`` as ``ranks_per_host`` ranks on every host.
+
+        ``mpirun`` itself runs in the switch's namespace (its bridge gets the
+        address ``.254``, so the hosts' daemons can call back) and starts one
+        daemon per host through a launch agent written into ``workdir``, in
+        place of ``ssh``: ``ip netns exec`` into the host's namespace, with a
+        hostname of its own (``unshare --uts``), since Open MPI tells nodes
+        apart by name and the namespaces share this machine's. MPI's TCP
+        traffic stays on the cluster's subnet, so it crosses the shaped links.
+        """
+        if not self._head:
+            _run("ip", "-n", self.switch, "addr", "add", f"{self.subnet}.254/24", "dev", "br0")
+            self._head = True
+        agent = os.path.join(workdir, "ferro-emulated-ssh")
+        cases = "".join(f"  {self.address(host)}) ns={namespace} ;;\n"
+                        for host, namespace in enumerate(self.namespaces))
+        with open(agent, "w") as script:
+            script.write(f'#!/bin/sh\nhost="$1"; shift\ncase "$host" in\n{cases}'
+                         f'  *) echo "ferro-emulated-ssh: unknown host $host" >&2; exit 1 ;;\nesac\n'
+                         f'exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $host; $*"\n')
+        os.chmod(agent, 0o755)
+        hosts = ",".join(f"{self.address(host)}:{ranks_per_host}" for host in range(self.hosts))
+        subnet = f"{self.subnet}.0/24"
+        return ["ip", "netns", "exec", self.switch, mpirun, "--oversubscribe", "-n", str(self.hosts * ranks_per_host),
+                "--host", hosts, "--map-by", f"ppr:{ranks_per_host}:node", "--prtemca", "plm_ssh_agent", agent,
+                "--prtemca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet, *argv]
 
     def __enter__(self) -> EmulatedCluster:
         try:

@@ -114,9 +114,16 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
     worker = _worker_args(args, ops, library, out)
     if cluster is not None:
         if _needs_mpirun(library, args.backend):
-            print(f"# {library}: not run on an emulated cluster yet (mpirun would need a launch agent in every "
-                  f"namespace); skipped")
-            return 0
+            from ferro.backend.mpi.launch import find_mpirun, mpirun_environment
+
+            mpirun = find_mpirun()
+            if mpirun is None:
+                print(f"# {library}: mpirun not found; skipped (pip install 'ferro[mpi]')")
+                return 0
+            command = cluster.mpirun_command(mpirun, args.nproc // cluster.hosts,
+                                             [sys.executable, "-m", "ferro.tools.bench.worker", *worker],
+                                             os.path.dirname(out))
+            return subprocess.run(command, env=mpirun_environment(), check=False).returncode
         return _run_emulated(cluster, args.nproc // cluster.hosts, worker)
     if _needs_mpirun(library, args.backend):
         from ferro.backend.mpi.launch import find_mpirun, mpirun_command, mpirun_environment
