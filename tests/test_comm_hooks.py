@@ -38,8 +38,8 @@ def test_int8_keeps_a_diverged_row_visible_as_nan():
     assert np.isnan(back[0]).all() and np.isfinite(back[1]).all()
 
 
-def reference_int8_average(per_rank, world_size):
-    """The int8 hook's two exchanges without error feedback, on one process."""
+def reference_int8_average(per_rank, world_size, divisor=None):
+    """The int8 hook's two exchanges without error feedback, on one process (the sum divided by ``divisor``)."""
     size = per_rank[0].size
     chunk = -(-size // world_size)
     padded = [np.concatenate([g, np.zeros(chunk * world_size - size, g.dtype)]).reshape(world_size, chunk)
@@ -47,7 +47,7 @@ def reference_int8_average(per_rank, world_size):
     out = []
     for owner in range(world_size):
         received = [dequantize_int8(*quantize_int8(p[owner:owner + 1]), p.dtype)[0] for p in padded]
-        mean = np.sum(received, axis=0, dtype=padded[0].dtype) / padded[0].dtype.type(world_size)
+        mean = np.sum(received, axis=0, dtype=padded[0].dtype) / padded[0].dtype.type(divisor or world_size)
         out.append(dequantize_int8(*quantize_int8(mean[None, :]), mean.dtype)[0])
     return np.concatenate(out)[:size]
 
@@ -83,6 +83,30 @@ def test_int8_hook_averages_as_the_numpy_reference_does(run, dtype_name):
     exact = np.mean(per_rank, axis=0)
     assert np.max(np.abs(first[0] - exact)) <= 2 * np.max(np.abs(per_rank)) / 127
     assert not np.allclose(first[0], exact, rtol=1e-9, atol=1e-12)  # it really was quantised
+
+
+def rank_int8_hierarchical(rank, world_size):
+    import os
+
+    os.environ["FERRO_HOST_ID"] = f"declared-host-{0 if rank < 3 else 1}"  # hosts of 3 and 2 ranks
+    group = ferro.init_process_group(timeout=60)
+    try:
+        return type(group).__name__, rank_int8_hook(group, "float64", 1, False)[0]
+    finally:
+        ferro.destroy_process_group()
+
+
+def test_int8_on_a_hierarchical_group_sums_each_host_exactly_and_sends_int8_between_hosts():
+    from ferro.testing import run_processes
+
+    results = run_processes(rank_int8_hierarchical, 5, backend=None, timeout=120)
+    size = results[0][1].size
+    per_rank = [flat_gradient(r, 0, size, np.float64) for r in range(5)]
+    per_host = [per_rank[0] + per_rank[1] + per_rank[2], per_rank[3] + per_rank[4]]
+    want = reference_int8_average(per_host, 2, divisor=5)
+    for backend, got in results:
+        assert backend == "HierarchicalBackend"
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 
 def test_int8_error_feedback_delays_the_rounding_loss_instead_of_losing_it(run):

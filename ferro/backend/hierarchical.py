@@ -141,6 +141,21 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         return list(self._hosts)
 
     @property
+    def local_group(self) -> ShmBackend | None:
+        """The shared-memory group of this rank's host (None when the host has one rank)."""
+        return self._local
+
+    @property
+    def leader_group(self) -> TcpBackend | None:
+        """The TCP mesh among the hosts' leaders, on a leader of a multi-host group (else None).
+
+        Algorithms that compress what crosses hosts (see
+        :class:`ferro.parallel.Int8CompressHook`) reduce inside each host over
+        :attr:`local_group`, exchange among the leaders here, and broadcast back.
+        """
+        return self._leaders
+
+    @property
     def is_leader(self) -> bool:
         """Whether this rank speaks for its host among the leaders."""
         return self.rank == self._members[0]

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import subprocess
+import sys
 from collections.abc import Sequence
 from types import TracebackType
 
 from ferro.errors import ConfigurationError
+from ferro.rendezvous.settings import free_port
 
 __all__ = ["EmulatedCluster", "cluster_unavailable", "parse_emulation"]
 
@@ -107,6 +110,29 @@ class EmulatedCluster:
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
         """Return ``argv`` as run inside ``host``'s namespace."""
         return ["ip", "netns", "exec", self.namespaces[host], *argv]
+
+    def run_job(self, ranks_per_host: int, target: Sequence[str], env: dict[str, str] | None = None) -> int:
+        """Run ``ferro run ... TARGET`` with ``ranks_per_host`` ranks on every host; return the first failure's code.
+
+        One ``ferro run --nnodes`` per host, in its namespace. Hosts are told
+        apart by ``FERRO_HOST_ID`` (they share this machine's name), every rank
+        listens on its host's address, and gloo's ranks use the host's
+        interface, not loopback. ``target`` is what ``ferro run`` takes after
+        its options (``["-m", "module", ...]`` or ``["script.py", ...]``).
+        """
+        secret = os.environ.get("FERRO_SECRET") or secrets.token_hex(16)
+        port = str(free_port())
+        launchers = []
+        for host in range(self.hosts):
+            host_env = dict(os.environ if env is None else env, FERRO_SECRET=secret, FERRO_HOST_ID=f"host{host}",
+                            FERRO_BIND_ADDR=self.address(host), GLOO_SOCKET_IFNAME="eth0")
+            command = self.command(host, [sys.executable, "-m", "ferro", "run", "--nnodes", str(self.hosts),
+                                          "--node-rank", str(host), "--nproc-per-node", str(ranks_per_host),
+                                          "--master-addr", self.address(0), "--master-port", port, "--no-prefix",
+                                          *target])
+            launchers.append(subprocess.Popen(command, env=host_env))
+        codes = [launcher.wait() for launcher in launchers]
+        return next((code for code in codes if code), 0)
 
     def mpirun_command(self, mpirun: str, ranks_per_host: int, argv: Sequence[str], workdir: str) -> list[str]:
         """Return an Open MPI 5 ``mpirun`` command that runs ``argv`` as ``ranks_per_host`` ranks on every host.

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -124,7 +123,7 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
                                              [sys.executable, "-m", "ferro.tools.bench.worker", *worker],
                                              os.path.dirname(out))
             return subprocess.run(command, env=mpirun_environment(), check=False).returncode
-        return _run_emulated(cluster, args.nproc // cluster.hosts, worker)
+        return cluster.run_job(args.nproc // cluster.hosts, ["-m", "ferro.tools.bench.worker", *worker])
     if _needs_mpirun(library, args.backend):
         from ferro.backend.mpi.launch import find_mpirun, mpirun_command, mpirun_environment
 
@@ -139,26 +138,6 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
     # A free port, as `ferro run` picks on one node: never a fixed one another job may hold.
     return run_job(LaunchConfig(target=["-m", "ferro.tools.bench.worker", *worker], nproc_per_node=args.nproc,
                                 master_port=free_port(), prefix=False))
-
-
-def _run_emulated(cluster: EmulatedCluster, ranks: int, worker: list[str]) -> int:
-    """Run the worker as one ``ferro run`` of ``ranks`` per host, each in its namespace; the first failure's code."""
-    hosts = cluster.hosts
-    secret = os.environ.get("FERRO_SECRET") or secrets.token_hex(16)
-    port = str(free_port())
-    launchers = []
-    for host in range(hosts):
-        # Hosts told apart by FERRO_HOST_ID (they share this machine's name); every rank listens on its host's
-        # address; gloo's ranks use the host's interface, not loopback.
-        env = dict(os.environ, FERRO_SECRET=secret, FERRO_HOST_ID=f"host{host}", FERRO_BIND_ADDR=cluster.address(host),
-                   GLOO_SOCKET_IFNAME="eth0")
-        command = cluster.command(host, [sys.executable, "-m", "ferro", "run", "--nnodes", str(hosts), "--node-rank",
-                                         str(host), "--nproc-per-node", str(ranks), "--master-addr",
-                                         cluster.address(0), "--master-port", port, "--no-prefix", "-m",
-                                         "ferro.tools.bench.worker", *worker])
-        launchers.append(subprocess.Popen(command, env=env))
-    codes = [launcher.wait() for launcher in launchers]
-    return next((code for code in codes if code), 0)
 
 
 def _needs_mpirun(library: str, backend: str) -> bool:
