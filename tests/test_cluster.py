@@ -100,13 +100,34 @@ def test_bench_runs_ferro_and_gloo_on_an_emulated_cluster(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "rows.json"
     done = subprocess.run([*FERRO, "bench", "--emulate", "2x1@1gbit", "-b", "4K", "-e", "64K", "-f", "4",
-                           "--iters", "3", "--warmup", "1", "--check", "--compare", "torch-gloo", "--json", str(out),
-                           "allreduce"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                           "--iters", "3", "--warmup", "1", "--check", "--compare", "torch-gloo,mpi,stream", "--json",
+                           str(out), "allreduce"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
     libraries = {r["library"] for r in rows}
-    # Two hosts of one rank: no two ranks share a host, so auto picks TCP, across the namespaces' link.
-    assert libraries == {"ferro-tcp", "torch-gloo"}, libraries
+    # Two hosts of one rank: no two ranks share a host, so auto picks TCP, across the namespaces' link. Open MPI
+    # ran through the launch agent, one daemon per namespace; the stream rows are the links' line-rate times.
+    assert libraries == {"ferro-tcp", "torch-gloo", "mpi", "stream"}, libraries
+    assert "fraction of line rate" in done.stdout
+    stream = sorted((r for r in rows if r["library"] == "stream"), key=lambda r: r["size"])
+    assert [r["size"] for r in stream] == [4096, 16384, 65536]
+    assert stream[0]["oop_time_us"] > 0 and stream[2]["oop_time_us"] > 3 * stream[0]["oop_time_us"]
     assert all(r["world_size"] == 2 for r in rows)
     # --check verifies ferro's results (the worker checks ferro's rows only): every element right.
     assert all(r["oop_wrong"] == 0 and r["ip_wrong"] == 0 for r in rows if r["library"] == "ferro-tcp")
+
+
+def test_the_line_rate_reference_counts_each_op_s_bytes_on_a_host_s_link():
+    from ferro.tools.bench.stream import link_bytes, stream_rows
+    from ferro.tools.bench.table import Row
+
+    assert link_bytes("allreduce", 1000, 2) == 1000  # 2 (H-1)/H
+    assert link_bytes("allreduce", 1000, 4) == 1500
+    assert link_bytes("all_gather", 1000, 4) == 750 and link_bytes("reduce_scatter", 1000, 2) == 500
+    assert link_bytes("broadcast", 1000, 2) is None and link_bytes("allreduce", 1000, 1) is None
+    template = [Row("ferro-hierarchical", "allreduce", 1 << 20, 1 << 18, "float32", "sum", -1, 4, 1.0, 1.0, None,
+                    None), Row("ferro-hierarchical", "broadcast", 1 << 20, 1 << 18, "float32", "none", 0, 4, 1.0,
+                               1.0, None, None)]
+    (row,) = stream_rows(125e6, template, hosts=2)  # broadcast is not modelled
+    assert row.library == "stream" and row.op == "allreduce" and row.world_size == 4
+    assert row.oop_time_us == row.ip_time_us == pytest.approx((1 << 20) / 125e6 * 1e6)
