@@ -53,14 +53,14 @@ def table(rate: str, sweeps: dict[str, list[dict]], min_bytes: int) -> str:
              "| shape | op | size | stream | ferro | of stream | gloo | ferro / gloo | Open MPI | ferro / MPI |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for shape, rows in sweeps.items():
-        by = {(r["library"].split("-")[0] if r["library"].startswith("ferro") else r["library"], r["op"], r["size"]):
-              busbw(r) for r in rows}
+        by = {("ferro" if r["library"].startswith("ferro") else r["library"], r["op"], r["size"]): busbw(r)
+              for r in rows}
         for op in OPS:
             for size in sorted({r["size"] for r in rows if r["op"] == op and r["size"] >= min_bytes}):
                 ferro = by.get(("ferro", op, size))
                 if ferro is None:
                     continue
-                cells = [by.get((library, op, size)) for library in ("stream", "torch", "mpi")]
+                cells = [by.get((library, op, size)) for library in ("stream", "torch-gloo", "mpi")]
                 stream, gloo, mpi = cells
                 fmt = [f"{v:.3f}" if v is not None else "-" for v in cells]
                 lines.append(f"| {shape} | {op} | {size >> 20 if size >= 1 << 20 else size} "

@@ -142,3 +142,35 @@ def test_hierarchical_stats_add_up_the_three_groups():
     # The others publish their halves for the leader, read the leader's half, then read the result.
     member = {"calls": 1, "bytes_sent": 512 + 512, "bytes_received": 512 + 1024}
     assert [r["allreduce"] for r in results] == [leader, member, leader, member]
+
+
+def rank_bytes_between_hosts(rank, world_size):
+    os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
+    group = ferro.init_process_group(timeout=60)
+    try:
+        sent = {}
+        calls = {"all_gather": lambda: ferro.all_gather(np.full(256, float(rank), np.float32)),   # 1 KiB a rank
+                 "reduce_scatter": lambda: ferro.reduce_scatter(np.full(1024, float(rank), np.float32))}  # 4 KiB
+        for name, call in calls.items():
+            for part in (group.leader_group, group.local_group):
+                if part is not None:
+                    part.reset_stats()
+            result = call()
+            leaders = group.leader_group.stats()[name]["bytes_sent"] if group.leader_group else None
+            sent[name] = (leaders, result.tolist())
+        return sent
+    finally:
+        ferro.destroy_process_group()
+
+
+def test_all_gather_and_reduce_scatter_send_between_hosts_only_what_the_other_host_needs():
+    results = run_processes(rank_bytes_between_hosts, 4, backend=None, timeout=120)
+    for rank, sent in enumerate(results):
+        gathered_by, gathered = sent["all_gather"]
+        scattered_by, scattered = sent["reduce_scatter"]
+        assert gathered == [float(r) for r in range(4) for _ in range(256)]
+        assert scattered == [6.0] * 256
+        if rank in (0, 2):  # the leaders: their host's half of the 4 KiB result; the other host's half of the sums
+            assert gathered_by == 2048 and scattered_by == 2048  # a ring over the 4 ranks would send 3 KiB each
+        else:
+            assert gathered_by is None and scattered_by is None

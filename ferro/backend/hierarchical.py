@@ -28,14 +28,16 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
     Three groups work together:
 
     * a TCP mesh over every rank, for point-to-point messages and the
-      collectives that gain nothing from the hierarchy (reduce-scatter,
-      all-gather, all-to-all, gather, scatter);
+      collectives that gain nothing from the hierarchy (all-to-all, gather,
+      scatter);
     * a shared-memory group among the ranks of each host;
     * a TCP mesh among the *leaders*, the lowest rank of each host.
 
     ``allreduce`` reduces inside each host through shared memory onto the
     leader, allreduces among the leaders over TCP, and broadcasts back inside
-    each host; ``broadcast`` and ``barrier`` take the same three steps. Every
+    each host; ``broadcast``, ``barrier``, ``reduce_scatter`` and ``all_gather``
+    (the last two where every host holds the same number of consecutive ranks)
+    take the same three steps, so only what another host needs crosses a link. Every
     rank gets the same bits. Hosts are told apart by :func:`~ferro.rendezvous.hosts.host_identity`
     (``$FERRO_HOST_ID`` to declare them).
 
@@ -211,14 +213,66 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
             self._local.native_broadcast(flat, 0, fingerprint, timeout)
         return True
 
+    def _host_blocks(self, bounds: list[int]) -> list[int] | None:
+        """Offsets of each host's block of parts (from ``bounds``), or None when hosts do not hold equal runs.
+
+        The host-by-host paths need every host to hold the same number of
+        consecutive ranks (as ``ferro run`` numbers them), so that a host's parts
+        are one block and the leaders' blocks are equal.
+        """
+        per_host = len(self._members)
+        for index, members in enumerate(self._hosts):
+            if members != tuple(range(index * per_host, (index + 1) * per_host)):
+                return None
+        return [bounds[index * per_host] for index in range(len(self._hosts) + 1)]
+
     def native_reduce_scatter(self, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp, fingerprint: int,
                               timeout: float) -> bool:
-        """Over the TCP mesh's ring: every rank's part crosses hosts anyway."""
-        return self._world.native_reduce_scatter(flat, bounds, dtype, op, fingerprint, timeout)
+        """Sum inside each host onto its leader, reduce-scatter host blocks among the leaders, hand each rank its part.
+
+        Only the partial sums of other hosts' blocks cross the links, ``(H-1)/H``
+        of the buffer, where a ring over every rank sends ``(n-1)/n``. Hosts of
+        unequal or interleaved ranks take the TCP mesh's ring.
+        """
+        blocks = self._host_blocks(bounds)
+        if blocks is None or (self._local is None and self._leaders is None):
+            return self._world.native_reduce_scatter(flat, bounds, dtype, op, fingerprint, timeout)
+        self._world._usable("reduce_scatter")
+        combine = ReduceOp.SUM if op is ReduceOp.MEAN else op
+        mine = self._host_of[self._world.rank]
+        if self._local is not None:
+            self._local.native_reduce(flat, 0, dtype, combine, fingerprint, timeout)
+        if self._leaders is not None:
+            self._leaders.native_reduce_scatter(flat, blocks, dtype, combine, fingerprint, timeout)
+        block = flat[blocks[mine]:blocks[mine + 1]]
+        if self._local is not None:
+            self._local.native_broadcast(block.view(np.uint8), 0, fingerprint, timeout)
+        if op is ReduceOp.MEAN:
+            part = flat[bounds[self._world.rank]:bounds[self._world.rank + 1]]
+            divide(part, dtype.code, float(self.world_size), dtype.itemsize)
+        return True
 
     def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
-        """Over the TCP mesh (Bruck's rounds or the ring, as a TCP group chooses)."""
-        return self._world.native_all_gather(flat, bounds, fingerprint, timeout)
+        """Gather each host's block over shared memory, the blocks among the leaders, and hand them out in each host.
+
+        Each host receives the ``(H-1)/H`` of the result held elsewhere once,
+        where a ring over every rank passes ``(n-1)/n`` over each link. Hosts of
+        unequal or interleaved ranks take the TCP mesh (Bruck's rounds or the ring).
+        """
+        blocks = self._host_blocks(bounds)
+        if blocks is None or (self._local is None and self._leaders is None):
+            return self._world.native_all_gather(flat, bounds, fingerprint, timeout)
+        self._world._usable("all_gather")
+        mine = self._host_of[self._world.rank]
+        if self._local is not None:
+            start = blocks[mine]
+            local_bounds = [bounds[rank] - start for rank in (*self._members, self._members[-1] + 1)]
+            self._local.native_all_gather(flat[start:blocks[mine + 1]], local_bounds, fingerprint, timeout)
+        if self._leaders is not None:
+            self._leaders.native_all_gather(flat, blocks, fingerprint, timeout)
+        if self._local is not None:
+            self._local.native_broadcast(flat, 0, fingerprint, timeout)
+        return True
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
                           fingerprint: int, timeout: float) -> bool:
