@@ -46,6 +46,10 @@ def busbw(row: dict) -> float:
     return row["size"] / (time_us * 1e-6) / 1e9 * factor
 
 
+def _ratio(ours: float, theirs: float | None, unit: str = "x") -> str:
+    return f"{ours / theirs:.2f}{unit}" if theirs else "-"
+
+
 def table(rate: str, sweeps: dict[str, list[dict]], min_bytes: int) -> str:
     """One rate's table: per shape, op and size, each library's bus bandwidth and ferro's ratios."""
     lines = [f"# {rate}: bus bandwidth (GB/s; nccl-tests' factors) from {min_bytes} bytes; stream = the raw duplex "
@@ -65,9 +69,8 @@ def table(rate: str, sweeps: dict[str, list[dict]], min_bytes: int) -> str:
                 fmt = [f"{v:.3f}" if v is not None else "-" for v in cells]
                 lines.append(f"| {shape} | {op} | {size >> 20 if size >= 1 << 20 else size} "
                              f"{'MiB' if size >= 1 << 20 else 'B'} | {fmt[0]} | {ferro:.3f} | "
-                             f"{ferro / stream if stream else float('nan'):.2f} | {fmt[1]} | "
-                             f"{ferro / gloo if gloo else float('nan'):.2f}x | {fmt[2]} | "
-                             f"{ferro / mpi if mpi else float('nan'):.2f}x |")
+                             f"{_ratio(ferro, stream, '')} | {fmt[1]} | {_ratio(ferro, gloo)} | {fmt[2]} | "
+                             f"{_ratio(ferro, mpi)} |")
     return "\n".join(lines)
 
 

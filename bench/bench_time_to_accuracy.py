@@ -11,7 +11,8 @@ rank 0 evaluates the test set every ``--eval-every`` steps, off the clock.
 Methods: ``gloo`` (torch DDP over gloo), ``torch-ferro`` (torch DDP over the
 "ferro" backend), ``ferro`` (ferro.DDP, exact), ``bf16``, ``int8``
 (``Int8CompressHook``), ``powersgd`` (``PowerSGDHook``, rank 8, exact for the
-first 10 steps) and ``diloco`` (H inner steps, outer Nesterov SGD 0.7/0.9).
+first 10 steps), ``diloco`` (H inner steps, outer Nesterov SGD 0.7/0.9) and ``streaming`` (the same in 4
+fragments at staggered steps, each allreduce overlapped with 2 inner steps).
 
 Needs root (namespaces) and torch + scikit-learn. Run it on a quiet machine:
 ``python bench/bench_time_to_accuracy.py [--steps 300] [--target 0.95] [--methods gloo,ferro,...] [--json F]``.
@@ -29,7 +30,7 @@ import time
 
 HIDDEN = (4096, 4096, 2048)
 BATCH_PER_RANK = 32
-METHODS = ("gloo", "torch-ferro", "ferro", "bf16", "int8", "powersgd", "diloco")
+METHODS = ("gloo", "torch-ferro", "ferro", "bf16", "int8", "powersgd", "diloco", "streaming")
 
 
 def digits():
@@ -84,6 +85,8 @@ def rank_main(method: str, steps: int, out: str, eval_every: int, sync_every: in
                  "powersgd": PowerSGDHook(matrix_approximation_rank=8, start_powerSGD_iter=10)}
         if method == "diloco":
             net, diloco = model, DiLoCo(model, sync_every=sync_every)
+        elif method == "streaming":  # streaming DiLoCo: 4 fragments at staggered steps, each allreduce overlapped
+            net, diloco = model, DiLoCo(model, sync_every=sync_every, fragments=4, overlap_steps=2)
         else:
             net = ferro.DDP(model, comm_hook=hooks[method])
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -102,6 +105,8 @@ def rank_main(method: str, steps: int, out: str, eval_every: int, sync_every: in
         took = time.perf_counter() - start
         step_times.append(took)
         clock += took
+        # DiLoCo's ranks agree only at a synchronisation: evaluate there (streaming: where every fragment has
+        # landed, so rank 0's model is the agreed one up to the fragments' mixing).
         due = step % eval_every == 0 and (diloco is None or step % sync_every == 0)
         if rank == 0 and (due or step == steps):
             with torch.no_grad():
