@@ -27,6 +27,7 @@ __all__ = ["link_bytes", "measure_stream", "stream_rows"]
 
 CHUNK = 4 << 20
 WARMUP_SECONDS = 0.5  # slow start, and the token bucket's first burst, are not the line rate
+CONNECT_SECONDS = 20.0  # how long a host waits for its neighbours' streams to begin
 
 
 def link_bytes(op: str, size: int, hosts: int) -> float | None:
@@ -64,17 +65,24 @@ def measure_stream(cluster: EmulatedCluster, seconds: float = 3.0, port: int = 2
         cluster.address((host + 1) % hosts), "--port", str(port), "--seconds", str(seconds)]),
         stdout=subprocess.PIPE, text=True) for host in range(hosts)]
     rates = []
-    for process in processes:
-        out, _ = process.communicate(timeout=seconds + 60)
-        if process.returncode != 0:
-            raise RuntimeError(f"the stream reference failed on a host (exit {process.returncode})")
-        rates.append(json.loads(out.strip().splitlines()[-1])["received_bytes_per_s"])
+    try:
+        for process in processes:
+            out, _ = process.communicate(timeout=seconds + CONNECT_SECONDS + 30)
+            if process.returncode != 0:
+                raise RuntimeError(f"the stream reference failed on a host (exit {process.returncode})")
+            rates.append(json.loads(out.strip().splitlines()[-1])["received_bytes_per_s"])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()  # a host that never connected must not outlive the measurement
+                process.wait()
     return min(rates)
 
 
 def _stream(listen: str, to: str, port: int, seconds: float) -> float:
     server = socket.create_server((listen, port))
-    deadline = time.monotonic() + 20
+    server.settimeout(CONNECT_SECONDS)
+    deadline = time.monotonic() + CONNECT_SECONDS
     while True:
         try:
             outgoing = socket.create_connection((to, port), timeout=5)
@@ -84,6 +92,7 @@ def _stream(listen: str, to: str, port: int, seconds: float) -> float:
                 raise
             time.sleep(0.05)
     incoming, _ = server.accept()
+    incoming.settimeout(seconds + CONNECT_SECONDS)  # a host that stops sending fails the measurement, not hangs it
     payload = memoryview(bytearray(CHUNK))
     stop = time.monotonic() + seconds
 
