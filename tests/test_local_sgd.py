@@ -1,5 +1,7 @@
 """Local SGD and DiLoCo: H=1 is DDP; longer H, fragments and overlap against a one-process simulation of the ranks."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -149,11 +151,24 @@ def test_local_sgd_and_diloco_match_a_simulation_of_every_rank(run, options):
         assert not np.allclose(results[0][0][0], results[1][0][0])
 
 
+_TORCH_INIT = threading.Lock()
+
+
+def torch_net():
+    import torch
+
+    # The ranks of a simulated group are threads sharing torch's global generator: seed and draw under a lock,
+    # or one rank's draws continue from another's.
+    with _TORCH_INIT:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 10), torch.nn.Tanh(),
+                                   torch.nn.Linear(10, CLASSES)).double()
+
+
 def rank_torch_diloco(group):
     import torch
 
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 10), torch.nn.Tanh(), torch.nn.Linear(10, CLASSES)).double()
+    net = torch_net()
     diloco = DiLoCo(net, sync_every=1, group=group, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     for x, y in batches(3):
@@ -168,8 +183,7 @@ def rank_torch_diloco(group):
 def test_diloco_wraps_a_torch_module_and_h_1_is_one_process_training(run):
     torch = pytest.importorskip("torch")
     results = run(rank_torch_diloco, 2)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 10), torch.nn.Tanh(), torch.nn.Linear(10, CLASSES)).double()
+    net = torch_net()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     for x, y in batches(3):
         optimizer.zero_grad()
