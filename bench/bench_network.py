@@ -17,11 +17,12 @@ Run: ``python bench/bench_network.py [--rates 1gbit,10gbit] [--shapes 2x1,2x2,4x
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
+
+from ferro.tools.bench.table import Row, read_json
 
 OPS = ("allreduce", "all_gather", "reduce_scatter")
 PEERS = ("torch-gloo", "mpi")
@@ -38,29 +39,25 @@ def run_sweep(shape: str, rate: str, out: str, max_bytes: str) -> int:
         return subprocess.run(command, cwd=cwd, check=False).returncode
 
 
-def busbw(row: dict) -> float:
+def busbw(row: Row) -> float:
     """nccl-tests' bus bandwidth (GB/s) of a row, in place where it has that form."""
-    n = row["world_size"]
-    factor = 2 * (n - 1) / n if row["op"] == "allreduce" else (n - 1) / n
-    time_us = row["ip_time_us"] if row["ip_time_us"] is not None else row["oop_time_us"]
-    return row["size"] / (time_us * 1e-6) / 1e9 * factor
+    return row.busbw(in_place=row.ip_time_us is not None) or 0.0
 
 
 def _ratio(ours: float, theirs: float | None, unit: str = "x") -> str:
     return f"{ours / theirs:.2f}{unit}" if theirs else "-"
 
 
-def table(rate: str, sweeps: dict[str, list[dict]], min_bytes: int) -> str:
+def table(rate: str, sweeps: dict[str, list[Row]], min_bytes: int) -> str:
     """One rate's table: per shape, op and size, each library's bus bandwidth and ferro's ratios."""
     lines = [f"# {rate}: bus bandwidth (GB/s; nccl-tests' factors) from {min_bytes} bytes; stream = the raw duplex "
              f"TCP stream's rate applied to each op's link bytes", "",
              "| shape | op | size | stream | ferro | of stream | gloo | ferro / gloo | Open MPI | ferro / MPI |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for shape, rows in sweeps.items():
-        by = {("ferro" if r["library"].startswith("ferro") else r["library"], r["op"], r["size"]): busbw(r)
-              for r in rows}
+        by = {("ferro" if r.library.startswith("ferro") else r.library, r.op, r.size): busbw(r) for r in rows}
         for op in OPS:
-            for size in sorted({r["size"] for r in rows if r["op"] == op and r["size"] >= min_bytes}):
+            for size in sorted({r.size for r in rows if r.op == op and r.size >= min_bytes}):
                 ferro = by.get(("ferro", op, size))
                 if ferro is None:
                     continue
@@ -74,7 +71,7 @@ def table(rate: str, sweeps: dict[str, list[dict]], min_bytes: int) -> str:
     return "\n".join(lines)
 
 
-def plot(path: str, rate: str, sweeps: dict[str, list[dict]]) -> None:
+def plot(path: str, rate: str, sweeps: dict[str, list[Row]]) -> None:
     """Draw one PNG for a rate: a panel per shape and op, bus bandwidth against size per library."""
     import matplotlib
 
@@ -88,12 +85,12 @@ def plot(path: str, rate: str, sweeps: dict[str, list[dict]]) -> None:
         for line, op in enumerate(OPS):
             axis = axes[line][column]
             for library, (color, style) in styles.items():
-                points = sorted((r for r in rows if r["op"] == op and (r["library"] == library or (
-                    library == "ferro" and r["library"].startswith("ferro")))), key=lambda r: r["size"])
+                points = sorted((r for r in rows if r.op == op and (r.library == library or (
+                    library == "ferro" and r.library.startswith("ferro")))), key=lambda r: r.size)
                 if points:
                     label = {"mpi": "Open MPI", "torch-gloo": "gloo", "stream": "raw TCP stream"}.get(library,
-                                                                                                     points[0]["library"])
-                    axis.plot([p["size"] for p in points], [busbw(p) for p in points], style, color=color, marker="o",
+                                                                                                     points[0].library)
+                    axis.plot([p.size for p in points], [busbw(p) for p in points], style, color=color, marker="o",
                               ms=3, label=label)
             axis.set_xscale("log", base=2)
             axis.set_title(f"{op}, {shape} @ {rate}", fontsize=10)
@@ -121,14 +118,13 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     status = 0
     for rate in args.rates.split(","):
-        sweeps: dict[str, list[dict]] = {}
+        sweeps: dict[str, list[Row]] = {}
         for shape in args.shapes.split(","):
             path = os.path.abspath(os.path.join(args.out, f"{shape}@{rate}.json"))
             if not args.reuse:
                 status = run_sweep(shape, rate, path, MAX_BYTES.get(rate, "256M")) or status
             if os.path.exists(path):
-                with open(path) as f:
-                    sweeps[shape] = json.load(f)
+                sweeps[shape] = read_json(path)
         print(table(rate, sweeps, args.table_from))
         if args.plot_dir and sweeps:
             os.makedirs(args.plot_dir, exist_ok=True)

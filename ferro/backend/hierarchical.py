@@ -114,6 +114,11 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         self._hosts = [tuple(members) for members in groups]
         self._members = self._hosts[self._host_of[rank]]
         self._leader_ranks = tuple(members[0] for members in groups)
+        # The host-by-host reduce_scatter and all_gather need every host to hold the same number of consecutive
+        # ranks (as `ferro run` numbers them), so that a host's parts are one block and the leaders' blocks equal.
+        per_host = len(self._members)
+        self._equal_runs = all(members == tuple(range(index * per_host, (index + 1) * per_host))
+                               for index, members in enumerate(self._hosts))
 
     # --- what the group is ------------------------------------------------------------
 
@@ -214,16 +219,10 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         return True
 
     def _host_blocks(self, bounds: list[int]) -> list[int] | None:
-        """Offsets of each host's block of parts (from ``bounds``), or None when hosts do not hold equal runs.
-
-        The host-by-host paths need every host to hold the same number of
-        consecutive ranks (as ``ferro run`` numbers them), so that a host's parts
-        are one block and the leaders' blocks are equal.
-        """
+        """Offsets of each host's block of parts (from ``bounds``), or None when hosts do not hold equal runs."""
+        if not self._equal_runs:
+            return None
         per_host = len(self._members)
-        for index, members in enumerate(self._hosts):
-            if members != tuple(range(index * per_host, (index + 1) * per_host)):
-                return None
         return [bounds[index * per_host] for index in range(len(self._hosts) + 1)]
 
     def native_reduce_scatter(self, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp, fingerprint: int,

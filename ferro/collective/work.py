@@ -166,7 +166,7 @@ class GroupWorker:
         with self._cond:
             self._queue.append((fn, pending, issuer_tag()))
             self._state.queued = len(self._queue)
-            if self._calling_back is not None and self._calling_back == threading.get_ident():
+            if self._calling_back == threading.get_ident():
                 # A done-callback issues a call (torch's PowerSGD chains futures this way) and may wait on it:
                 # a fresh thread serves the queue from here, and this one ends when its callbacks return.
                 self._calling_back, self._thread = None, None
@@ -235,17 +235,19 @@ class GroupWorker:
                     state.busy = False
                     self._owner = None
                     self._cond.notify_all()
-            with self._cond:
-                self._calling_back = threading.get_ident()
+            # No lock for the hand-off's bookkeeping: _calling_back is written only by the worker thread (here, or
+            # in submit from one of its callbacks), and a hand-off happens only on this thread, so this thread
+            # sees its own writes in order.
+            me = threading.current_thread()
+            self._calling_back = me.ident
             _issuing.task_tag = tag  # what a callback issues is its call's issuer's, as the task's own calls are
             try:
                 pending._finish(result, error)
             finally:
                 _issuing.task_tag = None
-            with self._cond:
-                if self._thread is not threading.current_thread():
-                    return  # a callback handed the queue to a new worker thread (see submit)
-                self._calling_back = None
+            if self._thread is not me:
+                return  # a callback handed the queue to a new worker thread (see submit)
+            self._calling_back = None
             # Drop the task: its closure may hold large buffers, and this frame lives until the next task.
             fn = pending = result = error = None  # type: ignore[assignment]
 

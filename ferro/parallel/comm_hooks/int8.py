@@ -129,8 +129,9 @@ class Int8CompressHook:
         """Leave ``sum over group / divisor`` of ``flat`` in ``flat``, the values crossing as int8."""
         n = group.world_size
         size, chunk = flat.size, -(-flat.size // n)
-        values = np.zeros((n, chunk), flat.dtype)
+        values = np.empty((n, chunk), flat.dtype)
         values.reshape(-1)[:size] = flat
+        values.reshape(-1)[size:] = 0  # the last chunk's padding only: one pass over the bucket, not two
         values = self._with_residual(self.worker_residuals, index, values)
         q, scales = quantize_int8(values)
         self._keep_residual(self.worker_residuals, index, values, q, scales)

@@ -110,34 +110,27 @@ def _worker_args(args: argparse.Namespace, ops: list[str], library: str, out: st
 
 def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: str,
                  cluster: EmulatedCluster | None = None) -> int:
-    worker = _worker_args(args, ops, library, out)
-    if cluster is not None:
-        if _needs_mpirun(library, args.backend):
-            from ferro.backend.mpi.launch import find_mpirun, mpirun_environment
-
-            mpirun = find_mpirun()
-            if mpirun is None:
-                print(f"# {library}: mpirun not found; skipped (pip install 'ferro[mpi]')")
-                return 0
-            command = cluster.mpirun_command(mpirun, args.nproc // cluster.hosts,
-                                             [sys.executable, "-m", "ferro.tools.bench.worker", *worker],
-                                             os.path.dirname(out))
-            return subprocess.run(command, env=mpirun_environment(), check=False).returncode
-        return cluster.run_job(args.nproc // cluster.hosts, ["-m", "ferro.tools.bench.worker", *worker])
+    target = ["-m", "ferro.tools.bench.worker", *_worker_args(args, ops, library, out)]
     if _needs_mpirun(library, args.backend):
         from ferro.backend.mpi.launch import find_mpirun, mpirun_command, mpirun_environment
 
-        if find_mpirun() is None:
+        mpirun = find_mpirun()
+        if mpirun is None:
             print(f"# {library}: mpirun not found; skipped (pip install 'ferro[mpi]')")
             return 0
-        # Like for like: beside ferro's TCP, Open MPI's TCP path; beside shared memory, its own default
-        # on one host (its shared-memory transport).
-        transport = ["btl", "self,tcp"] if args.backend == "tcp" else []
-        command = mpirun_command(args.nproc, [sys.executable, "-m", "ferro.tools.bench.worker", *worker], transport)
+        if cluster is not None:
+            command = cluster.mpirun_command(mpirun, args.nproc // cluster.hosts, [sys.executable, *target],
+                                             os.path.dirname(out))
+        else:
+            # Like for like: beside ferro's TCP, Open MPI's TCP path; beside shared memory, its own default
+            # on one host (its shared-memory transport).
+            transport = ["btl", "self,tcp"] if args.backend == "tcp" else []
+            command = mpirun_command(args.nproc, [sys.executable, *target], transport)
         return subprocess.run(command, env=mpirun_environment(), check=False).returncode
+    if cluster is not None:
+        return cluster.run_job(args.nproc // cluster.hosts, target)
     # A free port, as `ferro run` picks on one node: never a fixed one another job may hold.
-    return run_job(LaunchConfig(target=["-m", "ferro.tools.bench.worker", *worker], nproc_per_node=args.nproc,
-                                master_port=free_port(), prefix=False))
+    return run_job(LaunchConfig(target=target, nproc_per_node=args.nproc, master_port=free_port(), prefix=False))
 
 
 def _needs_mpirun(library: str, backend: str) -> bool:
@@ -261,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster = stack.enter_context(EmulatedCluster(hosts, rate)) if args.emulate else None
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="ferro-bench-"))
         line_rate = None
-        if "stream" in peers and cluster is not None and cluster.hosts > 1:
+        if "stream" in peers and cluster is not None and not _available("stream", hosts=cluster.hosts):
             line_rate = measure_stream(cluster)
             print(f"# stream: the raw full-duplex TCP stream of the emulated {rate} links: {line_rate / 1e6:.1f} MB/s "
                   f"each way per host; its ratio below is the fraction of it each op reaches")
@@ -272,10 +265,10 @@ def main(argv: list[str] | None = None) -> int:
                 if reason:
                     print(f"# {library}: {reason}; skipped")
                     continue
-                if library == "stream":
+                if library == "stream":  # measured above, once; its rows follow ferro's sizes
                     if line_rate is not None and cluster is not None:
-                        rows += stream_rows(line_rate, [r for r in rows if r.world_size == world_size
-                                                        and r.library.startswith("ferro")], cluster.hosts)
+                        ours = [r for r in rows if r.world_size == world_size and r.library.startswith("ferro")]
+                        rows += stream_rows(line_rate, ours, cluster.hosts)
                     continue
                 out = os.path.join(tmp, f"{library}-{world_size}.json")
                 try:
