@@ -97,6 +97,8 @@ _BY_NAME = {
     "uint64": DType(11, "uint64", 8, "u"),
 }
 _BY_CODE = {d.code: d for d in _BY_NAME.values()}
+#: Raw bytes, for collectives that move data without reducing it.
+BYTES = _BY_NAME["uint8"]
 
 
 def dtype_by_name(name: str) -> DType | None:

@@ -7,6 +7,7 @@ which is what separate hosts look like to the network (needs root and ``ip``).
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -174,3 +175,52 @@ def test_all_gather_and_reduce_scatter_send_between_hosts_only_what_the_other_ho
             assert gathered_by == 2048 and scattered_by == 2048  # a ring over the 4 ranks would send 3 KiB each
         else:
             assert gathered_by is None and scattered_by is None
+
+
+def rank_pipelined_collectives(rank, world_size):
+    """Collectives large enough to go piece by piece, on integer-valued data so every sum is exact."""
+    os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
+    ferro.init_process_group(timeout=60)
+    try:
+        results = {}
+        for name, dtype, count in [("f64", np.float64, (3 << 20) // 8 + 7),     # 3 pieces, odd cuts
+                                   ("f32", np.float32, (17 << 20) // 4 + 5),    # the most pieces
+                                   ("i32", np.int32, (2 << 20) // 4 + 3)]:      # just at the threshold
+            x = np.random.default_rng(rank).integers(-1000, 1000, count).astype(dtype)
+            total = ferro.allreduce(x.copy())
+            mean = ferro.allreduce(x.astype(np.float64), op=ferro.ReduceOp.MEAN)
+            largest = ferro.allreduce(x.copy(), op=ferro.ReduceOp.MAX)
+            part = ferro.reduce_scatter(x.copy())
+            gathered = ferro.all_gather(x)
+            results[name] = (total, mean, largest, part, gathered)
+        exchanging = any(thread.name.startswith("ferro-leaders-") for thread in threading.enumerate())
+        return results, exchanging
+    finally:
+        ferro.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [4, 5])
+def test_pipelined_collectives_equal_numpy(world_size):
+    """2 MiB and up goes piece by piece (leaders exchange one piece while shared memory reduces the next).
+
+    2+2 ranks pipeline all three collectives; 3+2 pipelines allreduce and takes
+    the ring for reduce_scatter and all_gather. Every rank must hold NumPy's
+    answer, bit for bit the same everywhere.
+    """
+    returned = run_processes(rank_pipelined_collectives, world_size, backend=None, timeout=240)
+    # The leaders (the first rank of each host) ran their exchanges on a thread of their own: the pipeline ran.
+    assert [exchanging for _, exchanging in returned] == [r in (0, (world_size + 1) // 2) for r in range(world_size)]
+    results = [result for result, _ in returned]
+    for name, count in [("f64", (3 << 20) // 8 + 7), ("f32", (17 << 20) // 4 + 5), ("i32", (2 << 20) // 4 + 3)]:
+        dtype = results[0][name][0].dtype
+        inputs = [np.random.default_rng(r).integers(-1000, 1000, count).astype(dtype) for r in range(world_size)]
+        total = np.sum(inputs, axis=0, dtype=np.float64).astype(dtype)
+        parts = np.array_split(total, world_size)
+        for rank, result in enumerate(results):
+            got_total, got_mean, got_max, got_part, got_gathered = result[name]
+            assert np.array_equal(got_total, total), (name, rank)
+            np.testing.assert_allclose(got_mean, np.mean(np.array(inputs, np.float64), axis=0), rtol=1e-12)
+            assert got_mean.tobytes() == results[0][name][1].tobytes()
+            assert np.array_equal(got_max, np.max(inputs, axis=0)), (name, rank)
+            assert np.array_equal(got_part, parts[rank]), (name, rank)
+            assert np.array_equal(got_gathered, np.concatenate(inputs)), (name, rank)

@@ -60,6 +60,7 @@ def ring(
     all_gather: bool,
     segment_bytes: int = ...,
     divisor: float = ...,
+    ends: list[int] | None = ...,
 ) -> None: ...
 def broadcast(
     mesh: Mesh,

@@ -129,10 +129,14 @@ cdef int _exchange_segments(SendOp* s, ConnState* to, const unsigned char* out, 
     return 0
 
 
-cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const size_t* bounds, size_t itemsize,
-               ferro_reduce_fn kernel, unsigned char* scratch, size_t segment, uint64_t fingerprint,
+cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const size_t* starts, const size_t* ends,
+               size_t itemsize, ferro_reduce_fn kernel, unsigned char* scratch, size_t segment, uint64_t fingerprint,
                int64_t deadline, SendOp* s, RecvOp* r, int phases, int dtype=-1, double divisor=0) except -1 nogil:
-    """Segmented ring over chunks ``[bounds[i], bounds[i+1])`` (in elements) of ``buf``.
+    """Segmented ring over chunks ``[starts[i], ends[i])`` (in elements) of ``buf``.
+
+    Chunks cut at bounds pass ``bounds, bounds + 1``; chunks with gaps between
+    them (a piece of each host's block, in a pipelined hierarchical collective)
+    pass their own ends.
 
     Reduce-scatter (``PHASE_REDUCE_SCATTER``) leaves chunk ``rank`` fully reduced
     here, each segment reduced as soon as it lands; all-gather
@@ -147,7 +151,7 @@ cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const siz
         if phase == 1 and divisor != 0:
             # MEAN: this rank scales only the chunk it completed (1/n of the data, still in
             # cache); the all-gather then spreads the averaged values, identical everywhere.
-            ferro_divide(buf + bounds[rank] * itemsize, bounds[rank + 1] - bounds[rank], dtype, divisor)
+            ferro_divide(buf + starts[rank] * itemsize, ends[rank] - starts[rank], dtype, divisor)
         if not phases & (PHASE_REDUCE_SCATTER if phase == 0 else PHASE_ALL_GATHER):
             continue
         for step in range(n - 1):
@@ -157,10 +161,10 @@ cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const siz
             else:           # all-gather: pass the complete chunks around
                 send_idx = (rank - step + 2 * n) % n
                 recv_idx = (rank - step - 1 + 2 * n) % n
-            send_off = bounds[send_idx] * itemsize
-            send_len = bounds[send_idx + 1] * itemsize - send_off
-            recv_off = bounds[recv_idx] * itemsize
-            recv_len = bounds[recv_idx + 1] * itemsize - recv_off
+            send_off = starts[send_idx] * itemsize
+            send_len = ends[send_idx] * itemsize - send_off
+            recv_off = starts[recv_idx] * itemsize
+            recv_len = ends[recv_idx] * itemsize - recv_off
             if _exchange_segments(s, nxt, buf + send_off, send_len, r, prv, buf + recv_off, recv_len,
                                   kernel if phase == 0 else NULL, scratch, itemsize, segment, fingerprint, deadline):
                 return 1
@@ -409,7 +413,7 @@ cdef int _allreduce_locked(Mesh mesh, unsigned char* buf, size_t count, size_t i
     if algorithm == HALVING_DOUBLING:
         return _halving_doubling(mesh.states, mesh.rank, mesh.n, buf, count, itemsize, dtype, kernel, mesh.scratch,
                                  segment, mesh.bounds, divisor, fingerprint, deadline, s, r)
-    return _ring(mesh.states, mesh.rank, mesh.n, buf, mesh.bounds, itemsize, kernel, mesh.scratch, segment,
+    return _ring(mesh.states, mesh.rank, mesh.n, buf, mesh.bounds, mesh.bounds + 1, itemsize, kernel, mesh.scratch, segment,
                  fingerprint, deadline, s, r, PHASE_REDUCE_SCATTER | PHASE_ALL_GATHER, dtype, divisor)
 
 
@@ -452,11 +456,11 @@ cdef class _Call:
         return 0
 
     cdef int set_bounds(self, object offsets) except -1:
-        cdef int i
-        self.bounds = <size_t*>malloc((self.n + 1) * sizeof(size_t))
+        cdef Py_ssize_t i, count = len(offsets)
+        self.bounds = <size_t*>malloc(count * sizeof(size_t))
         if self.bounds == NULL:
             raise MemoryError()
-        for i in range(self.n + 1):
+        for i in range(count):
             self.bounds[i] = offsets[i]
         return 0
 
@@ -541,13 +545,14 @@ def allreduce(Mesh mesh, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t f
 
 def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
          uint64_t fingerprint, double timeout, bint reduce_scatter, bint all_gather,
-         Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES, double divisor=0) -> None:
+         Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES, double divisor=0, object ends=None) -> None:
     """Run a ring reduce-scatter and/or all-gather in place on ``buf``.
 
     Args:
         mesh: The group's :class:`Mesh`.
         buf: Writable C-contiguous buffer.
-        bounds: ``n + 1`` element offsets: chunk ``i`` is ``[bounds[i], bounds[i+1])``.
+        bounds: ``n + 1`` element offsets: chunk ``i`` is ``[bounds[i], bounds[i+1])``;
+            with ``ends``, ``n`` starts: chunk ``i`` is ``[bounds[i], ends[i])``.
         dtype: ``FERRO_*`` dtype code (any value when only gathering).
         op: ``FERRO_*`` op code (any value when only gathering).
         itemsize: Bytes per element.
@@ -557,12 +562,15 @@ def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
         all_gather: Then (or only) circulate every rank's chunk ``i`` to all.
         segment_bytes: Segment size; every rank must use the same.
         divisor: When not 0 (MEAN), divide chunk ``rank`` by it once it is reduced.
+        ends: ``n`` element offsets where the chunks end, for chunks with gaps
+            between them (None: each chunk ends where the next begins).
     """
     cdef _Call call = _Call()
     cdef SendOp s
     cdef RecvOp r
     cdef ferro_reduce_fn kernel = NULL
     cdef size_t segment = _segment_size(segment_bytes, itemsize), largest = 0
+    cdef size_t* chunk_ends
     cdef int64_t deadline
     cdef int rc = 0, n = mesh.n, i
     cdef int phases = (PHASE_REDUCE_SCATTER if reduce_scatter else 0) | (PHASE_ALL_GATHER if all_gather else 0)
@@ -570,24 +578,28 @@ def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
         kernel = ferro_reduce_kernel(dtype, op)
         if kernel == NULL:
             raise ValueError(f"no reduction kernel for dtype code {dtype} and op code {op}")
-    if len(bounds) != n + 1:
+    if ends is None and len(bounds) != n + 1:
         raise ValueError(f"ring: {n + 1} bounds needed, got {len(bounds)}")
+    if ends is not None and (len(bounds) != n or len(ends) != n):
+        raise ValueError(f"ring: {n} starts and {n} ends needed, got {len(bounds)} and {len(ends)}")
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     try:
         call.take(mesh, buf, timeout, "ring")
         if n < 2 or phases == 0:
             return
-        call.set_bounds(bounds)
-        if call.bounds[n] * itemsize > <size_t>call.view.len:
-            raise InvalidBufferError(f"ring: bounds reach element {call.bounds[n]} of a {call.view.len}-byte buffer")
+        call.set_bounds(bounds if ends is None else [*bounds, *ends])
+        chunk_ends = call.bounds + (1 if ends is None else n)
         for i in range(n):
-            largest = max(largest, (call.bounds[i + 1] - call.bounds[i]) * itemsize)
+            if chunk_ends[i] < call.bounds[i] or chunk_ends[i] * itemsize > <size_t>call.view.len:
+                raise InvalidBufferError(f"ring: chunk {i} [{call.bounds[i]}, {chunk_ends[i]}) does not fit a "
+                                         f"{call.view.len}-byte buffer of {itemsize}-byte elements")
+            largest = max(largest, (chunk_ends[i] - call.bounds[i]) * itemsize)
         call.make_scratch(min(segment, largest))
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
-            rc = _ring(call.states, mesh.rank, n, <unsigned char*>call.view.buf, call.bounds, itemsize, kernel,
-                       call.scratch, segment, fingerprint, deadline, &s, &r, phases, dtype, divisor)
+            rc = _ring(call.states, mesh.rank, n, <unsigned char*>call.view.buf, call.bounds, chunk_ends, itemsize,
+                       kernel, call.scratch, segment, fingerprint, deadline, &s, &r, phases, dtype, divisor)
     finally:
         call.release()
     if rc:
@@ -636,7 +648,7 @@ cdef int _all_gather_locked(Mesh mesh, unsigned char* out, size_t nbytes, uint64
         mesh.bounds[i] = i * nbytes
     deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
     with nogil:
-        rc = _ring(mesh.states, mesh.rank, mesh.n, out, mesh.bounds, 1, NULL, NULL, SEGMENT_BYTES, fingerprint,
+        rc = _ring(mesh.states, mesh.rank, mesh.n, out, mesh.bounds, mesh.bounds + 1, 1, NULL, NULL, SEGMENT_BYTES, fingerprint,
                    deadline, s, r, PHASE_ALL_GATHER)
     return rc
 

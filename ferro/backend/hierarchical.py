@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -17,9 +20,16 @@ from ferro.errors import DistributedError
 from ferro.rendezvous.hosts import exchange_host_identities
 from ferro.rendezvous.settings import RendezvousConfig, default_timeout, validate_rank_and_size
 from ferro.rendezvous.store import Store
-from ferro.types import DType, ReduceOp
+from ferro.types import BYTES, DType, ReduceOp
 
 __all__ = ["HierarchicalBackend"]
+
+#: Collectives of at least this many bytes are pipelined (see ``HierarchicalBackend._pipeline``).
+PIPELINE_MIN_BYTES = 2 << 20
+#: The smallest piece a pipelined collective cuts, and the most pieces it cuts: the leaders' exchange of
+#: one piece must outlast a compiled call's fixed cost, and each piece costs a few of them.
+PIPELINE_PIECE_BYTES = 1 << 20
+PIPELINE_MAX_PIECES = 16
 
 
 class HierarchicalBackend(FramedBackend, NativeCollectives):
@@ -90,6 +100,7 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
             raise
         self._local: ShmBackend | None = None
         self._leaders: TcpBackend | None = None
+        self._exchanger: _Exchanger | None = None
         try:
             if len(self._members) > 1:
                 self._local = ShmBackend.split_from(self._world, self._members, spin_us=spin)
@@ -119,6 +130,9 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         per_host = len(self._members)
         self._equal_runs = all(members == tuple(range(index * per_host, (index + 1) * per_host))
                                for index, members in enumerate(self._hosts))
+        # Large collectives are cut into pieces so that the links carry one piece while shared memory reduces
+        # the next; only worth it where some host has ranks to reduce. Every rank decides alike, from the hosts.
+        self._pipelines = len(self._hosts) > 1 and any(len(members) > 1 for members in self._hosts)
 
     # --- what the group is ------------------------------------------------------------
 
@@ -191,19 +205,90 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
 
     def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,
                          algorithm: str) -> bool:
-        """Reduce onto each host's leader (shared memory), allreduce among leaders (TCP), broadcast back."""
+        """Reduce onto each host's leader (shared memory), allreduce among leaders (TCP), broadcast back.
+
+        Large buffers go piece by piece (see :meth:`_pipeline`): while the
+        leaders exchange one piece, shared memory reduces the next and
+        broadcasts the one before.
+        """
         self._world._usable("allreduce")
         combine = ReduceOp.SUM if op is ReduceOp.MEAN else op
-        if self._local is not None:
-            self._local.native_reduce(flat, 0, dtype, combine, fingerprint, timeout)
-        if self._leaders is not None:
-            self._leaders.native_allreduce(flat, dtype, combine, fingerprint, timeout, algorithm)
-        if self._local is not None:
-            self._local.native_broadcast(flat.view(np.uint8), 0, fingerprint, timeout)
+        local, leaders = self._local, self._leaders
+        cuts = self._cuts(flat.size, flat.nbytes)
+        deadline = time.monotonic() + timeout
+
+        def reduce_piece(k: int) -> None:
+            if local is not None:
+                local.native_reduce(flat[cuts[k]:cuts[k + 1]], 0, dtype, combine, fingerprint, _left(deadline))
+
+        def exchange_piece(k: int) -> None:
+            if leaders is not None:
+                leaders.native_allreduce(flat[cuts[k]:cuts[k + 1]], dtype, combine, fingerprint, _left(deadline),
+                                         algorithm)
+
+        def broadcast_piece(k: int) -> None:
+            if local is not None:
+                local.native_broadcast(flat[cuts[k]:cuts[k + 1]].view(np.uint8), 0, fingerprint, _left(deadline))
+
+        self._pipeline(len(cuts) - 1, reduce_piece, exchange_piece, broadcast_piece)
         if op is ReduceOp.MEAN:
             # Every rank divides the same bits the same way, so the results stay identical.
             divide(flat, dtype.code, float(self.world_size), dtype.itemsize)
         return True
+
+    def _cuts(self, count: int, nbytes: int) -> list[int]:
+        """Where a pipelined collective cuts ``count`` elements (``nbytes`` bytes): ``[0, ..., count]``.
+
+        One piece (no pipelining) below :data:`PIPELINE_MIN_BYTES` or where no
+        host has ranks to reduce; otherwise pieces of at least
+        :data:`PIPELINE_PIECE_BYTES`, at most :data:`PIPELINE_MAX_PIECES` of them.
+        Depends on the sizes and the hosts only, so every rank cuts alike.
+        """
+        if not self._pipelines or nbytes < PIPELINE_MIN_BYTES:
+            return [0, count]
+        pieces = max(1, min(PIPELINE_MAX_PIECES, nbytes // PIPELINE_PIECE_BYTES, count))
+        return [count * k // pieces for k in range(pieces + 1)]
+
+    def _pipeline(self, pieces: int, before: Callable[[int], None], exchange: Callable[[int], None],
+                  after: Callable[[int], None]) -> None:
+        """Run ``before(k)``, ``exchange(k)`` and ``after(k)`` for every piece, overlapping the leaders' exchanges.
+
+        ``before`` and ``after`` are a host's shared-memory steps and every rank
+        of the host calls them, in one order: ``before(0), before(1), after(0),
+        before(2), after(1), ...``. A leader runs ``exchange(k)`` on its exchange
+        thread meanwhile, from the end of ``before(k)`` to the start of
+        ``after(k)``, so the link carries piece ``k`` while shared memory works
+        on its neighbours. The compiled calls release the GIL, so the two
+        threads run side by side. A failure is raised once the exchange in
+        flight has finished (each call has its timeout), so the groups are
+        never left mid-call.
+        """
+        if pieces == 1 or self._local is None:
+            for k in range(pieces):  # no shared-memory steps to overlap with: the same calls, in order
+                before(k)
+                exchange(k)
+                after(k)
+            return
+        leader = self._leaders is not None
+        if leader and self._exchanger is None:
+            self._exchanger = _Exchanger(f"ferro-leaders-r{self.rank}")
+        in_flight: Future[None] | None = None
+        try:
+            for k in range(pieces + 1):
+                if k < pieces:
+                    before(k)
+                if in_flight is not None:
+                    done = in_flight
+                    in_flight = None  # not waited on again, should it have failed
+                    done.result()
+                if leader and k < pieces:
+                    assert self._exchanger is not None
+                    in_flight = self._exchanger.submit(exchange, k)
+                if k > 0:
+                    after(k - 1)
+        finally:
+            if in_flight is not None:
+                in_flight.exception()  # wait for it; the error already raised here is the one to report
 
     def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:
         """Broadcast inside the root's host, then among leaders, then inside every other host."""
@@ -225,27 +310,60 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         per_host = len(self._members)
         return [bounds[index * per_host] for index in range(len(self._hosts) + 1)]
 
+    def _host_pieces(self, blocks: list[int], pieces: int, k: int) -> tuple[list[int], list[int]]:
+        """Piece ``k`` of ``pieces`` of every host's block (``blocks``: the blocks' offsets): its starts and ends."""
+        starts, ends = [], []
+        for host in range(len(self._hosts)):
+            low, size = blocks[host], blocks[host + 1] - blocks[host]
+            starts.append(low + size * k // pieces)
+            ends.append(low + size * (k + 1) // pieces)
+        return starts, ends
+
+    def _piece_count(self, blocks: list[int], itemsize: int) -> int:
+        """How many pieces a host-by-host collective over ``blocks`` cuts each host's block into."""
+        total = blocks[-1] - blocks[0]
+        return len(self._cuts(min(blocks[h + 1] - blocks[h] for h in range(len(self._hosts))) or 1,
+                              total * itemsize)) - 1
+
     def native_reduce_scatter(self, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp, fingerprint: int,
                               timeout: float) -> bool:
         """Sum inside each host onto its leader, reduce-scatter host blocks among the leaders, hand each rank its part.
 
         Only the partial sums of other hosts' blocks cross the links, ``(H-1)/H``
-        of the buffer, where a ring over every rank sends ``(n-1)/n``. Hosts of
-        unequal or interleaved ranks take the TCP mesh's ring.
+        of the buffer, where a ring over every rank sends ``(n-1)/n``. Large
+        buffers go in pieces, a slice of every host's block at a time, the
+        leaders' ring over one slice overlapping the host's sums of the next
+        (see :meth:`_pipeline`). Hosts of unequal or interleaved ranks take the
+        TCP mesh's ring.
         """
         blocks = self._host_blocks(bounds)
         if blocks is None or (self._local is None and self._leaders is None):
             return self._world.native_reduce_scatter(flat, bounds, dtype, op, fingerprint, timeout)
         self._world._usable("reduce_scatter")
         combine = ReduceOp.SUM if op is ReduceOp.MEAN else op
+        local, leaders = self._local, self._leaders
         mine = self._host_of[self._world.rank]
-        if self._local is not None:
-            self._local.native_reduce(flat, 0, dtype, combine, fingerprint, timeout)
-        if self._leaders is not None:
-            self._leaders.native_reduce_scatter(flat, blocks, dtype, combine, fingerprint, timeout)
-        block = flat[blocks[mine]:blocks[mine + 1]]
-        if self._local is not None:
-            self._local.native_broadcast(block.view(np.uint8), 0, fingerprint, timeout)
+        pieces = self._piece_count(blocks, dtype.itemsize)
+        deadline = time.monotonic() + timeout
+
+        def reduce_piece(k: int) -> None:
+            if local is not None:
+                for start, end in zip(*self._host_pieces(blocks, pieces, k), strict=True):
+                    local.native_reduce(flat[start:end], 0, dtype, combine, fingerprint, _left(deadline))
+
+        def exchange_piece(k: int) -> None:
+            if leaders is not None:
+                starts, ends = self._host_pieces(blocks, pieces, k)
+                leaders.ring_pieces(flat, starts, ends, dtype=dtype, op=combine, fingerprint=fingerprint,
+                                    timeout=_left(deadline))
+
+        def broadcast_piece(k: int) -> None:
+            if local is not None:
+                starts, ends = self._host_pieces(blocks, pieces, k)
+                local.native_broadcast(flat[starts[mine]:ends[mine]].view(np.uint8), 0, fingerprint,
+                                       _left(deadline))
+
+        self._pipeline(pieces, reduce_piece, exchange_piece, broadcast_piece)
         if op is ReduceOp.MEAN:
             part = flat[bounds[self._world.rank]:bounds[self._world.rank + 1]]
             divide(part, dtype.code, float(self.world_size), dtype.itemsize)
@@ -255,22 +373,40 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         """Gather each host's block over shared memory, the blocks among the leaders, and hand them out in each host.
 
         Each host receives the ``(H-1)/H`` of the result held elsewhere once,
-        where a ring over every rank passes ``(n-1)/n`` over each link. Hosts of
+        where a ring over every rank passes ``(n-1)/n`` over each link. Large
+        buffers go in pieces, as :meth:`native_reduce_scatter` does. Hosts of
         unequal or interleaved ranks take the TCP mesh (Bruck's rounds or the ring).
         """
         blocks = self._host_blocks(bounds)
         if blocks is None or (self._local is None and self._leaders is None):
             return self._world.native_all_gather(flat, bounds, fingerprint, timeout)
         self._world._usable("all_gather")
+        local, leaders = self._local, self._leaders
         mine = self._host_of[self._world.rank]
-        if self._local is not None:
-            start = blocks[mine]
-            local_bounds = [bounds[rank] - start for rank in (*self._members, self._members[-1] + 1)]
-            self._local.native_all_gather(flat[start:blocks[mine + 1]], local_bounds, fingerprint, timeout)
-        if self._leaders is not None:
-            self._leaders.native_all_gather(flat, blocks, fingerprint, timeout)
-        if self._local is not None:
-            self._local.native_broadcast(flat, 0, fingerprint, timeout)
+        parts = [bounds[rank] for rank in (*self._members, self._members[-1] + 1)]  # this host's ranks' parts
+        pieces = self._piece_count(blocks, 1)
+        deadline = time.monotonic() + timeout
+
+        def gather_piece(k: int) -> None:
+            if local is not None:
+                starts, ends = self._host_pieces(blocks, pieces, k)
+                low, high = starts[mine], ends[mine]
+                local_bounds = [min(max(offset, low), high) - low for offset in parts]
+                local.native_all_gather(flat[low:high], local_bounds, fingerprint, _left(deadline))
+
+        def exchange_piece(k: int) -> None:
+            if leaders is not None:
+                starts, ends = self._host_pieces(blocks, pieces, k)
+                leaders.ring_pieces(flat, starts, ends, dtype=BYTES, op=None, fingerprint=fingerprint,
+                                    timeout=_left(deadline))
+
+        def broadcast_piece(k: int) -> None:
+            if local is not None:
+                for host, (start, end) in enumerate(zip(*self._host_pieces(blocks, pieces, k), strict=True)):
+                    if host != mine:
+                        local.native_broadcast(flat[start:end], 0, fingerprint, _left(deadline))
+
+        self._pipeline(pieces, gather_piece, exchange_piece, broadcast_piece)
         return True
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
@@ -317,3 +453,60 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         for part in (self._leaders, self._local, self._world):
             if part is not None:
                 part.close()
+        if self._exchanger is not None:
+            self._exchanger.close()
+
+
+def _left(deadline: float) -> float:
+    """Seconds left to a pipelined collective's deadline (a sliver once it has passed, so the next call times out)."""
+    return max(deadline - time.monotonic(), 1e-3)
+
+
+class _Exchanger:
+    """One thread that runs a leader's exchanges while its caller works in shared memory.
+
+    A plain thread and a one-slot hand-over rather than an executor: a
+    pipelined collective has at most one exchange in flight, and this thread
+    must never outlive its group (``close`` ends it; it is a daemon besides).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._ready = threading.Condition()
+        self._job: tuple[Future[None], Callable[[int], None], int] | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[int], None], k: int) -> Future[None]:
+        """Run ``fn(k)`` on the thread; the returned future completes with it."""
+        future: Future[None] = Future()
+        with self._ready:
+            if self._closed:
+                raise DistributedError("the hierarchical group is closed")
+            self._job = (future, fn, k)
+            self._ready.notify()
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            with self._ready:
+                while self._job is None and not self._closed:
+                    self._ready.wait()
+                if self._job is None:
+                    return
+                job, self._job = self._job, None
+            future, fn, k = job
+            try:
+                fn(k)
+            except BaseException as exc:  # handed to the caller, which raises it
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+    def close(self) -> None:
+        """End the thread once any exchange in flight has returned."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=60.0)

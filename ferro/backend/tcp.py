@@ -189,6 +189,18 @@ class TcpBackend(StoreBackend, NativeCollectives):
                     fingerprint, timeout, True, False, native.DEFAULT_SEGMENT_BYTES, _divisor(op, self._world_size))
         return True
 
+    def ring_pieces(self, flat: Any, starts: Sequence[int], ends: Sequence[int], *, dtype: DType,
+                    op: ReduceOp | None, fingerprint: int, timeout: float) -> None:
+        """Reduce-scatter (``op`` given) or all-gather rank ``i``'s piece ``flat[starts[i]:ends[i]]`` over the ring.
+
+        The pieces may have gaps between them: a pipelined hierarchical
+        collective passes one slice of each host's block at a time. ``op`` is
+        applied as is (MEAN's division is the caller's).
+        """
+        self._usable("reduce_scatter" if op is not None else "all_gather")
+        native.ring(self._mesh, flat, list(starts), dtype.code, 0 if op is None else op.kernel_code, dtype.itemsize,
+                    fingerprint, timeout, op is not None, op is None, native.DEFAULT_SEGMENT_BYTES, 0.0, list(ends))
+
     def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
         """Gather equal byte parts: Bruck's log2(n) rounds when small, else the ring's all-gather half.
 
