@@ -12,7 +12,8 @@ Methods: ``gloo`` (torch DDP over gloo), ``torch-ferro`` (torch DDP over the
 "ferro" backend), ``ferro`` (ferro.DDP, exact), ``bf16``, ``int8``
 (``Int8CompressHook``), ``powersgd`` (``PowerSGDHook``, rank 8, exact for the
 first 10 steps), ``diloco`` (H inner steps, outer Nesterov SGD 0.7/0.9) and ``streaming`` (the same in 4
-fragments at staggered steps, each allreduce overlapped with 2 inner steps).
+fragments at staggered steps, each allreduce overlapped with 2 inner steps); ``diloco-h20`` and the like
+name their own H (else ``--sync-every``).
 
 Needs root (namespaces) and torch + scikit-learn. Run it on a quiet machine:
 ``python bench/bench_time_to_accuracy.py [--steps 300] [--target 0.95] [--methods gloo,ferro,...] [--json F]``.
@@ -67,6 +68,7 @@ def rank_main(method: str, steps: int, out: str, eval_every: int, sync_every: in
     from ferro.parallel import DiLoCo, Int8CompressHook, PowerSGDHook, bf16_compress_hook
 
     torch.set_num_threads(1)  # 4 ranks share the machine's cores
+    name, (method, sync_every) = method, method_and_h(method, sync_every)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     x_train, y_train, x_test, y_test = digits()
     model = mlp()
@@ -112,15 +114,23 @@ def rank_main(method: str, steps: int, out: str, eval_every: int, sync_every: in
             with torch.no_grad():
                 accuracy = float((model(torch.from_numpy(x_test)).argmax(1).numpy() == y_test).mean())
             records.append((step, clock, accuracy))
-            print(f"[{method}] step {step}: {accuracy:.4f} after {clock:.1f} s", flush=True)
+            print(f"[{name}] step {step}: {accuracy:.4f} after {clock:.1f} s", flush=True)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"method": method, "steps": steps, "step_seconds": statistics.median(step_times),
+            json.dump({"method": name, "steps": steps, "step_seconds": statistics.median(step_times),
                        "records": records}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
     if ferro.is_initialized():
         ferro.destroy_process_group()
+
+
+def method_and_h(name: str, sync_every: int) -> tuple[str, int]:
+    """``diloco-h20`` -> (``diloco``, 20): a DiLoCo method may name its own H; others take ``--sync-every``."""
+    base, _, h = name.rpartition("-h")
+    if base in ("diloco", "streaming") and h.isdigit():
+        return base, int(h)
+    return name, sync_every
 
 
 def summary(results: list[dict], target: float) -> str:

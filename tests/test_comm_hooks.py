@@ -46,10 +46,50 @@ def reference_int8_average(per_rank, world_size, divisor=None):
               for g in per_rank]
     out = []
     for owner in range(world_size):
-        received = [dequantize_int8(*quantize_int8(p[owner:owner + 1]), p.dtype)[0] for p in padded]
+        received = [reference_round_trip(p[owner]) for p in padded]
         mean = np.sum(received, axis=0, dtype=padded[0].dtype) / padded[0].dtype.type(divisor or world_size)
-        out.append(dequantize_int8(*quantize_int8(mean[None, :]), mean.dtype)[0])
+        out.append(reference_round_trip(mean))
     return np.concatenate(out)[:size]
+
+
+def reference_round_trip(row):
+    q, scale = reference_quantize(row)
+    return q.astype(row.dtype) * row.dtype.type(scale)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_int8_kernels_equal_numpy_bit_for_bit(dtype):
+    """The hook's kernels: quantise with residual, dequantise-and-average, dequantise rows, against NumPy."""
+    from ferro._core.reduce import dequantize_mean, dequantize_rows, quantize_rows
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((7, 301)) * np.array([[1e-6], [1.0], [1e3], [0.0], [7.5], [1e-300], [2.0]])).astype(dtype)
+    x[4, 3], x[6, 0] = np.nan, -np.inf
+    packed, residual = np.empty((7, 4 + 301), np.uint8), np.empty_like(x)
+    quantize_rows(x, packed, residual)
+    scales = packed[:, :4].copy().view(np.float32).reshape(-1)
+    q = packed[:, 4:].view(np.int8)
+    for row, (value, q_row, scale) in enumerate(zip(x, q, scales, strict=True)):
+        if row in (4, 6):  # a NaN or an infinity: a NaN scale, zeros, and no residual carried on
+            assert np.isnan(scale) and not q_row.any() and not residual[row].any()
+            continue
+        want_q, want_scale = reference_quantize(value)
+        np.testing.assert_array_equal(q_row, want_q)
+        assert scale == want_scale
+        assert residual[row].tobytes() == (value - q_row.astype(dtype) * dtype(scale)).tobytes()
+    assert scales[5] == 0 and residual[5].tobytes() == x[5].tobytes()  # underflowed scale: everything kept
+    finite = np.delete(packed, [4, 6], axis=0)
+    mean = np.empty(301, dtype)
+    dequantize_mean(finite, mean, dtype(3))
+    rows = [r[4:].view(np.int8).astype(dtype) * dtype(r[:4].copy().view(np.float32)[0]) for r in finite]
+    assert mean.tobytes() == (np.sum(rows, axis=0, dtype=dtype) / dtype(3)).tobytes()
+    flat = np.empty(5 * 301 - 10, dtype)
+    dequantize_rows(finite, flat)
+    assert flat.tobytes() == np.concatenate(rows)[:flat.size].tobytes()
+    with pytest.raises(ValueError, match="packed rows"):
+        quantize_rows(x, np.empty((7, 301), np.uint8))
+    with pytest.raises(ValueError, match="cannot fill"):
+        dequantize_rows(finite, np.empty(5 * 301 + 1, dtype))
 
 
 def flat_gradient(rank, step, size, dtype):

@@ -96,11 +96,11 @@ def test_conformance_across_network_namespaces(two_hosts, world_size):
     assert len({report.digest for report in reports}) == 1
 
 
-def rank_killed_across_namespaces(rank, world_size, names, master):
+def rank_killed_across_namespaces(rank, world_size, names, master, count):
     enter_namespace(names[host_layout(world_size)[rank]])
     os.environ["MASTER_ADDR"] = master
     ferro.init_process_group(timeout=60)
-    x = np.ones(1 << 18, np.float32)
+    x = np.ones(count, np.float32)
     ferro.allreduce(x.copy())
     if rank == 3:  # the second host's non-leader
         os.kill(os.getpid(), signal.SIGKILL)
@@ -115,10 +115,12 @@ def rank_killed_across_namespaces(rank, world_size, names, master):
         ferro.destroy_process_group()
 
 
-def test_a_rank_killed_on_one_host_fails_every_host_promptly(two_hosts):
+@pytest.mark.parametrize("count", [1 << 18, 1 << 22], ids=["1MiB", "16MiB-pipelined"])
+def test_a_rank_killed_on_one_host_fails_every_host_promptly(two_hosts, count):
+    """Also mid-pipeline: the other host's leader has an exchange in flight on its thread when its host fails."""
     names, master = two_hosts
-    results = run_processes(rank_killed_across_namespaces, 4, args=(names, master), backend=None, allow_exit={3},
-                            timeout=120)
+    results = run_processes(rank_killed_across_namespaces, 4, args=(names, master, count), backend=None,
+                            allow_exit={3}, timeout=120)
     assert results[3] == RankExit(None, "SIGKILL")
     assert results[:3] == [("PeerLostError", True)] * 3
 

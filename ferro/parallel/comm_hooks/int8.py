@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ferro._core.reduce import dequantize_mean, dequantize_rows, quantize_rows
 from ferro.backend.base import Backend
 from ferro.backend.hierarchical import HierarchicalBackend
 from ferro.collective import ReduceOp, all_gather, all_to_all, allreduce, broadcast, reduce
@@ -30,7 +31,6 @@ from ferro.parallel.comm_hooks.bucket import Bucket, float_view
 
 __all__ = ["Int8CompressHook", "dequantize_int8", "quantize_int8"]
 
-LEVELS = 127  # symmetric: -127..127, so a value and its negation round alike
 SCALE_BYTES = 4  # each payload row starts with its float32 scale
 
 
@@ -40,7 +40,8 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ``scale = max|row| / 127`` (float32); ``q = rint(row / scale)``. A row of
     zeros has scale 0 and quantises to zeros; a row holding a NaN or an
     infinity gets a NaN scale, so its dequantised values are NaN and a diverged
-    gradient stays visible instead of turning into zeros.
+    gradient stays visible instead of turning into zeros. One compiled pass per
+    row finds the scale and one quantises (float16 rows are quantised as float32).
 
     Args:
         x: A 2-D float array: one row per scale.
@@ -54,14 +55,10 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # q = [[64, -127, 32]], scales = [1/127]
 
     """
-    peaks = np.max(np.abs(x), axis=1) if x.shape[1] else np.zeros(x.shape[0], x.dtype)
-    scales = (peaks / LEVELS).astype(np.float32)
-    scales[~np.isfinite(scales)] = np.nan
-    usable = np.where(np.isfinite(scales) & (scales > 0), scales, 1).astype(x.dtype)
-    scaled = np.rint(x / usable[:, None])
-    scaled[~(np.isfinite(scales) & (scales > 0))] = 0
-    q = np.clip(scaled, -LEVELS, LEVELS).astype(np.int8)
-    return q, scales
+    values = np.ascontiguousarray(x if x.dtype in (np.float32, np.float64) else x.astype(np.float32))
+    packed = np.empty((values.shape[0], SCALE_BYTES + values.shape[1]), np.uint8)
+    quantize_rows(values, packed)
+    return packed[:, SCALE_BYTES:].view(np.int8), _scales(packed)
 
 
 def dequantize_int8(q: np.ndarray, scales: np.ndarray, dtype: np.dtype | type = np.float32) -> np.ndarray:
@@ -69,16 +66,9 @@ def dequantize_int8(q: np.ndarray, scales: np.ndarray, dtype: np.dtype | type = 
     return q.astype(dtype) * scales.astype(dtype)[:, None]
 
 
-def _pack(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    rows = np.empty((q.shape[0], SCALE_BYTES + q.shape[1]), np.uint8)
-    rows[:, :SCALE_BYTES] = scales.astype(np.float32).view(np.uint8).reshape(-1, SCALE_BYTES)
-    rows[:, SCALE_BYTES:] = q.view(np.uint8)
-    return rows
-
-
-def _unpack(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    scales = np.ascontiguousarray(rows[:, :SCALE_BYTES]).view(np.float32).reshape(-1)
-    return dequantize_int8(rows[:, SCALE_BYTES:].view(np.int8), scales, dtype)
+def _scales(packed: np.ndarray) -> np.ndarray:
+    """Return the float32 scales that lead the packed rows."""
+    return np.ascontiguousarray(packed[:, :SCALE_BYTES]).view(np.float32).reshape(-1)
 
 
 class Int8CompressHook:
@@ -126,34 +116,40 @@ class Int8CompressHook:
         self._exchange(group, bucket.index, flat, group.world_size)
 
     def _exchange(self, group: Backend, index: int, flat: np.ndarray, divisor: int) -> None:
-        """Leave ``sum over group / divisor`` of ``flat`` in ``flat``, the values crossing as int8."""
+        """Leave ``sum over group / divisor`` of ``flat`` in ``flat``, the values crossing as int8.
+
+        Rows travel packed: each chunk's float32 scale, then its int8 values.
+        The compiled kernels quantise, dequantise and keep the residuals in
+        place, one or two passes over the bucket each, without temporaries.
+        """
         n = group.world_size
         size, chunk = flat.size, -(-flat.size // n)
         values = np.empty((n, chunk), flat.dtype)
         values.reshape(-1)[:size] = flat
         values.reshape(-1)[size:] = 0  # the last chunk's padding only: one pass over the bucket, not two
-        values = self._with_residual(self.worker_residuals, index, values)
-        q, scales = quantize_int8(values)
-        self._keep_residual(self.worker_residuals, index, values, q, scales)
+        packed = np.empty((n, SCALE_BYTES + chunk), np.uint8)
+        quantize_rows(values, packed, self._residual(self.worker_residuals, index, values))
 
-        received = all_to_all(_pack(q, scales), group=group)  # row j: rank j's version of my chunk
-        mine = _unpack(received, flat.dtype).sum(axis=0, dtype=flat.dtype) / flat.dtype.type(divisor)
-        mine = self._with_residual(self.server_residuals, index, mine[None, :])
-        q_mine, scale_mine = quantize_int8(mine)
-        self._keep_residual(self.server_residuals, index, mine, q_mine, scale_mine)
+        received = all_to_all(packed, group=group)  # row j: rank j's version of my chunk
+        mine = np.empty((1, chunk), flat.dtype)
+        dequantize_mean(received, mine[0], flat.dtype.type(divisor))
+        packed_mine = np.empty((1, SCALE_BYTES + chunk), np.uint8)
+        quantize_rows(mine, packed_mine, self._residual(self.server_residuals, index, mine))
 
-        gathered = all_gather(_pack(q_mine, scale_mine), group=group)  # row j: owner j's averaged chunk
-        flat[...] = _unpack(gathered, flat.dtype).reshape(-1)[:size]
+        gathered = all_gather(packed_mine, group=group)  # row j: owner j's averaged chunk
+        dequantize_rows(gathered, flat)
 
-    def _with_residual(self, residuals: dict[int, np.ndarray], index: int, values: np.ndarray) -> np.ndarray:
+    def _residual(self, residuals: dict[int, np.ndarray], index: int, values: np.ndarray) -> np.ndarray | None:
+        """Add last step's residual to ``values`` in place; return the array this step's residual goes into.
+
+        None without error feedback. A first step, or a bucket that changed
+        size (torch rebuilds its buckets once), starts from no residual.
+        """
+        if not self.error_feedback:
+            return None
         kept = residuals.get(index)
-        if not self.error_feedback or kept is None or kept.shape != values.shape:
-            return values  # first step, or the bucket changed size (torch rebuilds its buckets once)
-        return values + kept
-
-    def _keep_residual(self, residuals: dict[int, np.ndarray], index: int, values: np.ndarray, q: np.ndarray,
-                       scales: np.ndarray) -> None:
-        if self.error_feedback:
-            residual = values - dequantize_int8(q, scales, values.dtype)
-            residual[~np.isfinite(scales)] = 0  # a diverged step is reported once, not carried forever
-            residuals[index] = residual
+        if kept is None or kept.shape != values.shape or kept.dtype != values.dtype:
+            kept = residuals[index] = np.empty_like(values)
+        else:
+            values += kept
+        return kept
