@@ -13,7 +13,9 @@ Methods: ``gloo`` (torch DDP over gloo), ``torch-ferro`` (torch DDP over the
 (``Int8CompressHook``), ``powersgd`` (``PowerSGDHook``, rank 8, exact for the
 first 10 steps), ``diloco`` (H inner steps, outer Nesterov SGD 0.7/0.9) and ``streaming`` (the same in 4
 fragments at staggered steps, each allreduce overlapped with 2 inner steps); ``diloco-h20`` and the like
-name their own H (else ``--sync-every``).
+name their own H (else ``--sync-every``). ``alone`` trains each rank apart with no communication at all:
+its time per step is the floor of every method's on this machine (rank 0's accuracy is its own model's, trained
+on a quarter of the data).
 
 Needs root (namespaces) and torch + scikit-learn. Run it on a quiet machine:
 ``python bench/bench_time_to_accuracy.py [--steps 300] [--target 0.95] [--methods gloo,ferro,...] [--json F]``.
@@ -31,7 +33,7 @@ import time
 
 HIDDEN = (4096, 4096, 2048)
 BATCH_PER_RANK = 32
-METHODS = ("gloo", "torch-ferro", "ferro", "bf16", "int8", "powersgd", "diloco", "streaming")
+METHODS = ("gloo", "torch-ferro", "ferro", "bf16", "int8", "powersgd", "diloco", "streaming", "alone")
 
 
 def digits():
@@ -85,7 +87,9 @@ def rank_main(method: str, steps: int, out: str, eval_every: int, sync_every: in
         ferro.init_process_group(timeout=600)
         hooks = {"ferro": None, "bf16": bf16_compress_hook, "int8": Int8CompressHook(),
                  "powersgd": PowerSGDHook(matrix_approximation_rank=8, start_powerSGD_iter=10)}
-        if method == "diloco":
+        if method == "alone":  # no communication at all: the floor every method's step time has on this machine
+            net = model
+        elif method == "diloco":
             net, diloco = model, DiLoCo(model, sync_every=sync_every)
         elif method == "streaming":  # streaming DiLoCo: 4 fragments at staggered steps, each allreduce overlapped
             net, diloco = model, DiLoCo(model, sync_every=sync_every, fragments=4, overlap_steps=2)
@@ -104,6 +108,8 @@ def rank_main(method: str, steps: int, out: str, eval_every: int, sync_every: in
         optimizer.step()
         if diloco is not None:
             diloco.step()
+            if step == steps:
+                diloco.sync()  # finish the allreduces in flight and agree: the last figure is the agreed model's
         took = time.perf_counter() - start
         step_times.append(took)
         clock += took

@@ -226,3 +226,36 @@ def test_pipelined_collectives_equal_numpy(world_size):
             assert np.array_equal(got_max, np.max(inputs, axis=0)), (name, rank)
             assert np.array_equal(got_part, parts[rank]), (name, rank)
             assert np.array_equal(got_gathered, np.concatenate(inputs)), (name, rank)
+
+
+def rank_ring_pieces(group):
+    """A reduce-scatter, then an all-gather, over chunks with gaps between them (what the leaders' pipeline passes)."""
+    from ferro.types import BYTES, dtype_by_name
+
+    n, rank = group.world_size, group.rank
+    starts, ends = [10, 40, 75], [25, 52, 75 + 9]  # unequal chunks; the gaps must stay untouched
+    x = np.arange(100, dtype=np.float64) * (rank + 1)
+    group.ring_pieces(x, starts, ends, dtype=dtype_by_name("float64"), op=ferro.ReduceOp.SUM, fingerprint=7,
+                      timeout=30)
+    raw = np.full(100, rank, np.uint8)
+    raw[starts[rank]:ends[rank]] = 100 + rank
+    group.ring_pieces(raw, starts, ends, dtype=BYTES, op=None, fingerprint=8, timeout=30)
+    return n, x, raw
+
+
+def test_the_ring_over_chunks_with_gaps_equals_numpy():
+    results = run_processes(rank_ring_pieces, 3, timeout=60)
+    starts, ends = [10, 40, 75], [25, 52, 84]
+    total = np.arange(100, dtype=np.float64) * (1 + 2 + 3)
+    for rank, (_, reduced, gathered) in enumerate(results):
+        mine = np.arange(100, dtype=np.float64) * (rank + 1)
+        # Its own chunk ends complete (the others' chunks hold partial sums, as a reduce-scatter leaves them).
+        np.testing.assert_array_equal(reduced[starts[rank]:ends[rank]], total[starts[rank]:ends[rank]])
+        outside = np.ones(100, bool)
+        for s, e in zip(starts, ends, strict=True):
+            outside[s:e] = False
+        np.testing.assert_array_equal(reduced[outside], mine[outside])  # the gaps are not touched
+        want_raw = np.full(100, rank, np.uint8)
+        for owner, (s, e) in enumerate(zip(starts, ends, strict=True)):
+            want_raw[s:e] = 100 + owner
+        np.testing.assert_array_equal(gathered, want_raw)

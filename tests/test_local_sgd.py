@@ -8,6 +8,7 @@ import pytest
 import ferro
 from ferro import nn
 from ferro.parallel import DiLoCo, LocalSGD
+from ferro.testing import run_threads
 
 BATCH = 12
 FEATURES, CLASSES = 6, 3
@@ -70,7 +71,7 @@ def test_diloco_with_h_1_and_an_outer_sgd_of_rate_1_is_ddp(run, world_size):
     results = run(rank_diloco, world_size, args=(4, {"kind": "diloco", "sync_every": 1, "outer": (1.0, 0.0, False)}))
     expected = single_process(4)
     for after_steps, _, outer_steps in results:
-        assert outer_steps == 4 + 1  # one per step, and one for sync()
+        assert outer_steps == 4  # one per step; sync() right after one takes none
         for got, want in zip(after_steps, expected, strict=True):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
@@ -149,6 +150,19 @@ def test_local_sgd_and_diloco_match_a_simulation_of_every_rank(run, options):
     if options["kind"] == "local_sgd" or options.get("fragments", 1) == 1:
         # After the last synchronisation (step 9 or 8) the ranks trained apart: they differ, as they should.
         assert not np.allclose(results[0][0][0], results[1][0][0])
+
+
+def test_sync_right_after_a_synchronisation_leaves_the_model_alone():
+    """With outer momentum a second outer step would move the model on a zero change; sync() must not take one."""
+    options = {"kind": "diloco", "sync_every": 4, "outer": (0.7, 0.9, True)}
+    results = run_threads(rank_diloco, 2, args=(8, options))  # step 8 synchronised
+    for after_steps, synced, outer_steps in results:
+        assert outer_steps == 2
+        for before, after in zip(after_steps, synced, strict=True):
+            assert before.tobytes() == after.tobytes()
+    results = run_threads(rank_diloco, 2, args=(7, options))  # three steps since: sync() takes an outer step
+    for after_steps, synced, outer_steps in results:
+        assert outer_steps == 2 and not np.array_equal(after_steps[0], synced[0])
 
 
 _TORCH_INIT = threading.Lock()

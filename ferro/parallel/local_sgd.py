@@ -75,7 +75,8 @@ class _Fragment:
     shift: int
     slices: list[_Slice]
     pending: list[PendingCollective] = field(default_factory=list)
-    launched_at: int | None = None
+    launched_at: int | None = None  # the inner step of the allreduce in flight, if any
+    last_launch: int = -1           # the inner step of the latest allreduce, in flight or finished
 
 
 class DiLoCo:
@@ -207,11 +208,18 @@ class DiLoCo:
                     self._finish(fragment)
 
     def sync(self) -> None:
-        """Finish every allreduce in flight, then agree on every fragment now (an outer step on each)."""
+        """Finish every allreduce in flight, then agree on every fragment now (an outer step on each).
+
+        A fragment that agreed at this very inner step (its synchronisation was
+        due now and nothing overlaps it) is left alone: another outer step
+        would move it by the outer optimizer's momentum alone.
+        """
         for fragment in self._fragments:
             if fragment.launched_at is not None:
                 self._finish(fragment)
         for fragment in self._fragments:
+            if self.overlap_steps == 0 and fragment.last_launch == self.inner_steps:
+                continue
             self._launch(fragment)
             self._finish(fragment, mix=False)
 
@@ -221,7 +229,7 @@ class DiLoCo:
                 np.subtract(piece.global_flat[offset:offset + local.size], local.reshape(-1),
                             out=piece.delta_flat[offset:offset + local.size])
             fragment.pending.append(allreduce(piece.delta_flat, ReduceOp.MEAN, group=self.group, async_op=True))
-        fragment.launched_at = self.inner_steps
+        fragment.launched_at = fragment.last_launch = self.inner_steps
 
     def _finish(self, fragment: _Fragment, mix: bool = True) -> None:
         pending, fragment.pending, fragment.launched_at = fragment.pending, [], None
