@@ -509,4 +509,6 @@ class _Exchanger:
             self._closed = True
             self._ready.notify()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=60.0)
+            # The group closed its sockets first, which ends an exchange in flight at once; a thread that still
+            # does not end is a daemon and does not hold the process.
+            self._thread.join(timeout=5.0)
