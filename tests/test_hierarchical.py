@@ -259,3 +259,29 @@ def test_the_ring_over_chunks_with_gaps_equals_numpy():
         for owner, (s, e) in enumerate(zip(starts, ends, strict=True)):
             want_raw[s:e] = 100 + owner
         np.testing.assert_array_equal(gathered, want_raw)
+
+
+def rank_late_for_a_pipelined_allreduce(rank, world_size):
+    os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
+    ferro.init_process_group(timeout=60)
+    try:
+        x = np.ones(1 << 22, np.float32)  # 16 MiB: the pipelined path
+        if rank == 3:  # the second host's non-leader never comes (until the others have given up)
+            time.sleep(12)
+            return "absent"
+        start = time.monotonic()
+        try:
+            ferro.allreduce(x, timeout=3)
+        except ferro.DistributedError as exc:
+            return type(exc).__name__, time.monotonic() - start < 10
+        return "finished"
+    finally:
+        ferro.destroy_process_group()
+
+
+def test_a_rank_that_never_comes_fails_a_pipelined_allreduce_on_every_host_within_its_timeout():
+    """No hang: the other host's leader has an exchange in flight on its thread, the host itself waits on rank 3."""
+    results = run_processes(rank_late_for_a_pipelined_allreduce, 4, backend=None, timeout=120)
+    assert results[3] == "absent"
+    for name, prompt in results[:3]:
+        assert name in ("DistributedTimeoutError", "PeerLostError") and prompt, results
