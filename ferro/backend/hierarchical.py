@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -100,7 +99,7 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
             raise
         self._local: ShmBackend | None = None
         self._leaders: TcpBackend | None = None
-        self._exchanger: _Exchanger | None = None
+        self._exchanger: ThreadPoolExecutor | None = None  # a leader's exchange thread, made on first use
         try:
             if len(self._members) > 1:
                 self._local = ShmBackend.split_from(self._world, self._members, spin_us=spin)
@@ -214,7 +213,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         self._world._usable("allreduce")
         combine = ReduceOp.SUM if op is ReduceOp.MEAN else op
         local, leaders = self._local, self._leaders
-        cuts = self._cuts(flat.size, flat.nbytes)
+        pieces = self._pieces(flat.size, flat.nbytes)
+        cuts = [flat.size * k // pieces for k in range(pieces + 1)]
         deadline = time.monotonic() + timeout
 
         def reduce_piece(k: int) -> None:
@@ -230,24 +230,24 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
             if local is not None:
                 local.native_broadcast(flat[cuts[k]:cuts[k + 1]].view(np.uint8), 0, fingerprint, _left(deadline))
 
-        self._pipeline(len(cuts) - 1, reduce_piece, exchange_piece, broadcast_piece)
+        self._pipeline(pieces, reduce_piece, exchange_piece, broadcast_piece)
         if op is ReduceOp.MEAN:
             # Every rank divides the same bits the same way, so the results stay identical.
             divide(flat, dtype.code, float(self.world_size), dtype.itemsize)
         return True
 
-    def _cuts(self, count: int, nbytes: int) -> list[int]:
-        """Where a pipelined collective cuts ``count`` elements (``nbytes`` bytes): ``[0, ..., count]``.
+    def _pieces(self, count: int, nbytes: int) -> int:
+        """How many pieces a collective of ``nbytes`` bytes cuts its ``count`` elements (or slices) into.
 
-        One piece (no pipelining) below :data:`PIPELINE_MIN_BYTES` or where no
-        host has ranks to reduce; otherwise pieces of at least
-        :data:`PIPELINE_PIECE_BYTES`, at most :data:`PIPELINE_MAX_PIECES` of them.
-        Depends on the sizes and the hosts only, so every rank cuts alike.
+        One (no pipelining) below :data:`PIPELINE_MIN_BYTES` or where no host
+        has ranks to reduce; otherwise pieces of at least
+        :data:`PIPELINE_PIECE_BYTES`, at most :data:`PIPELINE_MAX_PIECES` of them
+        and never more than ``count``. Depends on the sizes and the hosts only,
+        so every rank cuts alike.
         """
         if not self._pipelines or nbytes < PIPELINE_MIN_BYTES:
-            return [0, count]
-        pieces = max(1, min(PIPELINE_MAX_PIECES, nbytes // PIPELINE_PIECE_BYTES, count))
-        return [count * k // pieces for k in range(pieces + 1)]
+            return 1
+        return max(1, min(PIPELINE_MAX_PIECES, nbytes // PIPELINE_PIECE_BYTES, count))
 
     def _pipeline(self, pieces: int, before: Callable[[int], None], exchange: Callable[[int], None],
                   after: Callable[[int], None]) -> None:
@@ -269,9 +269,11 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
                 exchange(k)
                 after(k)
             return
-        leader = self._leaders is not None
-        if leader and self._exchanger is None:
-            self._exchanger = _Exchanger(f"ferro-leaders-r{self.rank}")
+        exchanger = None
+        if self._leaders is not None:
+            if self._exchanger is None:
+                self._exchanger = ThreadPoolExecutor(1, thread_name_prefix=f"ferro-leaders-r{self.rank}")
+            exchanger = self._exchanger
         in_flight: Future[None] | None = None
         try:
             for k in range(pieces + 1):
@@ -281,9 +283,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
                     done = in_flight
                     in_flight = None  # not waited on again, should it have failed
                     done.result()
-                if leader and k < pieces:
-                    assert self._exchanger is not None
-                    in_flight = self._exchanger.submit(exchange, k)
+                if exchanger is not None and k < pieces:
+                    in_flight = exchanger.submit(exchange, k)
                 if k > 0:
                     after(k - 1)
         finally:
@@ -310,20 +311,30 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         per_host = len(self._members)
         return [bounds[index * per_host] for index in range(len(self._hosts) + 1)]
 
-    def _host_pieces(self, blocks: list[int], pieces: int, k: int) -> tuple[list[int], list[int]]:
-        """Piece ``k`` of ``pieces`` of every host's block (``blocks``: the blocks' offsets): its starts and ends."""
-        starts, ends = [], []
-        for host in range(len(self._hosts)):
-            low, size = blocks[host], blocks[host + 1] - blocks[host]
-            starts.append(low + size * k // pieces)
-            ends.append(low + size * (k + 1) // pieces)
-        return starts, ends
+    def _host_slices(self, blocks: list[int], itemsize: int) -> list[tuple[list[int], list[int]]]:
+        """Cut every host's block (``blocks``: their offsets) into as many slices as :meth:`_pieces` says.
 
-    def _piece_count(self, blocks: list[int], itemsize: int) -> int:
-        """How many pieces a host-by-host collective over ``blocks`` cuts each host's block into."""
-        total = blocks[-1] - blocks[0]
-        return len(self._cuts(min(blocks[h + 1] - blocks[h] for h in range(len(self._hosts))) or 1,
-                              total * itemsize)) - 1
+        Returns, per piece ``k``, the starts and ends of slice ``k`` of each
+        host's block: what the leaders' ring takes for that piece.
+        """
+        hosts = range(len(self._hosts))
+        sizes = [blocks[h + 1] - blocks[h] for h in hosts]
+        pieces = self._pieces(min(sizes) or 1, (blocks[-1] - blocks[0]) * itemsize)
+        return [([blocks[h] + sizes[h] * k // pieces for h in hosts],
+                 [blocks[h] + sizes[h] * (k + 1) // pieces for h in hosts]) for k in range(pieces)]
+
+    def _leaders_ring(self, flat: Any, slices: list[tuple[list[int], list[int]]], dtype: DType,
+                      op: ReduceOp | None, fingerprint: int, deadline: float) -> Callable[[int], None]:
+        """Return the leaders' step of piece ``k``: their ring over slice ``k`` of every host's block (else a no-op)."""
+        leaders = self._leaders
+
+        def exchange_piece(k: int) -> None:
+            if leaders is not None:
+                starts, ends = slices[k]
+                leaders.ring_pieces(flat, starts, ends, dtype=dtype, op=op, fingerprint=fingerprint,
+                                    timeout=_left(deadline))
+
+        return exchange_piece
 
     def native_reduce_scatter(self, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp, fingerprint: int,
                               timeout: float) -> bool:
@@ -341,29 +352,24 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
             return self._world.native_reduce_scatter(flat, bounds, dtype, op, fingerprint, timeout)
         self._world._usable("reduce_scatter")
         combine = ReduceOp.SUM if op is ReduceOp.MEAN else op
-        local, leaders = self._local, self._leaders
+        local = self._local
         mine = self._host_of[self._world.rank]
-        pieces = self._piece_count(blocks, dtype.itemsize)
+        slices = self._host_slices(blocks, dtype.itemsize)
         deadline = time.monotonic() + timeout
 
         def reduce_piece(k: int) -> None:
             if local is not None:
-                for start, end in zip(*self._host_pieces(blocks, pieces, k), strict=True):
+                for start, end in zip(*slices[k], strict=True):
                     local.native_reduce(flat[start:end], 0, dtype, combine, fingerprint, _left(deadline))
-
-        def exchange_piece(k: int) -> None:
-            if leaders is not None:
-                starts, ends = self._host_pieces(blocks, pieces, k)
-                leaders.ring_pieces(flat, starts, ends, dtype=dtype, op=combine, fingerprint=fingerprint,
-                                    timeout=_left(deadline))
 
         def broadcast_piece(k: int) -> None:
             if local is not None:
-                starts, ends = self._host_pieces(blocks, pieces, k)
+                starts, ends = slices[k]
                 local.native_broadcast(flat[starts[mine]:ends[mine]].view(np.uint8), 0, fingerprint,
                                        _left(deadline))
 
-        self._pipeline(pieces, reduce_piece, exchange_piece, broadcast_piece)
+        self._pipeline(len(slices), reduce_piece,
+                       self._leaders_ring(flat, slices, dtype, combine, fingerprint, deadline), broadcast_piece)
         if op is ReduceOp.MEAN:
             part = flat[bounds[self._world.rank]:bounds[self._world.rank + 1]]
             divide(part, dtype.code, float(self.world_size), dtype.itemsize)
@@ -381,32 +387,27 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         if blocks is None or (self._local is None and self._leaders is None):
             return self._world.native_all_gather(flat, bounds, fingerprint, timeout)
         self._world._usable("all_gather")
-        local, leaders = self._local, self._leaders
+        local = self._local
         mine = self._host_of[self._world.rank]
         parts = [bounds[rank] for rank in (*self._members, self._members[-1] + 1)]  # this host's ranks' parts
-        pieces = self._piece_count(blocks, 1)
+        slices = self._host_slices(blocks, 1)
         deadline = time.monotonic() + timeout
 
         def gather_piece(k: int) -> None:
             if local is not None:
-                starts, ends = self._host_pieces(blocks, pieces, k)
+                starts, ends = slices[k]
                 low, high = starts[mine], ends[mine]
                 local_bounds = [min(max(offset, low), high) - low for offset in parts]
                 local.native_all_gather(flat[low:high], local_bounds, fingerprint, _left(deadline))
 
-        def exchange_piece(k: int) -> None:
-            if leaders is not None:
-                starts, ends = self._host_pieces(blocks, pieces, k)
-                leaders.ring_pieces(flat, starts, ends, dtype=BYTES, op=None, fingerprint=fingerprint,
-                                    timeout=_left(deadline))
-
         def broadcast_piece(k: int) -> None:
             if local is not None:
-                for host, (start, end) in enumerate(zip(*self._host_pieces(blocks, pieces, k), strict=True)):
+                for host, (start, end) in enumerate(zip(*slices[k], strict=True)):
                     if host != mine:
                         local.native_broadcast(flat[start:end], 0, fingerprint, _left(deadline))
 
-        self._pipeline(pieces, gather_piece, exchange_piece, broadcast_piece)
+        self._pipeline(len(slices), gather_piece,
+                       self._leaders_ring(flat, slices, BYTES, None, fingerprint, deadline), broadcast_piece)
         return True
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
@@ -454,61 +455,10 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
             if part is not None:
                 part.close()
         if self._exchanger is not None:
-            self._exchanger.close()
+            # Without waiting: the groups' sockets are closed, which ends an exchange in flight at once.
+            self._exchanger.shutdown(wait=False)
 
 
 def _left(deadline: float) -> float:
     """Seconds left to a pipelined collective's deadline (a sliver once it has passed, so the next call times out)."""
     return max(deadline - time.monotonic(), 1e-3)
-
-
-class _Exchanger:
-    """One thread that runs a leader's exchanges while its caller works in shared memory.
-
-    A plain thread and a one-slot hand-over rather than an executor: a
-    pipelined collective has at most one exchange in flight, and this thread
-    must never outlive its group (``close`` ends it; it is a daemon besides).
-    """
-
-    def __init__(self, name: str) -> None:
-        self._ready = threading.Condition()
-        self._job: tuple[Future[None], Callable[[int], None], int] | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[int], None], k: int) -> Future[None]:
-        """Run ``fn(k)`` on the thread; the returned future completes with it."""
-        future: Future[None] = Future()
-        with self._ready:
-            if self._closed:
-                raise DistributedError("the hierarchical group is closed")
-            self._job = (future, fn, k)
-            self._ready.notify()
-        return future
-
-    def _serve(self) -> None:
-        while True:
-            with self._ready:
-                while self._job is None and not self._closed:
-                    self._ready.wait()
-                if self._job is None:
-                    return
-                job, self._job = self._job, None
-            future, fn, k = job
-            try:
-                fn(k)
-            except BaseException as exc:  # handed to the caller, which raises it
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-
-    def close(self) -> None:
-        """End the thread once any exchange in flight has returned."""
-        with self._ready:
-            self._closed = True
-            self._ready.notify()
-        if self._thread is not threading.current_thread():
-            # The group closed its sockets first, which ends an exchange in flight at once; a thread that still
-            # does not end is a daemon and does not hold the process.
-            self._thread.join(timeout=5.0)
