@@ -164,3 +164,7 @@ def test_comparison_divides_by_the_time_it_prints():
                                4).splitlines()[-1].split()
     assert one_lacks_it[:2] == ["all_gather", "oop"]
     assert one_lacks_it[4:] == ["100.0", "400.0", "4.00x", "150.0", "1.50x"]
+    # Wide figures keep their columns apart: a peer 1362x slower, a copy of 12345678 us.
+    wide = _comparison([row("ferro-tcp", 3.8, 3.8), row("ferro-shm", 5175.6, 5175.6)], "ferro-tcp", ["ferro-shm"],
+                       {1024: 12345678.0}, 1).splitlines()[-1].split()
+    assert wide[2:] == ["12345678.0", "3.8", "5175.6", "1362.00x"]

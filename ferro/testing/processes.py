@@ -10,6 +10,7 @@ import pickle
 import secrets
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -28,6 +29,9 @@ __all__ = ["RankExit", "run_processes"]
 STACK_DUMP_GRACE = 1.0
 FAILURE_GATHER_SECONDS = 0.2
 _LOCALHOST = "127.0.0.1"
+# Imported by the forkserver that ranks fork from, when the caller has imported them: torch costs a rank
+# 2-3 s to import on a small machine, and a test module that uses it makes every rank import it again.
+HEAVY_PRELOADS = ("torch",)
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,9 @@ def run_processes(
 
     ``fn`` and ``args`` must be picklable (a module-level function). Ranks start
     through a forkserver, so the caller's threads and state do not leak into them.
+    The forkserver (started by the process's first run) imports numpy, ferro
+    and, where the caller has already imported it, torch: ranks forked from it
+    start with them imported instead of importing them again each.
 
     Args:
         fn: The function every rank runs.
@@ -158,7 +165,7 @@ def run_processes(
         backend_entry(backend)  # unknown or unavailable: refused here, before any rank starts
     allowed = set(allow_exit)
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["numpy", "ferro"])
+    context.set_forkserver_preload(["numpy", "ferro", *(name for name in HEAVY_PRELOADS if name in sys.modules)])
     secret = secrets.token_hex(16)
     server = None
     workdir = tempfile.mkdtemp(prefix="ferro-ranks-")

@@ -179,13 +179,13 @@ def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[i
         in_place = mine.ip_time_us is not None and all(t is None or t.ip_time_us is not None for t in theirs)
         mine_t = mine.time_us() if in_place else mine.oop_time_us
         basis = "" if in_place or mine.ip_time_us is None else " oop"
-        line = f"  {op + basis:<15}{size:>12}{copy_us.get(size, float('nan')):>9.1f}{mine_t:>{width}.1f}"
+        line = f"  {op + basis:<15}{size:>12} {copy_us.get(size, float('nan')):>8.1f} {mine_t:>{width - 1}.1f}"
         for row in theirs:
             if row is None:
                 line += f"{'N/A':>12}{'N/A':>8}"
             else:
                 theirs_t = row.time_us() if in_place else row.oop_time_us
-                line += f"{theirs_t:>12.1f}{theirs_t / mine_t:>7.2f}x"
+                line += f"{theirs_t:>12.1f} {theirs_t / mine_t:>6.2f}x"  # the space stays past 1000x
         lines.append(line)
     return "\n".join(lines)
 
