@@ -185,14 +185,17 @@ def rank_pipelined_collectives(rank, world_size):
     ferro.init_process_group(timeout=60)
     try:
         results = {}
-        for name, dtype, count in [("f64", np.float64, (3 << 20) // 8 + 7),     # 3 pieces, odd cuts
+        for name, dtype, count in [("f64", np.float64, (3 << 20) // 8 + 7),     # 6 pieces, odd cuts
                                    ("f32", np.float32, (17 << 20) // 4 + 5),    # the most pieces
                                    ("i32", np.int32, (2 << 20) // 4 + 3)]:      # just at the threshold
             x = np.random.default_rng(rank).integers(-1000, 1000, count).astype(dtype)
             total = ferro.allreduce(x.copy())
             mean = ferro.allreduce(x.astype(np.float64), op=ferro.ReduceOp.MEAN)
             largest = ferro.allreduce(x.copy(), op=ferro.ReduceOp.MAX)
-            part = ferro.reduce_scatter(x.copy())
+            frozen = x.copy()
+            frozen.setflags(write=False)  # reduce_scatter copies it piece by piece and never writes to it
+            part = ferro.reduce_scatter(frozen)
+            assert np.array_equal(frozen, x), f"rank {rank}: reduce_scatter changed its read-only input"
             gathered = ferro.all_gather(x)
             results[name] = (total, mean, largest, part, gathered)
         exchanging = any(thread.name.startswith("ferro-leaders-") for thread in threading.enumerate())

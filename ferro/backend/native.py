@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ferro.types import DType, ReduceOp
 
 __all__ = ["NativeCollectives"]
@@ -105,6 +107,20 @@ class NativeCollectives:
         rank's are left unspecified.
         """
         return False
+
+    def native_reduce_scatter_from(self, source: Any, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp,
+                                   fingerprint: int, timeout: float) -> bool:
+        """:meth:`native_reduce_scatter` of the read-only input ``source`` into ``flat``, scratch of its size.
+
+        The collective layer calls this one. The default copies ``source`` into
+        ``flat`` and runs :meth:`native_reduce_scatter`; a backend that can copy
+        piece by piece behind its communication (the hierarchy, whose links are
+        slower than a copy) overrides it. Whatever it returns, ``flat`` holds
+        the input afterwards where the call did not run (False), so the generic
+        algorithm can take over.
+        """
+        np.copyto(flat, source)
+        return self.native_reduce_scatter(flat, bounds, dtype, op, fingerprint, timeout)
 
     def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
         """Fill every part of the byte buffer ``flat`` (``bounds`` in bytes) from the rank that owns it.

@@ -211,13 +211,15 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
     link = make_link(g, "reduce_scatter", seconds, data, reduce_op.value, tag_value, data.array.size, data.array.shape)
 
     def body() -> Any:
-        scratch = data.array.reshape(-1).copy()
-        mine = scratch[bounds[g.rank]:bounds[g.rank + 1]]
+        source = data.array.reshape(-1)
         native = g.native
+        # The backend fills the scratch from the input (a hierarchy does it piece by piece behind its links).
+        scratch = np.empty_like(source) if native is not None and g.world_size > 1 else source.copy()
+        mine = scratch[bounds[g.rank]:bounds[g.rank + 1]]
         if g.world_size == 1 or scratch.size == 0:
             _finish_mean(mine, data.dtype, reduce_op, g.world_size)
-        elif native is None or not native.native_reduce_scatter(scratch, bounds, data.dtype, reduce_op,
-                                                                link.fingerprint, link.timeout):
+        elif native is None or not native.native_reduce_scatter_from(source, scratch, bounds, data.dtype, reduce_op,
+                                                                     link.fingerprint, link.timeout):
             algo.reduce_scatter_ring(link, scratch, bounds, data.dtype, reduce_op.kernel_code)
             _finish_mean(mine, data.dtype, reduce_op, g.world_size)
         part = mine.reshape(part_shape)
