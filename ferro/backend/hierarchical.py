@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -260,10 +261,11 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         before(2), after(1), ...``. A leader runs ``exchange(k)`` on its exchange
         thread meanwhile, from the end of ``before(k)`` to the start of
         ``after(k)``, so the link carries piece ``k`` while shared memory works
-        on its neighbours. The compiled calls release the GIL, so the two
-        threads run side by side. A failure is raised once the exchange in
-        flight has finished (each call has its timeout), so the groups are
-        never left mid-call.
+        on its neighbours: the thread runs one job per call, going from piece
+        to piece as each becomes ready (:class:`_Relay`). The compiled calls
+        release the GIL, so the two threads run side by side. A failure is
+        raised once the exchange in flight has finished (each call has its
+        timeout), so the groups are never left mid-call.
         """
         if pieces == 1 or self._local is None:
             for k in range(pieces):  # no shared-memory steps to overlap with: the same calls, in order
@@ -271,27 +273,42 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
                 exchange(k)
                 after(k)
             return
-        exchanger = None
-        if self._leaders is not None:
-            if self._exchanger is None:
-                self._exchanger = ThreadPoolExecutor(1, thread_name_prefix=f"ferro-leaders-r{self.rank}")
-            exchanger = self._exchanger
-        in_flight: Future[None] | None = None
+        if self._leaders is None:
+            for k in range(pieces + 1):  # a host's other ranks: the shared-memory steps alone, in the host's order
+                if k < pieces:
+                    before(k)
+                if k > 0:
+                    after(k - 1)
+            return
+        if self._exchanger is None:
+            self._exchanger = ThreadPoolExecutor(1, thread_name_prefix=f"ferro-leaders-r{self.rank}")
+        relay = _Relay()
+
+        def exchange_all() -> None:
+            # One job per call: the thread goes on to piece k+1 as soon as it is ready, without a wakeup
+            # through the executor's queue per piece (on a busy machine those cost up to 2 ms each).
+            try:
+                for k in range(pieces):
+                    if not relay.wait_ready(k):
+                        return  # the caller's side failed: no more exchanges
+                    exchange(k)
+                    relay.exchanged(k)
+            finally:
+                relay.finish()
+
+        job = self._exchanger.submit(exchange_all)
         try:
             for k in range(pieces + 1):
                 if k < pieces:
                     before(k)
-                if in_flight is not None:
-                    done = in_flight
-                    in_flight = None  # not waited on again, should it have failed
-                    done.result()
-                if exchanger is not None and k < pieces:
-                    in_flight = exchanger.submit(exchange, k)
+                    relay.ready(k)
                 if k > 0:
+                    if not relay.wait_exchanged(k - 1):
+                        job.result()  # the exchange failed: its error
                     after(k - 1)
         finally:
-            if in_flight is not None:
-                in_flight.exception()  # wait for it; the error already raised here is the one to report
+            relay.abandon()
+            job.exception()  # wait for an exchange in flight; an error already raised here is the one reported
 
     def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:
         """Broadcast inside the root's host, then among leaders, then inside every other host."""
@@ -477,6 +494,49 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         if self._exchanger is not None:
             # Without waiting: the groups' sockets are closed, which ends an exchange in flight at once.
             self._exchanger.shutdown(wait=False)
+
+
+class _Relay:
+    """Tells a leader's exchange thread which pieces are ready and its caller which are exchanged."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._ready = 0  # pieces whose shared-memory step before the exchange is done
+        self._exchanged = 0
+        self._abandoned = False  # the caller stopped: the thread exchanges nothing more
+        self._finished = False  # the thread stopped: the caller waits for nothing more
+
+    def ready(self, k: int) -> None:
+        with self._condition:
+            self._ready = k + 1
+            self._condition.notify_all()
+
+    def exchanged(self, k: int) -> None:
+        with self._condition:
+            self._exchanged = k + 1
+            self._condition.notify_all()
+
+    def abandon(self) -> None:
+        with self._condition:
+            self._abandoned = True
+            self._condition.notify_all()
+
+    def finish(self) -> None:
+        with self._condition:
+            self._finished = True
+            self._condition.notify_all()
+
+    def wait_ready(self, k: int) -> bool:
+        """Wait until piece ``k`` is ready (True) or the caller stopped (False)."""
+        with self._condition:
+            self._condition.wait_for(lambda: self._ready > k or self._abandoned)
+            return self._ready > k and not self._abandoned
+
+    def wait_exchanged(self, k: int) -> bool:
+        """Wait until piece ``k`` is exchanged (True) or the thread stopped short of it (False)."""
+        with self._condition:
+            self._condition.wait_for(lambda: self._exchanged > k or self._finished)
+            return self._exchanged > k
 
 
 def _left(deadline: float) -> float:
