@@ -305,6 +305,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
                 if k > 0:
                     if not relay.wait_exchanged(k - 1):
                         job.result()  # the exchange failed: its error
+                        # Never reached (the thread stops short only on an error); never broadcast a stale piece.
+                        raise DistributedError(f"rank {self.rank}: the leaders' exchange stopped before piece {k - 1}")
                     after(k - 1)
         finally:
             relay.abandon()
