@@ -25,3 +25,13 @@ def harness_simulated(fn, world_size, args=(), **kwargs):
 def run(request):
     """Run a rank function on every backend: ``run(fn, world_size, args=(), **harness_kwargs)``."""
     return {"tcp": harness_tcp, "shm": harness_shm, "simulated": harness_simulated}[request.param]
+
+
+# The client tests start whole frameworks (Ray, Lightning, accelerate) and take 20-60 s each: run first, a
+# worker that draws one late holds the suite's end while the other worker idles.
+FIRST = ("test_clients.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Put the longest tests first, so the two workers finish together."""
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
