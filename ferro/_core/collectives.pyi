@@ -61,6 +61,7 @@ def ring(
     segment_bytes: int = ...,
     divisor: float = ...,
     ends: list[int] | None = ...,
+    source: Any = ...,
 ) -> None: ...
 def broadcast(
     mesh: Mesh,

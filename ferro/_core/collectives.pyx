@@ -105,12 +105,16 @@ cdef int _exchange(SendOp* s, ConnState* to, const unsigned char* out, size_t ou
 cdef int _exchange_segments(SendOp* s, ConnState* to, const unsigned char* out, size_t out_len,
                             RecvOp* r, ConnState* frm, unsigned char* into, size_t in_len,
                             ferro_reduce_fn kernel, unsigned char* scratch, size_t itemsize, size_t segment,
-                            uint64_t fingerprint, int64_t deadline) except -1 nogil:
+                            uint64_t fingerprint, int64_t deadline,
+                            const unsigned char* base=NULL) except -1 nogil:
     """Send ``out_len`` bytes to ``to`` while ``in_len`` arrive from ``frm``, one segment each way at a time.
 
     With a ``kernel``, each arriving segment lands in ``scratch`` and is reduced into
     ``into`` at once (while the next one is in flight on the next call); without, it
-    lands in ``into``. Both ends cut their bytes into the same ``segment``-sized frames.
+    lands in ``into``. With a ``base`` (an out-of-place reduce-scatter), ``into``
+    holds nothing yet: each segment of ``base`` is copied there just before the
+    arriving one is reduced into it. Both ends cut their bytes into the same
+    ``segment``-sized frames.
     """
     cdef size_t pos = 0, a, b
     while pos < out_len or pos < in_len:
@@ -124,6 +128,8 @@ cdef int _exchange_segments(SendOp* s, ConnState* to, const unsigned char* out, 
                      (scratch if kernel != NULL else into + pos), b, fingerprint, deadline):
             return 1
         if b and kernel != NULL:
+            if base != NULL:
+                memcpy(into + pos, base + pos, b)
             kernel(into + pos, scratch, b // itemsize)
         pos += segment
     return 0
@@ -131,12 +137,16 @@ cdef int _exchange_segments(SendOp* s, ConnState* to, const unsigned char* out, 
 
 cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const size_t* starts, const size_t* ends,
                size_t itemsize, ferro_reduce_fn kernel, unsigned char* scratch, size_t segment, uint64_t fingerprint,
-               int64_t deadline, SendOp* s, RecvOp* r, int phases, int dtype=-1, double divisor=0) except -1 nogil:
+               int64_t deadline, SendOp* s, RecvOp* r, int phases, int dtype=-1, double divisor=0,
+               const unsigned char* src=NULL) except -1 nogil:
     """Segmented ring over chunks ``[starts[i], ends[i])`` (in elements) of ``buf``.
 
     Chunks cut at bounds pass ``bounds, bounds + 1``; chunks with gaps between
     them (a piece of each host's block, in a pipelined hierarchical collective)
-    pass their own ends.
+    pass their own ends. With ``src`` (reduce-scatter alone), the input is read
+    from ``src``, never written, and ``buf`` starts empty: the first step sends
+    from ``src``, and each arriving segment is reduced into a copy of ``src``'s
+    made just then, so no up-front copy of the whole input is needed.
 
     Reduce-scatter (``PHASE_REDUCE_SCATTER``) leaves chunk ``rank`` fully reduced
     here, each segment reduced as soon as it lands; all-gather
@@ -165,8 +175,10 @@ cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const siz
             send_len = ends[send_idx] * itemsize - send_off
             recv_off = starts[recv_idx] * itemsize
             recv_len = ends[recv_idx] * itemsize - recv_off
-            if _exchange_segments(s, nxt, buf + send_off, send_len, r, prv, buf + recv_off, recv_len,
-                                  kernel if phase == 0 else NULL, scratch, itemsize, segment, fingerprint, deadline):
+            if _exchange_segments(s, nxt, (src if phase == 0 and step == 0 and src != NULL else buf) + send_off,
+                                  send_len, r, prv, buf + recv_off, recv_len, kernel if phase == 0 else NULL, scratch,
+                                  itemsize, segment, fingerprint, deadline,
+                                  src + recv_off if phase == 0 and src != NULL else NULL):
                 return 1
     return 0
 
@@ -545,7 +557,8 @@ def allreduce(Mesh mesh, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t f
 
 def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
          uint64_t fingerprint, double timeout, bint reduce_scatter, bint all_gather,
-         Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES, double divisor=0, object ends=None) -> None:
+         Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES, double divisor=0, object ends=None,
+         object source=None) -> None:
     """Run a ring reduce-scatter and/or all-gather in place on ``buf``.
 
     Args:
@@ -564,6 +577,8 @@ def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
         divisor: When not 0 (MEAN), divide chunk ``rank`` by it once it is reduced.
         ends: ``n`` element offsets where the chunks end, for chunks with gaps
             between them (None: each chunk ends where the next begins).
+        source: For a reduce-scatter alone, the input (read-only, ``buf``'s
+            size): ``buf`` is then scratch that needs no copy of it first.
     """
     cdef _Call call = _Call()
     cdef SendOp s
@@ -582,11 +597,21 @@ def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
         raise ValueError(f"ring: {n + 1} bounds needed, got {len(bounds)}")
     if ends is not None and (len(bounds) != n or len(ends) != n):
         raise ValueError(f"ring: {n} starts and {n} ends needed, got {len(bounds)} and {len(ends)}")
+    cdef const unsigned char* src = NULL
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     try:
         call.take(mesh, buf, timeout, "ring")
+        if source is not None:
+            if all_gather or not reduce_scatter:
+                raise ValueError("ring: a source is for a reduce-scatter alone")
+            call.take_input(source)
+            if call.input.len != call.view.len:
+                raise InvalidBufferError(f"ring: the source has {call.input.len} bytes, the buffer {call.view.len}")
+            src = <const unsigned char*>call.input.buf
         if n < 2 or phases == 0:
+            if src != NULL:
+                memcpy(call.view.buf, src, call.view.len)
             return
         call.set_bounds(bounds if ends is None else [*bounds, *ends])
         chunk_ends = call.bounds + (1 if ends is None else n)
@@ -599,7 +624,7 @@ def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
             rc = _ring(call.states, mesh.rank, n, <unsigned char*>call.view.buf, call.bounds, chunk_ends, itemsize,
-                       kernel, call.scratch, segment, fingerprint, deadline, &s, &r, phases, dtype, divisor)
+                       kernel, call.scratch, segment, fingerprint, deadline, &s, &r, phases, dtype, divisor, src)
     finally:
         call.release()
     if rc:

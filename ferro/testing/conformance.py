@@ -180,9 +180,11 @@ def check_collectives(group: Backend, *, dtypes: list[np.dtype] | None = None) -
         ferro.reduce(x, dst=last, op=op, group=group)
         check(f"reduce {label}", _close(x, expected, inputs, op) if r == last else np.array_equal(x, inputs[r]))
         if shape:
+            before = inputs[r].tobytes()
             part = ferro.reduce_scatter(inputs[r], op, group=group)
             mine = np.array_split(expected, n)[r] if expected.ndim else expected
             check(f"reduce_scatter {label}", _close(part, mine, [np.array_split(i, n)[r] for i in inputs], op))
+            check(f"reduce_scatter {label} leaves its input as it was", inputs[r].tobytes() == before)
         if op is not ReduceOp.SUM:
             continue
         # Data movement depends on dtype and shape only: once per pair.
