@@ -609,6 +609,8 @@ def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
             if call.input.len != call.view.len:
                 raise InvalidBufferError(f"ring: the source has {call.input.len} bytes, the buffer {call.view.len}")
             src = <const unsigned char*>call.input.buf
+            if <const void*>src == <const void*>call.view.buf:
+                src = NULL  # the input is the buffer itself: the in-place ring (and no copy onto itself)
         if n < 2 or phases == 0:
             if src != NULL:
                 memcpy(call.view.buf, src, call.view.len)
