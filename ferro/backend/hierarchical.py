@@ -273,44 +273,28 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
                 exchange(k)
                 after(k)
             return
-        if self._leaders is None:
-            for k in range(pieces + 1):  # a host's other ranks: the shared-memory steps alone, in the host's order
-                if k < pieces:
-                    before(k)
-                if k > 0:
-                    after(k - 1)
-            return
-        if self._exchanger is None:
-            self._exchanger = ThreadPoolExecutor(1, thread_name_prefix=f"ferro-leaders-r{self.rank}")
-        relay = _Relay()
-
-        def exchange_all() -> None:
-            # One job per call: the thread goes on to piece k+1 as soon as it is ready, without a wakeup
-            # through the executor's queue per piece (on a busy machine those cost up to 2 ms each).
-            try:
-                for k in range(pieces):
-                    if not relay.wait_ready(k):
-                        return  # the caller's side failed: no more exchanges
-                    exchange(k)
-                    relay.exchanged(k)
-            finally:
-                relay.finish()
-
-        job = self._exchanger.submit(exchange_all)
+        relay, job = None, None
+        if self._leaders is not None:  # a leader: its exchanges run on its thread, one job per call
+            if self._exchanger is None:
+                self._exchanger = ThreadPoolExecutor(1, thread_name_prefix=f"ferro-leaders-r{self.rank}")
+            relay = _Relay()
+            job = self._exchanger.submit(_exchange_all, relay, pieces, exchange)
         try:
             for k in range(pieces + 1):
                 if k < pieces:
                     before(k)
-                    relay.ready(k)
+                    if relay is not None:
+                        relay.ready(k)
                 if k > 0:
-                    if not relay.wait_exchanged(k - 1):
+                    if relay is not None and job is not None and not relay.wait_exchanged(k - 1):
                         job.result()  # the exchange failed: its error
                         # Never reached (the thread stops short only on an error); never broadcast a stale piece.
                         raise DistributedError(f"rank {self.rank}: the leaders' exchange stopped before piece {k - 1}")
                     after(k - 1)
         finally:
-            relay.abandon()
-            job.exception()  # wait for an exchange in flight; an error already raised here is the one reported
+            if relay is not None and job is not None:
+                relay.abandon()
+                job.exception()  # wait for an exchange in flight; an error already raised here is the one reported
 
     def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:
         """Broadcast inside the root's host, then among leaders, then inside every other host."""
@@ -498,6 +482,22 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
             self._exchanger.shutdown(wait=False)
 
 
+def _exchange_all(relay: _Relay, pieces: int, exchange: Callable[[int], None]) -> None:
+    """Run a leader's exchanges of one call on its thread, each piece as soon as its caller marks it ready.
+
+    One job per call, not per piece: a job per piece cost a wakeup through the
+    executor's queue each (up to 2 ms on a busy machine).
+    """
+    try:
+        for k in range(pieces):
+            if not relay.wait_ready(k):
+                return  # the caller's side failed: no more exchanges
+            exchange(k)
+            relay.exchanged(k)
+    finally:
+        relay.finish()
+
+
 class _Relay:
     """Tells a leader's exchange thread which pieces are ready and its caller which are exchanged."""
 
@@ -508,25 +508,22 @@ class _Relay:
         self._abandoned = False  # the caller stopped: the thread exchanges nothing more
         self._finished = False  # the thread stopped: the caller waits for nothing more
 
-    def ready(self, k: int) -> None:
+    def _publish(self, name: str, value: int | bool) -> None:
         with self._condition:
-            self._ready = k + 1
+            setattr(self, name, value)
             self._condition.notify_all()
+
+    def ready(self, k: int) -> None:
+        self._publish("_ready", k + 1)
 
     def exchanged(self, k: int) -> None:
-        with self._condition:
-            self._exchanged = k + 1
-            self._condition.notify_all()
+        self._publish("_exchanged", k + 1)
 
     def abandon(self) -> None:
-        with self._condition:
-            self._abandoned = True
-            self._condition.notify_all()
+        self._publish("_abandoned", True)
 
     def finish(self) -> None:
-        with self._condition:
-            self._finished = True
-            self._condition.notify_all()
+        self._publish("_finished", True)
 
     def wait_ready(self, k: int) -> bool:
         """Wait until piece ``k`` is ready (True) or the caller stopped (False)."""
