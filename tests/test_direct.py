@@ -1,4 +1,4 @@
-"""The TCP group's direct paths: allreduce, broadcast, all_gather and barrier as one compiled call each.
+"""The TCP group's direct paths: allreduce, broadcast, all_gather, reduce_scatter and barrier, one compiled call each.
 
 Each test checks that the direct path really took the calls it should (the
 compiled object returns True), that its results equal NumPy's, and that it keeps
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import ferro
+from ferro._core.collectives import DIRECT_REDUCE_SCATTER_BYTES
 from ferro.testing import RankExit, run_processes
 from ferro.testing.conformance import _cases, _close, _input, _reference, conformance_dtypes
 
@@ -22,13 +23,14 @@ def direct_paths(group):
     """Build the group's direct paths (as the first call does) and return them."""
     ferro.barrier(group=group)
     state = group.state
-    return state.direct_allreduce, state.direct_broadcast, state.direct_all_gather, state.direct_barrier
+    return (state.direct_allreduce, state.direct_broadcast, state.direct_all_gather, state.direct_barrier,
+            state.direct_reduce_scatter)
 
 
 def rank_every_dtype_and_op(group):
     n, r = group.world_size, group.rank
-    allreduce, broadcast, all_gather, barrier = direct_paths(group)
-    kinds = tuple(type(path).__name__ for path in (allreduce, broadcast, all_gather, barrier))
+    allreduce, broadcast, all_gather, barrier, reduce_scatter = direct_paths(group)
+    kinds = tuple(type(path).__name__ for path in (allreduce, broadcast, all_gather, barrier, reduce_scatter))
     wrong, taken, untaken = [], 0, set()
     for case, dtype, shape, op in _cases(conformance_dtypes()):
         inputs = [_input(dtype, shape, k, case, op) for k in range(n)]
@@ -41,6 +43,17 @@ def rank_every_dtype_and_op(group):
             ferro.allreduce(x, op, group=group)
         if not _close(x, _reference(inputs, op), inputs, op):
             wrong.append(f"allreduce {label}")
+        if shape:  # reduce_scatter splits axis 0: rank r gets part r, as numpy.array_split cuts
+            source = inputs[r].copy()
+            source.flags.writeable = False  # it is only read
+            part = reduce_scatter(source, op, None, 0, None)
+            if part is None:
+                untaken.add((dtype.name, shape))
+                part = ferro.reduce_scatter(source, op, group=group)
+            parts = [np.array_split(a, n)[r] for a in inputs]
+            if not _close(part, np.array_split(_reference(inputs, op), n)[r], parts, op) \
+                    or not np.array_equal(source, inputs[r], equal_nan=True):
+                wrong.append(f"reduce_scatter {label}")
         if op is not ferro.ReduceOp.SUM:
             continue
         for root in range(n):
@@ -65,7 +78,8 @@ def test_every_dtype_and_op_matches_numpy_on_the_direct_path(world_size):
     # 3 ranks: recursive doubling folds a rank in, and 20011 elements x 8 bytes x 2 rounds take the ring;
     # 4 ranks: the largest arrays take halving-doubling.
     for kinds, wrong, taken, untaken in run_processes(rank_every_dtype_and_op, world_size, timeout=120):
-        assert kinds == ("DirectMeshAllreduce", "DirectMeshBroadcast", "DirectMeshAllGather", "DirectMeshBarrier")
+        assert kinds == ("DirectMeshAllreduce", "DirectMeshBroadcast", "DirectMeshAllGather", "DirectMeshBarrier",
+                         "DirectMeshReduceScatter")
         assert wrong == []
         assert taken > 200
         assert all(shape == (0,) or name == "bfloat16" for name, shape in untaken), untaken
@@ -73,7 +87,7 @@ def test_every_dtype_and_op_matches_numpy_on_the_direct_path(world_size):
 
 def rank_signatures_and_arguments(group):
     n, r = group.world_size, group.rank
-    allreduce, broadcast, all_gather, _ = direct_paths(group)
+    allreduce, broadcast, all_gather, _, reduce_scatter = direct_paths(group)
     wrong = []
     # Every change of dtype, shape or op between calls must be seen (the last plan is remembered).
     cases = [(np.float32, (6,), ferro.ReduceOp.SUM), (np.float32, (2, 3), ferro.ReduceOp.SUM),
@@ -83,12 +97,31 @@ def rank_signatures_and_arguments(group):
         dtype, shape, op = cases[(step * 5) % len(cases)]
         values = [np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape) + k + 1 for k in range(n)]
         x = values[r].copy()
+        part = ferro.reduce_scatter(x, op, group=group)  # before the allreduce overwrites x
         ferro.allreduce(x, op, group=group)
         name = op if isinstance(op, str) else op.name.lower()
         reference = {"sum": sum(values), "max": np.maximum.reduce(values), "product": np.multiply.reduce(values),
                      "mean": sum(values) / n, "avg": sum(values) / n}[name]
         if x.dtype != dtype or x.shape != shape or not np.array_equal(x, reference.astype(dtype)):
             wrong.append(("allreduce", step))
+        expected = np.array_split(reference.astype(dtype), n)[r]
+        if part.dtype != dtype or part.shape != expected.shape or not np.array_equal(part, expected):
+            wrong.append(("reduce_scatter", step))
+    # reduce_scatter: into a given out; a tag and an input over the direct path's size take the full path
+    # (the same ring, so the result is the same).
+    rows = np.arange(5 * n * 2.0).reshape(5 * n, 2) * (r + 1)
+    expected = np.array_split(rows / (r + 1) * n * (n + 1) / 2, n)[r]
+    out = np.zeros_like(expected)
+    if reduce_scatter(rows, "sum", out, 0, None) is not out or not np.array_equal(out, expected):
+        wrong.append("reduce_scatter into out")
+    if reduce_scatter(rows, "sum", None, 3, None) is not None \
+            or not np.array_equal(ferro.reduce_scatter(rows, tag=3, group=group), expected):
+        wrong.append("reduce_scatter with a tag")
+    big = np.full((DIRECT_REDUCE_SCATTER_BYTES // 8 + n,), r + 1.0)
+    expected = np.array_split(np.full(big.shape, n * (n + 1) / 2), n)[r]
+    if reduce_scatter(big, "sum", None, 0, None) is not None \
+            or not np.array_equal(ferro.reduce_scatter(big, group=group), expected):
+        wrong.append("reduce_scatter over the direct path's size")
     # all_gather: into a given out, in place (x is this rank's part of out), with a tag, of a 0-d array.
     out = np.zeros(3 * n)
     mine = out[3 * r:3 * r + 3]
@@ -114,13 +147,17 @@ def rank_signatures_and_arguments(group):
                  lambda: ferro.broadcast(np.ones(2), n, group=group),
                  lambda: ferro.broadcast(np.ones(2), True, group=group),  # not root 1, though True == 1
                  lambda: ferro.all_gather(np.ones(2), np.zeros(3), group=group),
-                 lambda: ferro.all_gather(np.ones(2), tag=-1, group=group)):
+                 lambda: ferro.all_gather(np.ones(2), tag=-1, group=group),
+                 lambda: ferro.reduce_scatter(np.ones(3 * n), out=np.zeros(4), group=group),
+                 lambda: ferro.reduce_scatter(np.array(1.0), group=group),
+                 lambda: ferro.reduce_scatter(np.ones(2), "bogus", group=group)):
         try:
             call()
             errors.append(None)
         except (ferro.InvalidBufferError, ferro.InvalidRankError, ferro.SizeMismatchError, ValueError) as exc:
             errors.append(type(exc).__name__)
-    return wrong, errors, (allreduce(np.ones(3), "sum", None), broadcast(np.ones(3), 0, None))
+    return wrong, errors, (allreduce(np.ones(3), "sum", None), broadcast(np.ones(3), 0, None),
+                           reduce_scatter(np.ones(3), "sum", None, 0, None) is not None)
 
 
 def test_the_direct_path_follows_signatures_and_leaves_bad_arguments_to_the_full_path():
@@ -128,8 +165,9 @@ def test_the_direct_path_follows_signatures_and_leaves_bad_arguments_to_the_full
     for wrong, errors, still_taken in results:
         assert wrong == []
         assert errors == ["InvalidBufferError", "InvalidBufferError", "ValueError", "InvalidBufferError",
-                          "InvalidRankError", "InvalidRankError", "SizeMismatchError", "ValueError"]
-        assert still_taken == (True, True)  # refused arguments did not fail the group
+                          "InvalidRankError", "InvalidRankError", "SizeMismatchError", "ValueError",
+                          "SizeMismatchError", "InvalidBufferError", "ValueError"]
+        assert still_taken == (True, True, True)  # refused arguments did not fail the group
 
 
 def rank_async_then_direct(group):
@@ -219,6 +257,8 @@ def rank_calls_differ(group, kind):
             ferro.broadcast(np.ones(4), r, group=group)
         elif kind == "tag":
             ferro.all_gather(np.ones(4), tag=r, group=group)
+        elif kind == "op":
+            ferro.reduce_scatter(np.ones(4), "sum" if r == 0 else "max", group=group)
         elif kind == "collective":
             ferro.allreduce(np.ones(4), group=group) if r == 0 else ferro.barrier(group=group)
         ferro.allreduce(np.ones(4), group=group)
@@ -233,7 +273,7 @@ def rank_calls_differ(group, kind):
     return outcome, after
 
 
-@pytest.mark.parametrize("kind", ["shape", "root", "tag", "collective"])
+@pytest.mark.parametrize("kind", ["shape", "root", "tag", "op", "collective"])
 def test_ranks_that_call_different_things_both_fail_with_a_mismatch(kind):
     results = run_processes(rank_calls_differ, 2, args=(kind,))
     for outcome, after in results:
@@ -258,6 +298,8 @@ def rank_peer_dies_in_a_direct_call(group, collective):
             ferro.broadcast(np.ones(8), 1, group=group)
         elif collective == "all_gather":
             ferro.all_gather(np.ones(8), group=group)
+        elif collective == "reduce_scatter":
+            ferro.reduce_scatter(np.ones(8), group=group)
         else:
             ferro.barrier(group=group)
         return "no error"
@@ -270,7 +312,7 @@ def rank_peer_dies_in_a_direct_call(group, collective):
         return lost, "broken"
 
 
-@pytest.mark.parametrize("collective", ["allreduce", "broadcast", "all_gather", "barrier"])
+@pytest.mark.parametrize("collective", ["allreduce", "broadcast", "all_gather", "reduce_scatter", "barrier"])
 def test_a_peer_killed_under_a_direct_call_raises_peer_lost(collective):
     results = run_processes(rank_peer_dies_in_a_direct_call, 2, args=(collective,), allow_exit={1}, timeout=60)
     assert results[0] == (("PeerLostError", 1, True), "broken")
@@ -309,7 +351,8 @@ def rank_closed_group(group):
     group.close()
     found = []
     for call in (lambda: ferro.allreduce(np.ones(2), group=group), lambda: ferro.broadcast(np.ones(2), group=group),
-                 lambda: ferro.all_gather(np.ones(2), group=group), lambda: ferro.barrier(group=group)):
+                 lambda: ferro.all_gather(np.ones(2), group=group), lambda: ferro.barrier(group=group),
+                 lambda: ferro.reduce_scatter(np.ones(2), group=group)):
         try:
             call()
             found.append("no error")
@@ -319,7 +362,7 @@ def rank_closed_group(group):
 
 
 def test_a_closed_group_refuses_every_direct_call():
-    assert run_processes(rank_closed_group, 2) == [["closed"] * 4] * 2
+    assert run_processes(rank_closed_group, 2) == [["closed"] * 5] * 2
 
 
 def rank_gather_and_broadcast_across_the_thresholds(group):
@@ -354,6 +397,13 @@ def rank_gather_and_broadcast_across_the_thresholds(group):
                 sent_to["broadcast", nbytes] = peers
             if not np.array_equal(data, np.arange(nbytes // 8) + root):
                 wrong.append(f"broadcast of {nbytes} B from {root}")
+    # reduce_scatter on both sides of the direct path's size: the same ring either way.
+    for count in (1, n, 1001 * n + 1, DIRECT_REDUCE_SCATTER_BYTES // 8 - 1, DIRECT_REDUCE_SCATTER_BYTES // 8 + n):
+        x = (np.arange(count) % 97 + r).astype(np.float64)
+        part = ferro.reduce_scatter(x, "mean", group=group) if r % 2 else \
+            ferro.reduce_scatter(x, "mean", group=group, async_op=True).wait()
+        if not np.array_equal(part, np.array_split(np.arange(count) % 97 + (n - 1) / 2, n)[r]):
+            wrong.append(f"reduce_scatter of {count}")
     return (mesh.bruck_bytes, mesh.chain_bytes), sent_to, wrong
 
 

@@ -12,6 +12,7 @@ ALGORITHMS: dict[str, int]
 DEFAULT_SEGMENT_BYTES: int
 DEFAULT_CHAIN_BYTES: int
 DEFAULT_BRUCK_BYTES: int
+DIRECT_REDUCE_SCATTER_BYTES: int
 
 class Mesh:
     connections: tuple[Connection | None, ...]
@@ -31,6 +32,9 @@ class DirectMeshBroadcast(DirectCall):
 
 class DirectMeshAllGather(DirectCall):
     def __call__(self, x: Any, out: Any, tag: Any, timeout: float | None) -> Any: ...
+
+class DirectMeshReduceScatter(DirectCall):
+    def __call__(self, x: Any, op: Any, out: Any, tag: Any, timeout: float | None) -> Any: ...
 
 class DirectMeshBarrier(DirectCall):
     def __call__(self, timeout: float | None) -> bool: ...

@@ -58,8 +58,9 @@ cdef class GroupState:
     cdef public object worker            # the group's GroupWorker (ferro.collective.work), created on first use
     cdef public object p2p               # ferro.p2p's receive state: messages set aside by (source, tag)
     cdef public object direct_allreduce  # the compiled allreduce path, None (the group has none), or UNSET
-    cdef public object direct_broadcast  # likewise for broadcast, all_gather and barrier (ferro._core.direct)
-    cdef public object direct_all_gather
+    cdef public object direct_broadcast  # likewise for broadcast, all_gather, reduce_scatter and barrier
+    cdef public object direct_all_gather  # (ferro._core.direct)
+    cdef public object direct_reduce_scatter
     cdef public object direct_barrier
     cdef public bint busy                # an operation of the group is running (kept by the worker)
     cdef public Py_ssize_t queued        # async operations waiting on the worker

@@ -94,6 +94,7 @@ cdef class GroupState:
         self.direct_allreduce = UNSET
         self.direct_broadcast = UNSET
         self.direct_all_gather = UNSET
+        self.direct_reduce_scatter = UNSET
         self.direct_barrier = UNSET
         self.busy = False
         self.queued = 0
@@ -169,11 +170,12 @@ cdef class GroupState:
             self.p2p = candidate
         return self.p2p
 
-    def set_direct(self, allreduce, broadcast, all_gather, barrier) -> None:
+    def set_direct(self, allreduce, broadcast=None, all_gather=None, reduce_scatter=None, barrier=None) -> None:
         """Install the group's direct paths (each a compiled call or None); None for all: the full path only."""
         self.direct_allreduce = allreduce
         self.direct_broadcast = broadcast
         self.direct_all_gather = all_gather
+        self.direct_reduce_scatter = reduce_scatter
         self.direct_barrier = barrier
 
     def count_call(self, int collective_id) -> None:

@@ -151,7 +151,7 @@ class StoreBackend(KeptIdentity, FramedBackend):
         if self._closed:
             return
         self._closed = True
-        self.state.set_direct(None, None, None, None)  # the full path, which refuses a closed group
+        self.state.set_direct(None)  # the full path, which refuses a closed group
         self._release()
         if self._rank_mark is not None:
             release_rank(self._store, self._rank_mark)

@@ -2,7 +2,7 @@
 
 A backend offers them through :class:`~ferro.backend.native.NativeCollectives`:
 an arena (shared memory: allreduce), a mesh (TCP: allreduce, broadcast,
-all_gather and barrier) or a foreign call of its own (MPI's allreduce). The
+all_gather, reduce_scatter and barrier) or a foreign call of its own (MPI's allreduce). The
 compiled side (:mod:`ferro._core.direct`) checks a call's signature against the
 plans kept here and runs it without the GIL; a signature it has not seen comes
 back here to be planned once, and a plan of ``False`` (an argument the full path
@@ -18,12 +18,20 @@ import numpy as np
 from ferro._buffers import Operand, operand
 from ferro._core.arena import DirectAllreduce
 from ferro._core.collectives import ALGORITHMS as ALLREDUCE_ALGORITHMS
-from ferro._core.collectives import DirectMeshAllGather, DirectMeshAllreduce, DirectMeshBarrier, DirectMeshBroadcast
+from ferro._core.collectives import (
+    DIRECT_REDUCE_SCATTER_BYTES,
+    DirectMeshAllGather,
+    DirectMeshAllreduce,
+    DirectMeshBarrier,
+    DirectMeshBroadcast,
+    DirectMeshReduceScatter,
+)
 from ferro.backend.base import Backend
 from ferro.collective.algorithms import choose_allreduce
 from ferro.collective.execute import fail_together, make_link_fingerprint
 from ferro.collective.resolve import (
     OP_VALUES,
+    chunk_bounds,
     element_count,
     gathered_shape,
     resolve_op,
@@ -112,6 +120,34 @@ def _direct_all_gather_plan(plans: dict[Any, Any], key: Any, tag: Any, group: Ba
     return _remember(plans, key, plan)
 
 
+def _direct_reduce_scatter_plan(plans: dict[Any, Any], key: Any, op: Any, group: Backend
+                                ) -> tuple[int, int, int, float, int, tuple[int, ...], tuple[int, ...]] | bool:
+    """Return what a direct reduce_scatter needs (``key``: dtype, shape, op), or False for the full path.
+
+    The plan: dtype code, kernel code, fingerprint, MEAN's divisor (else 0), itemsize,
+    this rank's part's shape, and the parts' ``n + 1`` element offsets (axis 0 cut as
+    :func:`numpy.array_split` cuts it). False for a 0-d input (the full path explains)
+    and for inputs over :data:`~ferro._core.collectives.DIRECT_REDUCE_SCATTER_BYTES`.
+    """
+    numpy_dtype, shape = key[0], key[1]
+    plan: tuple[int, int, int, float, int, tuple[int, ...], tuple[int, ...]] | bool = False
+    data = _plan_operand(numpy_dtype, "reduce_scatter", False)
+    try:
+        parsed = resolve_op(op, data.dtype, "reduce_scatter") if data is not None else None
+    except (InvalidBufferError, ValueError):
+        parsed = None
+    count = element_count(shape)
+    if data is not None and parsed is not None and shape and count * data.dtype.itemsize <= DIRECT_REDUCE_SCATTER_BYTES:
+        n, rank = group.world_size, group.rank
+        rows = chunk_bounds(shape[0], n)
+        row_size = element_count(shape[1:])
+        plan = (data.dtype.code, KERNEL_CODES[parsed],
+                make_link_fingerprint(group, "reduce_scatter", data, OP_VALUES[parsed], 0, count, shape),
+                float(n) if parsed is ReduceOp.MEAN else 0.0, data.dtype.itemsize,
+                (rows[rank + 1] - rows[rank],) + tuple(shape[1:]), tuple(b * row_size for b in rows))
+    return _remember(plans, key, plan)
+
+
 def direct_path(g: Backend) -> Any:
     """Build the group's compiled direct paths, keep them in its state, and return the allreduce's (or None).
 
@@ -130,8 +166,10 @@ def direct_path(g: Backend) -> Any:
             others = (DirectMeshBroadcast(*_direct_args(g, "broadcast", _direct_broadcast_plan), engine=mesh),
                       DirectMeshAllGather(*_direct_args(g, "all_gather", _direct_all_gather_plan), engine=mesh,
                                           empty=np.empty),
+                      DirectMeshReduceScatter(*_direct_args(g, "reduce_scatter", _direct_reduce_scatter_plan),
+                                              op_type=ReduceOp, engine=mesh, empty=np.empty),
                       DirectMeshBarrier(*_direct_args(g, "barrier", None), engine=mesh))
-    g.state.set_direct(direct, *(others or (None, None, None)))
+    g.state.set_direct(direct, *(others or ()))
     return direct
 
 

@@ -195,6 +195,15 @@ def reduce_scatter(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None
 
     """
     g = resolve_group(group, "reduce_scatter")
+    if not async_op:  # the direct path (see ferro.collective.direct)
+        direct = g.state.direct_reduce_scatter
+        if direct is UNSET:
+            direct_path(g)
+            direct = g.state.direct_reduce_scatter
+        if direct is not None:
+            part = direct(x, op, out, tag, timeout)
+            if part is not None:
+                return part
     if type(x) is not np.ndarray and is_device_array(x):
         no_device_out(out, "reduce_scatter")
         return routing.device_reduce_scatter(g, x, parse_op(op, "reduce_scatter"), timeout, async_op)

@@ -466,7 +466,7 @@ class MpiBackend(KeptIdentity, FramedBackend, MpiCollectives):
         if self._closed:
             return
         self._closed = True
-        self.state.set_direct(None, None, None, None)  # the full path, which refuses a closed group
+        self.state.set_direct(None)  # the full path, which refuses a closed group
         self._watchdog.stop()
         if self._hook is not None:
             remove_abort_hook(self._hook)
