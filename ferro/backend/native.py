@@ -60,8 +60,8 @@ class NativeCollectives:
     def direct_mesh(self) -> Any:
         """A compiled mesh (:class:`ferro._core.collectives.Mesh`) the collectives call directly, or None.
 
-        A TCP group offers it: then ``ferro.allreduce``, ``broadcast``, ``all_gather`` and
-        ``barrier`` run their common cases as one compiled call each.
+        A TCP group offers it: then ``ferro.allreduce``, ``broadcast``, ``all_gather``,
+        ``reduce_scatter`` and ``barrier`` run their common cases as one compiled call each.
         """
         return None
 
