@@ -6,6 +6,7 @@ bit for bit and one process on whole batches to 1e-12. The libraries come with
 the ``clients`` extra (part of ``test``).
 """
 
+import importlib.util
 import json
 import os
 import secrets
@@ -22,6 +23,13 @@ sys.path.insert(0, HERE)
 from _common import single_process_params  # noqa: E402
 
 sys.path.remove(HERE)
+
+
+def _needs(package):
+    # Looked up, not imported: importing Lightning or Ray here would cost this worker 2-6 s of CPU for a check,
+    # and the scripts import them in processes of their own anyway.
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"needs {package} (the clients extra)")
 
 
 def _environment():
@@ -50,13 +58,13 @@ def _assert_ferro_matches_gloo_and_one_process(ferro, gloo):
 
 
 def test_lightning_ddp_strategy_over_ferro_matches_gloo(tmp_path):
-    pytest.importorskip("lightning")
+    _needs("lightning")
     _run([sys.executable, os.path.join(HERE, "lightning_ddp.py"), str(tmp_path), "ferro", "gloo"], tmp_path)
     _assert_ferro_matches_gloo_and_one_process(_result(tmp_path / "ferro.json"), _result(tmp_path / "gloo.json"))
 
 
 def test_accelerate_over_ferro_matches_gloo(tmp_path):
-    pytest.importorskip("accelerate")
+    _needs("accelerate")
     for backend in ("ferro", "gloo"):
         _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
               str(_free_port()), os.path.join(HERE, "accelerate_ddp.py"), backend, str(tmp_path / f"{backend}.json")],
@@ -65,7 +73,7 @@ def test_accelerate_over_ferro_matches_gloo(tmp_path):
 
 
 def test_ray_train_finds_ferro_by_name_and_matches_gloo(tmp_path):
-    pytest.importorskip("ray.train.torch")
+    _needs("ray")
     _run([sys.executable, os.path.join(HERE, "ray_train.py"), str(tmp_path)], tmp_path, timeout=400)
     _assert_ferro_matches_gloo_and_one_process(_result(tmp_path / "ferro.json"), _result(tmp_path / "gloo.json"))
 
