@@ -279,3 +279,28 @@ def test_operations_after_close(run):
 def test_barrier_at_other_world_sizes(run, world_size):
     assert run(rank_all_pairs, world_size, args=(64,)) == [
         [p for p in range(world_size) if p != r] for r in range(world_size)]
+
+
+def test_ranks_confined_to_fewer_cores_than_ranks_do_not_spin(monkeypatch):
+    # Two ranks that taskset, a cgroup cpuset or mpirun's binding confine to one core count one core, not the
+    # machine's: spinning there steals the core the peer needs to answer.
+    from ferro.backend import base, shm
+
+    monkeypatch.delenv(base.SPIN_ENV, raising=False)
+    monkeypatch.setattr(base.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(base.os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert base.usable_cpus() == 1
+    assert base.default_spin_us(None, 2) == 0.0
+    assert base.default_spin_us(None, 1) == base.DEFAULT_SPIN_US
+    assert shm._buffer_bytes(None, 2) == shm.OVERSUBSCRIBED_BUFFER_BYTES
+    monkeypatch.setattr(base.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert base.default_spin_us(None, 4) == base.DEFAULT_SPIN_US
+    assert base.default_spin_us(None, 5) == 0.0
+    assert shm._buffer_bytes(None, 4) == shm.DEFAULT_BUFFER_BYTES
+    # Without affinity masks (not Linux), every CPU of the machine counts.
+    monkeypatch.delattr(base.os, "sched_getaffinity")
+    assert base.usable_cpus() == 8
+    # What the caller or $FERRO_SPIN_US says wins.
+    assert base.default_spin_us(25.0, 64) == 25.0
+    monkeypatch.setenv(base.SPIN_ENV, "7")
+    assert base.default_spin_us(None, 64) == 7.0

@@ -15,7 +15,7 @@ from ferro._buffers import as_buffer
 from ferro._core.arena import Arena, arena_bytes
 from ferro._core.shm import SEGMENT_HEADER_BYTES, Channel, Segment, segment_bytes
 from ferro._core.transport import KIND_ABORT, KIND_BARRIER
-from ferro.backend.base import default_spin_us
+from ferro.backend.base import default_spin_us, usable_cpus
 from ferro.backend.joined import JoinSpec, StoreBackend
 from ferro.backend.native import NativeCollectives
 from ferro.errors import ConfigurationError, DistributedError, DistributedTimeoutError, PeerLostError
@@ -149,7 +149,7 @@ def _size_setting(value: int | None, env: str, default: int, what: str) -> int:
 
 
 def _buffer_bytes(buffer_bytes: int | None, world_size: int) -> int:
-    crowded = world_size > (os.cpu_count() or 1)
+    crowded = world_size > usable_cpus()
     default = OVERSUBSCRIBED_BUFFER_BYTES if crowded else DEFAULT_BUFFER_BYTES
     return _size_setting(buffer_bytes, BUFFER_ENV, default, "slot buffers")
 
