@@ -889,6 +889,22 @@ cdef class _MeshCall(DirectCall):
         self.mesh = engine
         self.empty = empty
 
+    cdef object take_result(self, x, out, object shape, Py_buffer* into):
+        """The array a call with a separate output writes: ``out`` if it is of ``shape`` and ``x``'s dtype,
+        else (None given) a new one; its buffer taken into ``into``. None, with nothing taken, for the full path.
+        """
+        if out is None:
+            result = self.empty(shape, x.dtype)
+        elif out.dtype == x.dtype and out.shape == shape:
+            result = out
+        else:
+            return None
+        try:
+            PyObject_GetBuffer(result, into, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+        except (BufferError, ValueError, TypeError):
+            return None
+        return result
+
 
 cdef class DirectMeshAllreduce(_MeshCall):
     """``ferro.allreduce``'s direct path on a TCP group: ``(x, op, timeout) -> bool``.
@@ -1041,16 +1057,9 @@ cdef class DirectMeshAllGather(_MeshCall):
                 return None
             plan = self.plan
             fingerprint, shape = plan[0], plan[1]
-            if out is None:
-                result = self.empty(shape, x.dtype)
-            elif out.dtype == x.dtype and out.shape == shape:
-                result = out
-            else:
+            result = self.take_result(x, out, shape, &into)
+            if result is None:
                 return None  # the full path says what is wrong with out
-            try:
-                PyObject_GetBuffer(result, &into, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
-            except (BufferError, ValueError, TypeError):
-                return None
             has_into = True
             nbytes = <size_t>view.len
             seconds = self.seconds(timeout)
@@ -1120,16 +1129,9 @@ cdef class DirectMeshReduceScatter(_MeshCall):
                 return None
             plan = self.plan
             dtype, fingerprint, divisor, itemsize, shape, bounds = plan[0], plan[2], plan[3], plan[4], plan[5], plan[6]
-            if out is None:
-                result = self.empty(shape, x.dtype)
-            elif out.dtype == x.dtype and out.shape == shape:
-                result = out
-            else:
+            result = self.take_result(x, out, shape, &into)
+            if result is None:
                 return None  # the full path says what is wrong with out
-            try:
-                PyObject_GetBuffer(result, &into, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
-            except (BufferError, ValueError, TypeError):
-                return None
             has_into = True
             seconds = self.seconds(timeout)
             if not self.may_take(x):

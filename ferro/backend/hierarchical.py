@@ -273,26 +273,24 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
                 exchange(k)
                 after(k)
             return
-        relay, job = None, None
+        relay, job = _Relay(), None  # a host's other ranks mark pieces ready for nobody: no thread, no exchange
         if self._leaders is not None:  # a leader: its exchanges run on its thread, one job per call
             if self._exchanger is None:
                 self._exchanger = ThreadPoolExecutor(1, thread_name_prefix=f"ferro-leaders-r{self.rank}")
-            relay = _Relay()
             job = self._exchanger.submit(_exchange_all, relay, pieces, exchange)
         try:
             for k in range(pieces + 1):
                 if k < pieces:
                     before(k)
-                    if relay is not None:
-                        relay.ready(k)
+                    relay.ready(k)
                 if k > 0:
-                    if relay is not None and job is not None and not relay.wait_exchanged(k - 1):
+                    if job is not None and not relay.wait_exchanged(k - 1):
                         job.result()  # the exchange failed: its error
                         # Never reached (the thread stops short only on an error); never broadcast a stale piece.
                         raise DistributedError(f"rank {self.rank}: the leaders' exchange stopped before piece {k - 1}")
                     after(k - 1)
         finally:
-            if relay is not None and job is not None:
+            if job is not None:
                 relay.abandon()
                 job.exception()  # wait for an exchange in flight; an error already raised here is the one reported
 

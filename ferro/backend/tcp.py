@@ -183,11 +183,8 @@ class TcpBackend(StoreBackend, NativeCollectives):
 
     def native_reduce_scatter(self, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp, fingerprint: int,
                               timeout: float) -> bool:
-        """Run the ring's reduce-scatter half."""
-        self._usable("reduce_scatter")
-        native.ring(self._mesh, flat, bounds, dtype.code, op.kernel_code, dtype.itemsize,
-                    fingerprint, timeout, True, False, native.DEFAULT_SEGMENT_BYTES, _divisor(op, self._world_size))
-        return True
+        """Run the ring's reduce-scatter half in place (the ring given ``flat`` as its own source)."""
+        return self.native_reduce_scatter_from(flat, flat, bounds, dtype, op, fingerprint, timeout)
 
     def native_reduce_scatter_from(self, source: Any, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp,
                                    fingerprint: int, timeout: float) -> bool:
