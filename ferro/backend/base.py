@@ -171,8 +171,13 @@ class Backend(abc.ABC):
             timeout: Seconds; ``None`` uses :attr:`timeout`.
 
         Raises:
-            InvalidRankError, SelfSendError, InvalidBufferError, PeerLostError,
-            DistributedTimeoutError, ConnectionBrokenError, BackendClosedError.
+            InvalidRankError: ``dst`` is not a rank of the group.
+            SelfSendError: ``dst`` is this rank.
+            InvalidBufferError: ``buf`` is not C-contiguous.
+            PeerLostError: ``dst`` died or closed its connection.
+            DistributedTimeoutError: ``dst`` did not take the message within the timeout.
+            ConnectionBrokenError: The connection failed mid-message.
+            BackendClosedError: The group is closed.
 
         """
 
@@ -187,9 +192,14 @@ class Backend(abc.ABC):
 
         Raises:
             SizeMismatchError: The message has another size; it stays queued.
-            InvalidRankError, SelfSendError, InvalidBufferError, PeerLostError,
-            DistributedTimeoutError, CollectiveMismatchError, ConnectionBrokenError,
-            BackendClosedError.
+            InvalidRankError: ``src`` is not a rank of the group.
+            SelfSendError: ``src`` is this rank.
+            InvalidBufferError: ``buf`` is not writable and C-contiguous.
+            PeerLostError: ``src`` died or closed its connection.
+            DistributedTimeoutError: Nothing arrived within the timeout.
+            CollectiveMismatchError: ``src`` sent a frame of another call.
+            ConnectionBrokenError: The connection failed mid-message.
+            BackendClosedError: The group is closed.
 
         """
 
@@ -205,8 +215,8 @@ class Backend(abc.ABC):
         thread; backends override it with a native full-duplex exchange.
 
         Raises:
-            The errors of :meth:`send` and :meth:`recv`; when both fail, the
-            receive's error is raised.
+            DistributedError: The errors of :meth:`send` and :meth:`recv`; when both
+                fail, the receive's error is raised.
 
         """
         send_error: list[BaseException] = []
@@ -299,8 +309,10 @@ class Backend(abc.ABC):
         """Block until every rank of the group has entered the barrier.
 
         Raises:
-            PeerLostError, DistributedTimeoutError, CollectiveMismatchError
-            (a peer made another call), BackendClosedError.
+            PeerLostError: A rank died or closed its connection.
+            DistributedTimeoutError: A rank did not arrive within the timeout.
+            CollectiveMismatchError: A peer made another call.
+            BackendClosedError: The group is closed.
 
         """
 

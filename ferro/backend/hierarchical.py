@@ -65,7 +65,7 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         close_store: Close a given ``store`` with the group.
 
     Raises:
-        As :class:`~ferro.TcpBackend` and :class:`~ferro.ShmBackend`.
+        DistributedError: As :class:`~ferro.TcpBackend` and :class:`~ferro.ShmBackend`.
 
     Example::
 

@@ -186,7 +186,10 @@ class ShmBackend(StoreBackend, NativeCollectives):
         close_store: Close a given ``store`` with the group (it becomes the group's own).
 
     Raises:
-        ConfigurationError, InvalidRankError, InvalidWorldSizeError, DistributedTimeoutError,
+        ConfigurationError: As :class:`~ferro.TcpBackend`.
+        InvalidRankError: As :class:`~ferro.TcpBackend`.
+        InvalidWorldSizeError: As :class:`~ferro.TcpBackend`.
+        DistributedTimeoutError: As :class:`~ferro.TcpBackend`.
         AuthenticationError: As :class:`~ferro.TcpBackend`.
 
     """

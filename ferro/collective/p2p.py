@@ -85,7 +85,11 @@ def send(x: Any, dst: int, *, tag: int = 0, group: Backend | None = None, timeou
         y = ferro.p2p.recv(src=0, tag=7, group=g)   # array([0., 1., 2.])
 
     Raises:
-        InvalidRankError, SelfSendError, InvalidBufferError, PeerLostError, DistributedTimeoutError.
+        InvalidRankError: ``dst`` is not a rank of the group.
+        SelfSendError: ``dst`` is this rank.
+        InvalidBufferError: ``x`` cannot be sent (an object that is not an array).
+        PeerLostError: ``dst`` died or closed its connection.
+        DistributedTimeoutError: ``dst`` did not take the message within ``timeout``.
 
     """
     if type(x) is not np.ndarray and is_device_array(x):
@@ -114,7 +118,7 @@ def isend(x: Any, dst: int, *, tag: int = 0, group: Backend | None = None,
         y = ferro.p2p.irecv(src=0, group=g).wait()   # array([0., 1., 2.])
 
     Raises:
-        As :func:`send`; validation errors at once, transfer errors from ``wait()``.
+        DistributedError: As :func:`send`: validation errors at once, transfer errors from ``wait()``.
 
     """
     if type(x) is not np.ndarray and is_device_array(x):
@@ -191,7 +195,11 @@ def recv(src: int, *, tag: int = 0, group: Backend | None = None, timeout: float
 
     Raises:
         SizeMismatchError: Larger than ``max_bytes``; nothing is lost.
-        InvalidRankError, SelfSendError, PeerLostError, DistributedTimeoutError, CollectiveMismatchError.
+        InvalidRankError: ``src`` is not a rank of the group.
+        SelfSendError: ``src`` is this rank.
+        PeerLostError: ``src`` died or closed its connection.
+        DistributedTimeoutError: Nothing arrived within ``timeout``.
+        CollectiveMismatchError: ``src`` sent something other than a point-to-point message.
 
     """
     g, body = _receiver(src, tag, group, timeout, max_bytes, "recv")
@@ -205,7 +213,7 @@ def irecv(src: int, *, tag: int = 0, group: Backend | None = None, timeout: floa
     Runs on the group's worker in call order (see :func:`isend`).
 
     Raises:
-        As :func:`recv`; validation errors at once, transfer errors from ``wait()``.
+        DistributedError: As :func:`recv`: validation errors at once, transfer errors from ``wait()``.
 
     """
     g, body = _receiver(src, tag, group, timeout, max_bytes, "irecv")
@@ -363,7 +371,7 @@ def sendrecv(x: Any, peer: int, *, tag: int = 0, group: Backend | None = None, t
         # rank 1: theirs = sendrecv(np.ones(3), peer=0, group=g)   -> rank 0's array
 
     Raises:
-        As :func:`send` and :func:`recv`.
+        DistributedError: As :func:`send` and :func:`recv`.
 
     """
     g = resolve_group(group, "sendrecv")

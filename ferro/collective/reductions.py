@@ -67,7 +67,9 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.SUM, *, group: Backend | None = No
     Raises:
         InvalidBufferError: Not contiguous, read-only, or an op that does not apply to the dtype.
         CollectiveMismatchError: Ranks disagree on the call (size, dtype, op).
-        PeerLostError, DistributedTimeoutError, ConnectionBrokenError.
+        PeerLostError: A peer died or closed its connection.
+        DistributedTimeoutError: A peer did not answer within ``timeout``.
+        ConnectionBrokenError: A connection failed mid-call.
 
     Example::
 

@@ -90,7 +90,7 @@ class PendingCollective:
 
         Raises:
             DistributedTimeoutError: Still running after ``timeout`` (it keeps running).
-            Whatever the collective raised.
+            DistributedError: Whatever the collective raised (a subclass, naming the rank and the peer).
 
         """
         if not self._done.wait(timeout):

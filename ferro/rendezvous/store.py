@@ -139,7 +139,7 @@ class StoreServer:
 
     Args:
         host: Address to bind (the master address the ranks will connect to).
-        port: Port to bind; 0 picks a free one (see :attr:`port`).
+        port: Port to bind; 0 picks a free one (the bound one is then the ``port`` attribute).
         secret: The job secret every client must prove it holds.
 
     Raises:
