@@ -1,0 +1,261 @@
+"""The documentation site builds strictly, documents every public name, and its code runs.
+
+The site (mkdocs.yml, docs/) is built with ``mkdocs build --strict`` into a temporary folder: a broken
+cross-reference, a docstring griffe cannot parse or a page missing from the navigation fails the build.
+The built HTML is then checked for what the API reference promises: an entry for every name of
+``ferro.__all__`` and of each documented subpackage's ``__all__``, and every exception class on the
+exceptions page.
+
+Every fenced code block of the guides, the home page and the README is collected, and each one is either
+run here or marked, in the Markdown, as not runnable with a reason. What a block may carry, on the line
+above its fence:
+
+* nothing: a ``python`` block runs as one rank (``ferro.testing.run_processes`` with the rank's
+  environment, so ``ferro.init_process_group()`` works) in the page's working folder;
+* ``<!-- test: ranks=N -->``: a ``python`` block runs on N ranks as processes, each with its rank's
+  environment, and every rank must finish without an error;
+* ``<!-- test: continues -->``: a ``python`` block runs after the page's previous ``python`` block, in the
+  same program (a guide that builds a model in one block and trains it in the next);
+* ``<!-- not-run: REASON -->``: the block is not run, and REASON (a GPU, several hosts, minutes of
+  runtime) says why; a block with no reason fails the collection test;
+* a ``python`` block with a ``title="NAME"`` is a file: it is written into the working folder as NAME,
+  and some ``bash`` block of the page must name it or some other file of the page import it;
+* a ``bash`` block runs with bash in the working folder, after the page's files are written;
+* ``text`` blocks are output shown to the reader, not code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ferro
+import ferro.errors
+from ferro.testing import run_processes
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(p for p in DOCS.rglob("*.md") if "_ext" not in p.parts) + [ROOT / "README.md"]
+_FENCE = re.compile(r"^```(\w*)([^\n]*)$")
+_DIRECTIVE = re.compile(r"^<!--\s*(test|not-run):\s*(.*?)\s*-->$")
+_TITLE = re.compile(r'title="([^"]+)"')
+OUTPUT_LANGUAGES = {"text"}
+RUNNABLE_LANGUAGES = {"python", "bash"}
+BLOCK_TIMEOUT = 240.0
+
+
+@dataclasses.dataclass
+class Block:
+    """One fenced code block of a page, with what the line above its fence says about it."""
+
+    page: Path
+    line: int
+    language: str
+    code: str
+    title: str | None = None
+    ranks: int = 1
+    continues: bool = False
+    not_run: str | None = None
+    directive_error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def _parse_directive(block: Block, kind: str, text: str) -> None:
+    if kind == "not-run":
+        block.not_run = text
+        if not text:
+            block.directive_error = "not-run without a reason"
+        return
+    for word in text.split():
+        if word == "continues":
+            block.continues = True
+        elif word.startswith("ranks=") and word[6:].isdigit():
+            block.ranks = int(word[6:])
+        else:
+            block.directive_error = f"unknown test directive {word!r}"
+
+
+def blocks_of(page: Path) -> list[Block]:
+    """Every fenced code block of ``page``, in order."""
+    lines = page.read_text().splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        fence = _FENCE.match(lines[i].strip()) if not lines[i].startswith("    ") else None
+        if fence is None:
+            i += 1
+            continue
+        start = i
+        i += 1
+        body: list[str] = []
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i])
+            i += 1
+        title = _TITLE.search(fence.group(2))
+        block = Block(page, start + 1, fence.group(1), "\n".join(body) + "\n", title.group(1) if title else None)
+        above = start - 1
+        while above >= 0 and not lines[above].strip():
+            above -= 1
+        directive = _DIRECTIVE.match(lines[above].strip()) if above >= 0 else None
+        if directive:
+            _parse_directive(block, directive.group(1), directive.group(2))
+        blocks.append(block)
+        i += 1
+    return blocks
+
+
+ALL_BLOCKS = [block for page in PAGES for block in blocks_of(page)]
+RUN_BLOCKS = [b for b in ALL_BLOCKS if b.not_run is None and b.language in RUNNABLE_LANGUAGES and b.title is None]
+
+
+def test_every_code_block_is_run_or_marked_with_a_reason():
+    problems = []
+    for block in ALL_BLOCKS:
+        if block.directive_error:
+            problems.append(f"{block.name}: {block.directive_error}")
+        elif block.not_run is None and block.language not in RUNNABLE_LANGUAGES | OUTPUT_LANGUAGES:
+            problems.append(f"{block.name}: a {block.language or 'plain'} block neither runs nor says why not "
+                            "(mark it <!-- not-run: REASON -->, or make it text if it is output)")
+        elif block.ranks > 1 and block.language != "python":
+            problems.append(f"{block.name}: ranks= applies to python blocks")
+    for page in PAGES:
+        blocks = [b for b in ALL_BLOCKS if b.page == page]
+        users = "\n".join(b.code for b in blocks if b.not_run is None and (b.language == "bash" or b.title))
+        for block in blocks:
+            module = Path(block.title or "").stem
+            used = block.title in users or re.search(rf"^\s*(from|import) {module}\b", users, re.M)
+            if block.title and block.not_run is None and not used:
+                problems.append(f"{block.name}: the file {block.title} is run by no bash block of its page "
+                                "and imported by no file of it")
+    assert not problems, "\n".join(problems)
+    assert len(RUN_BLOCKS) >= 30, "the guides lost their runnable examples"
+
+
+def _page_folder(block: Block, tmp_path: Path) -> Path:
+    """The block's working folder: every titled file of its page, and the repository's examples as in a clone."""
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    for other in ALL_BLOCKS:
+        if other.page == block.page and other.title:
+            target = tmp_path / other.title
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(other.code)
+    return tmp_path
+
+
+def _program(block: Block) -> str:
+    """The block's code, after the blocks it continues."""
+    page_blocks = [b for b in ALL_BLOCKS if b.page == block.page and b.language == "python" and b.title is None]
+    index = page_blocks.index(block)
+    chain = [block]
+    while chain[0].continues:
+        index -= 1
+        chain.insert(0, page_blocks[index])
+    if len(chain) == 1:  # blank lines up to the fence: a traceback's line numbers are the page's
+        return "\n" * block.line + block.code
+    return "\n".join(b.code for b in chain)
+
+
+def run_block_as_rank(rank: int, world_size: int, code: str, folder: str, name: str) -> None:
+    """Run a page's Python on one rank, in its folder, as ``__main__``; leaves no default group behind."""
+    os.chdir(folder)
+    sys.argv = [name]
+    try:
+        exec(compile(code, name, "exec"), {"__name__": "__main__"})
+    finally:
+        if ferro.is_initialized():
+            ferro.destroy_process_group()
+
+
+@pytest.mark.parametrize("block", RUN_BLOCKS, ids=lambda b: b.name)
+def test_code_block_runs(block, tmp_path):
+    folder = _page_folder(block, tmp_path)
+    if block.language == "python":
+        run_processes(run_block_as_rank, block.ranks, args=(_program(block), str(folder), str(block.page)),
+                      backend=None, timeout=BLOCK_TIMEOUT)
+        return
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=folder, env=env,
+                            capture_output=True, text=True, timeout=BLOCK_TIMEOUT)
+    assert result.returncode == 0, f"{block.name} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+
+
+# --- the built site ---
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    if shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None:
+        pytest.fail("mkdocs is not installed: pip install '.[docs]' (the test extra includes it)")
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    result = subprocess.run([str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "-d", str(out)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-6000:]}"
+    return out
+
+
+def _anchors(page: Path) -> set[str]:
+    return {html.unescape(a) for a in re.findall(r'id="([^"]+)"', page.read_text())}
+
+
+def test_site_builds_with_a_search_index_and_no_empty_page(site):
+    index = json.loads((site / "search" / "search_index.json").read_text())
+    locations = {doc["location"].split("#")[0] for doc in index["docs"]}
+    for page in sorted(DOCS.rglob("*.md")):
+        if "_ext" in page.parts:
+            continue
+        relative = page.relative_to(DOCS).with_suffix("")
+        location = "" if str(relative) == "index" else f"{relative}/"
+        assert location in locations, f"{page} is not in the search index"
+        text = re.sub(r"<[^>]+>", " ", (site / location / "index.html").read_text().split('<article', 1)[1])
+        words = len(text.split())
+        assert words > 150, f"{page} renders {words} words: empty or a stub"
+
+
+def test_api_reference_has_every_public_name(site):
+    top = _anchors(site / "api" / "ferro" / "index.html") | _anchors(site / "api" / "errors" / "index.html")
+    namespaces = {"checkpoint", "dtensor", "elastic", "nn", "p2p", "pipeline", "rpc", "__version__"}
+    missing = [name for name in ferro.__all__ if name not in namespaces and f"ferro.{name}" not in top]
+    assert not missing, f"not in the API reference: {missing}"
+    pages = {"checkpoint": "ferro.checkpoint", "rpc": "ferro.rpc", "dtensor": "ferro.dtensor",
+             "pipeline": "ferro.parallel.pipeline", "elastic": "ferro.elastic", "nn": "ferro.nn",
+             "torch": "ferro.interop.torch", "testing": "ferro.testing", "doctor": "ferro.collective.diagnosis"}
+    pytest.importorskip("torch", reason="ferro.interop.torch needs torch to import; the docs build does not")
+    for page, module_name in pages.items():
+        anchors = _anchors(site / "api" / page / "index.html")
+        module = importlib.import_module(module_name)
+        missing = [name for name in module.__all__ if f"{module_name}.{name}" not in anchors]
+        assert not missing, f"api/{page}: {module_name} names not documented: {missing}"
+    parallel = _anchors(site / "api" / "parallel" / "index.html")
+    for module_name in ("ferro.parallel.comm_hooks", "ferro.parallel.local_sgd"):
+        module = importlib.import_module(module_name)
+        missing = [name for name in module.__all__ if f"{module_name}.{name}" not in parallel]
+        assert not missing, f"api/parallel: {module_name} names not documented: {missing}"
+
+
+def test_exceptions_page_explains_every_exception_class():
+    text = (DOCS / "api" / "errors.md").read_text()
+    classes = [name for name, value in vars(ferro.errors).items()
+               if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == "ferro.errors"]
+    assert len(classes) >= 25
+    missing = [name for name in classes if f"### `{name}`" not in text]
+    assert not missing, f"docs/api/errors.md has no section for {missing}"
+
+
+def test_readme_is_a_landing_page_whose_links_resolve():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) < 200
+    for target in re.findall(r"\]\((?!https?:|#)([^)#]+)", text):
+        assert (ROOT / target).exists(), f"README links to {target}, which is not in the repository"
