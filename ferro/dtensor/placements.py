@@ -73,6 +73,7 @@ class Partial:
 
 
 Placement = Shard | Replicate | Partial
+"""How a tensor lies along one dimension of a device mesh: :class:`Shard`, :class:`Replicate` or :class:`Partial`."""
 
 
 def normalize_placements(placements: Sequence[Any], mesh_ndim: int, tensor_ndim: int, where: str

@@ -68,8 +68,8 @@ from ferro.types import ReduceOp
 __all__ = ["BACKEND_NAME", "FerroWork", "ProcessGroupFerro", "comm_hook", "create_process_group", "group_timeout",
            "register"]
 
-#: The name ``torch.distributed.init_process_group`` takes.
 BACKEND_NAME = "ferro"
+"""The backend name ``torch.distributed.init_process_group`` takes for ferro."""
 #: The ferro backends a torch group can run on (host memory, ranks from torch).
 HOST_BACKENDS = ("auto", "tcp", "shm", "hierarchical")
 
