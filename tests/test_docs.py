@@ -241,6 +241,10 @@ def test_api_reference_has_every_public_name(site):
         module = importlib.import_module(module_name)
         missing = [name for name in module.__all__ if f"{module_name}.{name}" not in anchors]
         assert not missing, f"api/{page}: {module_name} names not documented: {missing}"
+    backend = _anchors(site / "api" / "backend" / "index.html")
+    missing = [name for name in importlib.import_module("ferro.backend").__all__
+               if f"ferro.backend.{name}" not in backend and f"ferro.{name}" not in top]
+    assert not missing, f"api/backend: ferro.backend names not documented: {missing}"
     parallel = _anchors(site / "api" / "parallel" / "index.html")
     for module_name in ("ferro.parallel.comm_hooks", "ferro.parallel.local_sgd"):
         module = importlib.import_module(module_name)

@@ -82,7 +82,6 @@ def _join_hybrid(spec: JoinSpec) -> Backend:
     return HybridBackend.join(spec)
 
 
-#: Every backend by name, in the order help texts list them. Read-only.
 BACKENDS = MappingProxyType({entry.name: entry for entry in (
     BackendEntry("tcp", "a full mesh of authenticated TCP connections, any hosts", TcpBackend.join),
     BackendEntry("shm", "shared memory, every rank on one host", ShmBackend.join),
@@ -96,6 +95,7 @@ BACKENDS = MappingProxyType({entry.name: entry for entry in (
     BackendEntry("nccl", "NCCL on GPUs (one per rank), through ctypes", _join_nccl, gpu=True),
     BackendEntry("hybrid", "TCP for host memory, NCCL for GPU memory", _join_hybrid, gpu=True),
 )})
+"""Every backend by name, in the order help texts list them. Read-only."""
 
 
 def available_backends(gpu: bool | None = None) -> list[str]:

@@ -46,8 +46,8 @@ class Bucket:
         return [tuple(param.shape) for param in self.parameters]
 
 
-#: A communication hook: ``hook(group, bucket)`` leaves the bucket's average over the group in its buffer.
 CommHook = Callable[[Backend, Bucket], None]
+"""A communication hook: ``hook(group, bucket)`` leaves the bucket's average over the group in its buffer."""
 
 
 def float_view(bucket: Bucket) -> np.ndarray | None:
