@@ -82,6 +82,8 @@ def batch():
 
 
 def rank_ferro(group, kind: str, per_rank: int, steps: int) -> dict[str, object]:
+    import ferro
+    from ferro import nn
     from ferro.pipeline import (
         PipelineStage,
         Schedule1F1B,
@@ -89,9 +91,6 @@ def rank_ferro(group, kind: str, per_rank: int, steps: int) -> dict[str, object]
         ScheduleInterleaved1F1B,
         ScheduleZeroBubble,
     )
-
-    import ferro
-    from ferro import nn
 
     num_stages = WORLD * per_rank
     stages = [PipelineStage(ferro_sleeper(T_FORWARD / per_rank, T_BACKWARD / per_rank), s, num_stages, group=group)

@@ -107,15 +107,15 @@ def test_reexported_names_read_as_ferro_x():
 def test_module_paths_users_import_are_the_modules_themselves():
     import sys
 
-    import ferro.device_mesh
     import ferro.p2p
-    import ferro.pipeline
     import ferro.process_group
-    from ferro.pipeline import Schedule1F1B
     from ferro.process_group import init_process_group
 
     import ferro.collective.process_group
+    import ferro.device_mesh
     import ferro.parallel.pipeline
+    import ferro.pipeline
+    from ferro.pipeline import Schedule1F1B
 
     # One module object each: a copy of process_group would hold a default group of its own.
     assert sys.modules["ferro.process_group"] is ferro.collective.process_group

@@ -6,6 +6,10 @@ import re
 import numpy as np
 import pytest
 from _pipeline_check import check_actions
+
+import ferro
+from ferro import nn
+from ferro.parallel.pipeline.actions import schedule_actions
 from ferro.pipeline import (
     ActionKind,
     PipelineStage,
@@ -15,10 +19,6 @@ from ferro.pipeline import (
     ScheduleZeroBubble,
     write_chrome_trace,
 )
-
-import ferro
-from ferro import nn
-from ferro.parallel.pipeline.actions import schedule_actions
 from ferro.testing import run_processes, run_threads
 
 torch = pytest.importorskip("torch")

@@ -77,7 +77,7 @@ def fence_literal_blocks(text: str) -> str:
 
 
 def _member(root: griffe.Object | griffe.Alias, parts: list[str]) -> griffe.Object | None:
-    """The object at ``parts`` below ``root``, following aliases; None where any step is missing."""
+    """Return the object at ``parts`` below ``root``, following aliases; None where any step is missing."""
     node: Any = root
     for part in parts:
         try:

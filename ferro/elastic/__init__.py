@@ -6,7 +6,7 @@
 * :class:`ElasticSampler` (``sampler.py``): each step's samples, split among whoever trains it.
 * :mod:`~ferro.elastic.keys`: the store keys, shared with ``ferro run``'s agent.
 
-Start the job with ``ferro run --restart-policy rank`` (see the README's fault-tolerance section).
+Start the job with ``ferro run --restart-policy rank`` (see the fault tolerance guide, docs/guides/fault-tolerance.md).
 """
 
 from ferro.elastic.manager import Change, Manager, Step, membership_failure
