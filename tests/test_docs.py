@@ -14,8 +14,6 @@ above its fence:
   environment, so ``ferro.init_process_group()`` works) in the page's working folder;
 * ``<!-- test: ranks=N -->``: a ``python`` block runs on N ranks as processes, each with its rank's
   environment, and every rank must finish without an error;
-* ``<!-- test: continues -->``: a ``python`` block runs after the page's previous ``python`` block, in the
-  same program (a guide that builds a model in one block and trains it in the next);
 * ``<!-- not-run: REASON -->``: the block is not run, and REASON (a GPU, several hosts, minutes of
   runtime) says why; a block with no reason fails the collection test;
 * a ``python`` block with a ``title="NAME"`` is a file: it is written into the working folder as NAME,
@@ -64,7 +62,6 @@ class Block:
     code: str
     title: str | None = None
     ranks: int = 1
-    continues: bool = False
     not_run: str | None = None
     directive_error: str | None = None
 
@@ -80,9 +77,7 @@ def _parse_directive(block: Block, kind: str, text: str) -> None:
             block.directive_error = "not-run without a reason"
         return
     for word in text.split():
-        if word == "continues":
-            block.continues = True
-        elif word.startswith("ranks=") and word[6:].isdigit():
+        if word.startswith("ranks=") and word[6:].isdigit():
             block.ranks = int(word[6:])
         else:
             block.directive_error = f"unknown test directive {word!r}"
@@ -157,16 +152,8 @@ def _page_folder(block: Block, tmp_path: Path) -> Path:
 
 
 def _program(block: Block) -> str:
-    """The block's code, after the blocks it continues."""
-    page_blocks = [b for b in ALL_BLOCKS if b.page == block.page and b.language == "python" and b.title is None]
-    index = page_blocks.index(block)
-    chain = [block]
-    while chain[0].continues:
-        index -= 1
-        chain.insert(0, page_blocks[index])
-    if len(chain) == 1:  # blank lines up to the fence: a traceback's line numbers are the page's
-        return "\n" * block.line + block.code
-    return "\n".join(b.code for b in chain)
+    """The block's code after blank lines up to its fence, so a traceback's line numbers are the page's."""
+    return "\n" * block.line + block.code
 
 
 def run_block_as_rank(rank: int, world_size: int, code: str, folder: str, name: str) -> None:
