@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from ferro.errors import DistributedError
@@ -76,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     except DistributedError as exc:  # a user's mistake or a damaged file: the message says which, no traceback
         print(f"ferro {args.command}: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `ferro ckpt inspect ... | head`: the reader has what it wanted; no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush of stdout cannot raise again
+        return 128 + signal.SIGPIPE  # what a process killed by SIGPIPE reports, as `head`'s writers do
 
 
 if __name__ == "__main__":
