@@ -130,6 +130,22 @@ def test_second_init_is_refused():
     assert run_processes(rank_double_init, 2, backend=None) == ["refused", "refused"]
 
 
+def rank_init_under_the_rank_restart_policy(rank, world_size):
+    # What `ferro run --restart-policy rank` sets: its launcher serves the store, and holds MASTER_PORT.
+    os.environ["FERRO_ELASTIC"] = "1"
+    try:
+        ferro.init_process_group(timeout=30)
+        return "joined"
+    except ferro.ConfigurationError as exc:
+        return "refused" if "ferro.elastic.Manager" in str(exc) and "--restart-policy rank" in str(exc) else str(exc)
+
+
+def test_init_process_group_under_the_rank_restart_policy_says_to_use_the_manager():
+    # Before, rank 0 failed to serve a store on the launcher's port ("address in use"), and the replacements
+    # waited out the rendezvous timeout, one after the other.
+    assert run_processes(rank_init_under_the_rank_restart_policy, 2, backend=None) == ["refused", "refused"]
+
+
 def rank_file_rendezvous_times_out(rank, world_size, path, backend):
     # Only this rank of two joins: the rendezvous must time out naming what is missing.
     start = time.monotonic()

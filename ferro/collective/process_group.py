@@ -17,7 +17,7 @@ from ferro.backend.base import Backend
 from ferro.backend.sub import SubBackend, sub_group
 from ferro.collective.hang_watch import start_hang_watch, stop_hang_watch
 from ferro.errors import ConfigurationError
-from ferro.rendezvous.env import detect, job_rank_and_size, master_address
+from ferro.rendezvous.env import ELASTIC_ENV, detect, job_rank_and_size, master_address
 from ferro.rendezvous.file_store import FileStore
 from ferro.rendezvous.hosts import exchange_host_identities
 from ferro.rendezvous.settings import (
@@ -115,6 +115,15 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     _configure_logging()
     if _default_group is not None:
         raise ConfigurationError("init_process_group: already initialised; call destroy_process_group() first")
+    if os.environ.get(ELASTIC_ENV) == "1" and init_method in (None, "env://"):
+        # The launcher serves the job's store on MASTER_PORT, so rank 0 could not serve its own ("address in
+        # use"), and a replacement rank could not join a fixed group anyway.
+        raise ConfigurationError(
+            "init_process_group: this rank was started by `ferro run --restart-policy rank`, whose launcher replaces "
+            "a lost rank inside a running job; that takes ferro.elastic.Manager (its groups follow each change of "
+            "membership), not a fixed group from init_process_group. Train through ferro.elastic.Manager (see the "
+            "fault tolerance guide), or start the job without --restart-policy rank (--max-restarts then restarts "
+            "the whole group)")
     if backend == "auto" and os.environ.get(BACKEND_ENV):
         backend = os.environ[BACKEND_ENV]  # the job's launcher chose (FERRO_BACKEND=mpi under mpirun)
     if backend != "auto":

@@ -33,6 +33,7 @@ from ferro.errors import (
 )
 from ferro.parallel.ddp import DDP
 from ferro.parallel.fsdp import FSDP
+from ferro.rendezvous.env import ELASTIC_ENV
 from ferro.rendezvous.scoped import ScopedStore
 from ferro.rendezvous.settings import default_timeout, job_secret, parse_port
 from ferro.rendezvous.store import Store
@@ -42,8 +43,6 @@ __all__ = ["ELASTIC_ENV", "MIN_NODES_ENV", "MIN_SIZE_ENV", "Change", "Manager", 
 
 log = logging.getLogger("ferro.elastic")
 
-#: Set by ``ferro run --restart-policy rank``: its agent serves the store and records dead ranks.
-ELASTIC_ENV = "FERRO_ELASTIC"
 #: The job's minimum number of ranks (``ferro run --min-size``); below it training stops on every rank.
 MIN_SIZE_ENV = "FERRO_MIN_SIZE"
 #: The job's minimum number of nodes with a rank training (``ferro run --min-nodes``).

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from ferro.errors import ConfigurationError, InvalidRankError, InvalidWorldSizeError
 from ferro.rendezvous.settings import DEFAULT_MASTER_PORT, parse_port, validate_rank_and_size
 
-__all__ = ["JobEnvironment", "detect", "first_slurm_host", "job_rank_and_size", "master_address"]
+__all__ = ["ELASTIC_ENV", "JobEnvironment", "detect", "first_slurm_host", "job_rank_and_size", "master_address"]
+
+ELASTIC_ENV = "FERRO_ELASTIC"
+"""Set to ``"1"`` by ``ferro run --restart-policy rank``: its agent serves the job's store and replaces lost ranks."""
 
 # (name, rank variable, size variable, local-rank variable or None)
 _STYLES = [
