@@ -87,7 +87,7 @@ def send(x: Any, dst: int, *, tag: int = 0, group: Backend | None = None, timeou
     Raises:
         InvalidRankError: ``dst`` is not a rank of the group.
         SelfSendError: ``dst`` is this rank.
-        InvalidBufferError: ``x`` cannot be sent (an object that is not an array).
+        InvalidBufferError: ``x`` is not C-contiguous, or a tensor off the CPU.
         PeerLostError: ``dst`` died or closed its connection.
         DistributedTimeoutError: ``dst`` did not take the message within ``timeout``.
 

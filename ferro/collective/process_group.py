@@ -99,8 +99,9 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
         The new default group.
 
     Raises:
-        ConfigurationError: Already initialised; or missing or contradictory
-            settings (the message names the variable to set).
+        ConfigurationError: Already initialised; missing or contradictory
+            settings (the message names the variable to set); or a rank of
+            ``ferro run --restart-policy rank``, which takes :class:`ferro.elastic.Manager`.
         BackendUnavailableError: A backend that is not available yet.
 
     Example::
