@@ -251,3 +251,9 @@ def test_readme_is_a_landing_page_whose_links_resolve():
     assert len(text.splitlines()) < 200
     for target in re.findall(r"\]\((?!https?:|#)([^)#]+)", text):
         assert (ROOT / target).exists(), f"README links to {target}, which is not in the repository"
+
+
+def test_guides_link_the_public_names_they_mention(site):
+    page = (site / "guides" / "collectives" / "index.html").read_text()
+    assert 'href="../../api/errors/#ferro.errors.PeerLostError"' in page
+    assert 'href="../../api/ferro/#ferro.init_process_group"' in page
