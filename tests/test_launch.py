@@ -319,3 +319,22 @@ def test_a_failure_record_names_the_lost_peer_behind_the_error_and_skips_clean_e
     assert read_failure(path) == FailureRecord("SystemExit: 3", None)
     (tmp_path / "torn.json").write_text('{"error": ')
     assert read_failure(str(tmp_path / "torn.json")) is None
+
+
+def test_a_reader_that_stops_early_neither_blocks_the_ranks_nor_prints_a_traceback(tmp_path):
+    # `ferro run ... | head -1`: after the reader goes, each rank still prints 4 MB, far past a pipe's 64 KiB.
+    script = write(tmp_path / "chatty.py", """
+        import sys, time
+        print("first", flush=True)
+        time.sleep(1)  # the reader has gone by now
+        for i in range(100_000):
+            print("x" * 40)
+        print("done", file=sys.stderr, flush=True)
+    """)
+    launcher = subprocess.Popen([*FERRO, "run", "--nproc-per-node", "2", script], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=tmp_path)
+    assert launcher.stdout.readline().endswith(b"first\n")
+    launcher.stdout.close()
+    errors = launcher.stderr.read().decode()
+    assert launcher.wait(timeout=60) == 0, errors
+    assert errors.count("done") == 2 and "Traceback" not in errors, errors

@@ -163,10 +163,16 @@ class OutputPump:
         self._threads.append(thread)
 
     def _copy(self, stream: IO[bytes], sink: IO[bytes], prefix: bytes) -> None:
+        reader_gone = False
         for line in iter(stream.readline, b""):
+            if reader_gone:
+                continue  # keep reading: a rank whose output pipe filled up would block in print() forever
             with self._lock:
-                sink.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-                sink.flush()
+                try:
+                    sink.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                    sink.flush()
+                except BrokenPipeError:  # `ferro run ... | head`: whoever read our output has gone
+                    reader_gone = True
         stream.close()
 
     def drain(self, timeout: float) -> None:

@@ -67,7 +67,15 @@ _DELEGATED = {"run": "ferro.tools.run", "bench": "ferro.tools.bench.cli"}
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``ferro`` command line and return its exit status."""
-    arguments = sys.argv[1:] if argv is None else argv
+    try:
+        return _dispatch(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:  # `ferro ckpt inspect ... | head`: the reader has what it wanted; no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush of stdout cannot raise again
+        return 128 + signal.SIGPIPE  # what a process killed by SIGPIPE reports, as `head`'s writers do
+
+
+def _dispatch(arguments: list[str]) -> int:
     if arguments and arguments[0] in _DELEGATED:
         import importlib
 
@@ -78,10 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     except DistributedError as exc:  # a user's mistake or a damaged file: the message says which, no traceback
         print(f"ferro {args.command}: {exc}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # `ferro ckpt inspect ... | head`: the reader has what it wanted; no traceback
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush of stdout cannot raise again
-        return 128 + signal.SIGPIPE  # what a process killed by SIGPIPE reports, as `head`'s writers do
 
 
 if __name__ == "__main__":
