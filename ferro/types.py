@@ -168,7 +168,7 @@ def thread_tag(thread_name: str) -> int:
 
 
 def describe_fingerprint(value: int) -> str:
-    """Decode a fingerprint into ``broadcast(float32, SUM, root 0, 1024 elements, ...)`` for messages."""
+    """Decode a fingerprint into ``allreduce(float32, SUM, 1024 elements, ...)`` or ``broadcast(float32, root 0, ...)``."""
     collective = collective_name(value >> 58)
     code = ((value >> 53) & 0x1F) - 1
     dtype = _BY_CODE[code].name if code in _BY_CODE else "bytes"
@@ -179,9 +179,12 @@ def describe_fingerprint(value: int) -> str:
     issued = f", from thread tag {thread:03x}" if thread else ""
     # Rootless collectives carry a caller's tag in the root field (see ferro.all_gather's ``tag``).
     where = f"root {root}, " if collective in _ROOTED else (f"tag {root}, " if root else "")
-    return f"{collective}({dtype}, {op}, {where}{count} elements, shape hash {value & 0xFF:02x}{issued})"
+    # Only a reduction has an op; the field is 0 (SUM) in every other call's fingerprint.
+    how = f"{op}, " if collective in _REDUCING else ""
+    return f"{collective}({dtype}, {how}{where}{count} elements, shape hash {value & 0xFF:02x}{issued})"
 
 
+_REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
 _ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter", "broadcast_object", "p2p"})
 
 #: Tags of :func:`ferro.all_gather` and :func:`ferro.reduce_scatter` travel in the root field: 10 bits.

@@ -27,6 +27,7 @@ from ferro.rendezvous.settings import (
     parse_port,
 )
 from ferro.rendezvous.store import Store
+from ferro.rendezvous.torchrun import agent_store_in_use, store_through_agent
 
 __all__ = [
     "destroy_process_group",
@@ -167,7 +168,12 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
             master_port = found.master_port if found else parse_port(env_port) if env_port else DEFAULT_MASTER_PORT
     log.debug("init_process_group: rank %s of %s from %s; master %s", rank, world_size, via,
               f"{master_addr}:{master_port}" if store is None else init_method)
-    close_store = False  # a store made here for choosing the backend is handed over to the group
+    close_store = False  # a store made here is handed over to the group
+    if store is None and init_method in (None, "env://") and agent_store_in_use(os.environ):
+        # torchrun's agent serves its own store on MASTER_PORT: rank 0 serves ferro's elsewhere (see the module).
+        store = store_through_agent(rank, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
+                                    job_secret(secret), default_timeout(timeout), os.environ)
+        close_store = True
     if backend == "auto":
         if store is None:
             store = Store(master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT,
