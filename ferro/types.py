@@ -168,7 +168,10 @@ def thread_tag(thread_name: str) -> int:
 
 
 def describe_fingerprint(value: int) -> str:
-    """Decode a fingerprint into ``allreduce(float32, SUM, 1024 elements, ...)`` or ``broadcast(float32, root 0, ...)``."""
+    """Decode a fingerprint for messages: ``allreduce(float32, SUM, 1024 elements, ...)``.
+
+    Only a reduction shows its op: ``broadcast(float32, root 0, 1024 elements, ...)``.
+    """
     collective = collective_name(value >> 58)
     code = ((value >> 53) & 0x1F) - 1
     dtype = _BY_CODE[code].name if code in _BY_CODE else "bytes"

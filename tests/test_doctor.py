@@ -4,6 +4,7 @@ import inspect
 import json
 import os
 import pickle
+import queue
 import signal
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import numpy as np
 import pytest
 
 import ferro
-from ferro.collective import diagnosis, hang_watch
+from ferro.collective import diagnosis, flight_recorder, hang_watch
 from ferro.testing import run_processes, run_threads
+from ferro.types import describe_fingerprint, dtype_by_name, fingerprint
 
 FERRO = [sys.executable, "-m", "ferro"]
 CASES = Path(__file__).parent / "hangs" / "cases.py"
@@ -66,7 +68,11 @@ def test_every_call_is_recorded_with_its_seq_call_and_call_site(backend):
     for rank, (sites, group) in enumerate(results):
         entries = group["entries"]
         assert group["rank"] == rank and group["calls"] == group["completed"] == 5
-        assert [e["collective_seq_id"] for e in entries] == [1, 2, 3, 4, 5]
+        assert [e["record_id"] for e in entries] == [1, 2, 3, 4, 5]
+        # Collectives are numbered alike on every rank; the send (recv) after them keeps the last collective's
+        # number, as torch's recorder does, and numbers itself among the rank's point-to-point calls.
+        assert [e["collective_seq_id"] for e in entries] == [1, 2, 3, 4, 4] and group["collectives"] == 4
+        assert [e["p2p_seq_id"] for e in entries] == [None, None, None, None, 5]
         assert [e["op"] for e in entries] == ["allreduce", "broadcast", "all_gather", "reduce_scatter", "p2p"]
         assert [e["site"] for e in entries] == sites
         assert all(e["state"] == "completed" for e in entries)
@@ -158,9 +164,9 @@ def test_sigusr1_writes_the_record_and_every_thread_s_stack(tmp_path):
 
 # -- the hangs, at 4 ranks under ferro run ------------------------------------------------------------------------
 
-def _ferro_run(case, tmp_path, hang_timeout=3):
+def _ferro_run(case, tmp_path, hang_timeout=3, collective_timeout=60):
     folder = tmp_path / "dumps"
-    env = dict(os.environ, FERRO_SECRET=SECRET, FERRO_TIMEOUT="60")
+    env = dict(os.environ, FERRO_SECRET=SECRET, FERRO_TIMEOUT=str(collective_timeout))
     env.pop("FERRO_DUMP_DIR", None)
     done = subprocess.run([*FERRO, "run", "--nproc-per-node", "4", "--hang-timeout", str(hang_timeout),
                            "--dump-dir", str(folder), str(CASES), case], capture_output=True, text=True,
@@ -180,7 +186,6 @@ def _no_secret(folder):
 @pytest.mark.parametrize("case, culprit, marker, call", [
     # Rank 2 skipped one of 8 allreduces, then went on to evaluate: the others wait in their 8th, its 7th matched.
     ("skip", 2, "CULPRIT evaluate", 8),
-    ("spin", 1, "CULPRIT spin", 6),  # spins in Python before the 6th collective
     ("stop", 3, "CULPRIT stop", 6),  # SIGSTOPped before it: read from outside, by py-spy
 ])
 def test_the_watchdog_names_the_rank_that_did_not_arrive_and_its_line(tmp_path, case, culprit, marker, call):
@@ -198,6 +203,63 @@ def test_the_watchdog_names_the_rank_that_did_not_arrive_and_its_line(tmp_path, 
     assert doctor.returncode == 1 and f"verdict: rank {culprit} did not arrive" in doctor.stdout
     assert _line(marker) in doctor.stdout
     _no_secret(folder)
+
+
+def test_a_rank_working_longer_than_the_hang_timeout_is_reported_not_stopped(tmp_path):
+    """Rank 0 computes for 7 s before the 6th allreduce, --hang-timeout 3: the job is healthy and finishes."""
+    done, folder = _ferro_run("evaluate", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    note = next(line for line in done.stderr.splitlines() if "working, not hung" in line)
+    assert note.startswith("ferro run: rank 0 did not arrive where the others wait, but it is working, not hung: "
+                           f"rank 0 is at {_line('CULPRIT evaluate-batch')}"), note
+    assert "% CPU" in note and "stopping the job" not in done.stderr
+    assert all(f"rank {rank} done" in done.stdout for rank in range(4)), done.stdout
+
+
+def test_a_rank_spinning_forever_is_reported_working_and_ended_by_the_collective_timeout(tmp_path):
+    """A busy loop looks like work from outside (its CPU use): the watchdog says where it is, the timeout ends it."""
+    done, folder = _ferro_run("spin", tmp_path, collective_timeout=8)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert (f"rank 1 did not arrive where the others wait, but it is working, not hung: rank 1 is at "
+            f"{_line('CULPRIT spin')}") in done.stderr
+    assert "ferro run: rank 1 stopped responding" in done.stderr, done.stderr[-3000:]
+    assert "verdict: rank 1 did not arrive at call #6" in done.stderr and _line("CULPRIT spin") in _verdict(
+        done.stderr)
+
+
+def test_a_crashed_rank_is_said_to_have_ended_not_to_be_somewhere_unknown(tmp_path):
+    done, folder = _ferro_run("crash", tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "ferro run: rank 1 exited with code 1 (TypeError: object of type 'int' has no len())" in done.stderr
+    verdict = _verdict(done.stderr)
+    assert ("rank 1 is no longer running: it exited with code 1 (TypeError: object of type 'int' has no len())"
+            in verdict), verdict
+    assert "unknown" not in verdict, verdict
+
+
+def test_the_verdict_names_every_hung_rank_and_its_line(tmp_path):
+    done, folder = _ferro_run("two", tmp_path)
+    assert done.returncode == hang_watch.HANG_EXIT_CODE, done.stderr[-3000:]
+    verdict = _verdict(done.stderr)
+    assert "ranks 1, 2 did not arrive at call #6" in verdict, verdict
+    assert f"rank 1 is at {_line('CULPRIT two-1')}" in verdict and f"rank 2 is at {_line('CULPRIT two-2')}" in verdict
+
+
+def test_where_skips_torch_frames_to_the_user_s_line():
+    """A rank stuck behind a DataLoader worker waits in torch's dataloader.py, called from the user's loop."""
+    dataloader = pytest.importorskip("torch.utils.data.dataloader")
+    frames = [{"name": "get", "filename": queue.__file__, "line": 180},
+              {"name": "_get_data", "filename": dataloader.__file__, "line": 1100},
+              {"name": "__next__", "filename": dataloader.__file__, "line": 700},
+              {"name": "train", "filename": "/home/me/train.py", "line": 42}]
+    assert flight_recorder.where_is(frames) == "/home/me/train.py:42 in train"
+
+
+def test_only_a_reduction_shows_its_op():
+    float32 = dtype_by_name("float32").code
+    assert "SUM" not in describe_fingerprint(fingerprint("broadcast", float32, 0, 0, 16))
+    assert describe_fingerprint(fingerprint("broadcast", float32, 0, 2, 16)).startswith("broadcast(float32, root 2, 16")
+    assert describe_fingerprint(fingerprint("allreduce", float32, 3, 0, 16)).startswith("allreduce(float32, MAX, 16")
 
 
 def test_a_rank_calling_another_size_is_named_with_its_line(tmp_path):
@@ -242,7 +304,7 @@ def test_without_ferro_run_the_first_rank_to_notice_collects_and_stops_the_job(t
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    FERRO_SECRET=SECRET, FERRO_TIMEOUT="60", FERRO_HANG_TIMEOUT="3", FERRO_DUMP_DIR=str(folder))
         env.pop("FERRO_HANG_COLLECTOR", None)
-        ranks.append(subprocess.Popen([sys.executable, str(CASES), "spin"], env=env, stdout=subprocess.PIPE,
+        ranks.append(subprocess.Popen([sys.executable, str(CASES), "two"], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, cwd=tmp_path))
     try:
         deadline = time.monotonic() + 90
@@ -251,8 +313,8 @@ def test_without_ferro_run_the_first_rank_to_notice_collects_and_stops_the_job(t
         collectors = [p for p in ranks if p.poll() == hang_watch.HANG_EXIT_CODE]
         assert collectors, [p.poll() for p in ranks]
         stderr = collectors[0].stderr.read()
-        assert "verdict: rank 1 did not arrive at call #6" in stderr and _line("CULPRIT spin") in stderr, stderr
-        assert "rank 1 did not arrive" in (folder / "verdict.txt").read_text()
+        assert "verdict: ranks 1, 2 did not arrive at call #6" in stderr and _line("CULPRIT two-1") in stderr, stderr
+        assert "ranks 1, 2 did not arrive" in (folder / "verdict.txt").read_text()
     finally:
         for process in ranks:
             process.kill()

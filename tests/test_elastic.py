@@ -185,7 +185,7 @@ def test_a_lost_node_is_noticed_by_its_lease_and_min_nodes_holds(tmp_path, refer
     assert "ferro run: node 1's launcher sent nothing for 2." in text, text
     assert "its ranks (2.0, 3.0) are taken for lost" in text
     if how == "frozen":
-        assert "member 0.0: the launcher recorded rank(s) 2, 3 of epoch 0 dead: cutting their connections" in text
+        assert "member 0.0: the launcher recorded member(s) 2.0, 3.0 of epoch 0 dead: cutting their connections" in text
     if min_nodes == 1:
         assert codes[0] == 0, text
         history = _check_exact(tmp_path, subprocess.CompletedProcess([], 0, text, text), reference)

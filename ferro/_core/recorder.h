@@ -57,6 +57,8 @@ typedef struct {
     uint64_t capacity;     /* a power of two; 0: the recorder is off */
     uint64_t seq;          /* calls recorded so far */
     uint64_t completed;    /* calls that ended (done or failed) */
+    uint64_t collectives;  /* collective calls recorded so far: their numbers agree across ranks, while a rank's
+                            * point-to-point calls (a state transfer: one rank sends to several) differ */
 } ferro_recorder;
 
 /* Take the next record and fill in what is known when the call is made (at time made, 0: not known).
@@ -67,6 +69,7 @@ static inline uint64_t ferro_rec_begin(ferro_recorder *r, ferro_callsite_table *
     ferro_record *e;
     PyObject *code;
     int offset;
+    if (kind == FERRO_REC_COLLECTIVE) r->collectives++;
     if (r->capacity == 0) return ++r->seq;  /* off: still counted, the hang watch reads progress from it */
     if (r->ring == NULL) {
         r->block = PyMem_Calloc((size_t)r->capacity + 1, sizeof(ferro_record));

@@ -38,6 +38,7 @@ cdef extern from "recorder.h":
         uint64_t capacity
         uint64_t seq
         uint64_t completed
+        uint64_t collectives
     int64_t ferro_now_ns() nogil
     uint64_t ferro_rec_begin(ferro_recorder* r, ferro_callsite_table* sites, int collective, int kind, uint64_t fingerprint,
                              uint64_t nbytes, int peer, int running, int64_t made)

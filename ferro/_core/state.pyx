@@ -133,8 +133,9 @@ cdef class GroupState:
 
     def records(self) -> list:
         """The recorded calls, oldest first: ``(seq, collective id, kind, fingerprint, nbytes, peer, queued,
-        started, ended, state, code, offset)``; times in CLOCK_MONOTONIC ns (0: not known), state 1 queued,
-        2 running, 3 done, 4 failed."""
+        started, ended, state, code, offset, collective number)``; times in CLOCK_MONOTONIC ns (0: not known),
+        state 1 queued, 2 running, 3 done, 4 failed; the collective number counts collective calls only (the
+        same on every rank), and is that of the latest collective before a point-to-point call."""
         cdef uint64_t first, seq
         cdef ferro_record* e
         found = []
@@ -145,15 +146,24 @@ cdef class GroupState:
             e = &self.rec.ring[(seq - 1) & (self.rec.capacity - 1)]
             if e.seq != seq:
                 continue
-            found.append((e.seq, e.collective, e.kind, e.fingerprint, e.nbytes, e.peer,
+            found.append([e.seq, e.collective, e.kind, e.fingerprint, e.nbytes, e.peer,
                           e.started - <int64_t>e.waited * FERRO_WAIT_UNIT if e.started else 0,
                           e.started if e.state >= 2 else 0, e.ended,
-                          e.state, <object>e.code if e.code != NULL else None, e.offset))
-        return found
+                          e.state, <object>e.code if e.code != NULL else None, e.offset, 0])
+        number = self.rec.collectives  # counted back from the newest: the ring holds the latest calls
+        for record in reversed(found):
+            record[12] = number
+            if record[2] == 0:
+                number -= 1
+        return [tuple(record) for record in found]
 
     def progress(self) -> tuple:
         """``(calls made, calls ended, capacity)``."""
         return self.rec.seq, self.rec.completed, self.rec.capacity
+
+    def collectives_made(self) -> int:
+        """Collective calls made (point-to-point ones not): the same count on every rank of a healthy group."""
+        return self.rec.collectives
 
     def adopt_worker(self, candidate):
         """Make ``candidate`` the group's worker unless it has one; return the worker.

@@ -76,9 +76,34 @@ class Backend(abc.ABC):
     #: through :meth:`issue_nonblocking`, instead of running the collective on the group's worker thread.
     nonblocking_collectives: bool = False
 
+    #: The job's names for this group's ranks, as the flight recorder and ``ferro doctor`` show them (None:
+    #: the group's own ranks, or its parent's for a sub-group). Set through :meth:`name_members`.
+    member_ranks: tuple[int, ...] | None = None
+    #: What the flight recorder calls this group (None: its members' ranks). Set through :meth:`name_members`.
+    label: str | None = None
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._is_native = issubclass(cls, NativeCollectives)
+
+    def name_members(self, job_ranks: Sequence[int], label: str) -> None:
+        """Say which job rank each of this group's ranks is, and what to call the group, for dumps and verdicts.
+
+        A group formed apart from the job's launch order (an elastic epoch, where
+        group rank 1 may be launch rank 3) is otherwise described by its own ranks,
+        which the other groups' records and the launcher do not use.
+
+        Args:
+            job_ranks: For each rank of this group, in order, its rank in the job.
+            label: The group's name in dumps, e.g. ``"epoch 2"``.
+
+        Raises:
+            ValueError: ``job_ranks`` does not have one entry per rank.
+
+        """
+        if len(job_ranks) != self.world_size:
+            raise ValueError(f"name_members: {len(job_ranks)} job ranks for a group of {self.world_size}")
+        self.member_ranks, self.label = tuple(int(r) for r in job_ranks), label
 
     @property
     def state(self) -> GroupState:

@@ -32,12 +32,17 @@ from typing import Any
 
 from ferro.types import THREAD_TAG_BITS
 
-__all__ = ["Diagnosis", "Finding", "chrome_trace", "diagnose", "load_dumps"]
+__all__ = ["Diagnosis", "Finding", "chrome_trace", "cpu_share", "diagnose", "idle_outside_calls", "in_a_call",
+           "load_dumps"]
 
 #: The least the others must wait (median, ms) for a rank to be called a straggler: below, it is noise.
 STRAGGLER_WAIT_MS = 1.0
 #: The fewest calls a straggler is named from (a job's first calls wait on its start-up, not on a straggler).
 STRAGGLER_MIN_CALLS = 20
+#: The CPU use (cores) from which a rank the others wait for counts as working, not hung: a rank asleep, blocked
+#: on a lock or a queue, stopped or frozen uses next to none. A loop that spins forever counts as working too;
+#: the collective timeout (``FERRO_TIMEOUT``) ends that one.
+WORKING_CPU_SHARE = 0.25
 
 
 def load_dumps(folder: str | os.PathLike[str], round_id: str | None = None) -> dict[int, dict[str, Any]]:
@@ -69,12 +74,24 @@ class Finding:
 
 @dataclass
 class Diagnosis:
-    """What :func:`diagnose` found across the ranks' dumps."""
+    """What :func:`diagnose` found across the ranks' dumps.
+
+    Attributes:
+        ranks: The ranks that answered.
+        missing: The ranks that did not.
+        findings: Hangs and mismatches, the largest groups first.
+        stragglers: The straggler report's lines.
+        working: The culprits of hangs whose CPU use says they are working (:data:`WORKING_CPU_SHARE`).
+        wheres: Where each culprit is, as the summaries say it.
+
+    """
 
     ranks: list[int]
     missing: list[int]
     findings: list[Finding]
     stragglers: list[str]
+    working: list[int] = field(default_factory=list)
+    wheres: dict[int, str] = field(default_factory=dict)
 
     def culprits(self) -> list[int]:
         """Return the ranks the findings blame, in order of appearance."""
@@ -82,6 +99,19 @@ class Diagnosis:
         for finding in self.findings:
             found.extend(r for r in finding.culprits if r not in found)
         return found
+
+    def hung(self) -> list[int]:
+        """Return the culprits that are stuck: those of a mismatch, and those of a hang that are not working."""
+        return [r for r in self.culprits()
+                if r not in self.working or any(f.kind == "mismatch" and r in f.culprits for f in self.findings)]
+
+    def working_note(self) -> str:
+        """Say, in one line, which awaited ranks are working and where (for a hang that is not one)."""
+        ranks = [r for r in self.culprits() if r in self.working]
+        return (f"rank{'s' if len(ranks) > 1 else ''} {_ranges(ranks)} did not arrive where the others wait, but "
+                f"{'they are' if len(ranks) > 1 else 'it is'} working, not hung: "
+                + "; ".join(f"rank {r} is at {self.wheres.get(r, 'unknown')}" for r in ranks)
+                + "; watching on")
 
     def report(self, stragglers: bool = True) -> str:
         """Return the text ``ferro doctor`` prints (``stragglers=False``: without the straggler report)."""
@@ -107,6 +137,28 @@ def _where(dump: dict[str, Any] | None) -> str:
     if dump is None:
         return "unknown"
     return str(dump.get("where") or "unknown")
+
+
+def cpu_share(dump: dict[str, Any] | None) -> float | None:
+    """Return the cores a rank kept busy just before its dump (its ``activity``), or None when not measured."""
+    share = ((dump or {}).get("activity") or {}).get("cpu_share")
+    return float(share) if share is not None else None
+
+
+def _activity(dump: dict[str, Any] | None) -> str:
+    share = cpu_share(dump)
+    if share is None:
+        return ""
+    return f"working: {share:.0%} CPU" if share >= WORKING_CPU_SHARE else f"idle: {share:.0%} CPU"
+
+
+def _place(rank: int, dumps: dict[int, dict[str, Any]], ended: dict[int, str]) -> str:
+    """Where a culprit is, for a summary: its line and whether it works, or how it ended."""
+    if rank in ended:
+        return f"no longer running: it {ended[rank]}"
+    dump = dumps.get(rank)
+    activity = _activity(dump)
+    return _where(dump) + (f" ({activity})" if activity else "")
 
 
 def _stack(dump: dict[str, Any] | None, limit: int = 12) -> list[str]:
@@ -166,13 +218,16 @@ def _expected(records: dict[int, dict[str, Any]]) -> list[int]:
     return sorted(records)
 
 
-def diagnose(dumps: dict[int, dict[str, Any]], world_size: int | None = None, last: int = 50) -> Diagnosis:
+def diagnose(dumps: dict[int, dict[str, Any]], world_size: int | None = None, last: int = 50,
+             ended: dict[int, str] | None = None) -> Diagnosis:
     """Line the ranks' records up and say what went wrong, and which ranks lag.
 
     Args:
         dumps: By job rank, as :func:`load_dumps` returns them.
         world_size: Ranks in the job (default: the largest group's size).
         last: How many of the latest calls every rank completed the straggler report looks at.
+        ended: Ranks known to have ended, and how (``"exited with code 1 (TypeError: ...)"``),
+            as their launcher saw it: said in place of where they are.
 
     Returns:
         The findings, hang and mismatch first, then the straggler report.
@@ -192,19 +247,29 @@ def diagnose(dumps: dict[int, dict[str, Any]], world_size: int | None = None, la
         if mismatch is not None:
             findings.append(mismatch)
             continue
-        hang = _hang(pg_id, records, expected, dumps)
+        hang = _hang(pg_id, records, expected, dumps, ended or {}) or _p2p_hang(pg_id, records, expected, dumps,
+                                                                                  ended or {})
         if hang is not None and not any(f.kind == "hang" and set(hang.culprits) <= set(f.culprits)
                                         for f in findings):
             findings.append(hang)
         if len(expected) > 1:
             stragglers.extend(_straggler(pg_id, records, expected, last))
-    return Diagnosis(answered, missing, findings, stragglers)
+    culprits = {r for f in findings if f.kind == "hang" for r in f.culprits}
+    working = sorted(r for r in culprits if r not in (ended or {}) and (cpu_share(dumps.get(r)) or 0.0)
+                     >= WORKING_CPU_SHARE)
+    wheres = {r: _place(r, dumps, ended or {}) for r in culprits}
+    return Diagnosis(answered, missing, findings, stragglers, working, wheres)
+
+
+def _collectives(group: dict[str, Any]) -> list[dict[str, Any]]:
+    """A group record's collective calls: point-to-point ones pair a sender with a receiver, never all ranks."""
+    return [e for e in group.get("entries") or [] if not e.get("is_p2p")]
 
 
 def _mismatch(pg_id: str, records: dict[int, dict[str, Any]]) -> Finding | None:
     calls: dict[int, dict[int, dict[str, Any]]] = {}
     for rank, group in records.items():
-        for entry in group.get("entries") or []:
+        for entry in _collectives(group):
             calls.setdefault(entry["collective_seq_id"], {})[rank] = entry
     for seq in sorted(calls):
         at = calls[seq]
@@ -227,10 +292,10 @@ def _mismatch(pg_id: str, records: dict[int, dict[str, Any]]) -> Finding | None:
 
 
 def _hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
-          dumps: dict[int, dict[str, Any]]) -> Finding | None:
-    made = {r: int(records[r].get("calls") or 0) for r in records}
+          dumps: dict[int, dict[str, Any]], ended: dict[int, str]) -> Finding | None:
+    made = {r: int(records[r].get("collectives", records[r].get("calls")) or 0) for r in records}
     latest = max(made.values(), default=0)
-    last_entry = {r: (records[r].get("entries") or [None])[-1] for r in records}
+    last_entry = {r: (_collectives(records[r]) or [None])[-1] for r in records}
     # A rank that gave up (its timeout) waited as long as it could: it counts with those still waiting.
     waiting = sorted(r for r in records if made[r] == latest and last_entry[r]
                      and last_entry[r]["state"] in ("started", "scheduled", "failed"))
@@ -261,12 +326,72 @@ def _hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
         else:
             last = "it made no call in this group" if dump is not None and dump.get("source") != "outside" else (
                 "its records are unknown")
-        details.append(f"rank {rank} never arrived: {last}; it is at {_where(dump)}" + (f" ({state})" if state else ""))
+        if rank in ended:
+            details.append(f"rank {rank} never arrived: {last}; {_place(rank, dumps, ended)}")
+            continue
+        activity = ", ".join(part for part in (state, _activity(dump)) if part)
+        details.append(f"rank {rank} never arrived: {last}; it is at {_where(dump)}"
+                       + (f" ({activity})" if activity else ""))
         details.extend(f"  {line}" for line in _stack(dump))
-    first = culprits[0]
+    places = "; ".join(f"rank {r} is {_place(r, dumps, ended)}" if r in ended else f"rank {r} is at "
+                       f"{_place(r, dumps, ended)}" for r in culprits)
     summary = (f"rank{'s' if len(culprits) > 1 else ''} {_ranges(culprits)} did not arrive at call #{latest} "
-               f"({_short(call)}), which ranks {_ranges(waiting)} {verb} in; rank {first} is at "
-               f"{_where(dumps.get(first))}")
+               f"({_short(call)}), which ranks {_ranges(waiting)} {verb} in; {places}")
+    return Finding("hang", pg_id, culprits, summary, details)
+
+
+def in_a_call(dump: dict[str, Any]) -> bool:
+    """Whether a rank's dump shows it inside a call of one of its groups (started or queued, not ended)."""
+    for group in dump.get("groups") or []:
+        entries = group.get("entries") or []
+        if entries and entries[-1].get("state") in ("started", "scheduled"):
+            return True
+    return False
+
+
+def idle_outside_calls(dumps: dict[int, dict[str, Any]], stalled: float) -> list[int]:
+    """Return the ranks stuck by themselves, idle outside any call.
+
+    That is: no call made or ended for ``stalled`` seconds, none in flight, not waiting
+    inside ferro (an elastic rendezvous), and idle (:data:`WORKING_CPU_SHARE`).
+
+    Such a rank holds nobody up yet, so no hang finding names it; under ``ferro run --restart-policy rank``
+    the others may have trained on without it, and it would otherwise keep the job from ending.
+    """
+    found = []
+    for rank, dump in sorted(dumps.items()):
+        if dump.get("source") == "outside":
+            share, waited = cpu_share(dump), None
+            if share is not None and share < WORKING_CPU_SHARE and "exited" not in str(dump.get("process_state")):
+                found.append(rank)  # could not answer (stopped, or frozen in C) and uses no CPU
+            continue
+        waited = (dump.get("progress") or {}).get("stalled_for")
+        share = cpu_share(dump)
+        if (waited is not None and waited >= stalled and not dump.get("inside") and not in_a_call(dump)
+                and share is not None and share < WORKING_CPU_SHARE):
+            found.append(rank)
+    return found
+
+
+def _p2p_hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
+              dumps: dict[int, dict[str, Any]], ended: dict[int, str]) -> Finding | None:
+    """A rank waiting in a send or receive whose peer is not waiting in the matching call with it."""
+    waiting: dict[int, dict[str, Any]] = {}
+    for rank, group in records.items():
+        entries = group.get("entries") or []
+        last = entries[-1] if entries else None
+        if last and last.get("is_p2p") and last.get("peer") is not None and last["state"] in (
+                "started", "scheduled", "failed") and 0 <= last["peer"] < len(expected):
+            waiting[rank] = last
+    pairs = [(rank, expected[entry["peer"]]) for rank, entry in sorted(waiting.items())]
+    blamed = [(rank, peer) for rank, peer in pairs if (peer, rank) not in pairs]  # two waiting on each other pair up
+    if not blamed:
+        return None
+    culprits = sorted({peer for _, peer in blamed})
+    details = [f"rank {rank} waits in {_short(waiting[rank])} at {waiting[rank].get('site')}" for rank, _ in blamed]
+    details += [f"rank {peer} is at {_place(peer, dumps, ended)}" for peer in culprits]
+    summary = "; ".join(f"rank {rank} waits in {_short(waiting[rank])} at {waiting[rank].get('site')}, and rank "
+                        f"{peer} is at {_place(peer, dumps, ended)}" for rank, peer in blamed)
     return Finding("hang", pg_id, culprits, summary, details)
 
 
@@ -313,7 +438,7 @@ def _common_site(group: dict[str, Any] | None, seqs: list[int]) -> str:
     if not group:
         return "unknown"
     wanted = set(seqs)
-    sites = Counter(e.get("site") for e in group.get("entries") or [] if e["collective_seq_id"] in wanted)
+    sites = Counter(e.get("site") for e in _collectives(group) if e["collective_seq_id"] in wanted)
     return str(sites.most_common(1)[0][0]) if sites else "unknown"
 
 

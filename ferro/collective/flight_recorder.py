@@ -140,10 +140,11 @@ def _site(code: Any, offset: int) -> dict[str, Any] | None:
 
 def _group_ranks(group: Any) -> list[int]:
     ranks = list(range(group.world_size))
-    while hasattr(group, "parent") and hasattr(group, "ranks"):
+    while getattr(group, "member_ranks", None) is None and hasattr(group, "parent") and hasattr(group, "ranks"):
         ranks = [group.ranks[r] for r in ranks]
         group = group.parent
-    return ranks
+    named = getattr(group, "member_ranks", None)
+    return [named[r] for r in ranks] if named is not None else ranks
 
 
 def _describe_group(state: Any, ordinals: dict[tuple[int, ...], int]) -> dict[str, Any]:
@@ -155,18 +156,24 @@ def _describe_group(state: Any, ordinals: dict[tuple[int, ...], int]) -> dict[st
     key = tuple(ranks)
     ordinal = ordinals.get(key, 0)
     ordinals[key] = ordinal + 1
-    return {"pg_id": f"{ranks}#{ordinal}", "desc": type(group).__name__, "rank": group.rank,
+    # A labelled group (an elastic epoch) has the same name on every member, however many groups each made.
+    label = getattr(group, "label", None)
+    pg_id = f"{label} {ranks}" if label else f"{ranks}#{ordinal}"
+    return {"pg_id": pg_id, "desc": type(group).__name__, "rank": group.rank,
             "world_size": group.world_size, "ranks": ranks, "closed": bool(getattr(group, "closed", False))}
 
 
 def _entry(record: tuple[Any, ...], group: dict[str, Any], to_unix: int) -> dict[str, Any]:
-    seq, collective, kind, fingerprint, nbytes, peer, queued, started, ended, state, code, offset = record
+    seq, collective, kind, fingerprint, nbytes, peer, queued, started, ended, state, code, offset, number = record
     name = collective_name(collective)
     # Recorder times are CLOCK_MONOTONIC ns, 0 for "not known"; to_unix turns them into Unix ns.
     created, began, finished = (t + to_unix if t else None for t in (queued, started, ended))
     frame = _site(code, offset)
     entry: dict[str, Any] = {
-        "record_id": seq, "collective_seq_id": seq, "pg_id": group["pg_id"],
+        # Collectives are numbered alike on every rank; a rank's point-to-point calls are not (one rank sends a
+        # state to three, each of those receives once), so each side numbers its own, as torch's recorder does.
+        "record_id": seq, "collective_seq_id": number, "p2p_seq_id": seq if kind != 0 else None,
+        "pg_id": group["pg_id"],
         "process_group": [group["pg_id"], group["desc"]], "profiling_name": f"ferro:{name}", "op": name,
         "kind": _KINDS.get(kind, "collective"), "is_p2p": kind != 0 or name == "p2p",
         "fingerprint": f"{fingerprint:016x}" if fingerprint else None,
@@ -206,8 +213,13 @@ def _describe_call(name: str, kind: int, fingerprint: int, nbytes: int, peer: in
 _STANDARD_LIBRARY = str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep
 
 
+# NumPy's and torch's own frames too: a rank stuck behind a DataLoader worker is at the user's `for batch in
+# loader`, not in torch/utils/data/dataloader.py, and one evaluating is at its line, not in numpy's _methods.py.
+_FRAMEWORKS = tuple(f"-packages{os.sep}{name}{os.sep}" for name in ("torch", "numpy"))
+
+
 def _is_library(filename: str) -> bool:
-    if filename.startswith((_LIBRARY, "<frozen ")):
+    if filename.startswith((_LIBRARY, "<frozen ")) or any(part in filename for part in _FRAMEWORKS):
         return True  # site-packages may lie inside the standard library's folder (pyenv, a system Python)
     return filename.startswith(_STANDARD_LIBRARY) and "-packages" + os.sep not in filename
 
@@ -223,8 +235,8 @@ def _frames(frame: Any) -> list[dict[str, Any]]:
 def where_is(frames: list[dict[str, Any]]) -> str | None:
     """Return where a thread is in the user's code, as ``file:line in function``.
 
-    That is the innermost of ``frames`` (innermost first) outside ferro and the
-    standard library, else the innermost; None without frames.
+    That is the innermost of ``frames`` (innermost first) outside ferro, NumPy,
+    torch and the standard library, else the innermost; None without frames.
     """
     at = next((frame for frame in frames if not _is_library(frame["filename"])), frames[0] if frames else None)
     return f"{at['filename']}:{at['line']} in {at['name']}" if at else None
@@ -251,7 +263,7 @@ def describe_groups(states: Iterable[Any] | None = None) -> list[tuple[Any, dict
         calls, completed, capacity = state.progress()
         if calls:
             group = _describe_group(state, ordinals)
-            group.update(calls=calls, completed=completed, capacity=capacity)
+            group.update(calls=calls, completed=completed, capacity=capacity, collectives=state.collectives_made())
             described.append((state, group))
     return described
 

@@ -28,6 +28,8 @@ collected and judged on their own.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import faulthandler
 import json
 import logging
@@ -38,6 +40,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,7 @@ from ferro.collective import diagnosis, flight_recorder
 from ferro.errors import ConfigurationError
 
 __all__ = ["HANG_EXIT_CODE", "HANG_TIMEOUT_ENV", "LAUNCHER_COLLECTS_ENV", "collect", "outside_view",
-           "start_hang_watch", "stop_hang_watch"]
+           "start_hang_watch", "stop_hang_watch", "waiting_in"]
 
 log = logging.getLogger("ferro.collective.hang_watch")
 
@@ -59,6 +62,10 @@ HANG_EXIT_CODE = 86
 POLL_SECONDS = 0.2
 #: How long a collector waits for the ranks' answers before it looks at the missing ones from outside.
 ANSWER_SECONDS = 1.0
+#: The span over which a rank's CPU use is measured for a dump's ``activity`` (seconds).
+ACTIVITY_SECONDS = 2.0
+#: How long a collector watches a rank that could not answer, to measure its CPU use from outside.
+OUTSIDE_SAMPLE_SECONDS = 0.3
 
 
 class _Watch:
@@ -77,6 +84,10 @@ class _Watch:
         self.signature: tuple[Any, ...] = ()
         self.changed = time.monotonic()
         self.suspected: tuple[Any, ...] | None = None
+        #: ``(monotonic time, process CPU seconds)`` at each poll, the last ACTIVITY_SECONDS of them.
+        self.cpu_samples: collections.deque[tuple[float, float]] = collections.deque()
+        #: What the rank waits for inside ferro outside any call (an elastic rendezvous), or None.
+        self.inside: str | None = None
         self.thread = threading.Thread(target=self._run, name="ferro-hang-watch", daemon=True)
 
     def start(self) -> None:
@@ -134,6 +145,7 @@ class _Watch:
             if self.stopping.is_set():
                 return
             try:
+                self._sample_cpu()
                 if ready:
                     self._on_signal()
                 self._answer_request()
@@ -157,10 +169,25 @@ class _Watch:
             path = flight_recorder.write_dump(self._snapshot("signal SIGUSR1", None, text))
             log.warning("flight record written to %s (SIGUSR1)", path)
 
+    def _sample_cpu(self) -> None:
+        now = time.monotonic()
+        self.cpu_samples.append((now, time.process_time()))
+        while len(self.cpu_samples) > 2 and now - self.cpu_samples[1][0] >= ACTIVITY_SECONDS:
+            self.cpu_samples.popleft()
+
+    def cpu_share(self) -> float | None:
+        """Return the cores this process kept busy over the last ACTIVITY_SECONDS (None: not measured yet)."""
+        self._sample_cpu()
+        (start, cpu_start), (end, cpu_end) = self.cpu_samples[0], self.cpu_samples[-1]
+        return (cpu_end - cpu_start) / (end - start) if end - start >= POLL_SECONDS else None
+
     def _snapshot(self, reason: str, round_id: str | None, traceback: str | None = None) -> dict[str, Any]:
         data = flight_recorder.snapshot(reason, round_id, traceback, native=True)
         data["progress"] = {"stalled_for": round(time.monotonic() - self.changed, 3),
                             "hang_timeout": self.hang_timeout}
+        share = self.cpu_share()
+        data["activity"] = {"cpu_share": None if share is None else round(share, 3), "over": ACTIVITY_SECONDS}
+        data["inside"] = self.inside
         return data
 
     def _answer_request(self) -> None:
@@ -185,6 +212,8 @@ class _Watch:
     def _watch_progress(self) -> None:
         signature = tuple(state.progress()[:2] + (state.created,) for state in _state.live_states())
         now = time.monotonic()
+        if self.inside is not None:  # waiting in ferro with a timeout of its own: not stalled
+            self.changed = now
         if signature != self.signature:
             self.signature, self.changed = signature, now
             return
@@ -209,6 +238,11 @@ class _Watch:
         verdict = diagnosis.diagnose(dumps, world)
         if not verdict.findings:
             os.unlink(folder / "collector.lock")  # the others are busy, not stuck: watch on
+            return
+        if not verdict.hung():  # the ranks the others wait for are working (their CPU use says so)
+            os.unlink(folder / "collector.lock")
+            sys.stderr.write(f"[ferro] rank {rank}: {verdict.working_note()}\n")
+            self.suspected, self.changed = None, now  # look again a whole timeout later
             return
         report = verdict.report(stragglers=False)
         (folder / "verdict.txt").write_text(report + "\n")
@@ -287,6 +321,7 @@ def outside_view(folder: Path, rank: int) -> dict[str, Any] | None:
         state = next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("State:")),
                      "unknown")
         view["process_state"] = f"process {pid} did not answer; its state: {state}"
+        view["activity"] = {"cpu_share": _outside_cpu_share(pid), "over": OUTSIDE_SAMPLE_SECONDS}
     except OSError:
         view["process_state"] = f"process {pid} has exited"
         return view
@@ -300,6 +335,39 @@ def outside_view(folder: Path, rank: int) -> dict[str, Any] | None:
         if thread["main"] and thread["where"]:
             view["where"] = f"{thread['where']} (read by py-spy)"
     return view
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
+
+
+def _outside_cpu_share(pid: int) -> float | None:
+    """Return the cores process ``pid`` kept busy over OUTSIDE_SAMPLE_SECONDS, or None if it cannot be read."""
+    try:
+        before, started = _cpu_seconds(pid), time.monotonic()
+        time.sleep(OUTSIDE_SAMPLE_SECONDS)
+        return round((_cpu_seconds(pid) - before) / (time.monotonic() - started), 3)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@contextlib.contextmanager
+def waiting_in(what: str) -> Iterator[None]:
+    """Mark the process as waiting inside ferro outside any collective (e.g. an elastic rendezvous).
+
+    Such a wait has a timeout of its own, so the hang watch does not count it as
+    a stall, and a dump says what the rank waits for.
+    """
+    watch = _watch
+    if watch is None:
+        yield
+        return
+    before, watch.inside = watch.inside, what
+    try:
+        yield
+    finally:
+        watch.inside = before
 
 
 _watch: _Watch | None = None  # the process's one watch (see _Watch): started by start_hang_watch

@@ -12,29 +12,26 @@ from typing import Any
 
 import numpy as np
 
-from ferro.backend import JoinSpec, join_backend
 from ferro.backend.base import Backend
-from ferro.collective.movement import all_gather
+from ferro.collective.hang_watch import start_hang_watch, waiting_in
 from ferro.collective.reductions import allreduce
 from ferro.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from ferro.elastic import keys
+from ferro.elastic.epoch_group import EpochAbandoned, connect_epoch
 from ferro.elastic.membership import Epoch, Membership, launch_rank, whole_replicas
-from ferro.elastic.sampler import ElasticSampler, Shard
-from ferro.elastic.transfer import receive_state, send_state
+from ferro.elastic.sampler import ElasticSampler
+from ferro.elastic.step import MEMBERSHIP_FAILURES, Change, Step, failure_cause, membership_failure
+from ferro.elastic.sync import LocalShards, synchronise
+from ferro.elastic.watcher import DeathWatcher
 from ferro.errors import (
     ConfigurationError,
-    ConnectionBrokenError,
     DistributedError,
-    DistributedTimeoutError,
     MembershipError,
-    PeerLostError,
     QuorumLostError,
-    TransportError,
 )
 from ferro.parallel.ddp import DDP
 from ferro.parallel.fsdp import FSDP
 from ferro.rendezvous.env import ELASTIC_ENV
-from ferro.rendezvous.scoped import ScopedStore
 from ferro.rendezvous.settings import default_timeout, job_secret, parse_port
 from ferro.rendezvous.store import Store
 from ferro.types import ReduceOp
@@ -47,166 +44,6 @@ log = logging.getLogger("ferro.elastic")
 MIN_SIZE_ENV = "FERRO_MIN_SIZE"
 #: The job's minimum number of nodes with a rank training (``ferro run --min-nodes``).
 MIN_NODES_ENV = "FERRO_MIN_NODES"
-#: Seconds between the watcher's looks at the launcher's count of deaths.
-WATCH_SECONDS = 0.25
-
-# The errors that mean "a member is gone or unreachable": the step is abandoned and the group re-formed.
-# A mismatch or bad input is a bug in the program, not a membership change, and still raises.
-_MEMBERSHIP_FAILURES = (PeerLostError, ConnectionBrokenError, DistributedTimeoutError, TransportError)
-_FAILURE_NAMES = tuple(cls.__name__ for cls in _MEMBERSHIP_FAILURES)
-
-
-def membership_failure(exc: BaseException) -> BaseException | None:
-    """Return the ferro error in ``exc``'s chain that means a member was lost, or None.
-
-    torch re-raises an error from an autograd callback or a future as a
-    ``RuntimeError`` holding its text, so a text naming one of ferro's
-    errors counts too.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, _MEMBERSHIP_FAILURES):
-            return current
-        if isinstance(current, RuntimeError) and any(name in str(current) for name in _FAILURE_NAMES):
-            return current
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def _cause(failure: BaseException) -> str:
-    """Name a step's failure by the ferro error in it (torch wraps them in RuntimeErrors)."""
-    found = membership_failure(failure) or failure
-    name = type(found).__name__
-    if not isinstance(found, _MEMBERSHIP_FAILURES):
-        name = next((n for n in _FAILURE_NAMES if n in str(found)), name)
-    return f"{name}: {str(failure).splitlines()[0] if str(failure) else ''}"
-
-
-class _Watcher:
-    """Cuts the current group's connections to members the launcher recorded dead, from a thread of its own.
-
-    A lost node or a frozen host closes no connection, so a rank waiting on it
-    would wait for the collective's timeout. The launcher records such members
-    dead (a node's lease ran out) and counts every record under ``deaths``;
-    this polls that one counter and, when it moved, cuts the connections to
-    current members now dead, so the step in flight fails at once.
-    """
-
-    def __init__(self, manager: Manager) -> None:
-        self._manager = manager
-        self._store = manager._store.clone()
-        self._membership = Membership(self._store, manager.member)
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ferro-elastic-watch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        seen: tuple[int, int] | None = None
-        try:
-            while not self._stopped.wait(WATCH_SECONDS):
-                epoch = self._manager.epoch
-                look = (int(self._store.add(keys.deaths(), 0)), epoch.number if epoch is not None else -1)
-                if look != seen:
-                    seen = look
-                    self._manager._cut_dead(self._membership)
-        except DistributedError:
-            return  # the store is gone: the launcher says so, and the ranks' next store call raises
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join(5.0)
-        self._store.close()
-
-
-class _LocalShards:
-    """What a rejoining rank receives of a hybrid-sharded model: the shards at its place (no communication)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.model.local_state_dict())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_local_state_dict(state)
-
-
-class _Abandoned(Exception):
-    """An epoch's group could not form: a member died while it was being built."""
-
-
-@dataclass
-class Change:
-    """One membership change, as this rank saw it (:attr:`Manager.history`).
-
-    Attributes:
-        epoch: The epoch it led to.
-        members: That epoch's members, in rank order.
-        cause: Why: the error that ended the step, ``"grow"`` for admitted replacements, ``"start"``.
-        step: The first step the new epoch trains.
-        detected: ``time.time()`` when this rank met the cause.
-        formed: When the new group was connected.
-        synced: When the state transfer (if any) was done.
-        sent_bytes: State bytes this rank sent; ``received_bytes``: received.
-
-    """
-
-    epoch: int
-    members: tuple[str, ...]
-    cause: str
-    step: int = 0
-    detected: float = 0.0
-    formed: float = 0.0
-    synced: float = 0.0
-    sent_bytes: int = 0
-    received_bytes: int = 0
-
-
-class Step:
-    """One training step, as a context: a membership failure inside it abandons the step, to be run again.
-
-    Attributes:
-        number: The step (0-based); a step redone after a change keeps its number.
-        rank: This rank in the step's group.
-        world_size: Ranks training this step.
-        shard: This rank's samples when the loop has a sampler, else None.
-        failure: The error that abandoned the step, once it has.
-
-    Example::
-
-        for step in manager.steps(200, sampler):
-            with step:
-                x, y = data[step.shard.indices], labels[step.shard.indices]
-                loss = loss_fn(model(x), y) * step.shard.loss_weight
-                ...
-
-    """
-
-    def __init__(self, number: int, rank: int, world_size: int, shard: Shard | None,
-                 lost_member: Callable[[BaseException], BaseException | None] = membership_failure) -> None:
-        self.number, self.rank, self.world_size, self.shard = number, rank, world_size, shard
-        self.failure: BaseException | None = None
-        self._lost_member = lost_member
-
-    def __enter__(self) -> Step:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        if exc is None:
-            return False
-        failure = self._lost_member(exc)
-        if failure is None:
-            return False  # not a lost member: the program's own error propagates
-        self.failure = exc
-        return True
-
-    def __int__(self) -> int:
-        return self.number
-
-    def __repr__(self) -> str:
-        return f"Step({self.number}, rank {self.rank} of {self.world_size})"
 
 
 @dataclass
@@ -341,7 +178,10 @@ class Manager:
         self._initial = tuple(members)
         self._needs_sync = True
         self._cut_epoch = -1  # the epoch whose connections the watcher cut (its errors mean a lost member)
-        self._watcher = _Watcher(self)
+        # The hang watch names this process by its launch rank; ferro run's watchdog reads it (--hang-timeout).
+        start_hang_watch(rank=launch_rank(member))
+        self._watcher = DeathWatcher(store.clone(), member, lambda: self.epoch.number if self.epoch else -1,
+                                     self._cut_dead)
         started = time.time()
         if not joining:
             self._advance(0, list(members), 0, "start", started)
@@ -352,7 +192,8 @@ class Manager:
 
     def _join(self, index: int | None, start: int, started: float) -> None:
         """Wait for an epoch from ``start`` on to invite this member (a replacement, or a replica's survivor)."""
-        invitation = self._membership.wait_for_invitation(index, start, self._initial)
+        with waiting_in("an invitation to join"):
+            invitation = self._membership.wait_for_invitation(index, start, self._initial)
         if invitation is None:
             reason = self._membership.ended()
             if reason == "finished":
@@ -434,7 +275,7 @@ class Manager:
             raise ConfigurationError(f"ferro.elastic.Manager.fsdp: the manager sets {', '.join(taken)}")
         model = FSDP(module, device_mesh=self._mesh(), sharding_strategy="hybrid_shard", sync_module_states=False,
                      **options)
-        self._state.setdefault("fsdp", _LocalShards(model))
+        self._state.setdefault("fsdp", LocalShards(model))
         return self.track(model)
 
     def steps(self, total: int, sampler: ElasticSampler | None = None) -> Iterator[Step]:
@@ -463,9 +304,10 @@ class Manager:
                     raise
                 self._recover(exc)
                 continue
-            group = self._group()
+            group, epoch = self._group(), self.epoch
             shard = sampler.shard(self.step, group.rank, group.world_size) if sampler is not None else None
-            step = Step(self.step, group.rank, group.world_size, shard, self._lost_member)
+            step = Step(self.step, group.rank, group.world_size, shard, self._lost_member,
+                        epoch.members if epoch is not None else ())
             yield step
             if step.failure is not None:
                 self._recover(step.failure)
@@ -506,11 +348,12 @@ class Manager:
         group, epoch, mesh = self.group, self.epoch, self.mesh
         if group is None or epoch is None:
             return
-        dead = [epoch.rank_of(m) for m in membership.dead_among(m for m in epoch.members if m != self.member)]
-        if not dead:
+        gone = membership.dead_among(m for m in epoch.members if m != self.member)
+        if not gone:
             return
-        log.warning("member %s: the launcher recorded rank(s) %s of epoch %d dead: cutting their connections",
-                    self.member, ", ".join(map(str, dead)), epoch.number)
+        dead = [epoch.rank_of(m) for m in gone]
+        log.warning("member %s: the launcher recorded member(s) %s of epoch %d dead: cutting their connections",
+                    self.member, ", ".join(gone), epoch.number)
         self._cut_epoch = epoch.number
         for rank in dead:
             group.cut_peer(rank)
@@ -568,11 +411,12 @@ class Manager:
 
     def _recover(self, failure: BaseException) -> None:
         started = time.time()
-        log.warning("member %s: step %d abandoned: %s", self.member, self.step, str(failure).splitlines()[0])
-        self._leave_group()
         epoch = self.epoch
         assert epoch is not None
-        self._next_epoch([], epoch.joins, _cause(failure), started, list(epoch.waiting))
+        cause = failure_cause(failure, epoch.members)  # the epoch's ranks named as the members they are
+        log.warning("member %s: step %d abandoned: %s", self.member, self.step, cause)
+        self._leave_group()
+        self._next_epoch([], epoch.joins, cause, started, list(epoch.waiting))
 
     def _take_groups(self) -> list[Backend]:
         """Let go of the current group and mesh; return every group to close (the mesh's sub-groups first)."""
@@ -611,7 +455,8 @@ class Manager:
             reason = self._membership.ended()
             if reason is not None and reason != "finished":
                 raise QuorumLostError(f"member {self.member}: the job stopped: {reason}")
-            epoch = self._membership.settle(number, candidates, joins, self.timeout, waiting, self.replica_size)
+            with waiting_in(f"epoch {number}'s rendezvous"):
+                epoch = self._membership.settle(number, candidates, joins, self.timeout, waiting, self.replica_size)
             message = self._below_minimum(epoch)
             if message is not None:
                 self._store.compare_set(keys.failed(), "", message)
@@ -622,7 +467,7 @@ class Manager:
             try:
                 group = self._connect(epoch)
                 self.mesh = self._layout(group)
-            except (_Abandoned, *_MEMBERSHIP_FAILURES) as exc:
+            except (EpochAbandoned, *MEMBERSHIP_FAILURES) as exc:
                 log.warning("member %s: epoch %d did not form (%s); trying again without the lost", self.member,
                             number, exc)
                 self.epoch = epoch
@@ -671,67 +516,45 @@ class Manager:
                                 group=group, timeout=self.timeout)
 
     def _connect(self, epoch: Epoch) -> Backend:
-        """Build ``epoch``'s group on fresh connections, abandoning it if one of its members dies meanwhile."""
-        rank = epoch.rank_of(self.member)
-        scoped = ScopedStore(self._store.clone(), keys.epoch(epoch.number, "group/"), owns=True)
-        spec = JoinSpec(rank, len(epoch.members), self._master[0], self._master[1] or 29500, timeout=self.timeout,
-                        store=scoped, close_store=True, secret=self._secret)
-        outcome: dict[str, Any] = {}
-        abandoned = threading.Event()
-
-        def build() -> None:
-            try:
-                group = join_backend(self.backend, spec)
-            except BaseException as exc:  # handed to the waiting thread
-                outcome["error"] = exc
-                return
-            if abandoned.is_set():
-                group.close()
-            else:
-                outcome["group"] = group
-
-        thread = threading.Thread(target=build, name=f"ferro-elastic-epoch-{epoch.number}", daemon=True)
-        thread.start()
-        others = [m for m in epoch.members if m != self.member]
-        while thread.is_alive():
-            thread.join(0.005)
-            if thread.is_alive():
-                dead = self._membership.dead_among(others)
-                if dead:
-                    abandoned.set()
-                    raise _Abandoned(f"member(s) {', '.join(dead)} ended while epoch {epoch.number} was connecting")
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["group"]
+        with waiting_in(f"epoch {epoch.number}'s group to connect"):
+            return connect_epoch(epoch, self.member, self._store, self._membership, self.backend, self._master,
+                                 self._secret, self.timeout)
 
     def _synchronise(self) -> None:
-        """Agree on the committed step and bring every rank that lacks it up to date from one that has it."""
-        group = self._group()
+        """Agree on the committed step and bring every rank that lacks it up to date from one that has it.
+
+        Raises:
+            ConfigurationError: This rank's objects refused the job's state (another model): it is left out.
+
+        """
+        group, epoch = self._group(), self.epoch
+        assert epoch is not None
         change = self.history[-1] if self.history else None
-        # Fresh state (just started, or a replacement) reports -1, except rank 0 of a fresh start: its
-        # parameters become everyone's, as DDP's initial broadcast would make them.
-        size = self.replica_size
-        mine = self.step if not self._fresh or (group.rank < size and self.epoch is not None and
-                                                self.epoch.number == 0) else -1
-        steps = np.asarray(all_gather(np.array([mine], np.int64), group=group)).reshape(-1)
-        newest = int(steps.max())
-        if newest < 0:  # everyone fresh (replica 0 of epoch 0 died before anyone trained): take the lowest ranks'
-            steps[:size] = newest = 0
-        sources = [r for r in range(group.world_size) if steps[r] == newest]
-        receivers = [r for r in range(group.world_size) if steps[r] < newest]
-        sent = received = 0
-        for index, receiver in enumerate(receivers):
-            # A shard's state comes from the same shard place of a healthy replica (place = rank % replica_size).
-            same_place = [r for r in sources if r % size == receiver % size]
-            source = same_place[index % len(same_place)]
-            if group.rank == source:
-                sent += send_state(self._state, receiver, group, timeout=self.timeout)
-            elif group.rank == receiver:
-                received += receive_state(self._state, source, group, timeout=self.timeout)
-        self.step = newest
+        done = synchronise(group, self._state, self.step, self._fresh, epoch.number == 0, self.replica_size,
+                           self.timeout)
+        if done.refused:
+            self._refuse([epoch.members[r] for r in done.refused], done.reason)
+            return
+        self.step = done.step
         self._fresh = False
         self._needs_sync = False
         if change is not None:
             change.synced = time.time()
-            change.step = newest
-            change.sent_bytes, change.received_bytes = sent, received
+            change.step = done.step
+            change.sent_bytes, change.received_bytes = done.sent_bytes, done.received_bytes
+
+    def _refuse(self, members: list[str], reason: str | None) -> None:
+        """Leave out members whose objects refused the state, before any of them trained (all ranks agree)."""
+        epoch = self.epoch
+        assert epoch is not None
+        why = "refused: its objects do not take the job's training state (another model?)"
+        if self.member in members:
+            self._leave_group()
+            raise ConfigurationError(f"member {self.member}: {why}: {reason}; the others train on without it")
+        for member in members:  # the survivors' next rendezvous takes it for dead at once
+            self._store.compare_set(keys.dead(member), "", why)
+        self._store.add(keys.deaths(), 1)
+        log.warning("member %s: member(s) %s %s; re-forming without", self.member, ", ".join(members), why)
+        started = time.time()
+        self._leave_group()
+        self._next_epoch([], epoch.joins, f"refused {', '.join(members)}", started, list(epoch.waiting))

@@ -114,21 +114,25 @@ def receive_state(state: Mapping[str, Any], src: int, group: Backend, timeout: f
     """Receive :func:`send_state`'s message from ``src`` and load it into ``state``'s objects; return its bytes.
 
     The step is not sent: every rank agreed on it (an all_gather) before the transfer.
+    Every array is received before anything is checked or loaded, so a state
+    this rank refuses leaves no message behind on the connection.
 
     Raises:
         KeyError: The sender's state names objects this rank lacks, or lacks some it has.
+        Exception: What an object's ``load_state_dict`` raises for a state that does not fit it
+            (another shape, a missing key); objects before it in ``state`` are loaded by then.
 
     """
     skeleton = pickle.loads(np.asarray(recv(src, tag=STATE_TAG, group=group, timeout=timeout)).tobytes())
     objects = skeleton["objects"]
-    if set(objects) != set(state):
-        raise KeyError(f"elastic state: rank {src} sent {sorted(objects)}, this rank holds {sorted(state)}")
     leaves = sorted((leaf for value in objects.values() for leaf in _leaves(value)), key=lambda leaf: leaf.index)
     arrays = []
     for leaf in leaves:
         out = _empty(leaf)
         recv_into(out, src, tag=STATE_TAG, group=group, timeout=timeout)
         arrays.append(out)
+    if set(objects) != set(state):
+        raise KeyError(f"elastic state: rank {src} sent {sorted(objects)}, this rank holds {sorted(state)}")
     for name, obj in state.items():
         obj.load_state_dict(_rebuild(objects[name], arrays))
     return sum(_nbytes(array) for array in arrays)

@@ -244,8 +244,11 @@ def _watch(ranks: list[subprocess.Popen[bytes]], config: LaunchConfig, records: 
     """Wait until all ranks succeed (None), one fails (the first failure) or the job hangs (the verdict)."""
     while True:
         verdict = watchdog.check()
-        if verdict is not None:
-            return verdict
+        if verdict is not None and verdict.stuck:
+            return verdict.text
+        if verdict is not None:  # a note: the awaited ranks work (the group policy stops only a stuck job)
+            for line in verdict.text.splitlines():
+                say(line)
         running = False
         for local, process in enumerate(ranks):
             code = process.poll()
@@ -346,13 +349,14 @@ def run_job(config: LaunchConfig) -> int:
                 stop_ranks(ranks, signal.SIGTERM, config.grace_seconds)
                 pump.drain(5.0)
                 return HANG_EXIT_CODE
-            *consequences, failure = _trace_cause(first, ranks, config, records, restart)
+            chain = _trace_cause(first, ranks, config, records, restart)
+            *consequences, failure = chain
             after = "".join(f.consequence() for f in consequences)
             say(f"rank {failure.rank} {failure.describe()}{after}; stopping the other ranks")
             stop_ranks(ranks, signal.SIGTERM, config.grace_seconds)
             end_descendants(os.getpid(), config.grace_seconds)  # nothing of this attempt lives into the next
             pump.drain(5.0)
-            explained = watchdog.explain_failure()
+            explained = watchdog.explain_failure({f.rank: f.describe() for f in chain if not f.unresponsive})
             for line in (explained or "").splitlines():
                 say(line)
             if restart < config.max_restarts:

@@ -17,21 +17,48 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ferro.collective import diagnosis, hang_watch
 from ferro.collective.flight_recorder import DUMP_DIR_ENV
 from ferro.collective.hang_watch import HANG_EXIT_CODE, HANG_TIMEOUT_ENV, LAUNCHER_COLLECTS_ENV
 
-__all__ = ["HANG_EXIT_CODE", "HangWatchdog"]
+__all__ = ["HANG_EXIT_CODE", "HangVerdict", "HangWatchdog"]
 
 CHECK_SECONDS = 0.1
 #: A rank whose progress moved within this share of the timeout is busy, not stuck.
 STALLED_SHARE = 0.8
 
 
+@dataclass(frozen=True)
+class HangVerdict:
+    """What the watchdog concluded from one collection round.
+
+    Attributes:
+        text: What to print (the verdict, or a note that the awaited ranks are working).
+        hung: The ranks judged stuck (empty for a note).
+        stuck: Whether the whole job is stuck: no rank made progress within the timeout.
+
+    """
+
+    text: str
+    hung: list[int] = field(default_factory=list)
+    stuck: bool = False
+
+
 class HangWatchdog:
     """One node's watchdog.
+
+    The rule, on a rank's suspicion (no call made or ended for ``hang_timeout``
+    seconds): collect every rank's dump and look at the ranks the others wait
+    for. One that uses next to no CPU (asleep, blocked on a lock or a queue,
+    stopped, frozen) is hung. One that keeps a core busy is working (a long
+    evaluation, a checkpoint): it is reported, not stopped, and looked at again a
+    timeout later; a loop that spins forever is ended by the collective timeout
+    instead. With ``per_rank`` (``--restart-policy rank``) a rank idle outside any
+    call for the timeout is hung too, even while the others train on without it.
 
     Args:
         hang_timeout: Seconds without progress on every rank (0: off; dumps on failure still judged).
@@ -39,18 +66,21 @@ class HangWatchdog:
         world_size: Ranks in the job.
         local_ranks: The job ranks this node starts.
         port: The job's master port (names the default folder, the same on every node).
+        per_rank: Judge each rank on its own too (the in-place launcher replaces hung ranks).
 
     """
 
     def __init__(self, hang_timeout: float, dump_dir: str | None, world_size: int, local_ranks: list[int],
-                 port: int) -> None:
+                 port: int, per_rank: bool = False) -> None:
         given = dump_dir or os.environ.get(DUMP_DIR_ENV)
         self.folder = Path(given) if given else Path(tempfile.gettempdir()) / "ferro-dumps" / f"run-{port}"
         self.hang_timeout = hang_timeout
         self.world_size = world_size
         self.local_ranks = local_ranks
+        self.per_rank = per_rank
         self.started = time.time()
         self.next_check = 0.0
+        self.recheck_at: float | None = None  # when to look again at ranks found working
         self.folder.mkdir(parents=True, exist_ok=True)
         for old in self.folder.iterdir():  # an earlier job's files (the folder is named by the port)
             if old.is_file() and old.stat().st_mtime < self.started:
@@ -61,39 +91,66 @@ class HangWatchdog:
         return {DUMP_DIR_ENV: str(self.folder), HANG_TIMEOUT_ENV: f"{self.hang_timeout:g}",
                 LAUNCHER_COLLECTS_ENV: "launcher"}
 
-    def check(self) -> str | None:
-        """Return the verdict when the job is stuck (then stop it), else None. Cheap when nothing is suspected."""
+    def check(self) -> HangVerdict | None:
+        """Return what a collection round concluded when a rank is suspected, else None (cheap then)."""
         now = time.monotonic()
         if self.hang_timeout <= 0 or now < self.next_check:
             return None
         self.next_check = now + CHECK_SECONDS
         suspects = list(self.folder.glob("suspect-*.json"))
-        if not suspects:
+        due = self.recheck_at is not None and now >= self.recheck_at
+        if not suspects and not due:
             return None
         for path in suspects:
             path.unlink(missing_ok=True)
+        self.recheck_at = None
         dumps = hang_watch.collect(self.folder, self.world_size, by="ferro run's hang watchdog",
                                    ranks=self.local_ranks if len(self.local_ranks) < self.world_size else None)
-        if any(d.get("source") != "outside"
-               and (d.get("progress") or {}).get("stalled_for", 0.0) < STALLED_SHARE * self.hang_timeout
-               for d in dumps.values()):
-            return None  # some rank still makes progress: busy elsewhere, not stuck
+        stalled = STALLED_SHARE * self.hang_timeout
+        progressing = any(d.get("source") != "outside" and (d.get("progress") or {}).get("stalled_for", 0.0) < stalled
+                          for d in dumps.values())
         found = diagnosis.diagnose(dumps, self.world_size)
-        header = (f"no rank made or ended a call for {self.hang_timeout:g} s (--hang-timeout); "
-                  f"the job is stuck")
-        report = (found.report(stragglers=False) if found.findings
-                  else "no hang in the records: every rank is outside ferro's calls")
+        hung = [r for r in found.hung() if r in dumps]  # a rank this node did not collect is its own node's
+        alone = diagnosis.idle_outside_calls(dumps, stalled) if self.per_rank else []
+        hung += [r for r in alone if r not in hung]
+        if found.working and not hung:
+            self.recheck_at = now + self.hang_timeout  # still not arrived then: look again
+            return HangVerdict(found.working_note())
+        if not hung or (progressing and not self.per_rank):
+            return None  # some rank still makes progress: busy elsewhere, not stuck
+        header = (f"no rank made or ended a call for {self.hang_timeout:g} s (--hang-timeout); the job is stuck"
+                  if not progressing else
+                  f"rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} made or ended no call for "
+                  f"{self.hang_timeout:g} s (--hang-timeout) and {'are' if len(hung) > 1 else 'is'} idle: hung")
+        report = found.report(stragglers=False) if found.findings else _alone_report(alone, dumps)
         text = f"{header}\n{report}\ndumps in {self.folder} (ferro doctor {self.folder})"
         (self.folder / "verdict.txt").write_text(text + "\n")
-        return text
+        return HangVerdict(text, hung, stuck=not progressing)
 
-    def explain_failure(self) -> str | None:
-        """Judge the dumps the ranks wrote as they failed; return the report when it names a culprit."""
+    def explain_failure(self, ended: dict[int, str] | None = None) -> str | None:
+        """Judge the dumps the ranks wrote as they failed; return the report when it names a culprit.
+
+        Args:
+            ended: Ranks the launcher saw end, and how: a culprit among them is said to have ended so,
+                not to be somewhere unknown.
+
+        """
         dumps = {r: d for r, d in diagnosis.load_dumps(self.folder).items()
                  if d.get("time_ns", 0) / 1e9 >= self.started}
         if not dumps:
             return None
-        found = diagnosis.diagnose(dumps, self.world_size)
+        found = diagnosis.diagnose(dumps, self.world_size, ended=ended)
         if not found.findings:
             return None
         return f"{found.report(stragglers=False)}\ndumps in {self.folder} (ferro doctor {self.folder})"
+
+
+def _alone_report(ranks: list[int], dumps: dict[int, dict[str, Any]]) -> str:
+    """Say where each rank idle outside any call is (no finding names them: nobody waits for them yet)."""
+    lines = []
+    for rank in ranks:
+        dump = dumps.get(rank) or {}
+        lines.append(f"rank {rank} is at {dump.get('where') or 'unknown'}, outside any call, idle "
+                     f"({diagnosis.cpu_share(dump) or 0.0:.0%} CPU)")
+    lines.append(f"verdict: {'; '.join(lines)}")
+    return "\n".join(lines)

@@ -36,7 +36,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ferro.elastic import keys
 from ferro.elastic.manager import ELASTIC_ENV, MIN_NODES_ENV, MIN_SIZE_ENV
@@ -51,6 +51,7 @@ from ferro.launch.agent import (
     start_rank,
     stop_ranks,
 )
+from ferro.launch.hang import HangWatchdog
 from ferro.launch.heartbeat import HEARTBEAT_FILE_ENV, age
 from ferro.launch.reaper import become_subreaper, end_descendants
 from ferro.rendezvous.connect import wait_before_closing
@@ -59,43 +60,73 @@ from ferro.rendezvous.store import Store
 __all__ = ["run_in_place"]
 
 
+@dataclass(frozen=True)
+class _Life:
+    """How one process of a slot ended badly: its member id, how, and whether it was a failure of its own."""
+
+    member: str
+    how: str
+    error: str | None  # the program's own error ("RuntimeError: ..."), None when it was lost (killed, frozen)
+
+
 @dataclass
 class _Slot:
-    """One launch rank: its current process and how many times it was started again."""
+    """One launch rank: its current process, how many times it was started again, and how its lives ended."""
 
     rank: int
     local: int
     incarnation: int
     process: subprocess.Popen[bytes] | None
     beat_file: str
-    killed_frozen: bool = False
+    killed_as: str | None = None  # why the launcher killed the current process (frozen, hung), if it did
     exit_code: int | None = None
+    ended: list[_Life] = field(default_factory=list)
 
     @property
     def member(self) -> str:
         return f"{self.rank}.{self.incarnation}"
 
+    def kill(self, why: str) -> None:
+        """Kill the current process's whole group; ``why`` is how its end is reported."""
+        assert self.process is not None
+        if self.killed_as is None:
+            self.killed_as = why
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
-def _start_slot(config: LaunchConfig, slot: _Slot, pump: OutputPump, records: str) -> None:
+
+def _start_slot(config: LaunchConfig, slot: _Slot, pump: OutputPump, records: str, watch: dict[str, str]) -> None:
     if os.path.exists(slot.beat_file):
         os.unlink(slot.beat_file)  # a new process's age counts from its own start
     extra = {ELASTIC_ENV: "1", MIN_SIZE_ENV: str(config.min_size), MIN_NODES_ENV: str(config.min_nodes),
-             HEARTBEAT_FILE_ENV: slot.beat_file}
+             HEARTBEAT_FILE_ENV: slot.beat_file, **watch}
     label = str(slot.rank) if slot.incarnation == 0 else slot.member
     slot.process = start_rank(config, slot.local, slot.incarnation, pump, records, extra, label)
-    slot.killed_frozen = False
+    slot.killed_as = None
 
 
 def _check_heartbeat(config: LaunchConfig, slot: _Slot) -> None:
     assert slot.process is not None
     silent = age(slot.beat_file)
-    if silent > config.heartbeat_timeout and not slot.killed_frozen:
+    if silent > config.heartbeat_timeout and slot.killed_as is None:
         say(f"rank {slot.member} sent no heartbeat for {silent:.1f} s (frozen or stopped): killing it")
-        try:
-            os.killpg(slot.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        slot.killed_frozen = True
+        slot.kill("stopped responding and was killed")
+
+
+def _kill_hung(watchdog: HangWatchdog, slots: list[_Slot]) -> None:
+    """Kill the local ranks the watchdog found hung: from then on they are dead ranks like any other."""
+    verdict = watchdog.check()
+    if verdict is None:
+        return
+    for line in verdict.text.splitlines():
+        say(line)
+    for slot in slots:
+        if slot.rank in verdict.hung and slot.process is not None:
+            say(f"rank {slot.member} is hung (--hang-timeout {watchdog.hang_timeout:g} s): killing it; the others "
+                f"train on")
+            slot.kill(f"hung (no call made or ended for {watchdog.hang_timeout:g} s, idle) and was killed")
 
 
 def _validate(config: LaunchConfig) -> None:
@@ -139,14 +170,19 @@ def run_in_place(config: LaunchConfig) -> int:
              for local in range(config.nproc_per_node)]
     lease = _Lease(store.clone(), config) if config.node_rank > 0 else None
     nodes = _NodeWatch(config)
+    # One dump folder for the whole job, whatever becomes of its processes (ferro doctor reads them all there).
+    watchdog = HangWatchdog(config.hang_timeout, config.dump_dir, config.world_size,
+                            [slot.rank for slot in slots], config.master_port, per_rank=True)
+    watch = watchdog.environment()
     published: list[str] = []
     try:
         for slot in slots:
-            _start_slot(config, slot, pump, records)
+            _start_slot(config, slot, pump, records, watch)
         while any(slot.process is not None for slot in slots):
+            _kill_hung(watchdog, slots)
             for slot in slots:
                 if slot.process is not None:
-                    _follow(config, slot, store, pump, records)
+                    _follow(config, slot, store, pump, records, watch)
             members = [slot.member for slot in slots if slot.process is not None]
             if members != published:  # what the serving agent records dead if this node is lost
                 store.set(keys.node_members(config.node_rank), json.dumps(members))
@@ -254,8 +290,14 @@ class _NodeWatch:
             f"are taken for lost; the others train on")
 
 
-def _follow(config: LaunchConfig, slot: _Slot, store: Store, pump: OutputPump, records: str) -> None:
-    """Look at one slot's process: beat check while it runs; record, and maybe replace, once it ended."""
+def _follow(config: LaunchConfig, slot: _Slot, store: Store, pump: OutputPump, records: str,
+            watch: dict[str, str]) -> None:
+    """Look at one slot's process: beat check while it runs; record, and maybe replace, once it ended.
+
+    A rank lost to the outside (a signal, a freeze, a hang, its node) is replaced while restarts last. A rank
+    that failed by an exception of its own is a program error: it is replaced too (the error may not come
+    back), but never after the same error twice in a row, and the job's exit status says so (:func:`_outcome`).
+    """
     assert slot.process is not None
     code = slot.process.poll()
     if code is None:
@@ -265,31 +307,59 @@ def _follow(config: LaunchConfig, slot: _Slot, store: Store, pump: OutputPump, r
     if code == 0:
         return
     failure = failure_of(slot.rank, code, records, slot.incarnation)
-    how = "stopped responding and was killed" if slot.killed_frozen else failure.describe()
+    how = slot.killed_as or failure.describe()
+    own_error = None if slot.killed_as or failure.signal_name else (failure.error or f"exit code {code}")
     store.set(keys.dead(slot.member), how)  # the survivors' rendezvous reads it: no timeout to wait out
     store.add(keys.deaths(), 1)  # and their watchers, which cut a connection that stays open
     if store.check([keys.failed()]):
-        return  # the job stopped below its minimum: nothing to replace
+        return  # the job stopped below its minimum: nothing to replace, and each rank's exit is that
+    previous = slot.ended[-1] if slot.ended else None
+    slot.ended.append(_Life(slot.member, how, own_error))
     if store.check([keys.finished()]):
         say(f"rank {slot.member} {how} after the job finished")
         return
-    if slot.incarnation < config.max_restarts:
+    if own_error is not None and previous is not None and previous.error == own_error:
+        say(f"rank {slot.member} {how}; the same error as its previous life ({previous.member}): a bug in the "
+            f"program, not a lost rank, so it is not restarted again; the others train on without it")
+    elif slot.incarnation < config.max_restarts:
         say(f"rank {slot.member} {how}; the others train on; starting a replacement "
             f"({slot.incarnation + 1} of {config.max_restarts})")
         slot.incarnation += 1
-        _start_slot(config, slot, pump, records)
+        _start_slot(config, slot, pump, records, watch)
     else:
         say(f"rank {slot.member} {how}; the others train on without it (no restarts left for it)")
 
 
 def _outcome(store: Store, slots: list[_Slot]) -> int:
+    """Say how the job ended and return the exit status.
+
+    0 only when training finished and no rank failed by an error of its own: a rank lost to the outside
+    (killed, frozen, hung, its node lost) is what the policy survives, an exception is a bug that must not
+    end in success however often the rank was restarted. Each rank that ended badly is summed up.
+    """
+    _summarise(slots)
     if store.check([keys.failed()]):
         say(f"job failed: {bytes(store.get(keys.failed())).decode(errors='replace')}")
         return 1
     if not store.check([keys.finished()]):
         say("job failed: every rank ended before training finished")
         return 1
-    failed = [s for s in slots if s.exit_code not in (0, None)]
-    for slot in failed:
-        say(f"rank {slot.member} was lost along the way (the job finished without it)")
+    failed = sorted({slot.rank for slot in slots for life in slot.ended if life.error is not None})
+    if failed:
+        say(f"job failed: training finished, but rank(s) {', '.join(map(str, failed))} failed by an error of their "
+            f"own (see the summary above)")
+        return 1
     return 0
+
+
+def _summarise(slots: list[_Slot]) -> None:
+    for slot in slots:
+        errors = [life for life in slot.ended if life.error is not None]
+        lost = [life for life in slot.ended if life.error is None]
+        if errors:
+            reasons = sorted({life.error for life in errors if life.error})
+            say(f"summary: rank {slot.rank} failed {len(errors)} time(s) "
+                f"({', '.join(life.member for life in errors)}): {'; '.join(reasons)}")
+        if lost:
+            say(f"summary: rank {slot.rank} was lost {len(lost)} time(s): "
+                + "; ".join(f"{life.member} {life.how}" for life in lost))

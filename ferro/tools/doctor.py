@@ -80,7 +80,7 @@ def torch_layout(dumps: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
                 entries.append({
                     "record_id": len(entries), "pg_id": len(pg_config) - 1, "process_group": (name, desc),
                     "collective_seq_id": 0 if entry["is_p2p"] else entry["collective_seq_id"],
-                    "p2p_seq_id": entry["collective_seq_id"] if entry["is_p2p"] else 0,
+                    "p2p_seq_id": (entry.get("p2p_seq_id") or entry["record_id"]) if entry["is_p2p"] else 0,
                     "op_id": entry["collective_seq_id"],
                     "profiling_name": f"gloo:{_TORCH_NAMES.get(entry['op'], entry['op'])}",
                     "time_created_ns": entry.get("time_created_ns") or 0,

@@ -5,7 +5,10 @@
 CASE: ``skip`` (rank 2 skips one allreduce, then evaluates for an hour), ``spin``
 (rank 1 spins in a Python loop before a collective), ``stop`` (rank 3 SIGSTOPs
 itself), ``size`` (rank 0 calls allreduce with another size), ``slow`` (rank 3
-is 5x slower than the others for 50 steps, then every rank dumps its record).
+is 5x slower than the others for 50 steps, then every rank dumps its record),
+``evaluate`` (rank 0 computes for 7 s before a collective: busy, not hung),
+``crash`` (rank 1 raises a TypeError before a collective), ``two`` (ranks 1 and 2
+sleep for good before a collective, at two different lines).
 With ``--torch`` the same runs on torch.distributed's gloo (run it under torchrun,
 with TORCH_DISTRIBUTED_DEBUG=DETAIL to see what torch says).
 """
@@ -27,6 +30,15 @@ def spin_forever() -> None:
     """A rank stuck in user code: a busy loop that never returns."""
     while True:  # CULPRIT spin
         pass
+
+
+def evaluate(seconds: float) -> float:
+    """A long evaluation on one rank: matrix products for ``seconds``, one batch at a time."""
+    weights, total = np.random.default_rng(0).standard_normal((96, 96)), 0.0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        total += float(np.tanh(weights @ weights).sum())  # CULPRIT evaluate-batch
+    return total
 
 
 def main() -> None:
@@ -55,7 +67,7 @@ def main() -> None:
         if case == "slow":
             time.sleep(0.05 if rank == 3 else 0.01)
         if step == FAULT_STEP:
-            if rank == {"skip": 2, "spin": 1, "stop": 3, "size": 0}.get(case):
+            if rank == {"skip": 2, "spin": 1, "stop": 3, "size": 0, "evaluate": 0, "crash": 1}.get(case):
                 print(f"FAULT {case} on rank {rank}", flush=True)  # bench/bench_hang.py times from here
             if case == "skip" and rank == 2:
                 continue  # CULPRIT skip
@@ -66,6 +78,14 @@ def main() -> None:
             if case == "size" and rank == 0:
                 allreduce(np.ones(2, np.float32))  # CULPRIT size
                 continue
+            if case == "evaluate" and rank == 0:
+                evaluate(7.0)
+            if case == "crash" and rank == 1:
+                len(5)  # CULPRIT crash
+            if case == "two" and rank == 1:
+                time.sleep(3600)  # CULPRIT two-1
+            if case == "two" and rank == 2:
+                time.sleep(3600)  # CULPRIT two-2
         allreduce(x)  # WAIT
     if case == "slow" and not torch_mode:
         ferro.dump_flight_record("after 50 steps")
