@@ -71,15 +71,17 @@ def reference() -> dict[str, np.ndarray]:
 
 
 def _run(tmp_path, *args: str, script: str = EXAMPLE, restarts: int = 1, min_size: int | None = None,
-         heartbeat: float = 10.0, grow_to: int = 4, nproc: int = 4) -> subprocess.CompletedProcess:
+         heartbeat: float = 10.0, grow_to: int = 4, nproc: int = 4, launcher: tuple[str, ...] = (),
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run the example under ``ferro run``; its last steps slow down until ``grow_to`` ranks train again."""
     command = [sys.executable, "-m", "ferro", "run", "--nproc-per-node", str(nproc), "--restart-policy", "rank",
-               "--max-restarts", str(restarts), "--heartbeat-timeout", str(heartbeat), "--grace", "2"]
+               "--max-restarts", str(restarts), "--heartbeat-timeout", str(heartbeat), "--grace", "2", *launcher]
     if min_size is not None:
         command += ["--min-size", str(min_size)]
     return subprocess.run([*command, script, "--steps", str(STEPS), "--float64", "--sleep", "0.02",
                            "--wait-for-size", str(grow_to), "--out", str(tmp_path / "final.npz"), *args],
-                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env=None if env is None else dict(os.environ, **env))
 
 
 def _check_exact(tmp_path, done: subprocess.CompletedProcess, reference: dict[str, np.ndarray]) -> list[dict]:
@@ -525,3 +527,70 @@ def test_scoped_store_keeps_its_keys_under_its_prefix():
         assert clone.get("k") == b"v"
         clone.close()
         assert store.get("a/b/k") == b"v"  # the shared client is not closed by a view that does not own it
+
+
+# --- hardening: a stuck rank, names after a change, a bug, one dump folder, another model ------------------------
+
+@pytest.mark.timeout(300)
+def test_a_stuck_rank_is_killed_by_the_hang_watch_replaced_and_the_job_ends(tmp_path, reference):
+    """Rank 1 sleeps for good at step 10 (its heartbeat thread beats on): the hang watch ends it, the job ends."""
+    done = _run(tmp_path, "--hang-at", "1:10", script=FAULTY, nproc=3, grow_to=3,
+                launcher=("--hang-timeout", "4", "--dump-dir", "dumps"), env={"FERRO_TIMEOUT": "5"})
+    _check_exact(tmp_path, done, reference)
+    assert "ferro run: rank 1.0 is hung (--hang-timeout 4 s): killing it; the others train on" in done.stderr
+    verdict = next(line for line in done.stderr.splitlines() if line.startswith("ferro run: verdict: "))
+    assert "rank 1" in verdict and "faulty_train.py" in verdict and "in _hang (idle" in verdict, verdict
+    assert "rank 1.0 hung (no call made or ended for 4 s, idle) and was killed; the others train on; starting a " \
+        "replacement" in done.stderr
+    # One folder for the whole job: every rank's dump and the verdict, where the printed hint says.
+    folder = tmp_path / "dumps"
+    assert {"rank-0.json", "rank-1.json", "rank-2.json", "verdict.txt"} <= {p.name for p in folder.iterdir()}
+    assert f"ferro doctor {folder.name}" in done.stderr or f"ferro doctor {folder}" in done.stderr
+    assert not (tmp_path / "ferro-dumps").exists()
+
+
+@pytest.mark.timeout(300)
+def test_after_changes_of_membership_every_message_names_the_launcher_s_identity(tmp_path, reference):
+    """Member 1.0 dies at step 10, its replacement 1.1 at step 30: survivors name 1.0 and 1.1, never themselves."""
+    done = _run(tmp_path, "--kill", "1:10", "--kill-member", "1.1:30", script=FAULTY, restarts=2, nproc=3,
+                grow_to=3)
+    _check_exact(tmp_path, done, reference)
+    survivors = [line for line in done.stderr.splitlines() if line.startswith(("[rank 0]", "[rank 2]"))]
+    lost = [line for line in survivors if "abandoned" in line or "recorded" in line]
+    assert lost, done.stderr
+    for line in lost:
+        prefix_rank = line.split("]")[0].removeprefix("[rank ")
+        assert f"member {prefix_rank}.0 exited" not in line and f"rank {prefix_rank} exited" not in line, line
+        assert "member 1.0" in line or "member 1.1" in line, line
+    assert any("member 1.1 exited, crashed or closed its group" in line for line in lost), lost
+
+
+@pytest.mark.timeout(300)
+def test_a_bug_is_not_restarted_twice_and_the_job_does_not_succeed(tmp_path):
+    """Rank 1 raises the same RuntimeError from step 10 on, in every life: two lives, then the others go on."""
+    done = _run(tmp_path, "--raise-from", "1:10", script=FAULTY, restarts=3, nproc=3, grow_to=0)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("rank 1.1 exited with code 1 (RuntimeError: a bug in rank 1's training step); the same error as its "
+            "previous life (1.0): a bug in the program, not a lost rank, so it is not restarted again") in done.stderr
+    assert "[rank 1.2]" not in done.stderr
+    assert ("ferro run: summary: rank 1 failed 2 time(s) (1.0, 1.1): RuntimeError: a bug in rank 1's training step"
+            in done.stderr), done.stderr
+    assert "ferro run: job failed: training finished, but rank(s) 1 failed by an error of their own" in done.stderr
+    assert (tmp_path / "final.npz").exists()  # the others trained to the end
+
+
+@pytest.mark.timeout(300)
+def test_a_replacement_with_another_model_is_refused_before_it_trains_a_step(tmp_path, reference):
+    """1.1 builds a 32-unit model where the job trains 64: refused at its state transfer, no step abandoned."""
+    done = _run(tmp_path, "--kill", "1:10", "--model-of", "1.1:32", script=FAULTY, restarts=2, nproc=3, grow_to=3)
+    assert done.returncode == 1, done.stdout + done.stderr
+    history = _check_exact(tmp_path, subprocess.CompletedProcess([], 0, done.stdout, done.stderr), reference)
+    causes = [change["cause"].split(":")[0] for change in history]
+    assert "refused 1.1" in causes, causes
+    # After the kill at step 10 the survivors abandoned that one step; the refusal abandoned none.
+    abandoned = [line for line in done.stderr.splitlines() if "abandoned" in line and line.startswith("[rank 0]")]
+    assert len(abandoned) == 1 and "step 10 abandoned" in abandoned[0], abandoned
+    assert "[rank 1.1] ferro.ConfigurationError: member 1.1: refused: its objects do not take the job's training " \
+        "state" in done.stderr, done.stderr
+    assert "ferro run: summary: rank 1 failed 1 time(s) (1.1): ConfigurationError: member 1.1: refused" in done.stderr
+    assert [len(change["members"]) for change in history][-1] == 3  # 1.2, with the job's model, joined

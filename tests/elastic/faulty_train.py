@@ -5,8 +5,9 @@
 during heal), ``receive_state`` (a replacement dying while it receives the state),
 ``request_join`` (a replacement dying before it is admitted).
 ``--hang-at RANK:STEP``: that launch rank, in its first life, sleeps for good at that step.
-``--raise-at RANK:STEP``: that launch rank raises a RuntimeError at that step, in every life (a bug).
-``--model-of MEMBER:HIDDEN``: that member builds its model with another hidden size.
+``--kill-member MEMBER:STEP``: that member SIGKILLs itself at that step (a replacement too).
+``--raise-from RANK:STEP``: that launch rank raises a RuntimeError at each step from that one on, in every life
+(a bug). ``--model-of MEMBER:HIDDEN``: that member builds its model with another hidden size.
 Everything else is the example's own command line.
 """
 
@@ -50,16 +51,16 @@ def _die_in(spec: str) -> None:
         raise SystemExit(f"--die-in: unknown point {what!r}")
 
 
-def _at_step(spec: str, every_life: bool, action: Callable[[int], None]) -> None:
-    rank, number = (int(part) for part in spec.split(":"))
-    if int(os.environ["RANK"]) != rank or not (every_life or ME.endswith(".0")):
+def _at_step(who: str, number: int, action: Callable[[int], None], onwards: bool = False) -> None:
+    """From the step ``number`` (``onwards``: and each after it) of member ``who`` (a launch rank: any life)."""
+    if who != ME and who != ME.split(".")[0]:
         return
     original = manager.Manager.steps
 
     def steps(self, total, sampler=None):  # type: ignore[no-untyped-def]
         for step in original(self, total, sampler):
-            if step.number == number:
-                action(number)
+            if step.number == number or (onwards and step.number > number):
+                action(step.number)
             yield step
 
     manager.Manager.steps = steps  # type: ignore[method-assign]
@@ -71,7 +72,11 @@ def _hang(step: int) -> None:
 
 
 def _bug(step: int) -> None:
-    raise RuntimeError(f"a bug at step {step}")
+    raise RuntimeError(f"a bug in rank {os.environ['RANK']}'s training step")
+
+
+def _kill(step: int) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _option(argv: list[str], name: str) -> str | None:
@@ -88,9 +93,11 @@ if __name__ == "__main__":
     if (spec := _option(argv, "--die-in")) is not None:
         _die_in(spec)
     if (spec := _option(argv, "--hang-at")) is not None:
-        _at_step(spec, False, _hang)
-    if (spec := _option(argv, "--raise-at")) is not None:
-        _at_step(spec, True, _bug)
+        _at_step(f"{spec.split(':')[0]}.0", int(spec.split(":")[1]), _hang)
+    if (spec := _option(argv, "--kill-member")) is not None:
+        _at_step(spec.split(":")[0], int(spec.split(":")[1]), _kill)
+    if (spec := _option(argv, "--raise-from")) is not None:
+        _at_step(spec.split(":")[0], int(spec.split(":")[1]), _bug, onwards=True)
     if (spec := _option(argv, "--model-of")) is not None and spec.split(":")[0] == ME:
         argv += ["--hidden", spec.split(":")[1]]
     sys.argv = [EXAMPLE, *argv]
