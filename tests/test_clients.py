@@ -66,9 +66,20 @@ def test_lightning_ddp_strategy_over_ferro_matches_gloo(tmp_path):
 def test_accelerate_over_ferro_matches_gloo(tmp_path):
     _needs("accelerate")
     for backend in ("ferro", "gloo"):
-        _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-              str(_free_port()), os.path.join(HERE, "accelerate_ddp.py"), backend, str(tmp_path / f"{backend}.json")],
-             tmp_path)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                   str(_free_port()), os.path.join(HERE, "accelerate_ddp.py"), backend,
+                   str(tmp_path / f"{backend}.json")]
+        # The peer only: gloo's known teardown abort (its worker threads destroyed while running) gets one more
+        # try; any other failure, and any failure of ferro's leg, fails the test.
+        tries = 2 if backend == "gloo" else 1
+        for attempt in range(tries):
+            done = subprocess.run(command, cwd=tmp_path, env=_environment(), capture_output=True, text=True,
+                                  timeout=300)
+            teardown_abort = "terminate called without an active exception" in done.stderr
+            if done.returncode == 0 or not teardown_abort or attempt == tries - 1:
+                break
+            command[5] = str(_free_port())
+        assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     _assert_ferro_matches_gloo_and_one_process(_result(tmp_path / "ferro.json"), _result(tmp_path / "gloo.json"))
 
 

@@ -511,3 +511,52 @@ def test_numpy_mixed_precision_gathers_narrow_and_keeps_wide_shards():
         np.testing.assert_allclose(wide[name], value, rtol=0, atol=1e-12)
         np.testing.assert_allclose(narrow[name], value, rtol=0, atol=1e-5)
     assert max(np.abs(narrow[n] - wide[n]).max() for n in expected) > 1e-12  # it really computed in float32
+
+
+# --- memory: what FULL_SHARD keeps between steps ----------------------------------------------------------------
+
+def _live_tensor_bytes():
+    """Bytes of every distinct CPU tensor storage reachable now (what the process keeps, not sizes multiplied)."""
+    import gc
+    import warnings
+
+    gc.collect()
+    storages = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr():
+            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(storages.values())
+
+
+def _kept_after_step(group, strategy):
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 512), torch.randn(8, 512)
+    baseline = _live_tensor_bytes()
+    net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(4)])
+    model = ferro.FSDP(net, group=group, sharding_strategy=strategy,
+                       auto_wrap_policy=lambda m: isinstance(m, torch.nn.Sequential) and len(m) == 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    del net
+    kept = []
+    for _ in range(3):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()  # as training does between steps: gradients go
+        kept.append(_live_tensor_bytes() - baseline)
+    return kept
+
+
+def test_full_shard_keeps_a_quarter_of_no_shard_between_steps_at_four_ranks():
+    """Four 512x512 float32 layers with Adam: parameters and Adam's two moments, sharded; nothing gathered is kept."""
+    full = run_processes(_kept_after_step, 4, args=("full_shard",), timeout=240)
+    whole = run_processes(_kept_after_step, 4, args=("no_shard",), timeout=240)
+    parameters = 4 * (512 * 512 + 512) * 4  # bytes of one whole copy
+    for rank in range(4):
+        assert full[rank][0] == full[rank][-1] and whole[rank][0] == whole[rank][-1]  # no growth step to step
+        # Adam's step counters are a few bytes per parameter tensor; everything else is the model's own arithmetic.
+        assert 3 * parameters <= whole[rank][-1] <= 3 * parameters + 4096, whole[rank]
+        assert 3 * parameters / 4 <= full[rank][-1] <= 3 * parameters / 4 + 4096, full[rank]

@@ -2,8 +2,15 @@
 
 accelerate accepts only gloo and mpi for CPU in ``InitProcessGroupKwargs``; it
 adopts a process group that already exists, so the script makes it first.
+
+It ends as torch asks: both ranks meet before the group is destroyed, and the
+prepared objects (accelerate's DDP holds the process group) are let go first.
+A ProcessGroupGloo still referenced when the interpreter shuts down is destroyed
+with its worker threads running: ``terminate called without an active
+exception`` (SIGABRT), which a loaded machine showed on gloo's rank 1.
 """
 
+import gc
 import sys
 
 import torch
@@ -27,4 +34,8 @@ if __name__ == "__main__":
             optimizer.step()
     if accelerator.is_main_process:
         write_result(out, dist.get_backend(), params_of(accelerator.unwrap_model(model)))
+    accelerator.wait_for_everyone()  # neither rank tears down while the other still talks
+    del model, optimizer, data
+    accelerator.free_memory()
+    gc.collect()
     dist.destroy_process_group()
