@@ -262,7 +262,7 @@ def diagnose(dumps: dict[int, dict[str, Any]], world_size: int | None = None, la
 
 
 def _collectives(group: dict[str, Any]) -> list[dict[str, Any]]:
-    """A group record's collective calls: point-to-point ones pair a sender with a receiver, never all ranks."""
+    """Return a group record's collective calls: point-to-point ones pair two ranks, never all of them."""
     return [e for e in group.get("entries") or [] if not e.get("is_p2p")]
 
 
@@ -375,7 +375,7 @@ def idle_outside_calls(dumps: dict[int, dict[str, Any]], stalled: float) -> list
 
 def _p2p_hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
               dumps: dict[int, dict[str, Any]], ended: dict[int, str]) -> Finding | None:
-    """A rank waiting in a send or receive whose peer is not waiting in the matching call with it."""
+    """Find a rank waiting in a send or receive whose peer is not waiting in the matching call with it."""
     waiting: dict[int, dict[str, Any]] = {}
     for rank, group in records.items():
         entries = group.get("entries") or []
