@@ -295,7 +295,7 @@ def _hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
           dumps: dict[int, dict[str, Any]], ended: dict[int, str]) -> Finding | None:
     made = {r: int(records[r].get("collectives", records[r].get("calls")) or 0) for r in records}
     latest = max(made.values(), default=0)
-    last_entry = {r: (_collectives(records[r]) or [None])[-1] for r in records}
+    last_entry: dict[int, Any] = {r: next(reversed(_collectives(records[r])), None) for r in records}
     # A rank that gave up (its timeout) waited as long as it could: it counts with those still waiting.
     waiting = sorted(r for r in records if made[r] == latest and last_entry[r]
                      and last_entry[r]["state"] in ("started", "scheduled", "failed"))
