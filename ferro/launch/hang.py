@@ -40,12 +40,14 @@ class HangVerdict:
         text: What to print (the verdict, or a note that the awaited ranks are working).
         hung: The ranks judged stuck (empty for a note).
         stuck: Whether the whole job is stuck: no rank made progress within the timeout.
+        pids: The process each hung rank's dump came from (a rank replaced since is another process).
 
     """
 
     text: str
     hung: list[int] = field(default_factory=list)
     stuck: bool = False
+    pids: dict[int, int] = field(default_factory=dict)
 
 
 class HangWatchdog:
@@ -125,7 +127,8 @@ class HangWatchdog:
         report = found.report(stragglers=False) if found.findings else _alone_report(alone, dumps)
         text = f"{header}\n{report}\ndumps in {self.folder} (ferro doctor {self.folder})"
         (self.folder / "verdict.txt").write_text(text + "\n")
-        return HangVerdict(text, hung, stuck=not progressing)
+        pids = {r: int(dumps[r]["pid"]) for r in hung if isinstance((dumps.get(r) or {}).get("pid"), int)}
+        return HangVerdict(text, hung, stuck=not progressing, pids=pids)
 
     def explain_failure(self, ended: dict[int, str] | None = None) -> str | None:
         """Judge the dumps the ranks wrote as they failed; return the report when it names a culprit.

@@ -60,6 +60,10 @@ from ferro.rendezvous.store import Store
 __all__ = ["run_in_place"]
 
 
+# How a rank ends when the membership, not its program, ended it (ferro.elastic raises them).
+_MEMBERSHIP_ENDINGS = ("MembershipError", "QuorumLostError")
+
+
 @dataclass(frozen=True)
 class _Life:
     """How one process of a slot ended badly: its member id, how, and whether it was a failure of its own."""
@@ -115,6 +119,23 @@ def _check_heartbeat(config: LaunchConfig, slot: _Slot) -> None:
         slot.kill("stopped responding and was killed")
 
 
+def _runs(slot: _Slot, pid: int | None) -> bool:
+    """Whether process ``pid`` (from a dump) is the slot's current rank: its guardian, or the rank it forked.
+
+    A verdict can name a rank whose hung process was replaced since; the replacement must not pay for it.
+    """
+    assert slot.process is not None
+    if pid is None:
+        return False
+    if pid == slot.process.pid:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1]) == slot.process.pid
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def _kill_hung(watchdog: HangWatchdog, slots: list[_Slot]) -> None:
     """Kill the local ranks the watchdog found hung: from then on they are dead ranks like any other."""
     verdict = watchdog.check()
@@ -123,7 +144,7 @@ def _kill_hung(watchdog: HangWatchdog, slots: list[_Slot]) -> None:
     for line in verdict.text.splitlines():
         say(line)
     for slot in slots:
-        if slot.rank in verdict.hung and slot.process is not None:
+        if slot.rank in verdict.hung and slot.process is not None and _runs(slot, verdict.pids.get(slot.rank)):
             say(f"rank {slot.member} is hung (--hang-timeout {watchdog.hang_timeout:g} s): killing it; the others "
                 f"train on")
             slot.kill(f"hung (no call made or ended for {watchdog.hang_timeout:g} s, idle) and was killed")
@@ -309,6 +330,8 @@ def _follow(config: LaunchConfig, slot: _Slot, store: Store, pump: OutputPump, r
     failure = failure_of(slot.rank, code, records, slot.incarnation)
     how = slot.killed_as or failure.describe()
     own_error = None if slot.killed_as or failure.signal_name else (failure.error or f"exit code {code}")
+    if own_error is not None and own_error.startswith(_MEMBERSHIP_ENDINGS):
+        own_error = None  # left out of an epoch (too slow to arrive), or the job stopped: not the program's bug
     store.set(keys.dead(slot.member), how)  # the survivors' rendezvous reads it: no timeout to wait out
     store.add(keys.deaths(), 1)  # and their watchers, which cut a connection that stays open
     if store.check([keys.failed()]):
