@@ -284,3 +284,13 @@ def test_design_md_draws_the_same_layers_in_the_same_order():
         spans.append((name, min(map(first_row, paths)), max(map(first_row, paths))))
     for (below, start_below, _), (name, start, end) in zip(spans, spans[1:], strict=False):
         assert start <= end < start_below, f"DESIGN.md draws {name} (rows {start}-{end}) into {below} ({start_below})"
+
+
+#: The house's "about 600 lines" outside the compiled core (STYLE.md): past it, a module is split at its seams.
+LONGEST_MODULE = 620
+
+
+def test_no_module_outside_the_compiled_core_outgrows_the_house_limit():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py") if "_core" not in p.parts
+            and (n := len(p.read_text().splitlines())) > LONGEST_MODULE}
+    assert long == {}, f"split these at their seams: {long}"
