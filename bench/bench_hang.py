@@ -28,7 +28,9 @@ from pathlib import Path
 CASES = Path(__file__).resolve().parent.parent / "tests" / "hangs" / "cases.py"
 CULPRITS = {"skip": 2, "spin": 1, "stop": 3, "size": 0, "slow": 3}
 # The first line of each library's output that tells the user what went wrong.
-FERRO_TELLS = re.compile(r"ferro run: verdict: |straggler: rank ")
+# The first line that says where the culprit is: a verdict, a straggler report, or (for a rank that keeps a
+# core busy, such as the spin) the note that it works there.
+FERRO_TELLS = re.compile(r"ferro run: verdict: |straggler: rank |but it is working, not hung: ")
 TORCH_TELLS = re.compile(r"(Error|error|mismatch|Mismatch|Timed out|timed out|Exception|exitcode)")
 
 
