@@ -112,7 +112,7 @@ class HangWatchdog:
         progressing = any(d.get("source") != "outside" and (d.get("progress") or {}).get("stalled_for", 0.0) < stalled
                           for d in dumps.values())
         found = diagnosis.diagnose(dumps, self.world_size)
-        hung = [r for r in found.hung() if r in dumps]  # a rank this node did not collect is its own node's
+        hung = found.hung()  # a rank of another node is that node's launcher's to kill (HangVerdict.pids)
         alone = diagnosis.idle_outside_calls(dumps, stalled) if self.per_rank else []
         hung += [r for r in alone if r not in hung]
         if found.working and not hung:
