@@ -291,7 +291,7 @@ class Manager:
         """
         while True:
             try:
-                if self._needs_sync:
+                while self._needs_sync:  # a refusal re-forms the group, which is synchronised again
                     self._synchronise()
                 if self.step >= total:
                     break
@@ -532,11 +532,12 @@ class Manager:
         change = self.history[-1] if self.history else None
         done = synchronise(group, self._state, self.step, self._fresh, epoch.number == 0, self.replica_size,
                            self.timeout)
+        if self.member not in [epoch.members[r] for r in done.refused]:
+            self.step = done.step  # this rank holds the agreed state now, whatever others refused
+            self._fresh = False
         if done.refused:
             self._refuse([epoch.members[r] for r in done.refused], done.reason)
             return
-        self.step = done.step
-        self._fresh = False
         self._needs_sync = False
         if change is not None:
             change.synced = time.time()
