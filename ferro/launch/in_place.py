@@ -9,6 +9,9 @@ place) and does three things no rank can do for itself:
 * **It records each death** in the store (``ferro/elastic/dead/<member>``) the
   moment it reaps the process, so the survivors agree on who is gone without
   waiting for a timeout.
+* **It kills a hung rank** (``--hang-timeout``): the hang watchdog of
+  :mod:`ferro.launch.hang`, in its per-rank mode, names an awaited rank that uses
+  no CPU, or one idle outside any call, with the records' verdict.
 * **It kills a frozen rank**: each rank beats a heartbeat file
   (:mod:`ferro.launch.heartbeat`); one silent for ``heartbeat_timeout`` seconds is
   killed, and from then on it is a dead rank like any other.
@@ -169,8 +172,9 @@ def run_in_place(config: LaunchConfig) -> int:
     """Run the node's ranks of an elastic job, replacing each failed rank up to ``max_restarts`` times.
 
     Returns:
-        0 when the job finished its last step and every rank still running exited 0;
-        1 when it stopped below its minimum size or never finished; 128 + the signal when interrupted.
+        0 when the job finished its last step and no rank of this node failed by an error of its own (ranks
+        lost to a signal, a freeze, a hang or their node are survived); 1 when it stopped below its minimum
+        size, never finished, or a rank of this node raised; 128 + the signal when interrupted.
 
     Raises:
         ConfigurationError: Invalid settings.
