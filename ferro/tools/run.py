@@ -46,12 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "whose launcher is silent that long for lost (default 10)")
     parser.add_argument("--hang-timeout", type=float, default=300.0,
                         help="seconds in which no rank made or ended a collective or point-to-point call after "
-                             "which the job is taken for stuck: every rank's flight record is collected, the "
-                             "verdict printed (which rank did not arrive where) and the job stopped with exit "
-                             "code 86 (default 300; 0: off)")
+                             "which every rank's flight record is collected and the ranks the others wait for are "
+                             "judged: one that keeps a core busy is working (reported, left alone), one that is "
+                             "idle is hung: the verdict is printed (which rank did not arrive where) and the job "
+                             "stopped with exit code 86, or, with --restart-policy rank, the hung rank killed and "
+                             "replaced (default 300; 0: off)")
     parser.add_argument("--dump-dir", default=None,
-                        help="folder for the ranks' flight records (default $FERRO_DUMP_DIR, else "
-                             "<tmp>/ferro-dumps/run-<master port>); read them with ferro doctor")
+                        help="folder for the ranks' flight records, one for the whole job whatever the restart "
+                             "policy (default $FERRO_DUMP_DIR, else <tmp>/ferro-dumps/run-<master port>); read "
+                             "them with ferro doctor")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds ranks get to exit after a stop request before they are killed (default 5)")
