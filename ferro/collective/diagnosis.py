@@ -39,10 +39,12 @@ __all__ = ["Diagnosis", "Finding", "chrome_trace", "cpu_share", "diagnose", "idl
 STRAGGLER_WAIT_MS = 1.0
 #: The fewest calls a straggler is named from (a job's first calls wait on its start-up, not on a straggler).
 STRAGGLER_MIN_CALLS = 20
-#: The CPU use (cores) from which a rank the others wait for counts as working, not hung: a rank asleep, blocked
-#: on a lock or a queue, stopped or frozen uses next to none. A loop that spins forever counts as working too;
-#: the collective timeout (``FERRO_TIMEOUT``) ends that one.
-WORKING_CPU_SHARE = 0.25
+#: The share of a core its main thread used from which a rank the others wait for counts as working, not hung.
+#: A rank asleep, blocked on a lock or a queue, stopped or frozen uses next to none (0-1 %); one computing on a
+#: machine with eight busy processes per core still gets about 12 % (16 ranks on 2 cores read 19 % here, so a
+#: quarter of a core was too high). A loop that spins forever counts as working too; the collective timeout
+#: (``FERRO_TIMEOUT``) ends that one.
+WORKING_CPU_SHARE = 0.05
 
 
 def load_dumps(folder: str | os.PathLike[str], round_id: str | None = None) -> dict[int, dict[str, Any]]:

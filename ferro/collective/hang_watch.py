@@ -84,7 +84,7 @@ class _Watch:
         self.signature: tuple[Any, ...] = ()
         self.changed = time.monotonic()
         self.suspected: tuple[Any, ...] | None = None
-        #: ``(monotonic time, process CPU seconds)`` at each poll, the last ACTIVITY_SECONDS of them.
+        #: ``(monotonic time, main thread's CPU seconds)`` at each poll, the last ACTIVITY_SECONDS of them.
         self.cpu_samples: collections.deque[tuple[float, float]] = collections.deque()
         #: What the rank waits for inside ferro outside any call (an elastic rendezvous), or None.
         self.inside: str | None = None
@@ -171,21 +171,24 @@ class _Watch:
 
     def _sample_cpu(self) -> None:
         now = time.monotonic()
-        self.cpu_samples.append((now, time.process_time()))
+        self.cpu_samples.append((now, _main_thread_cpu()))
         while len(self.cpu_samples) > 2 and now - self.cpu_samples[1][0] >= ACTIVITY_SECONDS:
             self.cpu_samples.popleft()
 
     def cpu_share(self) -> float | None:
-        """Return the cores this process kept busy over the last ACTIVITY_SECONDS (None: not measured yet)."""
+        """Return the share of a core the main thread used over the last ACTIVITY_SECONDS (None: not yet known).
+
+        The main thread's alone: neither this watch's own work (a dump) nor a helper thread's counts.
+        """
         self._sample_cpu()
         (start, cpu_start), (end, cpu_end) = self.cpu_samples[0], self.cpu_samples[-1]
         return (cpu_end - cpu_start) / (end - start) if end - start >= POLL_SECONDS else None
 
     def _snapshot(self, reason: str, round_id: str | None, traceback: str | None = None) -> dict[str, Any]:
+        share = self.cpu_share()  # before the dump's own work
         data = flight_recorder.snapshot(reason, round_id, traceback, native=True)
         data["progress"] = {"stalled_for": round(time.monotonic() - self.changed, 3),
                             "hang_timeout": self.hang_timeout}
-        share = self.cpu_share()
         data["activity"] = {"cpu_share": None if share is None else round(share, 3), "over": ACTIVITY_SECONDS}
         data["inside"] = self.inside
         return data
@@ -337,13 +340,21 @@ def outside_view(folder: Path, rank: int) -> dict[str, Any] | None:
     return view
 
 
+def _main_thread_cpu() -> float:
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(threading.main_thread().ident or 0))
+    except (AttributeError, OSError):  # no per-thread clocks here: the process's
+        return time.process_time()
+
+
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
+    # The main thread's task (its id is the process's): utime + stime, in clock ticks.
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _outside_cpu_share(pid: int) -> float | None:
-    """Return the cores process ``pid`` kept busy over OUTSIDE_SAMPLE_SECONDS, or None if it cannot be read."""
+    """Return the share of a core process ``pid``'s main thread used over OUTSIDE_SAMPLE_SECONDS (None: unreadable)."""
     try:
         before, started = _cpu_seconds(pid), time.monotonic()
         time.sleep(OUTSIDE_SAMPLE_SECONDS)
