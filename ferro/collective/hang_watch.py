@@ -326,8 +326,12 @@ def outside_view(folder: Path, rank: int) -> dict[str, Any] | None:
         view["process_state"] = f"process {pid} did not answer; its state: {state}"
         view["activity"] = {"cpu_share": _outside_cpu_share(pid), "over": OUTSIDE_SAMPLE_SECONDS}
     except OSError:
-        view["process_state"] = f"process {pid} has exited"
-        return view
+        if not _alive(pid):
+            view["process_state"] = f"process {pid} has exited"
+            return view
+        # Seen once under load: the status file could not be read of a process that ran on. Measure it anyway.
+        view["process_state"] = f"process {pid} did not answer; its state could not be read"
+        view["activity"] = {"cpu_share": _outside_cpu_share(pid), "over": OUTSIDE_SAMPLE_SECONDS}
     if flight_recorder.py_spy() is None:
         view["process_state"] += "; install py-spy (pip install 'ferro[doctor]') to read its stack from outside"
         return view
@@ -338,6 +342,16 @@ def outside_view(folder: Path, rank: int) -> dict[str, Any] | None:
         if thread["main"] and thread["where"]:
             view["where"] = f"{thread['where']} (read by py-spy)"
     return view
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
 
 
 def _main_thread_cpu() -> float:
