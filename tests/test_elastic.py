@@ -594,3 +594,25 @@ def test_a_replacement_with_another_model_is_refused_before_it_trains_a_step(tmp
         "state" in done.stderr, done.stderr
     assert "ferro run: summary: rank 1 failed 1 time(s) (1.1): ConfigurationError: member 1.1: refused" in done.stderr
     assert [len(change["members"]) for change in history][-1] == 3  # 1.2, with the job's model, joined
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not can_create_namespaces(), reason="two emulated hosts need root and iproute2's ip")
+def test_a_bug_on_the_second_host_fails_the_first_host_s_exit_status_too(tmp_path):
+    """Rank 3 (node 1) raises in every life: both launchers exit 1, node 0 from node 1's record in the store."""
+    with two_hosts() as (names, master):
+        env = dict(os.environ, FERRO_SECRET="elastic-two-hosts-bug")
+        port = str(free_port("127.0.0.1"))
+        launchers = [subprocess.Popen(
+            ["ip", "netns", "exec", name, sys.executable, "-m", "ferro", "run", "--nnodes", "2", "--node-rank",
+             str(node), "--nproc-per-node", "2", "--master-addr", master, "--master-port", port,
+             "--restart-policy", "rank", "--max-restarts", "2", "--grace", "2", FAULTY, "--steps", str(STEPS),
+             "--float64", "--sleep", "0.02", "--raise-from", "3:10", "--out", str(tmp_path / "final.npz")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path) for node, name in
+            enumerate(names)]
+        outputs = [launcher.communicate(timeout=240) for launcher in launchers]
+    assert [launcher.returncode for launcher in launchers] == [1, 1], outputs
+    assert "summary: rank 3 failed 2 time(s) (3.0, 3.1): RuntimeError: a bug in rank 3's training step" in \
+        outputs[1][1], outputs[1][1]
+    assert "job failed: training finished, but rank(s) 3 failed by an error of their own" in outputs[0][1], \
+        outputs[0][1]

@@ -12,6 +12,8 @@ Every key lives under ``ferro/elastic/`` on the job's store, which ``ferro run
 * ``<epoch>/group/...``: the epoch's own process group (a scoped view: addresses, claims).
 * ``finished`` / ``failed``: how the job ended.
 * ``agent-done/<node>``: another node's agent has read the outcome (the serving agent waits for it before closing).
+* ``node-errors/<node>``: at its end, another node's ranks that failed by their own error (the first node's
+  exit status counts them).
 * ``agent-beat/<node>``: a counter another node's agent bumps while it lives (its lease; see
   :mod:`ferro.launch.in_place`), and ``node-members/<node>``: that node's current members (JSON).
 """
@@ -19,7 +21,7 @@ Every key lives under ``ferro/elastic/`` on the job's store, which ``ferro run
 from __future__ import annotations
 
 __all__ = ["ROOT", "agent_beat", "agent_done", "dead", "deaths", "epoch", "failed", "finished", "join_count",
-           "join_request", "node_members"]
+           "join_request", "node_errors", "node_members"]
 
 ROOT = "ferro/elastic"
 
@@ -67,6 +69,11 @@ def agent_done(node: int) -> str:
 def agent_beat(node: int) -> str:
     """Return the counter node ``node``'s agent increments while it lives."""
     return f"{ROOT}/agent-beat/{node}"
+
+
+def node_errors(node: int) -> str:
+    """Return the key holding node ``node``'s ranks that failed by an error of their own (JSON list, at its end)."""
+    return f"{ROOT}/node-errors/{node}"
 
 
 def node_members(node: int) -> str:

@@ -216,13 +216,19 @@ def run_in_place(config: LaunchConfig) -> int:
                 nodes.look(store)
             time.sleep(POLL_SECONDS)
         pump.drain(5.0)
-        outcome = _outcome(store, slots)
         if config.node_rank > 0:
+            outcome = _outcome(store, slots)
+            # What the first node's exit status adds up: this node's ranks that failed by their own error.
+            store.set(keys.node_errors(config.node_rank), json.dumps(_own_errors(slots)))
             store.set(keys.agent_done(config.node_rank), "1")
-        else:  # the other nodes' agents read the outcome from this store: serve it until they have
-            wait_before_closing(store, [keys.agent_done(n) for n in range(1, config.nnodes) if n not in nodes.lost],
-                                30.0)
-        return outcome
+            return outcome
+        # The other nodes' agents read the outcome from this store: serve it until they have; their ranks' own
+        # errors count in this node's exit status too, so the job's first node speaks for the whole job.
+        others = [n for n in range(1, config.nnodes) if n not in nodes.lost]
+        wait_before_closing(store, [keys.agent_done(n) for n in others], 30.0)
+        elsewhere = sorted(rank for n in others if store.check([keys.node_errors(n)])
+                           for rank in json.loads(bytes(store.get(keys.node_errors(n)))))
+        return _outcome(store, slots, elsewhere)
     except DistributedError as exc:  # only the store can raise here: the first node's launcher is gone
         say(f"job failed: lost the job's store, served by the first node's launcher ({exc}); stopping this node")
         stop_ranks([s.process for s in slots if s.process is not None], signal.SIGTERM, config.grace_seconds)
@@ -357,12 +363,18 @@ def _follow(config: LaunchConfig, slot: _Slot, store: Store, pump: OutputPump, r
         say(f"rank {slot.member} {how}; the others train on without it (no restarts left for it)")
 
 
-def _outcome(store: Store, slots: list[_Slot]) -> int:
+def _own_errors(slots: list[_Slot]) -> list[int]:
+    """Return the launch ranks of ``slots`` that ended at least once by an error of their own."""
+    return sorted({slot.rank for slot in slots for life in slot.ended if life.error is not None})
+
+
+def _outcome(store: Store, slots: list[_Slot], elsewhere: list[int] | None = None) -> int:
     """Say how the job ended and return the exit status.
 
     0 only when training finished and no rank failed by an error of its own: a rank lost to the outside
     (killed, frozen, hung, its node lost) is what the policy survives, an exception is a bug that must not
     end in success however often the rank was restarted. Each rank that ended badly is summed up.
+    ``elsewhere``: ranks of other nodes that failed by their own error (their launchers summed them up).
     """
     _summarise(slots)
     if store.check([keys.failed()]):
@@ -371,10 +383,10 @@ def _outcome(store: Store, slots: list[_Slot]) -> int:
     if not store.check([keys.finished()]):
         say("job failed: every rank ended before training finished")
         return 1
-    failed = sorted({slot.rank for slot in slots for life in slot.ended if life.error is not None})
+    failed = sorted(set(_own_errors(slots)) | set(elsewhere or ()))
     if failed:
         say(f"job failed: training finished, but rank(s) {', '.join(map(str, failed))} failed by an error of their "
-            f"own (see the summary above)")
+            f"own (each node's launcher sums up its own ranks above)")
         return 1
     return 0
 
