@@ -219,23 +219,28 @@ def _process_tree(pid: int) -> list[int]:
     return tree
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.skipif(not can_create_namespaces(), reason="two emulated hosts need root and iproute2's ip")
-def test_two_hosts_survive_a_rank_of_the_second_host_in_place(tmp_path, reference):
+def _on_two_hosts(tmp_path, restarts: str, script: str, *args: str) -> tuple[list[int], list[tuple[str, str]]]:
+    """Run ``script`` under ``ferro run --restart-policy rank`` on two emulated hosts of 2 ranks each."""
     with two_hosts() as (names, master):
         env = dict(os.environ, FERRO_SECRET="elastic-two-hosts")
         port = str(free_port("127.0.0.1"))
         launchers = [subprocess.Popen(
             ["ip", "netns", "exec", name, sys.executable, "-m", "ferro", "run", "--nnodes", "2", "--node-rank",
              str(node), "--nproc-per-node", "2", "--master-addr", master, "--master-port", port,
-             "--restart-policy", "rank", "--max-restarts", "1", "--grace", "2", EXAMPLE, "--steps", str(STEPS),
-             "--float64", "--sleep", "0.02", "--wait-for-size", "4", "--kill", "3:20", "--out",
-             str(tmp_path / "final.npz")],
+             "--restart-policy", "rank", "--max-restarts", restarts, "--grace", "2", script, "--steps", str(STEPS),
+             "--float64", "--sleep", "0.02", "--out", str(tmp_path / "final.npz"), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path) for node, name in
             enumerate(names)]
         outputs = [launcher.communicate(timeout=240) for launcher in launchers]
-    for launcher, (out, err) in zip(launchers, outputs, strict=True):
-        assert launcher.returncode == 0, out + err
+    return [launcher.returncode for launcher in launchers], outputs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not can_create_namespaces(), reason="two emulated hosts need root and iproute2's ip")
+def test_two_hosts_survive_a_rank_of_the_second_host_in_place(tmp_path, reference):
+    codes, outputs = _on_two_hosts(tmp_path, "1", EXAMPLE, "--wait-for-size", "4", "--kill", "3:20")
+    for code, (out, err) in zip(codes, outputs, strict=True):
+        assert code == 0, out + err
     assert "rank 3.0 was killed by SIGKILL; the others train on; starting a replacement" in outputs[1][1]
     history = _check_exact(tmp_path, subprocess.CompletedProcess([], 0, outputs[0][0], outputs[0][1]), reference)
     assert [len(change["members"]) for change in history][-1] == 4
@@ -600,18 +605,8 @@ def test_a_replacement_with_another_model_is_refused_before_it_trains_a_step(tmp
 @pytest.mark.skipif(not can_create_namespaces(), reason="two emulated hosts need root and iproute2's ip")
 def test_a_bug_on_the_second_host_fails_the_first_host_s_exit_status_too(tmp_path):
     """Rank 3 (node 1) raises in every life: both launchers exit 1, node 0 from node 1's record in the store."""
-    with two_hosts() as (names, master):
-        env = dict(os.environ, FERRO_SECRET="elastic-two-hosts-bug")
-        port = str(free_port("127.0.0.1"))
-        launchers = [subprocess.Popen(
-            ["ip", "netns", "exec", name, sys.executable, "-m", "ferro", "run", "--nnodes", "2", "--node-rank",
-             str(node), "--nproc-per-node", "2", "--master-addr", master, "--master-port", port,
-             "--restart-policy", "rank", "--max-restarts", "2", "--grace", "2", FAULTY, "--steps", str(STEPS),
-             "--float64", "--sleep", "0.02", "--raise-from", "3:10", "--out", str(tmp_path / "final.npz")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path) for node, name in
-            enumerate(names)]
-        outputs = [launcher.communicate(timeout=240) for launcher in launchers]
-    assert [launcher.returncode for launcher in launchers] == [1, 1], outputs
+    codes, outputs = _on_two_hosts(tmp_path, "2", FAULTY, "--raise-from", "3:10")
+    assert codes == [1, 1], outputs
     assert "summary: rank 3 failed 2 time(s) (3.0, 3.1): RuntimeError: a bug in rank 3's training step" in \
         outputs[1][1], outputs[1][1]
     assert "job failed: training finished, but rank(s) 3 failed by an error of their own" in outputs[0][1], \
