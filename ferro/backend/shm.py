@@ -24,7 +24,7 @@ from ferro.rendezvous.settings import default_timeout, validate_rank_and_size
 from ferro.rendezvous.store import Store
 from ferro.types import DType, ReduceOp, describe_fingerprint
 
-__all__ = ["SEGMENT_PREFIX", "ShmBackend", "remove_segments_of"]
+__all__ = ["SEGMENT_PREFIX", "ShmBackend", "process_alive", "remove_segments_of"]
 
 SHM_DIR = "/dev/shm"
 # Segments are named ferro-<creator pid>-<random hex>: the pid tells a stale one from a live one.
@@ -49,7 +49,7 @@ def _sweep_stale_segments() -> None:
     A segment's name carries its creator's pid; only this user's segments with
     a dead creator are removed, so a live job's segments are never touched.
     """
-    _remove_segments(lambda creator: not _alive(creator))
+    _remove_segments(lambda creator: not process_alive(creator))
 
 
 def remove_segments_of(pid: int) -> list[str]:
@@ -83,7 +83,8 @@ def _remove_segments(created_by: Callable[[int], bool]) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts: it is alive, just not ours)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

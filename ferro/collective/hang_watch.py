@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ferro._core import state as _state
+from ferro.backend.shm import process_alive
 from ferro.collective import diagnosis, flight_recorder
 from ferro.errors import ConfigurationError
 
@@ -326,7 +327,7 @@ def outside_view(folder: Path, rank: int) -> dict[str, Any] | None:
         view["process_state"] = f"process {pid} did not answer; its state: {state}"
         view["activity"] = {"cpu_share": _outside_cpu_share(pid), "over": OUTSIDE_SAMPLE_SECONDS}
     except OSError:
-        if not _alive(pid):
+        if not process_alive(pid):
             view["process_state"] = f"process {pid} has exited"
             return view
         # Seen once under load: the status file could not be read of a process that ran on. Measure it anyway.
@@ -342,16 +343,6 @@ def outside_view(folder: Path, rank: int) -> dict[str, Any] | None:
         if thread["main"] and thread["where"]:
             view["where"] = f"{thread['where']} (read by py-spy)"
     return view
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, under another user
-    return True
 
 
 def _main_thread_cpu() -> float:
