@@ -357,3 +357,26 @@ def test_a_straggler_needs_to_make_the_others_wait():
     # ... over enough calls: a job's first few wait on its start-up.
     dumps = {r: _dump(r, 10, durations=quick if r == 2 else {s: 30.0 for s in quick}) for r in range(3)}
     assert diagnosis.straggler_of(diagnosis.diagnose(dumps).stragglers) is None
+
+
+def _watchdog_round(tmp_path, monkeypatch, dumps):
+    from ferro.launch.hang import HangWatchdog
+
+    watchdog = HangWatchdog(3.0, str(tmp_path), 3, [0, 1, 2], port=1)
+    (tmp_path / "suspect-0.json").write_text("{}")
+    monkeypatch.setattr(hang_watch, "collect", lambda *args, **kwargs: dumps)
+    return watchdog.check()
+
+
+def test_a_round_that_finds_an_awaited_rank_exited_is_the_job_ending_not_a_hang(tmp_path, monkeypatch):
+    """Seen in CI: the awaited ranks finished and exited as the round ran; only a stale wait answered."""
+    waiting = {r: _dump(r, 6, "started") for r in (0, 1)}
+    for dump in waiting.values():
+        dump["progress"] = {"stalled_for": 6.8}
+    gone = {"rank": 2, "source": "outside", "pid": 1, "time_ns": 0, "groups": [], "threads": [], "where": None,
+            "process_state": "process 1 did not answer; its state: S (sleeping)", "activity": {"cpu_share": 0.0}}
+    verdict = _watchdog_round(tmp_path, monkeypatch, {**waiting, 2: gone})
+    assert verdict is not None and verdict.hung == [2] and verdict.stuck  # alive and idle: hung
+    gone = {**gone, "process_state": "process 1 has exited"}
+    gone.pop("activity")
+    assert _watchdog_round(tmp_path, monkeypatch, {**waiting, 2: gone}) is None

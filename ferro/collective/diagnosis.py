@@ -351,6 +351,11 @@ def in_a_call(dump: dict[str, Any]) -> bool:
     return False
 
 
+def has_exited(dump: dict[str, Any]) -> bool:
+    """Return whether a dump is the launcher's outside view of a process that no longer runs."""
+    return dump.get("source") == "outside" and str(dump.get("process_state", "")).endswith("has exited")
+
+
 def idle_outside_calls(dumps: dict[int, dict[str, Any]], stalled: float) -> list[int]:
     """Return the ranks stuck by themselves, idle outside any call.
 
@@ -364,7 +369,7 @@ def idle_outside_calls(dumps: dict[int, dict[str, Any]], stalled: float) -> list
     for rank, dump in sorted(dumps.items()):
         if dump.get("source") == "outside":
             share, waited = cpu_share(dump), None
-            if share is not None and share < WORKING_CPU_SHARE and "exited" not in str(dump.get("process_state")):
+            if share is not None and share < WORKING_CPU_SHARE and not has_exited(dump):
                 found.append(rank)  # could not answer (stopped, or frozen in C) and uses no CPU
             continue
         waited = (dump.get("progress") or {}).get("stalled_for")

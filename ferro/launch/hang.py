@@ -108,6 +108,11 @@ class HangWatchdog:
         self.recheck_at = None
         dumps = hang_watch.collect(self.folder, self.world_size, by="ferro run's hang watchdog",
                                    ranks=self.local_ranks if len(self.local_ranks) < self.world_size else None)
+        if any(diagnosis.has_exited(d) for d in dumps.values()):
+            # A rank ended while the round ran: the job is finishing, or a rank failed and the launcher's exit
+            # handling reports it. Seen in CI: rank 0 ended a long evaluation as the round began, ranks 0, 2
+            # and 3 finished and exited before answering, and the one stale answer read as a hang.
+            return None
         stalled = STALLED_SHARE * self.hang_timeout
         progressing = any(d.get("source") != "outside" and (d.get("progress") or {}).get("stalled_for", 0.0) < stalled
                           for d in dumps.values())
