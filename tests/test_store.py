@@ -236,3 +236,53 @@ def test_free_port_draws_bindable_ports_outside_the_kernels_outgoing_range(monke
         assert fallback != held
         with socket.socket() as listener:
             listener.bind(("127.0.0.1", fallback))
+
+
+def test_batched_operations_follow_torch_semantics(store):
+    with client(store) as other:
+        store.multi_set(["a", "b"], [b"1", "two"])
+        assert other.multi_get(["b", "a"]) == [b"two", b"1"]
+        other.append("log", "x")
+        other.append("log", b"yz")
+        assert store.get("log") == b"xyz"
+        with pytest.raises(ferro.StoreKeyTimeoutError) as missing:
+            other.multi_get(["a", "never"], timeout=0.3)
+        assert missing.value.missing == ("never",)
+        with pytest.raises(ValueError, match="2 keys but 1 values"):
+            store.multi_set(["a", "b"], [b"1"])
+
+
+def test_queue_pop_waits_for_a_push_and_serves_waiters_in_order(store):
+    popped = []
+    waiters = [client(store) for _ in range(3)]
+
+    def pop(i):
+        popped.append((i, waiters[i].queue_pop("jobs", timeout=10)))
+
+    threads = []
+    for i in range(3):
+        threads.append(threading.Thread(target=pop, args=(i,)))
+        threads[-1].start()
+        wait_until_inside(threads[-1], "_read_message")  # each asks before the next: their order is known
+    assert store.queue_len("jobs") == 0
+    for item in (b"first", b"second", b"third"):
+        store.queue_push("jobs", item)
+    for thread in threads:
+        thread.join(10)
+    assert sorted(popped) == [(0, b"first"), (1, b"second"), (2, b"third")]
+    store.queue_push("jobs", "left")
+    assert store.queue_len("jobs") == 1 and not store.check(["jobs"])  # queues live apart from keys
+    with pytest.raises(ferro.StoreKeyTimeoutError, match="queue 'empty'"):
+        store.queue_pop("empty", timeout=0.3)
+    for w in waiters:
+        w.close()
+
+
+def test_thousands_of_clients_rendezvous_through_one_server_thread():
+    """2,000 clients from 4 processes: publish, read both ring neighbours, store-based barrier."""
+    from ferro.testing.store_load import run_store_load
+
+    with Store("127.0.0.1", 0, secret=SECRET, serve=True, timeout=60) as owner:
+        run_store_load("ferro", "127.0.0.1", owner.port, 2000, 4, secret=SECRET.decode(), timeout=60)
+        assert owner.num_keys() == 2000 + 2  # every address, the barrier's counter and its flag
+        assert owner.server.threads == 1

@@ -27,10 +27,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from ferro.errors import AuthenticationError, DistributedTimeoutError, PeerLostError
+from ferro.errors import AuthenticationError, ConfigurationError, DistributedTimeoutError, PeerLostError
 
-__all__ = ["MAX_HANDSHAKES", "PRE_AUTH_SECONDS", "Admission", "RefusalLog", "accept_handshake", "connect_handshake",
-           "shutdown_quietly"]
+__all__ = ["MAX_HANDSHAKES", "PRE_AUTH_SECONDS", "Admission", "HandshakeAcceptor", "RefusalLog", "accept_handshake",
+           "connect_handshake", "rejection", "shutdown_quietly"]
 
 # How long a connection we accepted may take to prove it holds the secret. A rank answers within
 # milliseconds even on a loaded host; anything slower is stray or hostile, and is cut off.
@@ -46,6 +46,10 @@ MAC_BYTES = 32
 MAX_CONTEXT_BYTES = 1024
 ACCEPTED = b"\x01"
 REFUSED = b"\x00"
+# Sent instead of the challenge by a server that cannot take the connection (out of descriptors), followed by a
+# u16 length and the reason, so that the client says why rather than "the connection closed".
+REJECTED = b"FERROERR"
+_GREETING_BYTES = len(MAGIC) + NONCE_BYTES + 2
 
 
 class RefusalLog:
@@ -235,7 +239,12 @@ def connect_handshake(sock: socket.socket, secret: bytes, context: bytes, timeou
     try:
         client_nonce = os.urandom(NONCE_BYTES)
         _send_all(sock, MAGIC + client_nonce + struct.pack("<H", len(context)) + context, "the greeting")
-        reply = _recv_exact(sock, NONCE_BYTES + MAC_BYTES, f"the challenge from {peer}")
+        reply = _recv_exact(sock, len(REJECTED), f"the challenge from {peer}")
+        if reply == REJECTED:
+            (length,) = struct.unpack("<H", _recv_exact(sock, 2, f"the reason from {peer}"))
+            reason = _recv_exact(sock, length, f"the reason from {peer}").decode(errors="replace")
+            raise ConfigurationError(f"{peer} cannot take this connection: {reason}")
+        reply += _recv_exact(sock, NONCE_BYTES + MAC_BYTES - len(REJECTED), f"the challenge from {peer}")
         server_nonce, server_mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
         if not hmac.compare_digest(server_mac, _mac(secret, b"server", client_nonce, server_nonce, context)):
             raise AuthenticationError(
@@ -282,3 +291,64 @@ def accept_handshake(sock: socket.socket, secret: bytes, timeout: float, peer: s
         return context
     finally:
         sock.settimeout(None)
+
+
+def rejection(reason: str) -> bytes:
+    """Return what a server sends instead of its challenge when it cannot take a connection (:data:`REJECTED`)."""
+    text = reason.encode()[:MAX_CONTEXT_BYTES]
+    return REJECTED + struct.pack("<H", len(text)) + text
+
+
+class HandshakeAcceptor:
+    """The accepting side of :func:`accept_handshake`, fed bytes as they arrive: for an event loop.
+
+    Call :meth:`feed` with the connection's input buffer whenever bytes arrive; it
+    consumes what it uses and returns what to send. :attr:`outcome` becomes
+    ``"accepted"`` (then :attr:`context` is what the client sent) or ``"refused"``
+    (send the returned bytes, then close).
+
+    Raises:
+        AuthenticationError: From :meth:`feed`: the client does not speak ferro's handshake.
+
+    """
+
+    def __init__(self, secret: bytes, peer: str) -> None:
+        self._secret, self._peer = secret, peer
+        self._stage = 0
+        self._client_nonce = self._server_nonce = b""
+        self._context_len = 0
+        self.context = b""
+        self.outcome: str | None = None
+
+    def feed(self, buf: bytearray) -> bytes:
+        """Consume what the handshake needs from ``buf``; return the bytes to send (maybe none)."""
+        if self._stage == 0:
+            if len(buf) < _GREETING_BYTES:
+                return b""
+            greeting = bytes(buf[:_GREETING_BYTES])
+            del buf[:_GREETING_BYTES]
+            if greeting[: len(MAGIC)] != MAGIC:
+                raise AuthenticationError(f"{self._peer} does not speak ferro's handshake (it sent {greeting[:8]!r})")
+            self._client_nonce = greeting[len(MAGIC) : len(MAGIC) + NONCE_BYTES]
+            (self._context_len,) = struct.unpack("<H", greeting[-2:])
+            if self._context_len > MAX_CONTEXT_BYTES:
+                raise AuthenticationError(
+                    f"{self._peer} sent an oversized handshake context ({self._context_len} bytes)")
+            self._stage = 1
+        if self._stage == 1:
+            if len(buf) < self._context_len:
+                return b""
+            self.context = bytes(buf[: self._context_len])
+            del buf[: self._context_len]
+            self._server_nonce = os.urandom(NONCE_BYTES)
+            self._stage = 2
+            return self._server_nonce + _mac(self._secret, b"server", self._client_nonce, self._server_nonce,
+                                             self.context)
+        if self._stage == 2 and len(buf) >= MAC_BYTES:
+            client_mac = bytes(buf[:MAC_BYTES])
+            del buf[:MAC_BYTES]
+            self._stage = 3
+            expected = _mac(self._secret, b"client", self._server_nonce, self._client_nonce, self.context)
+            self.outcome = "accepted" if hmac.compare_digest(client_mac, expected) else "refused"
+            return ACCEPTED if self.outcome == "accepted" else REFUSED
+        return b""

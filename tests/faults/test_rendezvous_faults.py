@@ -241,3 +241,26 @@ def test_no_rank_returns_from_init_while_a_rank_is_missing(backend):
         assert elapsed < 6, (rank, elapsed)
     # The ranks name the rank that never came (or rank 0, once it gave up).
     assert any("rank(s) [2]" in outcome for outcome, _ in results), results
+
+
+def test_a_store_out_of_descriptors_tells_the_newcomer_why(store_host):
+    """Every descriptor holds an authenticated client: the next one hears of RLIMIT_NOFILE, not "closed"."""
+    host = store_host(fd_limit=40)
+    clients, refusal = [], None
+    try:
+        for _ in range(60):
+            try:
+                clients.append(Store("127.0.0.1", host.port, secret=SECRET, timeout=10))
+            except ferro.ConfigurationError as exc:
+                refusal = str(exc)
+                break
+        assert refusal is not None and 10 < len(clients) < 40, (len(clients), refusal)
+        assert "descriptor limit (RLIMIT_NOFILE: soft 40, hard 40)" in refusal and "ulimit -Hn" in refusal
+        clients.pop().close()  # a descriptor frees up: the next client is served
+        later = Store("127.0.0.1", host.port, secret=SECRET, timeout=10)
+        later.set("served", "yes")
+        assert clients[0].get("served") == b"yes"
+        later.close()
+    finally:
+        for c in clients:
+            c.close()
