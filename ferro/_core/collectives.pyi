@@ -1,5 +1,6 @@
 """Type stub for the native collectives (ferro/_core/collectives.pyx)."""
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ferro._core.direct import DirectCall
@@ -15,14 +16,21 @@ DEFAULT_BRUCK_BYTES: int
 DIRECT_REDUCE_SCATTER_BYTES: int
 
 class Mesh:
-    connections: tuple[Connection | None, ...]
+    connections: list[Connection | None]
     rank: int
     n: int
     chain_bytes: int
     bruck_bytes: int
+    connector: Callable[[int, float], Connection] | None
     def __init__(
-        self, connections: tuple[Connection | None, ...], rank: int, chain_bytes: int = ..., bruck_bytes: int = ...
+        self, connections: Sequence[Connection | None], rank: int, chain_bytes: int = ..., bruck_bytes: int = ...,
+        connector: Callable[[int, float], Connection] | None = ...,
     ) -> None: ...
+    def attach(self, peer: int, conn: Connection) -> None: ...
+    @property
+    def connected(self) -> list[int]: ...
+    @property
+    def near_peers(self) -> list[int]: ...
 
 class DirectMeshAllreduce(DirectCall):
     def __call__(self, x: Any, op: Any, timeout: float | None) -> bool: ...

@@ -293,16 +293,48 @@ cdef int _halving_doubling(ConnState** conns, int rank, int n, unsigned char* bu
     return 0
 
 
-cdef class Mesh:
-    """A group's full mesh of connections as the compiled collectives hold it, call after call.
+def _near_peers(int rank, int n):
+    """The peers every collective but all_to_all may touch (see :class:`Mesh`)."""
+    cdef int distance = 1, power = 1, extra, virtual, mask, partner_virtual
+    peers = set()
+    while distance < n:  # the ring, the trees, the dissemination barrier, Bruck
+        peers.add((rank + distance) % n)
+        peers.add((rank - distance + n) % n)
+        distance *= 2
+    while power * 2 <= n:  # recursive doubling and halving-doubling, as _recursive_doubling folds them
+        power *= 2
+    extra = n - power
+    if rank < 2 * extra:
+        peers.add(rank + 1 if rank % 2 == 0 else rank - 1)
+    if not (rank < 2 * extra and rank % 2 == 0):
+        virtual = rank // 2 if rank < 2 * extra else rank - extra
+        mask = 1
+        while mask < power:
+            partner_virtual = virtual ^ mask
+            peers.add(_folded_partner(partner_virtual, extra))
+            mask <<= 1
+    peers.discard(rank)
+    return peers
 
-    It keeps the peers' C states in an array indexed by rank and, for the
-    allreduce, a scratch buffer and the ring's bounds that grow to the largest call.
-    Every collective takes all the mesh's locks for its whole run (see
-    :meth:`acquire`), so whatever runs holds these alone.
+
+cdef class Mesh:
+    """A group's connections as the compiled collectives hold them, call after call: made on demand.
+
+    It keeps the peers' C states in an array indexed by rank (NULL until
+    connected) and, for the allreduce, a scratch buffer and the ring's bounds
+    that grow to the largest call. A collective first connects the peers its
+    algorithms may touch (through ``connector``, with the GIL), then takes those
+    connections' locks for its whole run (see :meth:`acquire`).
+
+    Which peers: every collective but all_to_all runs on the ring (rank +-1), the
+    binomial trees and the dissemination barrier (rank +- 2^k), Bruck's all_gather
+    (rank +- 2^k) and recursive doubling/halving (the folded partners): together
+    about 2 log2(n) peers, whatever the algorithm the size picks. all_to_all
+    touches every peer.
 
     Args:
-        connections: One :class:`~ferro._core.transport.Connection` per rank, None at ``rank``.
+        connections: One :class:`~ferro._core.transport.Connection` per rank, None at
+            ``rank`` and at peers not connected yet.
         rank: This rank.
         chain_bytes: Broadcasts above this size (to more than two ranks) take the pipelined
             chain, where every link carries the message once, all at the same time; smaller
@@ -310,77 +342,123 @@ cdef class Mesh:
         bruck_bytes: All_gathers of at most this many bytes in all, among 4 ranks or more,
             take Bruck's ceil(log2 n) rounds; larger ones (and any among 3 ranks, where
             the rounds are as many) the ring's n - 1.
+        connector: ``connector(peer, timeout) -> Connection``, called (with the GIL) for a
+            peer not connected yet; None: every peer must be connected up front.
     """
 
-    cdef readonly tuple connections
+    cdef readonly list connections
     cdef readonly int rank
     cdef readonly int n
     cdef ConnState** states
-    cdef int locked
+    cdef int* held            # the peers whose locks the running collective holds, ascending
+    cdef int npeers           # how many peers are held
+    cdef int locked           # how many locks are taken: held's send locks, then their receive locks
+    cdef int* near            # the peers every collective but all_to_all may touch, ascending
+    cdef int near_count
     cdef unsigned char* scratch
     cdef size_t scratch_cap
     cdef size_t* bounds
     cdef readonly size_t chain_bytes
     cdef readonly size_t bruck_bytes
+    cdef public object connector
 
-    def __cinit__(self, tuple connections, int rank, size_t chain_bytes=DEFAULT_CHAIN_BYTES,
-                  size_t bruck_bytes=DEFAULT_BRUCK_BYTES):
+    def __cinit__(self, connections, int rank, size_t chain_bytes=DEFAULT_CHAIN_BYTES,
+                  size_t bruck_bytes=DEFAULT_BRUCK_BYTES, connector=None):
         cdef int i
-        cdef Connection conn
-        self.connections = connections
+        self.connections = list(connections)
         self.rank = rank
-        self.n = len(connections)
+        self.n = len(self.connections)
         self.chain_bytes = chain_bytes
         self.bruck_bytes = bruck_bytes
+        self.connector = connector
         if not 0 <= rank < self.n:
             raise ValueError(f"rank {rank} is outside a mesh of {self.n}")
         self.states = <ConnState**>malloc(self.n * sizeof(ConnState*))
         self.bounds = <size_t*>malloc((self.n + 1) * sizeof(size_t))
-        if self.states == NULL or self.bounds == NULL:
+        self.held = <int*>malloc(self.n * sizeof(int))
+        self.near = <int*>malloc(self.n * sizeof(int))
+        if self.states == NULL or self.bounds == NULL or self.held == NULL or self.near == NULL:
             raise MemoryError()
         for i in range(self.n):
             self.states[i] = NULL
-            if i != rank:
-                conn = connections[i]  # a None elsewhere than at rank is a TypeError here, not a crash later
-                self.states[i] = &conn.st
+            if i != rank and self.connections[i] is not None:
+                self.attach(i, self.connections[i])
+        self.near_count = 0
+        for i in sorted(_near_peers(rank, self.n)):
+            self.near[self.near_count] = i
+            self.near_count += 1
 
     def __dealloc__(self):
         free(self.states)
         free(self.bounds)
+        free(self.held)
+        free(self.near)
         free(self.scratch)
 
+    def attach(self, int peer, Connection conn):
+        """Make ``conn`` this mesh's connection to ``peer`` (once; the connector's result, or given up front)."""
+        if not 0 <= peer < self.n or peer == self.rank:
+            raise ValueError(f"rank {self.rank}: no peer {peer} in a mesh of {self.n}")
+        self.connections[peer] = conn
+        self.states[peer] = &conn.st
+
+    @property
+    def connected(self):
+        """The peers connected so far, ascending."""
+        return [i for i in range(self.n) if self.states[i] != NULL]
+
+    @property
+    def near_peers(self):
+        """The peers every collective but all_to_all may touch, ascending."""
+        return [self.near[i] for i in range(self.near_count)]
+
+    cdef int _connect(self, int peer, double timeout) except -1:
+        if self.connector is None:
+            raise TypeError(f"rank {self.rank}: no connection to rank {peer} and no connector to make one")
+        conn = self.connector(peer, timeout)
+        if self.states[peer] == NULL:
+            self.attach(peer, conn)
+        return 0
+
     cdef int acquire(self, double timeout, str op) except -1:
-        """Check every connection and take its locks: one fixed order (sends, then receives, by rank).
+        """Connect the peers ``op`` may touch, check them and take their locks: sends, then receives, by rank.
 
         One order everywhere, so no other thread's operation can deadlock against
         this one. On an error, whatever was taken is released again.
         """
-        cdef int i, which
+        cdef int i, k, j, which, count
+        cdef bint everyone = op == "all_to_all"
         cdef Connection conn
+        count = self.n if everyone else self.near_count
+        for k in range(count):  # connecting may wait for the peer: before any lock is taken
+            i = k if everyone else self.near[k]
+            if i != self.rank and self.states[i] == NULL:
+                self._connect(i, timeout)
+        self.npeers = 0
+        for k in range(count):
+            i = k if everyone else self.near[k]
+            if i != self.rank:
+                self.held[self.npeers] = i
+                self.npeers += 1
         try:
-            for i in range(self.n):
-                if i != self.rank:
-                    (<Connection>self.connections[i]).check_usable(op)
+            for j in range(self.npeers):
+                (<Connection>self.connections[self.held[j]]).check_usable(op)
             for which in range(2):
-                for i in range(self.n):
-                    if i != self.rank:
-                        conn = self.connections[i]
-                        conn.lock(conn.send_lock if which == 0 else conn.recv_lock, timeout, op)
-                        self.locked += 1
+                for j in range(self.npeers):
+                    conn = self.connections[self.held[j]]
+                    conn.lock(conn.send_lock if which == 0 else conn.recv_lock, timeout, op)
+                    self.locked += 1
         except BaseException:
             self.release()
             raise
         return 0
 
     cdef void release(self) noexcept:
-        cdef int i, which, released = 0
+        cdef int t
         cdef Connection conn
-        for which in range(2):  # in the order taken: send locks, then receive locks
-            for i in range(self.n):
-                if i != self.rank and released < self.locked:
-                    conn = self.connections[i]
-                    PyThread_release_lock(conn.send_lock if which == 0 else conn.recv_lock)
-                    released += 1
+        for t in range(self.locked):  # in the order taken: the send locks, then the receive locks
+            conn = self.connections[self.held[t % self.npeers]]
+            PyThread_release_lock(conn.send_lock if t < self.npeers else conn.recv_lock)
         self.locked = 0
 
     cdef inline bint chain(self, size_t nbytes) noexcept nogil:

@@ -1,11 +1,12 @@
-"""The full-mesh TCP process group on the compiled transport."""
+"""The TCP process group on the compiled transport: connections made as its algorithms first need them."""
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ferro._buffers import as_buffer
@@ -15,8 +16,10 @@ from ferro._core.transport import KIND_ABORT, Connection, sendrecv
 from ferro.backend.base import default_spin_us
 from ferro.backend.joined import JoinSpec, StoreBackend
 from ferro.backend.native import NativeCollectives
-from ferro.errors import ConfigurationError, DistributedError
-from ferro.rendezvous.connect import build_mesh, local_address_towards, time_left
+from ferro.errors import ConfigurationError, DistributedError, PeerLostError
+from ferro.rendezvous.connect import local_address_towards
+from ferro.rendezvous.limits import descriptor_limits, ensure_descriptors, raise_descriptor_limit
+from ferro.rendezvous.peers import PeerConnector
 from ferro.rendezvous.settings import BIND_ADDR_ENV, RendezvousConfig, default_timeout, validate_rank_and_size
 from ferro.rendezvous.store import Store
 from ferro.types import DType, ReduceOp
@@ -47,8 +50,23 @@ def _divisor(op: ReduceOp, world_size: int) -> float:
     return float(world_size) if op is ReduceOp.MEAN else 0.0
 
 
+class _Links(dict[int, Connection]):
+    """The connections made so far, by peer; looking up a missing one makes it (``make(peer)``)."""
+
+    def __init__(self, make: Callable[[int], Connection]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, peer: int) -> Connection:
+        return self._make(peer)
+
+
 class TcpBackend(StoreBackend, NativeCollectives):
-    """A process group whose ranks are connected pairwise by TCP (a full mesh).
+    """A process group whose ranks talk over TCP, each pair connected the first time an algorithm needs it.
+
+    A rank joins with a few store requests whatever the group's size, and holds
+    the connections its collectives use: about 2 log2(N) (ring neighbours, tree
+    and recursive-doubling partners; all_to_all, and p2p to far ranks, add theirs).
 
     Rank 0 serves the rendezvous :class:`~ferro.Store` on ``master_addr:master_port``
     unless a ``store`` is given. Every connection is authenticated with the job
@@ -133,26 +151,59 @@ class TcpBackend(StoreBackend, NativeCollectives):
                    **kwargs)
 
     def _connect(self, bind_addr: str, spin_us: float) -> None:
-        sockets = build_mesh(self._store, self._rank, self._world_size, prefix=self._prefix, secret=self._secret,
-                             bind_addr=bind_addr,
-                             timeout=time_left(self._deadline, self._rank, "before connecting the mesh"))
-        missing = set(range(self._world_size)) - {self._rank} - set(sockets)
-        if missing:  # never hand the compiled collectives a table with a hole in it
-            for sock in sockets.values():
-                sock.close()
-            raise DistributedError(f"rank {self._rank}: rendezvous returned no connection to rank(s) {sorted(missing)}")
+        raise_descriptor_limit()  # the soft limit is often 1,024; a big job's ranks may need more
         self._bind_addr = bind_addr
         self._spin_us = spin_us
         self._aborted = False
-        self._links = {}
-        for peer, sock in sockets.items():
+        self._links = _Links(self._link)
+        self._link_lock = threading.Lock()
+        self._peers = PeerConnector(self._store, self._rank, self._world_size, prefix=self._prefix,
+                                    secret=self._secret, bind_addr=bind_addr, deadline=self._deadline)
+        # Indexed by rank, for the native collectives and the direct paths; each connection made on first use.
+        self._mesh = Mesh([None] * self._world_size, self._rank, connector=self._link)
+        try:
+            self._peers.join(self._deadline, prefetch=self._mesh.near_peers)
+        except BaseException:
+            self._peers.close()
+            raise
+
+    def _link(self, peer: int, timeout: float | None = None) -> Connection:
+        """Return the connection to ``peer``, connecting (or waiting for the peer to) the first time."""
+        with self._link_lock:  # one connection per peer, whichever thread asks first
+            link = self._links.get(peer)
+            if link is not None:
+                return link
+            if len(self._links) + 64 > descriptor_limits()[0] >= 0:
+                ensure_descriptors(len(self._links) + 64, f"rank {self._rank}'s connections to {len(self._links) + 1} "
+                                                          f"peers of a group of {self._world_size}")
+            sock = self._peers.connect(peer, self._seconds(timeout))
             _size_socket_buffers(sock)
-            self._links[peer] = Connection(sock, self._rank, peer, spin_us=spin_us, group_state=self.state)
-        # Indexed by rank, for the native collectives and the direct paths (None stands for this rank).
-        self._mesh = Mesh(tuple(self._links.get(peer) for peer in range(self._world_size)), self._rank)
+            link = Connection(sock, self._rank, peer, spin_us=self._spin_us, group_state=self.state)
+            dict.__setitem__(self._links, peer, link)
+            self._mesh.attach(peer, link)
+            return link
+
+    @property
+    def connected_peers(self) -> list[int]:
+        """The peers this rank has connected to so far (connections are made when first needed)."""
+        return sorted(self._links)
+
+    def frames_waiting(self, sources: Sequence[int]) -> list[int]:
+        """Return the sources whose next frame has begun to arrive; a peer not connected yet has sent nothing."""
+        self._usable("recv")
+        waiting = []
+        for src in sources:
+            link = self._links.get(src)
+            if link is None and (src < self._rank or self._peers.ready(src)):
+                link = self._link(src)  # dialling a lower rank, or taking a connection already accepted: no wait
+            elif link is None:
+                self._peers.check_alive(src)  # a peer that died before connecting left no socket to break
+            if link is not None and link.frame_waiting():
+                waiting.append(src)
+        return waiting
 
     def connection(self, peer: int) -> Connection:
-        """Return the compiled connection to ``peer`` (for ferro's own algorithms)."""
+        """Return the compiled connection to ``peer`` (for ferro's own algorithms), connecting on first use."""
         return self._links[self.check_peer(peer, "connection")]
 
     def sendrecv_tagged(self, send_buf: Any, dst: int, recv_buf: Any, src: int, *, kind: int, fingerprint: int,
@@ -161,9 +212,35 @@ class TcpBackend(StoreBackend, NativeCollectives):
         self._usable("sendrecv")
         dst = self.check_peer(dst, "sendrecv")
         src = self.check_peer(src, "sendrecv")
-        sendrecv(self._links[dst], as_buffer(send_buf, "sendrecv"), self._links[src],
-                 as_buffer(recv_buf, "sendrecv", writable=True), kind=kind, fingerprint=fingerprint,
-                 timeout=self._seconds(timeout), op="sendrecv")
+        try:
+            sendrecv(self._links[dst], as_buffer(send_buf, "sendrecv"), self._links[src],
+                     as_buffer(recv_buf, "sendrecv", writable=True), kind=kind, fingerprint=fingerprint,
+                     timeout=self._seconds(timeout), op="sendrecv")
+        except PeerLostError as exc:
+            raise self._why_lost(exc) from exc
+
+    def send_tagged(self, buf: Any, dst: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Send one frame (see :meth:`Backend.send_tagged`); a lost peer's abort notice says why it left."""
+        try:
+            super().send_tagged(buf, dst, kind=kind, fingerprint=fingerprint, timeout=timeout)
+        except PeerLostError as exc:
+            raise self._why_lost(exc) from exc
+
+    def recv_tagged(self, buf: Any, src: int, *, kind: int, fingerprint: int, timeout: float | None = None) -> None:
+        """Receive one frame (see :meth:`Backend.recv_tagged`); a lost peer's abort notice says why it left."""
+        try:
+            super().recv_tagged(buf, src, kind=kind, fingerprint=fingerprint, timeout=timeout)
+        except PeerLostError as exc:
+            raise self._why_lost(exc) from exc
+
+    def _why_lost(self, exc: PeerLostError) -> BaseException:
+        """Return the peer's abort notice from the store, when it left one before it closed (else ``exc``).
+
+        A peer that gives up while this rank's connection to it is still being
+        accepted closes that connection without a notice on it; the store has it.
+        """
+        posted = self._peers.posted_abort(exc.peer) if exc.peer is not None else None
+        return posted if posted is not None else exc
 
     # --- native collectives (ferro.backend.native), each one compiled call ------------------
 
@@ -243,8 +320,12 @@ class TcpBackend(StoreBackend, NativeCollectives):
         return True
 
     def abort_peers(self, payload: bytes) -> None:
-        """Send an abort notice to every peer whose connection still works (one second each at most)."""
+        """Send an abort notice to every connected peer (1 s each at most); leave it in the store for the rest."""
         self._aborted = True  # closing lingers, so that the notices arrive (see _release)
+        for peer in self._peers.waiting_peers():
+            self._link(peer)  # a peer that connected to this rank, which never took it: it wants to hear
+        if len(self._links) < self._world_size - 1:
+            self._peers.post_abort(payload)  # the peers never connected to read it in the store
         for conn in self._links.values():
             if conn.broken is None and not conn.closed:
                 try:
@@ -278,3 +359,4 @@ class TcpBackend(StoreBackend, NativeCollectives):
                 conn.linger(deadline)
         for conn in self._links.values():
             conn.close()
+        self._peers.close()

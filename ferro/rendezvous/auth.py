@@ -320,6 +320,11 @@ class HandshakeAcceptor:
         self.context = b""
         self.outcome: str | None = None
 
+    @property
+    def challenged(self) -> bool:
+        """Whether the challenge went out and the client's answer is awaited (a hang-up now means no secret)."""
+        return self._stage == 2
+
     def feed(self, buf: bytearray) -> bytes:
         """Consume what the handshake needs from ``buf``; return the bytes to send (maybe none)."""
         if self._stage == 0:

@@ -65,15 +65,21 @@ class KeyValueStore(Protocol):
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str, timeout: float | None = None) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected``; return the value it holds after."""
 
+    def add(self, key: str, amount: int, timeout: float | None = None) -> int:
+        """Add ``amount`` to the integer at ``key`` and return the new value."""
 
-def dial(host: str, port: int, deadline: float, timed_out: str) -> socket.socket:
+
+def dial(host: str, port: int, deadline: float, timed_out: str, *, gone: tuple[str, int] | None = None
+         ) -> socket.socket:
     """Connect to ``host:port``, retrying with exponential backoff until ``deadline`` (monotonic seconds).
 
     The listener may not be up yet (ranks start in any order), so a refused or
-    unreachable address is retried rather than reported.
+    unreachable address is retried rather than reported; unless ``gone`` is given
+    (a listener known to have been up, whose refusal means its process exited).
 
     Raises:
         DistributedTimeoutError: ``timed_out`` plus the last error, once the deadline passes.
+        PeerLostError: ``gone``'s message and rank, when the address refuses the connection.
 
     """
     delay = _FIRST_DELAY
@@ -84,6 +90,12 @@ def dial(host: str, port: int, deadline: float, timed_out: str) -> socket.socket
             raise DistributedTimeoutError(f"{timed_out} (last attempt: {last_error})")
         try:
             return socket.create_connection((host, port), timeout=min(remaining, 5.0))
+        except ConnectionRefusedError as exc:
+            if gone is not None:
+                raise PeerLostError(gone[0], gone[1]) from exc
+            last_error = exc
+            time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+            delay = min(delay * 2, _LONGEST_DELAY)
         except OSError as exc:
             last_error = exc
             log.debug("connecting to %s:%d failed (%s); retrying", host, port, exc)
@@ -343,9 +355,11 @@ def time_left(deadline: float, rank: int, doing: str) -> float:
 
 
 def _connect_peer(host: str, port: int, secret: bytes, context: bytes, deadline: float, rank: int,
-                  peer: int) -> socket.socket:
+                  peer: int, listened: bool = False) -> socket.socket:
+    """Dial ``peer`` and authenticate; with ``listened`` its listener was up, and a refusal means it exited."""
     where = f"rank {peer} at {host}:{port}"
-    sock = dial(host, port, deadline, f"rank {rank}: rendezvous timed out connecting to {where}")
+    gone = (f"rank {rank}: {where} refuses connections: its listener is closed (it exited)", peer) if listened else None
+    sock = dial(host, port, deadline, f"rank {rank}: rendezvous timed out connecting to {where}", gone=gone)
     try:
         seconds = min(HANDSHAKE_TIMEOUT, time_left(deadline, rank, f"authenticating with {where}"))
         connect_handshake(sock, secret, context, seconds, where)
@@ -367,6 +381,10 @@ def _accept_peer(sock: socket.socket, address: tuple[str, int], secret: bytes, p
                  rank: int, expected: set[int], refusals: RefusalLog) -> int | None:
     where = f"{address[0]}:{address[1]}"
     try:
+        sock.settimeout(PRE_AUTH_SECONDS)
+        if not sock.recv(1, socket.MSG_PEEK):  # closed before a word: a peer checking that this rank lives
+            sock.close()
+            return None
         context = accept_handshake(sock, secret, PRE_AUTH_SECONDS, f"the process at {where}")
         kind, their_prefix, their_size, link = context.decode().split("|")
         src_text, dst_text = link.split("->")

@@ -290,6 +290,9 @@ class StoreServer:
             self._drop(conn)
             return
         if not data:
+            if conn.handshake is not None and conn.handshake.challenged:
+                # A client without the secret hangs up once it sees our answer is wrong for it.
+                self._refusals.note(f"{conn.peer} hung up during authentication: it does not hold the job secret")
             self._drop(conn)
             return
         conn.inbuf += data

@@ -21,7 +21,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["can_create_namespaces", "enter_namespace", "two_hosts"]
+__all__ = ["can_create_namespaces", "enter_namespace", "many_hosts", "two_hosts"]
 
 CLONE_NEWNET = 0x40000000
 
@@ -61,6 +61,50 @@ def two_hosts(subnet: str | None = None) -> Iterator[tuple[list[str], str]]:
         yield names, f"{prefix}.1"
     finally:
         for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+@contextmanager
+def many_hosts(count: int, rate: str | None = "100mbit") -> Iterator[tuple[list[str], list[str]]]:
+    """Create ``count`` network namespaces on one switch; yield their names and addresses.
+
+    The switch is a bridge in a namespace of its own (the machine's own network
+    is left alone); each host joins it through a veth pair whose host end sends
+    at ``rate`` (``tc`` ``tbf``; None: unshaped), so that the wire, not this
+    machine's cores, is what a cluster of hosts waits on.
+
+    Args:
+        count: Hosts, at most 250.
+        rate: Each host's sending rate, in ``tc``'s units (default ``"100mbit"``).
+
+    """
+    tag = str(os.getpid() % 100000)
+    switch = f"ferro-sw-{tag}"
+    names = [f"ferro-n{i}-{tag}" for i in range(count)]
+    prefix = f"10.232.{os.getpid() % 250}"
+    created = []
+    try:
+        _ip("netns", "add", switch)
+        created.append(switch)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        for index, name in enumerate(names):
+            _ip("netns", "add", name)
+            created.append(name)
+            _ip("-n", name, "link", "set", "lo", "up")
+            _ip("link", "add", f"fh{index}-{tag}", "netns", name, "type", "veth", "peer", "name", f"fs{index}-{tag}",
+                "netns", switch)
+            _ip("-n", name, "addr", "add", f"{prefix}.{index + 1}/24", "dev", f"fh{index}-{tag}")
+            _ip("-n", name, "link", "set", f"fh{index}-{tag}", "up")
+            _ip("-n", switch, "link", "set", f"fs{index}-{tag}", "master", "br0")
+            _ip("-n", switch, "link", "set", f"fs{index}-{tag}", "up")
+            if rate is not None:
+                subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", f"fh{index}-{tag}", "root",
+                                "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"], check=True,
+                               capture_output=True, timeout=30)
+        yield names, [f"{prefix}.{i + 1}" for i in range(count)]
+    finally:
+        for name in reversed(created):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 

@@ -36,7 +36,8 @@ with atheris.instrument_imports(include=["ferro"]):
     from ferro._core.transport import KIND_ABORT, KIND_DATA, Connection, abort_payload
     from ferro.errors import DistributedError
     from ferro.rendezvous import auth
-    from ferro.rendezvous.store import StoreServer, _unpack
+    from ferro.rendezvous.store import Store
+    from ferro.rendezvous.store_wire import WAITING, pack, unpack
 
 SECRET = b"fuzz-secret"
 FINGERPRINT = 0x1234
@@ -79,21 +80,36 @@ def fuzz_frame(data: bytes) -> None:
         theirs.close()
 
 
-_server: StoreServer | None = None
+_owner: Store | None = None
 
 
 def fuzz_store(data: bytes) -> None:
-    global _server
-    if _server is None:
-        _server = StoreServer("127.0.0.1", 0, secret=SECRET)
+    """One fuzzed request over an authenticated connection: the server answers or drops it, and serves on."""
+    global _owner
+    if _owner is None:
+        _owner = Store("127.0.0.1", 0, secret=SECRET, serve=True, timeout=5)
+    message = data[:LIMIT]
     try:
-        code, args = _unpack(data[:LIMIT])
+        code, args = unpack(message)
+        if code in WAITING and args:
+            args[0] = args[0][:2]  # a get, wait or pop blocks up to this many milliseconds: keep the runs fast
+        framed = pack(code, args)
     except ValueError:
-        return  # the server drops such a connection
-    if code in (2, 3) and args:
-        args[0] = args[0][:2]  # a get or wait blocks up to this many milliseconds: keep the runs fast
-    status, results = _server._execute(code, args)
-    assert status in (0, 1, 2) and all(isinstance(r, bytes) for r in results), (status, results)
+        framed = len(message).to_bytes(4, "little") + message  # the server drops such a connection
+    sock = socket.create_connection(("127.0.0.1", _owner.port), timeout=2)
+    try:
+        auth.connect_handshake(sock, SECRET, b"ferro-store", 2, "the store")
+        sock.settimeout(0.5)
+        sock.sendall(framed)
+        sock.shutdown(socket.SHUT_WR)
+        while sock.recv(65536):
+            pass
+    except (OSError, DistributedError):
+        pass
+    finally:
+        sock.close()
+    _owner.set("alive", "yes", timeout=2)  # the server still serves
+    assert _owner.get("alive", timeout=2) == b"yes"
 
 
 TARGETS = {"handshake": fuzz_handshake, "frame": fuzz_frame, "store": fuzz_store}
