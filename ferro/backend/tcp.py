@@ -315,7 +315,8 @@ class TcpBackend(StoreBackend, NativeCollectives):
         """Close the connection to ``peer`` (safe from another thread: a waiter on it wakes and raises)."""
         link = self._links.get(peer)
         if link is None:
-            return False
+            self._peers.cut(peer)  # not connected (yet): a wait for it ends now
+            return True
         link.close()
         return True
 

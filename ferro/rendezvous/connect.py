@@ -90,13 +90,9 @@ def dial(host: str, port: int, deadline: float, timed_out: str, *, gone: tuple[s
             raise DistributedTimeoutError(f"{timed_out} (last attempt: {last_error})")
         try:
             return socket.create_connection((host, port), timeout=min(remaining, 5.0))
-        except ConnectionRefusedError as exc:
-            if gone is not None:
-                raise PeerLostError(gone[0], gone[1]) from exc
-            last_error = exc
-            time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
-            delay = min(delay * 2, _LONGEST_DELAY)
         except OSError as exc:
+            if gone is not None and isinstance(exc, ConnectionRefusedError):
+                raise PeerLostError(gone[0], gone[1]) from exc
             last_error = exc
             log.debug("connecting to %s:%d failed (%s); retrying", host, port, exc)
             time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))

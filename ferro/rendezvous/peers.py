@@ -27,7 +27,7 @@ from ferro.errors import (
     PeerLostError,
     StoreKeyTimeoutError,
 )
-from ferro.rendezvous.auth import Admission, RefusalLog
+from ferro.rendezvous.auth import PRE_AUTH_SECONDS, Admission, RefusalLog
 from ferro.rendezvous.connect import KeyValueStore, _accept_peer, _connect_peer, _mesh_context, _tune, time_left
 
 __all__ = ["PeerConnector"]
@@ -68,6 +68,7 @@ class PeerConnector:
         self._closed = False
         self._addresses: dict[int, tuple[str, int]] = {}
         self._probes: dict[int, tuple[float, float]] = {}  # peer -> (last knock, interval before the next)
+        self._cut: set[int] = set()  # peers given up on before they connected
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._listener.bind((bind_addr, 0))
@@ -161,6 +162,12 @@ class PeerConnector:
         _tune(sock)
         return sock
 
+    def cut(self, peer: int) -> None:
+        """Give up on ``peer`` before it connected: a wait for it raises ``PeerLostError`` now (from any thread)."""
+        with self._cond:
+            self._cut.add(peer)
+            self._cond.notify_all()
+
     def ready(self, peer: int) -> bool:
         """Return whether a higher ``peer``'s connection was accepted and waits to be taken."""
         with self._cond:
@@ -180,9 +187,13 @@ class PeerConnector:
 
     def _take_accepted(self, peer: int, deadline: float, timeout: float) -> socket.socket:
         with self._cond:
+            self._probes.setdefault(peer, (time.monotonic(), PROBE_SECONDS / 2))  # first knock after 0.25 s
             while peer not in self._accepted:
                 if self._failure is not None:
                     raise self._failure
+                if peer in self._cut:
+                    raise PeerLostError(f"rank {self._rank}: rank {peer} was cut off before it connected (recorded "
+                                        f"dead)", peer)
                 remaining = deadline - time.monotonic()
                 last, interval = self._probes.get(peer, (0.0, 0.0))
                 if last + interval <= time.monotonic():
@@ -227,6 +238,8 @@ class PeerConnector:
             host, port = self._address(peer, now + PROBE_SECONDS)
             socket.create_connection((host, port), timeout=PROBE_SECONDS).close()
         except ConnectionRefusedError:
+            if self._arrived(peer):
+                return  # it connected, then closed its listener: what it sent waits in the accepted connection
             posted = self.posted_abort(peer)  # it may have said why just before it exited
             if posted is not None:
                 raise posted from None
@@ -234,6 +247,14 @@ class PeerConnector:
                                 f"connections (it exited before connecting to this rank)", peer) from None
         except (OSError, DistributedError):
             pass
+
+    def _arrived(self, peer: int) -> bool:
+        """Whether ``peer``'s connection was accepted, once the handshakes in progress settled (5 s at most)."""
+        deadline = time.monotonic() + PRE_AUTH_SECONDS
+        while self._admission.unsettled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self._cond:
+            return peer in self._accepted
 
     def post_abort(self, payload: bytes) -> None:
         """Leave this rank's abort notice in the store, for peers it never connected to (quietly; 1 s at most)."""
