@@ -23,7 +23,8 @@ Parts (``--parts``, default all):
 Rounds are interleaved (ferro, then the peer, per round) and the tables give medians.
 
 Run: ``python bench/bench_scale.py [--parts ranks,store,hosts] [--ranks 16,64,128,256] [--clients 1000,4000,16000]
-[--hosts 16,32] [--rounds 3] [--json out.json]`` (as root for ``store`` and ``hosts``).
+[--hosts 16,32] [--rounds 3] [--json out.json] [--plot scale.png]`` (as root for ``store`` and ``hosts``);
+``--from-json a.json --from-json b.json --plot scale.png`` draws saved results.
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ else:
     dist.all_reduce(x)
     ok = float(x[0]) == float(os.environ["WORLD_SIZE"])
 done = time.time()
-fds = os.listdir("/proc/self/fd")
-sockets = sum(1 for fd in fds if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") if os.path.exists(f"/proc/self/fd/{fd}"))
+def kind(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""  # the listing's own descriptor, closed by now
+sockets = sum(kind(fd).startswith("socket:") for fd in os.listdir("/proc/self/fd"))
 rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) / 1024
 with open(out, "a") as f:
     f.write(json.dumps({"rank": int(os.environ["RANK"]), "started": started, "imported": imported, "done": done,
@@ -124,11 +129,17 @@ def part_ranks(sizes: list[int], rounds: int, peers: list[str]) -> dict[str, Any
             results.setdefault(f"{flavour}@{n}", [])
         for _ in range(rounds):
             for flavour in ["ferro", *peers]:
-                results[f"{flavour}@{n}"].append(run_ranks(flavour, n))
+                try:
+                    results[f"{flavour}@{n}"].append(run_ranks(flavour, n))
+                except RuntimeError as exc:  # gloo at 256 ranks: 256 x 223 MB does not fit in 24 GB
+                    results[f"{flavour}@{n}"].append({"error": str(exc)[:300]})
         print(f"\n{n} ranks (median of {rounds}):")
         print(f"{'':8} {'init s':>8} {'after start s':>14} {'sockets/rank':>13} {'MB/rank':>8}")
         for flavour in ["ferro", *peers]:
-            rows = results[f"{flavour}@{n}"]
+            rows = [r for r in results[f"{flavour}@{n}"] if "error" not in r]
+            if not rows:
+                print(f"{flavour:8} failed: {results[f'{flavour}@{n}'][0]['error']}")
+                continue
             print(f"{flavour:8} {_med(rows, 'init'):8.2f} {_med(rows, 'after_start'):14.2f} "
                   f"{_med(rows, 'sockets'):13.0f} {_med(rows, 'rss_mb'):8.0f}", flush=True)
     return results
@@ -238,6 +249,12 @@ else:
 """
 
 
+def _interface(namespace: str) -> str:
+    """The emulated host's own interface (its end of the veth pair to the switch)."""
+    listing = subprocess.run(["ip", "-n", namespace, "-o", "link"], capture_output=True, text=True, check=True).stdout
+    return next(line.split(":")[1].strip().split("@")[0] for line in listing.splitlines() if ": fh" in line)
+
+
 def _run_hosts(flavour: str, names: list[str], addresses: list[str]) -> float:
     port = 29400 + os.getpid() % 500
     program = tempfile.mktemp(suffix=".py")
@@ -251,10 +268,11 @@ def _run_hosts(flavour: str, names: list[str], addresses: list[str]) -> float:
                        "--nproc-per-node", "1", "--master-addr", addresses[0], "--master-port", str(port), program,
                        flavour]
         else:
+            env["GLOO_SOCKET_IFNAME"] = _interface(name)  # else gloo takes the host name's 127.0.0.1
             command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)), "--node-rank",
                        str(node), "--nproc-per-node", "1", "--master-addr", addresses[0], "--master-port", str(port),
                        "--local-addr", addresses[node], program, flavour]
-        procs.append(subprocess.Popen(["ip", "netns", "exec", name, *command], env=env, cwd=tempfile.gettempdir(),
+        procs.append(subprocess.Popen(["ip", "netns", "exec", name, *command], env=dict(env), cwd=tempfile.gettempdir(),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     errors = []
     for node, proc in enumerate(procs):
@@ -272,6 +290,49 @@ def _run_hosts(flavour: str, names: list[str], addresses: list[str]) -> float:
     return time.monotonic() - start
 
 
+def plot(results: dict[str, Any], path: str) -> None:
+    """Draw the ranks part (start-up beyond the processes' own, sockets per rank) and the store part (total time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [p for p in ("ranks", "store") if p in results]
+    fig, axes = plt.subplots(1, len(panels) + ("ranks" in results), figsize=(5 * (len(panels) + 1), 3.8))
+    axes = list(axes) if hasattr(axes, "__len__") else [axes]
+    series = _series(results.get("ranks", {}))
+    if series:
+        for flavour, points in series.items():
+            sizes = sorted(points)
+            axes[0].plot(sizes, [_med(points[n], "after_start") for n in sizes], "o-", label=flavour)
+            axes[1].plot(sizes, [_med(points[n], "sockets") for n in sizes], "o-", label=flavour)
+        axes[0].set(xscale="log", yscale="log", xlabel="ranks", ylabel="s",
+                    title="last import done -> first allreduce done")
+        axes[1].set(xscale="log", yscale="log", xlabel="ranks", ylabel="sockets", title="sockets per rank")
+    if "store" in results:
+        ax = axes[-1]
+        for flavour, points in _series(results["store"]).items():
+            sizes = sorted(points)
+            totals = [statistics.median(sum(r[p] for p in ("connect", "set", "get", "barrier"))
+                                        for r in points[n] if "error" not in r) for n in sizes]
+            ax.plot(sizes, totals, "o-", label=flavour)
+        ax.set(xscale="log", yscale="log", xlabel="clients", ylabel="s", title="store: rendezvous of N clients")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _series(part: dict[str, Any]) -> dict[str, dict[int, Any]]:
+    out: dict[str, dict[int, Any]] = {}
+    for key, rows in part.items():
+        flavour, n = key.rsplit("@", 1)
+        if rows and all("error" not in r for r in rows if isinstance(r, dict)):
+            out.setdefault(flavour, {})[int(n)] = rows
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="ranks,store,hosts")
@@ -282,8 +343,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--peers", default="gloo", help="the peers beside ferro (gloo / torch; empty for none)")
     parser.add_argument("--json", help="write every round's figures here")
+    parser.add_argument("--plot", help="draw the figures into this PNG (needs matplotlib)")
+    parser.add_argument("--from-json", action="append", default=[],
+                        help="plot (or print) results saved by --json instead of measuring (repeatable)")
     parser.add_argument("--inner-store", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.from_json:
+        merged: dict[str, Any] = {}
+        for path in args.from_json:
+            merged.update(json.loads(Path(path).read_text()))
+        if args.plot:
+            plot(merged, args.plot)
+        return 0
     peers = [p for p in args.peers.split(",") if p]
     if args.inner_store:
         _inner_store([int(n) for n in args.clients.split(",")], args.rounds, args.client_procs,
@@ -300,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         results["hosts"] = part_hosts([int(n) for n in args.hosts.split(",")], args.rounds, peers)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, args.plot)
     return 0
 
 

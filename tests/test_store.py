@@ -286,3 +286,10 @@ def test_thousands_of_clients_rendezvous_through_one_server_thread():
         run_store_load("ferro", "127.0.0.1", owner.port, 2000, 4, secret=SECRET.decode(), timeout=60)
         assert owner.num_keys() == 2000 + 2  # every address, the barrier's counter and its flag
         assert owner.server.threads == 1
+
+
+def test_present_says_which_keys_are_set_in_one_request(store):
+    store.set("here/a", "1")
+    store.set("here/c", "1")
+    assert store.present(["here/a", "here/b", "here/c"]) == [True, False, True]
+    assert store.present([]) == []

@@ -31,6 +31,7 @@ from typing import Any
 
 from ferro.elastic import keys
 from ferro.errors import MembershipError
+from ferro.rendezvous.scoped import present_or_values
 
 __all__ = ["Epoch", "Invitation", "Membership", "launch_rank", "whole_replicas"]
 
@@ -129,8 +130,12 @@ class Membership:
         return bool(self.store.check([keys.dead(member)]))
 
     def dead_among(self, members: Iterable[str]) -> list[str]:
-        """Return the members the agent recorded as ended."""
-        return [m for m in members if self.is_dead(m)]
+        """Return the members the agent recorded as ended (one store request for them all)."""
+        listed = list(members)
+        return [m for m, dead in zip(listed, self._present([keys.dead(m) for m in listed]), strict=True) if dead]
+
+    def _present(self, names: list[str]) -> list[bool]:
+        return list(present_or_values(self.store, "present", names, None)) if names else []
 
     def decided(self, number: int) -> Epoch | None:
         """Return epoch ``number`` if its members were decided, else None."""
@@ -260,7 +265,8 @@ class Membership:
             epoch = self.decided(number)
             if epoch is not None:
                 break
-            here = {m for m in candidates if self.store.check([keys.epoch(number, f"here/{m}")])}
+            arrived = self._present([keys.epoch(number, f"here/{m}") for m in candidates])
+            here = {m for m, came in zip(candidates, arrived, strict=True) if came}
             dead = set(self.dead_among(candidates))
             if all(m in here or m in dead for m in candidates) or time.monotonic() > deadline:
                 alive = [m for m in candidates if m in here and m not in dead]

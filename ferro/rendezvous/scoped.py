@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = ["ScopedStore"]
+
+
+def present_or_values(store: Any, op: str, keys: list[str], timeout: float | None) -> Any:
+    """Run ``multi_get`` or ``present`` in one request where ``store`` has it, else key by key (a file store)."""
+    batched = getattr(store, op, None)
+    if batched is not None:
+        return batched(keys, timeout=timeout)
+    if op == "present":
+        return [bool(store.check([key], timeout=timeout)) for key in keys]
+    return [bytes(store.get(key, timeout=timeout)) for key in keys]
 
 
 class ScopedStore:
@@ -71,6 +81,14 @@ class ScopedStore:
     def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
         """Return whether every key is set, without waiting."""
         return bool(self._store.check([self._key(k) for k in keys], timeout=timeout))
+
+    def multi_get(self, keys: Sequence[str], timeout: float | None = None) -> list[bytes]:
+        """Return every key's value, waiting until all are set (one request on ferro's store)."""
+        return present_or_values(self._store, "multi_get", [self._key(k) for k in keys], timeout)
+
+    def present(self, keys: Sequence[str], timeout: float | None = None) -> list[bool]:
+        """Return, per key, whether it is set, without waiting (one request on ferro's store)."""
+        return present_or_values(self._store, "present", [self._key(k) for k in keys], timeout)
 
     def clone(self) -> ScopedStore:
         """Return the same view over a new client of the same server (owned by the view)."""

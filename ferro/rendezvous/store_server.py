@@ -427,6 +427,8 @@ class StoreServer:
             return Status.OK, [b"1" if data.pop(args[0], None) is not None else b"0"]
         if code == Op.CHECK:
             return Status.OK, [b"1" if all(k in data for k in args) else b"0"]
+        if code == Op.PRESENT:
+            return Status.OK, [bytes(k in data for k in args)]
         if code == Op.NUM_KEYS:
             return Status.OK, [str(len(data)).encode()]
         if code == Op.QUEUE_PUSH:

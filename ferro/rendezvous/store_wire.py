@@ -22,6 +22,7 @@ class Op:
 
     SET, GET, WAIT, ADD, COMPARE_SET, DELETE, CHECK, NUM_KEYS = range(1, 9)
     MULTI_GET, MULTI_SET, APPEND, QUEUE_PUSH, QUEUE_POP, QUEUE_LEN = range(9, 15)
+    PRESENT = 15  # ferro's own: which of these keys are set (one byte each), without waiting
 
 
 class Status:
@@ -34,7 +35,7 @@ class Status:
 _ARITY: dict[int, tuple[int, int | None]] = {
     Op.SET: (2, 2), Op.GET: (2, 2), Op.WAIT: (1, None), Op.ADD: (2, 2), Op.COMPARE_SET: (3, 3), Op.DELETE: (1, 1),
     Op.CHECK: (0, None), Op.NUM_KEYS: (0, 0), Op.MULTI_GET: (1, None), Op.MULTI_SET: (0, None), Op.APPEND: (2, 2),
-    Op.QUEUE_PUSH: (2, 2), Op.QUEUE_POP: (2, 2), Op.QUEUE_LEN: (1, 1)}
+    Op.QUEUE_PUSH: (2, 2), Op.QUEUE_POP: (2, 2), Op.QUEUE_LEN: (1, 1), Op.PRESENT: (0, None)}
 # Operations whose first argument is how long the server may wait, in milliseconds.
 WAITING = frozenset({Op.GET, Op.WAIT, Op.MULTI_GET, Op.QUEUE_POP})
 
