@@ -90,6 +90,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float, what: str, each: str) -> None:
+    """Wait for every process; on a timeout kill them all; raise naming the first that failed."""
+    deadline = time.monotonic() + timeout
+    failures = []
+    for index, proc in enumerate(procs):
+        try:
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise RuntimeError(f"{what} did not finish within {timeout:g} s") from None
+        if proc.returncode:
+            failures.append(f"{each} {index} exited {proc.returncode}: {err.decode(errors='replace')[-500:]}")
+    if failures:
+        raise RuntimeError(f"{what} failed: {failures[0]}")
+
+
 def run_ranks(flavour: str, n: int, timeout: float = 900.0) -> dict[str, float]:
     """Start ``n`` rank processes of ``flavour`` ("ferro" or "gloo"); return the start-up figures."""
     out = tempfile.mktemp(suffix=".jsonl")
@@ -100,19 +117,7 @@ def run_ranks(flavour: str, n: int, timeout: float = 900.0) -> dict[str, float]:
     procs = [subprocess.Popen([sys.executable, "-c", RANK_PROGRAM, flavour, out], env={**env, "RANK": str(r)},
                               cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for r in range(n)]
-    deadline = time.monotonic() + timeout
-    failures = []
-    for r, proc in enumerate(procs):
-        try:
-            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"{flavour} at {n} ranks did not finish within {timeout:g} s") from None
-        if proc.returncode:
-            failures.append(f"rank {r} exited {proc.returncode}: {err.decode(errors='replace')[-400:]}")
-    if failures:
-        raise RuntimeError(f"{flavour} at {n} ranks: {failures[0]}")
+    _wait_all(procs, timeout, f"{flavour} at {n} ranks", "rank")
     rows = [json.loads(line) for line in Path(out).read_text().splitlines()]
     os.unlink(out)
     assert len(rows) == n and all(row["ok"] for row in rows), f"{flavour}: wrong allreduce or missing ranks"
@@ -274,19 +279,10 @@ def _run_hosts(flavour: str, names: list[str], addresses: list[str]) -> float:
                        "--local-addr", addresses[node], program, flavour]
         procs.append(subprocess.Popen(["ip", "netns", "exec", name, *command], env=dict(env), cwd=tempfile.gettempdir(),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    errors = []
-    for node, proc in enumerate(procs):
-        try:
-            _, err = proc.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"{flavour} on {len(names)} hosts did not finish") from None
-        if proc.returncode:
-            errors.append(f"node {node}: exit {proc.returncode}: {err.decode(errors='replace')[-500:]}")
-    os.unlink(program)
-    if errors:
-        raise RuntimeError(f"{flavour} on {len(names)} hosts failed: {errors[0]}")
+    try:
+        _wait_all(procs, 900.0, f"{flavour} on {len(names)} hosts", "node")
+    finally:
+        os.unlink(program)
     return time.monotonic() - start
 
 

@@ -81,6 +81,13 @@ class RefusalLog:
         with self._lock:
             return tuple(self._latest)
 
+    def summary(self) -> str:
+        """Return " (refused N connection(s) that failed authentication; the latest: ...)", or "" when none were."""
+        latest = self.latest
+        if not latest:
+            return ""
+        return f" (refused {self.total} connection(s) that failed authentication; the latest: {latest[-1]})"
+
     def note(self, description: str) -> None:
         """Record one refusal; log it, or count it towards the next line."""
         now = time.monotonic()

@@ -303,11 +303,7 @@ class _Acceptor:
         try:
             while want:
                 waiting = (f"waiting for rank(s) {sorted(want)} to connect (never started, or died or froze during "
-                           f"rendezvous?)")
-                refused = self.refusals.latest
-                if refused:
-                    waiting += (f" (refused {self.refusals.total} connection(s) that failed authentication; "
-                                f"the latest: {refused[-1]})")
+                           f"rendezvous?){self.refusals.summary()}")
                 try:
                     item = self._results.get(timeout=time_left(deadline, self._rank, waiting))
                 except queue.Empty:

@@ -204,13 +204,9 @@ class PeerConnector:
                         self._cond.acquire()
                     continue
                 if remaining <= 0 or self._closed:
-                    waiting = (f"rank {self._rank}: rank {peer} did not connect within {timeout:.3g} s (it has not "
-                               f"reached this call, or died or froze)")
-                    refused = self.refusals.latest
-                    if refused:
-                        waiting += (f" (refused {self.refusals.total} connection(s) that failed authentication; the "
-                                    f"latest: {refused[-1]})")
-                    raise DistributedTimeoutError(waiting)
+                    raise DistributedTimeoutError(
+                        f"rank {self._rank}: rank {peer} did not connect within {timeout:.3g} s (it has not reached "
+                        f"this call, or died or froze){self.refusals.summary()}")
                 self._cond.wait(min(remaining, PROBE_SECONDS))
             return self._accepted.pop(peer)
 
