@@ -350,11 +350,12 @@ cdef class Mesh:
     cdef readonly int rank
     cdef readonly int n
     cdef ConnState** states
-    cdef int* held            # the peers whose locks the running collective holds, ascending
-    cdef int npeers           # how many peers are held
-    cdef int locked           # how many locks are taken: held's send locks, then their receive locks
     cdef int* near            # the peers every collective but all_to_all may touch, ascending
     cdef int near_count
+    cdef int* others          # every peer, ascending (all_to_all)
+    cdef int* held            # the running collective's peers: near or others
+    cdef int npeers           # how many peers are held
+    cdef int locked           # how many locks are taken: held's send locks, then their receive locks
     cdef unsigned char* scratch
     cdef size_t scratch_cap
     cdef size_t* bounds
@@ -375,14 +376,16 @@ cdef class Mesh:
             raise ValueError(f"rank {rank} is outside a mesh of {self.n}")
         self.states = <ConnState**>malloc(self.n * sizeof(ConnState*))
         self.bounds = <size_t*>malloc((self.n + 1) * sizeof(size_t))
-        self.held = <int*>malloc(self.n * sizeof(int))
         self.near = <int*>malloc(self.n * sizeof(int))
-        if self.states == NULL or self.bounds == NULL or self.held == NULL or self.near == NULL:
+        self.others = <int*>malloc(self.n * sizeof(int))
+        if self.states == NULL or self.bounds == NULL or self.near == NULL or self.others == NULL:
             raise MemoryError()
         for i in range(self.n):
             self.states[i] = NULL
-            if i != rank and self.connections[i] is not None:
-                self.attach(i, self.connections[i])
+            if i != rank:
+                self.others[i - (i > rank)] = i
+                if self.connections[i] is not None:
+                    self.attach(i, self.connections[i])
         self.near_count = 0
         for i in sorted(_near_peers(rank, self.n)):
             self.near[self.near_count] = i
@@ -391,8 +394,8 @@ cdef class Mesh:
     def __dealloc__(self):
         free(self.states)
         free(self.bounds)
-        free(self.held)
         free(self.near)
+        free(self.others)
         free(self.scratch)
 
     def attach(self, int peer, Connection conn):
@@ -403,11 +406,6 @@ cdef class Mesh:
         self.states[peer] = &conn.st
 
     @property
-    def connected(self):
-        """The peers connected so far, ascending."""
-        return [i for i in range(self.n) if self.states[i] != NULL]
-
-    @property
     def near_peers(self):
         """The peers every collective but all_to_all may touch, ascending."""
         return [self.near[i] for i in range(self.near_count)]
@@ -415,9 +413,7 @@ cdef class Mesh:
     cdef int _connect(self, int peer, double timeout) except -1:
         if self.connector is None:
             raise TypeError(f"rank {self.rank}: no connection to rank {peer} and no connector to make one")
-        conn = self.connector(peer, timeout)
-        if self.states[peer] == NULL:
-            self.attach(peer, conn)
+        self.attach(peer, self.connector(peer, timeout))  # idempotent: the connector may have attached it
         return 0
 
     cdef int acquire(self, double timeout, str op) except -1:
@@ -426,20 +422,15 @@ cdef class Mesh:
         One order everywhere, so no other thread's operation can deadlock against
         this one. On an error, whatever was taken is released again.
         """
-        cdef int i, k, j, which, count
-        cdef bint everyone = op == "all_to_all"
+        cdef int j, which
         cdef Connection conn
-        count = self.n if everyone else self.near_count
-        for k in range(count):  # connecting may wait for the peer: before any lock is taken
-            i = k if everyone else self.near[k]
-            if i != self.rank and self.states[i] == NULL:
-                self._connect(i, timeout)
-        self.npeers = 0
-        for k in range(count):
-            i = k if everyone else self.near[k]
-            if i != self.rank:
-                self.held[self.npeers] = i
-                self.npeers += 1
+        if op == "all_to_all":
+            self.held, self.npeers = self.others, self.n - 1
+        else:
+            self.held, self.npeers = self.near, self.near_count
+        for j in range(self.npeers):  # connecting may wait for the peer: before any lock is taken
+            if self.states[self.held[j]] == NULL:
+                self._connect(self.held[j], timeout)
         try:
             for j in range(self.npeers):
                 (<Connection>self.connections[self.held[j]]).check_usable(op)

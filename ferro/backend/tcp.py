@@ -191,10 +191,10 @@ class TcpBackend(StoreBackend, NativeCollectives):
     def frames_waiting(self, sources: Sequence[int]) -> list[int]:
         """Return the sources whose next frame has begun to arrive; a peer not connected yet has sent nothing."""
         self._usable("recv")
-        waiting = []
+        waiting, accepted = [], set(self._peers.waiting_peers())
         for src in sources:
             link = self._links.get(src)
-            if link is None and (src < self._rank or self._peers.ready(src)):
+            if link is None and (src < self._rank or src in accepted):
                 link = self._link(src)  # dialling a lower rank, or taking a connection already accepted: no wait
             elif link is None:
                 self._peers.check_alive(src)  # a peer that died before connecting left no socket to break

@@ -168,11 +168,6 @@ class PeerConnector:
             self._cut.add(peer)
             self._cond.notify_all()
 
-    def ready(self, peer: int) -> bool:
-        """Return whether a higher ``peer``'s connection was accepted and waits to be taken."""
-        with self._cond:
-            return peer in self._accepted
-
     def waiting_peers(self) -> list[int]:
         """Return the higher peers whose connections were accepted and wait to be taken."""
         with self._cond:
