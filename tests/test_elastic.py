@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 import ferro
 from ferro import nn
 from ferro.elastic import ElasticSampler, Manager, Step, keys, membership_failure
-from ferro.elastic.membership import whole_replicas
+from ferro.elastic.membership import members_named, whole_replicas
 from ferro.elastic.transfer import receive_state, send_state
 from ferro.errors import (
     CollectiveMismatchError,
@@ -187,7 +188,8 @@ def test_a_lost_node_is_noticed_by_its_lease_and_min_nodes_holds(tmp_path, refer
     assert "ferro run: node 1's launcher sent nothing for 2." in text, text
     assert "its ranks (2.0, 3.0) are taken for lost" in text
     if how == "frozen":
-        assert "member 0.0: the launcher recorded member(s) 2.0, 3.0 of epoch 0 dead: cutting their connections" in text
+        assert "member 0.0: the launcher recorded members 2.0 and 3.0 of epoch 0 dead: cutting their connections" \
+            in text
     if min_nodes == 1:
         assert codes[0] == 0, text
         history = _check_exact(tmp_path, subprocess.CompletedProcess([], 0, text, text), reference)
@@ -371,6 +373,12 @@ def test_a_member_left_out_of_an_epoch_is_told():
 
         with pytest.raises(MembershipError, match="epoch 1 formed without it"):
             Membership(store, "1.0").settle(1, ["0.0", "1.0"], 0, timeout=5)
+
+
+def test_messages_name_one_member_or_a_list_of_members():
+    assert members_named(["1.0"]) == "member 1.0"
+    assert members_named(["2.0", "3.0"]) == "members 2.0 and 3.0"
+    assert members_named(iter(["0.1", "2.0", "3.0"])) == "members 0.1, 2.0 and 3.0"
 
 
 def test_whole_replicas_train_in_launch_order_and_broken_ones_wait():
@@ -566,8 +574,11 @@ def test_after_changes_of_membership_every_message_names_the_launcher_s_identity
     for line in lost:
         prefix_rank = line.split("]")[0].removeprefix("[rank ")
         assert f"member {prefix_rank}.0 exited" not in line and f"rank {prefix_rank} exited" not in line, line
-        assert "member 1.0" in line or "member 1.1" in line, line
-    assert any("member 1.1 exited, crashed or closed its group" in line for line in lost), lost
+        about = re.sub(r"\bmember \d+\.\d+: ", "", line)  # less each speaker's own "member 0.0: "
+        named = {name for names in re.findall(r"\bmembers? ((?:\d+\.\d+(?:, | and )?)+)", about)
+                 for name in re.findall(r"\d+\.\d+", names)}
+        assert named & {"1.0", "1.1"} and f"{prefix_rank}.0" not in named, line  # the lost, relayed or not
+    assert any("member 1.1 exited, crashed or closed its group" in line for line in lost), done.stderr
 
 
 @pytest.mark.timeout(300)

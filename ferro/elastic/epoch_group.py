@@ -8,7 +8,7 @@ from typing import Any
 from ferro.backend import JoinSpec, join_backend
 from ferro.backend.base import Backend
 from ferro.elastic import keys
-from ferro.elastic.membership import Epoch, Membership, launch_rank
+from ferro.elastic.membership import Epoch, Membership, launch_rank, members_named
 from ferro.rendezvous.scoped import ScopedStore
 
 __all__ = ["EpochAbandoned", "connect_epoch"]
@@ -59,7 +59,7 @@ def connect_epoch(epoch: Epoch, member: str, store: Any, membership: Membership,
             dead = membership.dead_among(others)
             if dead:
                 abandoned.set()
-                raise EpochAbandoned(f"member(s) {', '.join(dead)} ended while epoch {epoch.number} was connecting")
+                raise EpochAbandoned(f"{members_named(dead)} ended while epoch {epoch.number} was connecting")
     if "error" in outcome:
         raise outcome["error"]
     group: Backend = outcome["group"]

@@ -18,7 +18,7 @@ from ferro.collective.reductions import allreduce
 from ferro.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from ferro.elastic import keys
 from ferro.elastic.epoch_group import EpochAbandoned, connect_epoch
-from ferro.elastic.membership import Epoch, Membership, launch_rank, whole_replicas
+from ferro.elastic.membership import Epoch, Membership, launch_rank, members_named, whole_replicas
 from ferro.elastic.sampler import ElasticSampler
 from ferro.elastic.step import MEMBERSHIP_FAILURES, Change, Step, failure_cause, membership_failure
 from ferro.elastic.sync import LocalShards, synchronise
@@ -352,8 +352,8 @@ class Manager:
         if not gone:
             return
         dead = [epoch.rank_of(m) for m in gone]
-        log.warning("member %s: the launcher recorded member(s) %s of epoch %d dead: cutting their connections",
-                    self.member, ", ".join(gone), epoch.number)
+        log.warning("member %s: the launcher recorded %s of epoch %d dead: cutting their connections",
+                    self.member, members_named(gone), epoch.number)
         self._cut_epoch = epoch.number
         for rank in dead:
             group.cut_peer(rank)
@@ -555,7 +555,7 @@ class Manager:
         for member in members:  # the survivors' next rendezvous takes it for dead at once
             self._store.compare_set(keys.dead(member), "", why)
         self._store.add(keys.deaths(), 1)
-        log.warning("member %s: member(s) %s %s; re-forming without", self.member, ", ".join(members), why)
+        log.warning("member %s: %s %s; re-forming without", self.member, members_named(members), why)
         started = time.time()
         self._leave_group()
         self._next_epoch([], epoch.joins, f"refused {', '.join(members)}", started, list(epoch.waiting))

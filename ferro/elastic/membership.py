@@ -85,6 +85,14 @@ def launch_rank(member: str) -> int:
     return int(member.split(".", 1)[0])
 
 
+def members_named(members: Iterable[str]) -> str:
+    """Name members for a message: ``member 1.0``, ``members 1.0 and 2.1``, ``members 0.0, 1.0 and 2.1``."""
+    names = list(members)
+    if len(names) == 1:
+        return f"member {names[0]}"
+    return f"members {', '.join(names[:-1])} and {names[-1]}"
+
+
 def whole_replicas(members: Sequence[str], replica_size: int) -> tuple[list[str], list[str]]:
     """Split ``members`` into those of whole replicas, in rank order, and the rest (in the order given).
 

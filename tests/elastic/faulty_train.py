@@ -5,7 +5,8 @@
 during heal), ``receive_state`` (a replacement dying while it receives the state),
 ``request_join`` (a replacement dying before it is admitted).
 ``--hang-at RANK:STEP``: that launch rank, in its first life, sleeps for good at that step.
-``--kill-member MEMBER:STEP``: that member SIGKILLs itself at that step (a replacement too).
+``--kill-member MEMBER:STEP``: that member SIGKILLs itself at that step (a replacement too), or at its first
+step after it when it joined later (a replacement's start-up time varies with the machine's load).
 ``--raise-from RANK:STEP``: that launch rank raises a RuntimeError at each step from that one on, in every life
 (a bug). ``--model-of MEMBER:HIDDEN``: that member builds its model with another hidden size.
 Everything else is the example's own command line.
@@ -95,7 +96,7 @@ if __name__ == "__main__":
     if (spec := _option(argv, "--hang-at")) is not None:
         _at_step(f"{spec.split(':')[0]}.0", int(spec.split(":")[1]), _hang)
     if (spec := _option(argv, "--kill-member")) is not None:
-        _at_step(spec.split(":")[0], int(spec.split(":")[1]), _kill)
+        _at_step(spec.split(":")[0], int(spec.split(":")[1]), _kill, onwards=True)
     if (spec := _option(argv, "--raise-from")) is not None:
         _at_step(spec.split(":")[0], int(spec.split(":")[1]), _bug, onwards=True)
     if (spec := _option(argv, "--model-of")) is not None and spec.split(":")[0] == ME:
