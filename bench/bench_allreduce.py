@@ -22,7 +22,9 @@ up to 4 MB and fewer above. Bus bandwidth uses nccl-tests' factor for allreduce,
 bytes once (NumPy ``copyto``, median of 5): the physical reference.
 
 Run: ``python bench/bench_allreduce.py [--peers ferro,gloo,mpi] [--worlds 2] [--repeats 3]
-[--max-bytes 268435456] [--json out.json]``. ``bench/bench_shm.py`` runs the shared-memory
+[--max-bytes 268435456] [--load N] [--json out.json]``. ``--load N`` runs N compute threads (NumPy
+or torch matrix products) in every rank of every library beside the sweep: the busy cores of a
+cluster in training. ``bench/bench_shm.py`` runs the shared-memory
 comparison. Missing peers are skipped and said so.
 """
 
@@ -37,6 +39,7 @@ import sys
 import tempfile
 
 from ferro.rendezvous.settings import free_port
+from ferro.tools.bench.load import LOAD_KINDS, single_threaded_blas
 from ferro.tools.bench.reference import memcpy_seconds
 from ferro.tools.bench.table import read_json
 
@@ -62,12 +65,17 @@ LIBRARY = {"ferro": ("ferro", "tcp"), "ferro-tcp": ("ferro", "tcp"), "ferro-shm"
 ITERS, WARMUP = 1000, 100
 
 
-def run_peer(peer: str, world: int, max_bytes: int, out: str) -> bool:
-    """Run one sweep of ``peer`` on ``world`` ranks; rank 0 writes its rows (ferro bench's JSON) to ``out``."""
+def run_peer(peer: str, world: int, max_bytes: int, out: str, load: int = 0, load_kind: str = "numpy",
+             iters: int = ITERS) -> bool:
+    """Run one sweep of ``peer`` on ``world`` ranks; rank 0 writes its rows (ferro bench's JSON) to ``out``.
+
+    ``load`` compute threads run in every rank beside the sweep (``ferro bench --load``).
+    """
     library, backend = LIBRARY[peer]
     engine = [*ENGINE, "--library", library, "--backend", backend, "--ops", "allreduce",
-              "--sizes", ",".join(map(str, sizes(max_bytes))), "--iters", str(ITERS), "--warmup", str(WARMUP),
-              "--out", out, "--quiet"]
+              "--sizes", ",".join(map(str, sizes(max_bytes))), "--iters", str(iters),
+              "--warmup", str(min(WARMUP, iters)), "--out", out, "--quiet", "--load", str(load),
+              "--load-kind", load_kind]
     if peer in MPI_LAUNCHED:
         from ferro.backend.mpi.launch import find_mpirun, mpirun_command, mpirun_environment
 
@@ -135,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-bytes", type=int, default=256 * 1024 * 1024)
     parser.add_argument("--peers", default="ferro,gloo,mpi", help="the subject first, then its peers")
     parser.add_argument("--json", help="write every round's raw times here")
+    parser.add_argument("--load", type=int, default=0, help="compute threads per rank beside the sweep")
+    parser.add_argument("--load-kind", default="numpy", choices=LOAD_KINDS)
+    parser.add_argument("--iters", type=int, default=ITERS, help=f"timed calls per size (default {ITERS})")
     args = parser.parse_args(argv)
+    if args.load:
+        single_threaded_blas(os.environ)  # N compute threads mean N busy threads in every library's ranks
 
     worlds = [int(w) for w in args.worlds.split(",") if w] or [args.world]
     peers = [p for p in args.peers.split(",") if p]
@@ -150,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
             for world in worlds:
                 for peer in peers:
                     out = os.path.join(tmp, f"{peer}-{world}-{repeat}.json")
-                    if run_peer(peer, world, args.max_bytes, out):
+                    if run_peer(peer, world, args.max_bytes, out, args.load, args.load_kind, args.iters):
                         rounds[world, peer].append(seconds_by_size(out))
                     print(f"# round {repeat + 1}/{args.repeats}: {peer} x{world} done", file=sys.stderr, flush=True)
     copy = {n: memcpy_seconds(n) for n in sizes(args.max_bytes)}
-    print(f"# allreduce, float32 SUM in place, median of {args.repeats} rounds; "
+    beside = f"beside {args.load} {args.load_kind} compute thread(s) per rank, " if args.load else ""
+    print(f"# allreduce, float32 SUM in place, {beside}median of {args.repeats} rounds; "
           f"one core's memcpy at {sizes(args.max_bytes)[-1]} B: "
           f"{sizes(args.max_bytes)[-1] / copy[sizes(args.max_bytes)[-1]] / 1e9:.2f} GB/s")
     if skipped:

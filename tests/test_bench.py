@@ -98,11 +98,51 @@ def test_bench_runs_as_the_ranks_of_ferro_run(tmp_path):
     assert [row["size"] for row in rows] == [8, 64] and all(row["oop_wrong"] == "0" for row in rows)
 
 
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_under_load_every_op_stays_exact_and_the_compute_threads_ran(tmp_path, backend):
+    """--load 2: two matmul threads in each rank beside the sweep; --check still finds nothing wrong."""
+    done = subprocess.run([*FERRO, "bench", "all", "-n", "3", "--backend", backend, "-b", "8", "-e", "64K", "-f", "32",
+                           "--iters", "4", "--warmup", "1", "--check", "--load", "2", "--compare", f"ferro-"
+                           f"{'tcp' if backend == 'shm' else 'shm'}"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = parse_rows("\n".join(line for line in done.stdout.splitlines() if not re.match(r"^\s+[a-z_]+\s+\d+\s",
+                                                                                          line)))
+    assert len(rows) == 2 * (6 * 3 + 1)  # two libraries: six ops over 8, 256 and 8K bytes, plus a barrier
+    assert all(row["oop_wrong"] in ("0", "N/A") and row["ip_wrong"] in ("0", "N/A") for row in rows)
+    assert done.stdout.count("# beside 2 compute thread(s) per rank (numpy matmuls)") == 2
+    rates = [float(m) for m in re.findall(r"the compute threads of rank 0 ran at (\d+\.\d+) GFLOP/s", done.stdout)]
+    assert len(rates) == 2 and min(rates) > 0
+    assert "ranks beside 2 compute thread(s) per rank" in done.stdout
+
+
+def test_a_compute_load_multiplies_until_it_exits_and_refuses_bad_settings():
+    import threading
+
+    from ferro.tools.bench.load import ComputeLoad, single_threaded_blas
+
+    before = threading.active_count()
+    with ComputeLoad(2) as load:
+        time.sleep(0.3)
+        assert threading.active_count() == before + 2
+    assert threading.active_count() == before  # joined on exit
+    assert load.gflops > 0
+    assert ComputeLoad(0).__enter__().gflops == 0.0
+    for threads, kind, words in ((-1, "numpy", "give 0 or more"), (1, "jax", "choose from numpy, torch")):
+        with pytest.raises(ValueError, match=words):
+            ComputeLoad(threads, kind)
+    environ = {"OMP_NUM_THREADS": "4"}
+    single_threaded_blas(environ)
+    assert environ == {"OMP_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                       "BLIS_NUM_THREADS": "1"}  # a user's own setting stays
+
+
 def test_bad_arguments_get_clear_errors(tmp_path):
     for args, words in ((["frobnicate", "-n", "2"], "unknown op"), (["-n", "2", "--compare", "nccl"], "--compare"),
                         (["-n", "2,x"], "rank count"), (["-n", "2", "--backend", "tcp", "--compare", "ferro-tcp"],
                                                          "being measured"),
-                        (["allreduce"], "give -n")):
+                        (["allreduce"], "give -n"), (["-n", "2", "--load", "-1"], "compute threads"),
+                        (["-n", "2", "--load", "1", "--load-kind", "jax"], "invalid choice")):
         done = subprocess.run([*FERRO, "bench", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                               env={k: v for k, v in __import__("os").environ.items()
                                    if k not in ("RANK", "WORLD_SIZE")})

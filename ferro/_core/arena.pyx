@@ -5,7 +5,8 @@ Each rank owns a slot in the segment, split into ``BUFFERS`` buffers used in
 turn, so one chunk is being filled while the previous one is still read.
 A collective is a fixed sequence of *phases*; after each, a rank bumps its
 ``step`` counter (``arena.h``). Waiting means "until rank j's step reaches v":
-a bounded spin, then ``sched_yield``, then short naps, checking every
+a bounded spin, then short naps (``pace.h``; ranks that outnumber the cores
+yield instead of spinning), checking every
 millisecond that the peers are alive and have not given up, and every 100 ms
 for signals. Everything between taking the buffers and returning runs without
 the GIL.

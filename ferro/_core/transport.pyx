@@ -7,10 +7,11 @@ a status code into an exception in exactly one place (``raise_failure``).
 
 The progress loop drives at most one outgoing and one incoming frame at a time
 on non-blocking system calls: it spins for a bounded time while a socket is
-quiet (a reply on loopback usually arrives within microseconds), then yields
-the CPU between attempts for a while (a peer that shares this core runs at
-once), then sleeps in ``poll`` in slices, checking for signals between slices
-so that Ctrl-C interrupts a blocked receive.
+quiet (a reply on loopback usually arrives within microseconds), then naps
+20 us between attempts for a millisecond, then sleeps in ``poll`` in slices, checking for signals between slices so that Ctrl-C
+interrupts a blocked receive. Ranks that outnumber the cores do not spin: they
+yield the CPU between attempts for a while (a peer that shares this core runs
+at once) before they sleep.
 
 A receiver validates each header before it writes a byte of the caller's
 buffer. A header it refuses (wrong kind, fingerprint or size) stays staged and
@@ -46,6 +47,7 @@ from ferro._core.posix cimport (
     PY_LOCK_ACQUIRED,
     PyThread_acquire_lock_timed,
     clock_gettime,
+    nanosleep,
     sched_yield,
     ferro_get_u32,
     ferro_get_u64,
@@ -119,12 +121,24 @@ PROTOCOL_VERSION = FERRO_PROTOCOL_VERSION
 
 # Longest sleep in poll before the loop looks at the deadline and at signals again.
 cdef int POLL_SLICE_MS = 100
-# After the spin, how long a quiet loop keeps trying between sched_yield()s before it sleeps in poll.
-# Measured (2-core VM, 4 B allreduce): with 4 ranks on 2 cores, 47-55 us against 82-85 us for going
-# straight to poll (50, 200 and 1000 us windows alike); with 8 ranks 160-174 us against 198 us
-# (200 us best); with 2 ranks, where the spin answers, no change. A yield gives way at once to any
-# other thread runnable on this core, so the window stays polite when ranks outnumber cores.
+# Ranks that outnumber the cores (spin_ns == 0) keep trying between sched_yield()s this long before
+# they sleep in poll. Measured (2-core VM, 4 B allreduce): with 4 ranks on 2 cores, 47-55 us against
+# 82-85 us for going straight to poll (50, 200 and 1000 us windows alike); with 8 ranks 160-174 us
+# against 198 us (200 us best). A rank with a core of its own never yields: beside compute threads
+# (a training job's normal state) a yield hands the core to one of them for a whole time slice.
+# Measured with 2 ranks and one or two matmul threads per rank: a 50 us spin, a 200 us yield window
+# and poll averaged 32-519 us per call; the spin straight to poll 14-23 us (Open MPI over TCP 75-201).
 cdef int64_t YIELD_NS = 200000
+# A rank with a core of its own naps 20 us between attempts for a quiet millisecond after its spin,
+# then sleeps in poll. Under load a wake-up from poll took 70-270 us here (gVisor's netstack must
+# run first), a nap's 20-30 us. Measured (2 ranks, 4 B allreduce, 4 sittings, median): one matmul
+# thread per rank, 15 us per call with naps against 60 us straight to poll (spin 50 us); two per
+# rank, 29 against 33 us (Open MPI over TCP, same sittings: 27 and 76 us). Longer spins (200 and
+# 1000 us) did no better: spinning holds the core the peer's answer needs.
+cdef int64_t NAP_WINDOW_NS = 1000000
+cdef timespec NAP
+NAP.tv_sec = 0
+NAP.tv_nsec = 20000
 cdef size_t DEFAULT_STAGE_BYTES = 64 * 1024
 # How long close() waits for a thread inside an operation on the connection to leave it.
 cdef long long CLOSE_WAIT_US = 1000000
@@ -396,8 +410,11 @@ cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil:
             break
         if not check_signals and now < spin_until:
             continue
-        if not check_signals and now < spin_until + YIELD_NS:
+        if not check_signals and spin_ns == 0 and now < spin_until + YIELD_NS:
             sched_yield()
+            continue
+        if not check_signals and spin_ns > 0 and now < spin_until + NAP_WINDOW_NS:
+            nanosleep(&NAP, NULL)
             continue
         if not check_signals:
             wait_ns = POLL_SLICE_MS * 1000000

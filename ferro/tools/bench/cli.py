@@ -24,6 +24,7 @@ from ferro.errors import ConfigurationError
 from ferro.launch.agent import LaunchConfig, run_job
 from ferro.rendezvous.env import detect
 from ferro.rendezvous.settings import free_port
+from ferro.tools.bench.load import LOAD_KINDS, single_threaded_blas
 from ferro.tools.bench.reference import memcpy_seconds
 from ferro.tools.bench.stream import measure_stream, stream_rows
 from ferro.tools.bench.table import Row, read_json, write_csv, write_json
@@ -94,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"also run any of {', '.join(PEERS)}, e.g. mpi,ferro-tcp (MPI over "
                              "TCP beside --backend tcp, else with its default settings: shared memory on one host; "
                              "stream, with --emulate: the links' raw full-duplex TCP stream, the line-rate reference)")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="run N compute threads (matrix products) in every rank beside the sweep, as a "
+                             "training job's intra-op threads do; every library's ranks get the same load")
+    parser.add_argument("--load-kind", default="numpy", choices=LOAD_KINDS,
+                        help="the load's products: numpy (BLAS, one thread each) or torch (default numpy)")
     return parser
 
 
@@ -105,6 +111,8 @@ def _worker_args(args: argparse.Namespace, ops: list[str], library: str, out: st
     argv = ["--library", library, "--backend", backend, "--ops", ",".join(ops),
             "--sizes", ",".join(map(str, sizes)), "--dtype", args.dtype, "--redop", args.op,
             "--iters", str(args.iters), "--warmup", str(args.warmup), "--out", out]
+    if args.load:
+        argv += ["--load", str(args.load), "--load-kind", args.load_kind]
     return argv + (["--check"] if args.check else [])
 
 
@@ -159,10 +167,12 @@ def _available(library: str, backend: str = "", hosts: int = 1) -> str | None:
     return None
 
 
-def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[int, float], world_size: int) -> str:
+def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[int, float], world_size: int,
+                load: int = 0) -> str:
     ours = {(r.op, r.size): r for r in rows if r.library == primary}
-    lines = ["#", f"# {primary} beside its peers, {world_size} ranks: time per call (us), in-place where every "
-             "library has it, else out-of-place (marked oop);",
+    load_note = f" beside {load} compute thread(s) per rank" if load else ""
+    lines = ["#", f"# {primary} beside its peers, {world_size} ranks{load_note}: time per call (us), in-place where "
+             "every library has it, else out-of-place (marked oop);",
              "# ratio = peer / ferro (above 1: ferro is faster); memcpy = one core copying the same bytes once"]
     if "stream" in peers:
         lines.append("# stream = the time the emulated links alone need for the op's bytes at the raw duplex TCP "
@@ -246,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         return _as_rank(args, ops)
+    if args.load < 0:
+        print(f"ferro bench: --load {args.load}: give 0 or more compute threads per rank", file=sys.stderr)
+        return 2
+    if args.load:
+        single_threaded_blas(os.environ)  # the ranks inherit it: N threads are N busy threads, not N x cores
     rows: list[Row] = []
     primaries: dict[int, str] = {}
     status = 0
@@ -291,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_us = {size: memcpy_seconds(size) * 1e6 for size in sorted({r.size for r in rows})}
         for world_size, primary in primaries.items():
             print(_comparison([r for r in rows if r.world_size == world_size], primary, peers, copy_us,
-                              world_size))
+                              world_size, args.load))
     _write_outputs(args, rows)
     return status
 

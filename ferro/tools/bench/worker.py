@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ferro.tools.bench.load import LOAD_KINDS, ComputeLoad
 from ferro.tools.bench.table import HEADER, Row, footer, format_row, write_json
 
 __all__ = ["OPS", "main", "sizes_from"]
@@ -455,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--out", help="rank 0 writes the rows here as JSON")
     parser.add_argument("--quiet", action="store_true", help="do not print the table")
+    parser.add_argument("--load", type=int, default=0, help="compute threads beside the sweep in this rank")
+    parser.add_argument("--load-kind", default="numpy", choices=LOAD_KINDS, help="their matrix products")
     return parser
 
 
@@ -472,9 +475,14 @@ def main(argv: list[str] | None = None) -> int:
         if adapter.rank == 0 and not args.quiet:
             print(line, flush=True)
 
+    if args.load:
+        show(f"# beside {args.load} compute thread(s) per rank ({args.load_kind} matmuls)")
     try:
-        sweep(adapter, args.ops.split(","), [int(s) for s in args.sizes.split(",")], _dtype(args.dtype),
-              args.redop, args.iters, args.warmup, args.check, show, rows)
+        with ComputeLoad(args.load, args.load_kind) as load:
+            sweep(adapter, args.ops.split(","), [int(s) for s in args.sizes.split(",")], _dtype(args.dtype),
+                  args.redop, args.iters, args.warmup, args.check, show, rows)
+        if args.load:
+            show(f"# the compute threads of rank {adapter.rank} ran at {load.gflops:.1f} GFLOP/s")
     except KeyboardInterrupt:
         show("# interrupted: the rows above are what was measured")
         return 130
