@@ -14,7 +14,9 @@ machine's two cores). Measured, median over steps and rounds:
 * the same with the model in PyTorch: ferro.DDP on it, and torch's own
   DistributedDataParallel over gloo, in the same run.
 
-Run: ``python bench/bench_ddp.py [--rounds 3] [--steps 8]``.
+Run: ``python bench/bench_ddp.py [--rounds 3] [--steps 8] [--load N]`` (``--load``: N matmul
+threads in every rank beside the training, as on a busy cluster; ``bench/bench_busy_ddp.py``
+measures DDP with torch itself on every core, beside gloo and Open MPI).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
+from ferro.tools.bench.load import ComputeLoad  # noqa: E402
+
 WIDTH, LAYERS, BATCH = 1600, 4, 64
 
 
@@ -44,7 +48,12 @@ def _median_time(fn, steps: int, barrier) -> float:
     return statistics.median(times)
 
 
-def rank_ferro(group, steps: int) -> dict[str, float]:
+def rank_ferro(group, steps: int, load: int = 0) -> dict[str, float]:
+    with ComputeLoad(load):  # --load: matmul threads beside the training, as on a busy cluster
+        return _rank_ferro(group, steps)
+
+
+def _rank_ferro(group, steps: int) -> dict[str, float]:
     import torch
 
     import ferro
@@ -104,7 +113,12 @@ def rank_ferro(group, steps: int) -> dict[str, float]:
     return results
 
 
-def rank_torch_ddp(rank: int, world_size: int, steps: int) -> dict[str, float]:
+def rank_torch_ddp(rank: int, world_size: int, steps: int, load: int = 0) -> dict[str, float]:
+    with ComputeLoad(load):
+        return _rank_torch_ddp(rank, world_size, steps)
+
+
+def _rank_torch_ddp(rank: int, world_size: int, steps: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -139,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--load", type=int, default=0, help="matmul threads per rank beside training (busy cores)")
     args = parser.parse_args(argv)
     rounds: dict[str, list[float]] = {}
     for _ in range(args.rounds):
-        ours = run_processes(rank_ferro, 2, args=(args.steps,), timeout=900, group_timeout=300)[0]
-        theirs = run_processes(rank_torch_ddp, 2, args=(args.steps,), backend=None, timeout=900)[0]
+        ours = run_processes(rank_ferro, 2, args=(args.steps, args.load), timeout=900, group_timeout=300)[0]
+        theirs = run_processes(rank_torch_ddp, 2, args=(args.steps, args.load), backend=None, timeout=900)[0]
         for key, value in {**ours, **theirs}.items():
             rounds.setdefault(key, []).append(value)
     m = {key: statistics.median(values) for key, values in rounds.items()}
@@ -151,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     hidden = (m["compute"] + raw - m["DDP step"]) / raw
     torch_hidden = (m["torch compute"] + raw - m["torch model, ferro.DDP step"]) / raw
     print(f"# DDP, {m['params'] / 1e6:.1f} M float32 parameters ({m['params'] * 4 / 1e6:.0f} MB of gradients), "
-          f"2 ranks on loopback, median of {args.rounds} rounds x {args.steps} steps")
+          f"2 ranks on loopback, median of {args.rounds} rounds x {args.steps} steps"
+          + (f", beside {args.load} matmul thread(s) per rank" if args.load else ""))
     for key in ["raw allreduce", "sync_gradients", "compute", "DDP step", "torch compute",
                 "torch model, ferro.DDP step", "torch DDP (gloo) step", "gloo raw allreduce"]:
         print(f"{key:<30}{m[key] * 1e3:>10.1f} ms")

@@ -16,7 +16,8 @@ Measured per rank, medians over steps and rounds:
 
 ferro's groups and torch's gloo both run over TCP on loopback (``--backend shm``
 puts ferro on shared memory instead). Run: ``python bench/bench_fsdp.py
-[--rounds 3] [--steps 6] [--world-size 4]``.
+[--rounds 3] [--steps 6] [--world-size 4] [--load N]`` (``--load``: N matmul threads in every
+rank beside the training, as on a busy cluster).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before NumPy loads: one co
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
+
+from ferro.tools.bench.load import ComputeLoad  # noqa: E402
 
 WIDTH, HIDDEN, UNITS, BATCH = 2048, 1024, 4, 16
 FERRO_CONFIGS = [("ferro FULL_SHARD", "full_shard", True), ("ferro SHARD_GRAD_OP", "shard_grad_op", True),
@@ -107,8 +110,13 @@ def measure(model, optimizer, data, baseline: int, steps: int, barrier) -> tuple
     return statistics.median(times), persistent
 
 
-def rank_ferro(group, steps: int, strategy: str, prefetch: bool) -> dict[str, float]:
+def rank_ferro(group, steps: int, strategy: str, prefetch: bool, load: int = 0) -> dict[str, float]:
     """One configuration in fresh processes, so nothing of another configuration is alive when memory is counted."""
+    with ComputeLoad(load):  # --load: matmul threads beside the training, as on a busy cluster
+        return _rank_ferro(group, steps, strategy, prefetch)
+
+
+def _rank_ferro(group, steps: int, strategy: str, prefetch: bool) -> dict[str, float]:
     import torch
 
     import ferro
@@ -125,7 +133,12 @@ def rank_ferro(group, steps: int, strategy: str, prefetch: bool) -> dict[str, fl
             "peak": stats["peak_unsharded_units"]}
 
 
-def rank_torch(rank: int, world_size: int, steps: int) -> dict[str, float]:
+def rank_torch(rank: int, world_size: int, steps: int, load: int = 0) -> dict[str, float]:
+    with ComputeLoad(load):
+        return _rank_torch(rank, world_size, steps)
+
+
+def _rank_torch(rank: int, world_size: int, steps: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
@@ -155,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--backend", default="tcp", choices=["tcp", "shm"])
+    parser.add_argument("--load", type=int, default=0, help="matmul threads per rank beside training (busy cores)")
     args = parser.parse_args(argv)
     times: dict[str, list[float]] = {}
     memory: dict[str, list[float]] = {}
@@ -162,20 +176,21 @@ def main(argv: list[str] | None = None) -> int:
     peaks: list[float] = []
     for _ in range(args.rounds):
         for label, strategy, prefetch in FERRO_CONFIGS:
-            ranks = run_processes(rank_ferro, args.world_size, args=(args.steps, strategy, prefetch),
+            ranks = run_processes(rank_ferro, args.world_size, args=(args.steps, strategy, prefetch, args.load),
                                   backend=args.backend, timeout=1800, group_timeout=600)
             if strategy == "full_shard" and prefetch:
                 hidden += [r["hidden"] for r in ranks]
                 peaks += [r["peak"] for r in ranks]
             times.setdefault(label, []).extend(r["step"] for r in ranks)
             memory.setdefault(label, []).extend(r["memory"] for r in ranks)
-        ranks = run_processes(rank_torch, args.world_size, args=(args.steps,), backend=None, timeout=1800)
+        ranks = run_processes(rank_torch, args.world_size, args=(args.steps, args.load), backend=None, timeout=1800)
         times.setdefault(TORCH, []).extend(r["step"] for r in ranks)
         memory.setdefault(TORCH, []).extend(r["memory"] for r in ranks)
     params = sum(p.numel() for p in make_model().parameters())
     print(f"# FSDP, {params / 1e6:.1f} M float32 parameters in {UNITS} units, world size {args.world_size}, "
           f"ferro over {args.backend}, torch over gloo; median of {args.rounds} rounds x {args.steps} steps "
-          f"(step time: median over ranks and rounds; memory: the largest rank)")
+          f"(step time: median over ranks and rounds; memory: the largest rank)"
+          + (f"; beside {args.load} matmul thread(s) per rank" if args.load else ""))
     no_shard = max(memory["ferro NO_SHARD"])
     torch_step = statistics.median(times[TORCH])
     print(f"{'':<34}{'persistent MB/rank':>20}{'x NO_SHARD':>12}{'step ms':>10}{'torch / this':>14}")

@@ -8,10 +8,11 @@ a status code into an exception in exactly one place (``raise_failure``).
 The progress loop drives at most one outgoing and one incoming frame at a time
 on non-blocking system calls: it spins for a bounded time while a socket is
 quiet (a reply on loopback usually arrives within microseconds), then naps
-20 us between attempts for a millisecond, then sleeps in ``poll`` in slices, checking for signals between slices so that Ctrl-C
-interrupts a blocked receive. Ranks that outnumber the cores do not spin: they
-yield the CPU between attempts for a while (a peer that shares this core runs
-at once) before they sleep.
+20 us between attempts for a millisecond, then sleeps in ``poll`` in slices,
+checking for signals between slices so that Ctrl-C interrupts a blocked
+receive. Ranks that outnumber the cores do not spin: they yield the CPU
+between attempts for a while (a peer that shares this core runs at once)
+before they sleep.
 
 A receiver validates each header before it writes a byte of the caller's
 buffer. A header it refuses (wrong kind, fingerprint or size) stays staged and
@@ -131,7 +132,7 @@ cdef int POLL_SLICE_MS = 100
 cdef int64_t YIELD_NS = 200000
 # A rank with a core of its own naps 20 us between attempts for a quiet millisecond after its spin,
 # then sleeps in poll. Under load a wake-up from poll took 70-270 us here (gVisor's netstack must
-# run first), a nap's 20-30 us. Measured (2 ranks, 4 B allreduce, 4 sittings, median): one matmul
+# run first), a nap 20-100 us. Measured (2 ranks, 4 B allreduce, 4 sittings, median): one matmul
 # thread per rank, 15 us per call with naps against 60 us straight to poll (spin 50 us); two per
 # rank, 29 against 33 us (Open MPI over TCP, same sittings: 27 and 76 us). Longer spins (200 and
 # 1000 us) did no better: spinning holds the core the peer's answer needs.
