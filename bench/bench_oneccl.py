@@ -35,6 +35,7 @@ from ferro.launch.agent import LaunchConfig, run_job
 from ferro.rendezvous.settings import free_port
 from ferro.tools.bench.load import single_threaded_blas
 from ferro.tools.bench.table import read_json
+from ferro.tools.bench.worker import sizes_from
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # name: oneCCL's transport (ATL) and settings. "ofi" ranks are started here, "mpi" ranks by Intel MPI's mpiexec.
@@ -43,11 +44,7 @@ SETTINGS = {"oneccl-ofi": ("ofi", {}), "oneccl-ofi-direct": ("ofi", {"CCL_WORKER
 
 
 def sizes(max_bytes: int) -> list[int]:
-    out, size = [], 4
-    while size <= max_bytes:
-        out.append(size)
-        size *= 4
-    return out
+    return sizes_from(4, max_bytes, 4)  # bench_allreduce.py's rows: 4 B, 16 B, ... by 4
 
 
 def build(prefix: str, include: str, folder: str) -> tuple[str, str]:
