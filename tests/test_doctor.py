@@ -342,6 +342,19 @@ def test_a_rank_with_no_dump_and_no_outside_view_is_still_the_culprit():
     assert "rank 2 did not arrive at call #4" in found.findings[0].summary
 
 
+def test_a_rank_stopped_before_its_record_is_not_blamed_beside_the_rank_that_crashed():
+    """CI: rank 1 crashed; rank 0 was stopped by the launcher before it wrote its record; rank 2 waited."""
+    dumps = {2: _dump(2, 6, "failed")}
+    ended = {1: "exited with code 1 (TypeError: object of type 'int' has no len())"}
+    found = diagnosis.diagnose(dumps, 3, ended=ended)
+    assert found.culprits() == [1]
+    summary = found.findings[0].summary
+    assert "rank 1 did not arrive at call #6" in summary and "unknown" not in summary, summary
+    assert "rank 0 wrote no record: stopped with the others after the failure" in found.report()
+    # Without a rank that ended (the hang watch, ferro doctor), a silent rank is still the culprit.
+    assert diagnosis.diagnose(dumps, 3).culprits() == [0, 1]
+
+
 def test_no_finding_when_every_rank_completed_alike():
     found = diagnosis.diagnose({r: _dump(r, 6) for r in range(3)})
     assert found.findings == [] and "no hang and no mismatch" in found.report()

@@ -306,6 +306,13 @@ def _hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
     behind = sorted(r for r in expected if r not in records or made.get(r, 0) < latest)
     silent = sorted(r for r in expected if r not in dumps or dumps[r].get("source") == "outside")
     culprits = sorted(set(behind) | set(silent))  # a silent rank has no records, so it is never among the waiting
+    unrecorded: list[int] = []
+    if any(r in ended for r in culprits):
+        # A rank ended, and the launcher stopped the others: one stopped before it wrote its record is silent
+        # through no fault of its own (seen in CI: the crashed rank's neighbour, slow to see the loss). The rank
+        # that ended explains the call; saying the other is "at unknown" would blame it.
+        unrecorded = [r for r in culprits if r not in ended and r not in dumps]
+        culprits = [r for r in culprits if r not in unrecorded]
     if not culprits:
         return None
     call = last_entry[waiting[0]]
@@ -335,6 +342,9 @@ def _hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
         details.append(f"rank {rank} never arrived: {last}; it is at {_where(dump)}"
                        + (f" ({activity})" if activity else ""))
         details.extend(f"  {line}" for line in _stack(dump))
+    if unrecorded:
+        details.append(f"rank{'s' if len(unrecorded) > 1 else ''} {_ranges(unrecorded)} wrote no record: stopped "
+                       "with the others after the failure, before writing one")
     places = "; ".join(f"rank {r} is {_place(r, dumps, ended)}" if r in ended else f"rank {r} is at "
                        f"{_place(r, dumps, ended)}" for r in culprits)
     summary = (f"rank{'s' if len(culprits) > 1 else ''} {_ranges(culprits)} did not arrive at call #{latest} "
