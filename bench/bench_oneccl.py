@@ -31,20 +31,17 @@ import subprocess
 import sys
 import tempfile
 
-from ferro.launch.agent import LaunchConfig, run_job
 from ferro.rendezvous.settings import free_port
 from ferro.tools.bench.load import single_threaded_blas
-from ferro.tools.bench.table import read_json
-from ferro.tools.bench.worker import sizes_from
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_allreduce import run_peer, seconds_by_size, sizes  # noqa: E402 - the sibling script, as bench_shm's
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # name: oneCCL's transport (ATL) and settings. "ofi" ranks are started here, "mpi" ranks by Intel MPI's mpiexec.
 SETTINGS = {"oneccl-ofi": ("ofi", {}), "oneccl-ofi-direct": ("ofi", {"CCL_WORKER_OFFLOAD": "0"}),
             "oneccl-impi": ("mpi", {}), "oneccl-impi-direct": ("mpi", {"CCL_WORKER_OFFLOAD": "0"})}
-
-
-def sizes(max_bytes: int) -> list[int]:
-    return sizes_from(4, max_bytes, 4)  # bench_allreduce.py's rows: 4 B, 16 B, ... by 4
 
 
 def build(prefix: str, include: str, folder: str) -> tuple[str, str]:
@@ -102,13 +99,11 @@ def run_oneccl(binary: str, libraries: str, setting: str, ranks: int, max_bytes:
 
 
 def run_ferro(backend: str, ranks: int, max_bytes: int, iters: int, load: int, folder: str) -> dict[int, float]:
+    """One sweep of ferro's ``backend`` through bench_allreduce.py's runner; {bytes: microseconds per call}."""
     out = os.path.join(folder, f"ferro-{backend}.json")
-    target = ["-m", "ferro.tools.bench.worker", "--library", "ferro", "--backend", backend, "--ops", "allreduce",
-              "--sizes", ",".join(map(str, sizes(max_bytes))), "--iters", str(iters), "--warmup",
-              str(min(iters, 100)), "--out", out, "--quiet", "--load", str(load)]
-    if run_job(LaunchConfig(target=target, nproc_per_node=ranks, master_port=free_port(), prefix=False)) != 0:
+    if not run_peer(f"ferro-{backend}", ranks, max_bytes, out, load, iters=iters):
         raise SystemExit(f"bench_oneccl: ferro-{backend} failed")
-    return {row.size: row.time_us() for row in read_json(out)}
+    return {size: seconds * 1e6 for size, seconds in seconds_by_size(out).items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from ferro.tools.bench.load import single_threaded_blas
+
 LIBRARIES = ("ferro-tcp", "ferro-shm", "mpi", "mpi-sm")
 
 
@@ -71,16 +73,17 @@ def rank_main(library: str, load: int, nbytes: int, rounds: int, calls: int, out
 def run(library: str, args: argparse.Namespace, out: str) -> dict | None:
     rank = [sys.executable, __file__, "--rank", library, "--load", str(args.load), "--bytes", str(args.bytes),
             "--rounds", str(args.rounds), "--calls", str(args.calls), "--out", out]
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = dict(os.environ)
     if library.startswith("mpi"):
         from ferro.backend.mpi.launch import find_mpirun, mpirun_command, mpirun_environment
 
         if find_mpirun() is None:
             return None
         command = mpirun_command(2, rank, ["btl", "self,tcp"] if library == "mpi" else [])
-        env = dict(mpirun_environment(), **{k: env[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")})
+        env = dict(mpirun_environment())
     else:
         command = [sys.executable, "-m", "ferro", "run", "--nproc-per-node", "2", "--no-prefix", *rank[1:]]
+    single_threaded_blas(env)  # ferro bench --load's rule: N matmul threads are N busy threads
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0 or not os.path.exists(out):
         print(f"# {library} failed: {done.stderr[-800:]}", file=sys.stderr)

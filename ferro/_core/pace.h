@@ -58,17 +58,14 @@ static inline int ferro_pace_signals_due(ferro_pace *p, int64_t now) {
 /* Spin, yield or nap, by how long the wait has been quiet. */
 static inline void ferro_pace_rest(ferro_pace *p, int64_t now) {
     int64_t quiet = now - p->last_progress;
-    if (p->spin_ns > 0) {
-        if (quiet > p->spin_ns) {
-            struct timespec doze = {0, FERRO_PACE_DOZE_NS};
-            nanosleep(&doze, NULL);
-        }
-    } else if (quiet > FERRO_PACE_DOZE_AFTER_NS) {
-        struct timespec doze = {0, FERRO_PACE_DOZE_NS};
-        nanosleep(&doze, NULL);
-    } else {
-        sched_yield();
+    if (quiet <= p->spin_ns)
+        return;  /* spin */
+    if (p->spin_ns == 0 && quiet <= FERRO_PACE_DOZE_AFTER_NS) {
+        sched_yield();  /* ranks outnumber cores: let the peer on this core run */
+        return;
     }
+    struct timespec doze = {0, FERRO_PACE_DOZE_NS};
+    nanosleep(&doze, NULL);
 }
 
 #endif
