@@ -96,7 +96,7 @@ if _typing.TYPE_CHECKING:  # loaded on first use (see _LAZY); imported here for 
         size_based_policy,
     )
 
-__version__ = "0.1.0"
+from ferro._version import __version__  # noqa: E402 - the one place the version is written
 
 # Sorted within each group; the groups follow the layers, bottom up.
 __all__ = [

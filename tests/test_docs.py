@@ -255,3 +255,101 @@ def test_guides_link_the_public_names_they_mention(site):
     page = (site / "guides" / "collectives" / "index.html").read_text()
     assert 'href="../../api/errors/#ferro.errors.PeerLostError"' in page
     assert 'href="../../api/ferro/#ferro.init_process_group"' in page
+
+
+# --- the generated reference pages (docs/_ext/reference.py) ---
+
+def _reference_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_docs_reference", DOCS / "_ext" / "reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _page_text(site, path: str) -> str:
+    page = site / path / "index.html"
+    assert page.exists(), f"{path} was not generated"
+    return html.unescape(re.sub(r"<[^>]+>", "", page.read_text().split("<article", 1)[1]))
+
+
+def test_environment_page_lists_every_registered_variable_and_marks_the_launchers(site):
+    from ferro import environment
+
+    text = _page_text(site, "reference/environment")
+    missing = [name for name in environment.VARIABLES if name not in text]
+    assert not missing, f"reference/environment lacks {missing}"
+    generated = _reference_module().environment_page()
+    secret_row = next(line for line in generated.splitlines() if line.startswith("| `FERRO_SECRET`"))
+    spin_row = next(line for line in generated.splitlines() if line.startswith("| `FERRO_SPIN_US`"))
+    assert secret_row.endswith("| yes |") and spin_row.endswith("|  |")
+
+
+def test_command_line_page_has_every_option_of_every_parser(site):
+    from ferro.tools import cli, run
+    from ferro.tools.bench import cli as bench_cli
+
+    text = _page_text(site, "reference/cli")
+    assert f"ferro {ferro.__version__}" in text
+    for parser in (cli.build_parser(), run.build_parser(), bench_cli.build_parser()):
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help"):
+                    assert flag in text, f"reference/cli lacks {parser.prog} {flag}"
+    for command in ("ferro doctor", "ferro ckpt inspect", "ferro ckpt consolidate", "ferro run", "ferro bench"):
+        assert command in text
+
+
+def test_backend_page_reads_each_backends_declaration_and_engine(site):
+    from ferro.backend import BACKENDS
+
+    reference = _reference_module()
+    text = _page_text(site, "reference/backends")
+    for name, entry in BACKENDS.items():
+        assert f"{name}" in text
+        if entry.backend_class:
+            cls = entry.backend_class()
+            assert cls.SUPPORT.devices in text
+    # The engine column is read from the class: TCP runs allreduce natively and reduce generically.
+    assert "allreduce" in reference.own_engine(ferro.TcpBackend) and "reduce" not in reference.own_engine(
+        ferro.TcpBackend)
+    assert reference.own_engine(ferro.SimulatedBackend) == []
+
+
+def test_torch_name_map_resolves_on_both_sides(site):
+    reference = _reference_module()
+    assert "torch.distributed" in _page_text(site, "reference/torch-names")
+    for _, ours, _ in reference.TORCH_NAMES:
+        obj = ferro
+        for part in ours.split("."):
+            obj = getattr(obj, part)  # AttributeError names a ferro name that does not exist
+    torch = pytest.importorskip("torch")
+    for submodule in ("checkpoint", "fsdp", "pipelining", "rpc", "tensor", "device_mesh"):
+        importlib.import_module(f"torch.distributed.{submodule}")  # the modules the names live in
+    for torch_name, _, _ in reference.TORCH_NAMES:
+        obj = torch
+        for part in torch_name.split(".")[1:]:
+            obj = getattr(obj, part)
+
+
+def test_the_version_is_written_once_and_shown_everywhere(site):
+    from ferro._version import __version__
+
+    assert ferro.__version__ == __version__
+    assert f"ferro {__version__}" in (site / "index.html").read_text()  # the header
+    done = subprocess.run([sys.executable, "-m", "ferro.tools.cli", "--version"], capture_output=True, text=True,
+                          cwd=ROOT.parent, timeout=60)
+    assert done.stdout.strip() == f"ferro {__version__}"
+    assert f"## [{__version__}]" in (ROOT / "CHANGELOG.md").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and "version = \"" not in pyproject.split("[project]")[1][:400]
+
+
+def test_search_splits_dotted_names(site):
+    # The separator must split "ferro.allreduce" so that a search for "allreduce" matches the API entry's title.
+    config = json.loads((site / "search" / "search_index.json").read_text())["config"]
+    separator = re.compile(config["separator"])
+    assert "allreduce" in separator.split("ferro.allreduce")
+    assert "reduce_scatter" in separator.split("ferro.reduce_scatter(x)") or \
+        "reduce" in separator.split("ferro.reduce_scatter(x)")

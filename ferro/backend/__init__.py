@@ -54,6 +54,8 @@ class BackendEntry:
         join: ``join(spec)`` returns this rank's group, or None when the backend is not available.
         unavailable: Why it is not available (and what would make it so), when ``join`` is None.
         gpu: It moves GPU memory and needs a GPU, its driver and libnccl (checked when joining).
+        backend_class: Returns the backend's class (importing no optional library), whose ``SUPPORT`` the
+            reference's backend table shows; None for a backend that is not part of this ferro.
 
     """
 
@@ -62,6 +64,25 @@ class BackendEntry:
     join: Callable[[JoinSpec], Backend] | None
     unavailable: str = ""
     gpu: bool = False
+    backend_class: Callable[[], type[Backend]] | None = None
+
+
+def _mpi_class() -> type[Backend]:
+    from ferro.backend.mpi.backend import MpiBackend  # the module loads mpi4py only when a group is made
+
+    return MpiBackend
+
+
+def _nccl_class() -> type[Backend]:
+    from ferro.backend.nccl.backend import NcclBackend  # libnccl and the driver load when a group is made
+
+    return NcclBackend
+
+
+def _hybrid_class() -> type[Backend]:
+    from ferro.backend.nccl.backend import HybridBackend
+
+    return HybridBackend
 
 
 def _join_mpi(spec: JoinSpec) -> Backend:
@@ -83,17 +104,21 @@ def _join_hybrid(spec: JoinSpec) -> Backend:
 
 
 BACKENDS = MappingProxyType({entry.name: entry for entry in (
-    BackendEntry("tcp", "a full mesh of authenticated TCP connections, any hosts", TcpBackend.join),
-    BackendEntry("shm", "shared memory, every rank on one host", ShmBackend.join),
+    BackendEntry("tcp", "a full mesh of authenticated TCP connections, any hosts", TcpBackend.join,
+                 backend_class=lambda: TcpBackend),
+    BackendEntry("shm", "shared memory, every rank on one host", ShmBackend.join, backend_class=lambda: ShmBackend),
     BackendEntry("hierarchical", "shared memory inside each host, TCP between one leader per host",
-                 HierarchicalBackend.join),
-    BackendEntry("mpi", "the cluster's MPI, through mpi4py (ranks started by mpirun or srun)", _join_mpi),
+                 HierarchicalBackend.join, backend_class=lambda: HierarchicalBackend),
+    BackendEntry("mpi", "the cluster's MPI, through mpi4py (ranks started by mpirun or srun)", _join_mpi,
+                 backend_class=_mpi_class),
     BackendEntry("ucc", "UCC collectives", None,
                  "UCC has no Python binding; Open MPI reaches UCC's collectives itself (its coll/ucc component): use "
                  "backend='mpi' with an Open MPI built with UCC, selected by `mpirun --mca coll_ucc_enable 1 "
                  "--mca coll_ucc_priority 100 ...`"),
-    BackendEntry("nccl", "NCCL on GPUs (one per rank), through ctypes", _join_nccl, gpu=True),
-    BackendEntry("hybrid", "TCP for host memory, NCCL for GPU memory", _join_hybrid, gpu=True),
+    BackendEntry("nccl", "NCCL on GPUs (one per rank), through ctypes", _join_nccl, gpu=True,
+                 backend_class=_nccl_class),
+    BackendEntry("hybrid", "TCP for host memory, NCCL for GPU memory", _join_hybrid, gpu=True,
+                 backend_class=_hybrid_class),
 )})
 """Every backend by name, in the order help texts list them. Read-only."""
 

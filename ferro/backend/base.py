@@ -7,8 +7,10 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ferro import environment
 from ferro._core.state import GroupState
 from ferro._core.transport import KIND_DATA
 from ferro.backend.native import NativeCollectives
@@ -21,14 +23,50 @@ from ferro.errors import (
 )
 from ferro.types import COLLECTIVE_IDS, collective_name
 
-__all__ = ["Backend", "FramedBackend", "KeptIdentity", "add_counters", "default_spin_us", "dissemination_barrier",
-           "usable_cpus"]
+__all__ = ["Backend", "FramedBackend", "KeptIdentity", "Support", "add_counters", "default_spin_us",
+           "dissemination_barrier", "usable_cpus"]
 
 SPIN_ENV = "FERRO_SPIN_US"
 _P2P = COLLECTIVE_IDS["p2p"]
 DEFAULT_SPIN_US = 50.0
 
 _Group = TypeVar("_Group", bound="Backend")
+
+
+_ALL_DTYPES = ("reductions: float16, bfloat16, float32, float64, int8-int64, uint8-uint64; data movement "
+               "(broadcast, gathers, all_to_all, p2p): any dtype")
+
+
+@dataclass(frozen=True)
+class Support:
+    """What a backend supports, as it declares it: the reference's backend table is generated from these.
+
+    Which collectives run in the backend's own engine is not declared here: the
+    table reads it from the :class:`~ferro.backend.native.NativeCollectives`
+    methods the class overrides.
+
+    Attributes:
+        devices: Where the buffers it moves live.
+        dtypes: The dtypes its collectives take.
+        engine_kind: What its own engine is (for the collectives it runs natively).
+        asynchronous: Its async calls (``async_op=True``) and how they run.
+        point_to_point: Its send and receive, and their tags.
+        receive_any: Whether ``recv_any`` (a receive from whichever rank sends first) works, or why not.
+        sub_groups: How ``new_group`` / ``split`` makes a group of some of its ranks.
+        engine: Overrides the "own engine" cell (a backend whose engine is not NativeCollectives).
+        generic: Overrides the "other collectives" cell.
+
+    """
+
+    devices: str = "CPU"
+    dtypes: str = _ALL_DTYPES
+    engine_kind: str = "compiled, without the GIL"
+    asynchronous: str = "yes, in order on the group's worker"
+    point_to_point: str = "yes, with tags"
+    receive_any: str = "yes"
+    sub_groups: str = "yes"
+    engine: str = ""
+    generic: str = ""
 
 
 class Backend(abc.ABC):
@@ -55,6 +93,9 @@ class Backend(abc.ABC):
 
     Backends are context managers: ``with TcpBackend(...) as group: ...`` closes
     the group on exit.
+
+    Each backend class declares what it supports in ``SUPPORT`` (a :class:`Support`),
+    from which the reference's backend table is generated.
 
     Every group owns one :class:`~ferro._core.state.GroupState` (:attr:`state`):
     its failure, the worker that orders its operations, and the counters behind
@@ -529,7 +570,7 @@ def default_spin_us(spin_us: float | None, world_size: int) -> float:
     """Return how long a waiting rank spins before it sleeps, in microseconds."""
     if spin_us is not None:
         return float(spin_us)
-    raw = os.environ.get(SPIN_ENV)
+    raw = environment.get(SPIN_ENV)
     if raw is not None:
         try:
             return float(raw)

@@ -6,12 +6,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ferro._core.reduce import divide
-from ferro.backend.base import FramedBackend, add_counters, default_spin_us
+from ferro.backend.base import FramedBackend, Support, add_counters, default_spin_us
 from ferro.backend.joined import JoinSpec
 from ferro.backend.native import NativeCollectives
 from ferro.backend.shm import ShmBackend
@@ -75,6 +75,10 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         ferro.allreduce(x, group=group)          # x == [6., 6., 6., 6.] on every rank
 
     """
+
+    SUPPORT: ClassVar[Support] = Support(
+        engine_kind="shared memory inside each host, compiled TCP between the hosts' leaders",
+        sub_groups="yes (a TCP mesh among the members)")
 
     def __init__(self, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500, *,
                  timeout: float | None = None, secret: bytes | str | None = None, store: Store | None = None,

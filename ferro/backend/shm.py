@@ -9,13 +9,14 @@ import secrets
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
+from ferro import environment
 from ferro._buffers import as_buffer
 from ferro._core.arena import Arena, arena_bytes
 from ferro._core.shm import SEGMENT_HEADER_BYTES, Channel, Segment, segment_bytes
 from ferro._core.transport import KIND_ABORT, KIND_BARRIER
-from ferro.backend.base import default_spin_us, usable_cpus
+from ferro.backend.base import Support, default_spin_us, usable_cpus
 from ferro.backend.joined import JoinSpec, StoreBackend
 from ferro.backend.native import NativeCollectives
 from ferro.errors import ConfigurationError, DistributedError, DistributedTimeoutError, PeerLostError
@@ -139,7 +140,7 @@ def _unlink_quietly(path: str) -> None:
 
 def _size_setting(value: int | None, env: str, default: int, what: str) -> int:
     if value is None:
-        raw = os.environ.get(env)
+        raw = environment.get(env)
         try:
             value = int(raw) if raw else default
         except ValueError:
@@ -194,6 +195,8 @@ class ShmBackend(StoreBackend, NativeCollectives):
         AuthenticationError: As :class:`~ferro.TcpBackend`.
 
     """
+
+    SUPPORT: ClassVar[Support] = Support(engine_kind="a compiled shared-memory arena, without the GIL")
 
     store_namespace = "shm"
 

@@ -10,11 +10,11 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ferro._buffers import byte_view
 from ferro._core.status import KIND_ABORT, KIND_BARRIER, abort_error, mismatch_error, size_error
-from ferro.backend.base import FramedBackend, dissemination_barrier
+from ferro.backend.base import FramedBackend, Support, dissemination_barrier
 from ferro.errors import BackendClosedError, DistributedTimeoutError, PeerLostError
 from ferro.rendezvous.settings import default_timeout, validate_rank_and_size
 
@@ -72,6 +72,10 @@ class SimulatedBackend(FramedBackend):
                 out = numpy.empty(3); g.recv(out, src=0)   # out == [1, 1, 1]
         threads = [threading.Thread(target=rank_main, args=(g,)) for g in group]
     """
+
+    SUPPORT: ClassVar[Support] = Support(
+        devices="CPU, every rank a thread of one process",
+        asynchronous="yes, in order on the group's worker")
 
     # Its ranks are threads by construction (named differently, or not at all): calls are matched
     # per rank, as one stream each, without thread tags.

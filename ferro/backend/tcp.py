@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
+from ferro import environment
 from ferro._buffers import as_buffer
 from ferro._core import collectives as native
 from ferro._core.collectives import Mesh
 from ferro._core.transport import KIND_ABORT, Connection, sendrecv
-from ferro.backend.base import default_spin_us
+from ferro.backend.base import Support, default_spin_us
 from ferro.backend.joined import JoinSpec, StoreBackend
 from ferro.backend.native import NativeCollectives
 from ferro.errors import ConfigurationError, DistributedError, PeerLostError
@@ -35,7 +35,7 @@ ABORT_LINGER_SECONDS = 2.0
 
 
 def _size_socket_buffers(sock: socket.socket) -> None:
-    raw = os.environ.get(SOCKET_BUFFER_ENV)
+    raw = environment.get(SOCKET_BUFFER_ENV)
     try:
         size = DEFAULT_SOCKET_BUFFER_BYTES if raw is None else int(raw)
     except ValueError:
@@ -105,6 +105,8 @@ class TcpBackend(StoreBackend, NativeCollectives):
 
     """
 
+    SUPPORT: ClassVar[Support] = Support()
+
     store_namespace = "tcp"
 
     def __init__(
@@ -122,7 +124,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
         close_store: bool = False,
     ) -> None:
         validate_rank_and_size(rank, world_size)  # before anything uses them
-        bind = bind_addr or os.environ.get(BIND_ADDR_ENV) or local_address_towards(master_addr)
+        bind = bind_addr or environment.get(BIND_ADDR_ENV) or local_address_towards(master_addr)
         spin = default_spin_us(spin_us, world_size)
         self._join(rank, world_size, master_addr, master_port, timeout, secret, store, close_store,
                    lambda: self._connect(bind, spin))

@@ -37,6 +37,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ferro import environment
 from ferro._core import state as _state
 from ferro.errors import ConfigurationError
 from ferro.rendezvous.env import detect
@@ -63,7 +64,7 @@ _KINDS = {0: "collective", 1: "send", 2: "recv", 3: "sendrecv"}
 
 def _configure() -> None:
     include_torch_frames()
-    size = os.environ.get(SIZE_ENV)
+    size = environment.get(SIZE_ENV)
     if size:
         try:
             _state.set_recorder_capacity(int(size))
@@ -96,7 +97,10 @@ def set_flight_recorder_size(records: int) -> None:
 def job_name(environ: dict[str, str] | None = None) -> str:
     """Return the job's dump-folder name: its launcher's id (ferro run, torchrun, SLURM, Open MPI), else the ppid."""
     env = os.environ if environ is None else environ
-    for key in ("FERRO_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid"):
+    own = environment.get("FERRO_RUN_ID", environ=env)
+    if own:
+        return f"ferro-{own}"
+    for key in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid"):
         if env.get(key):
             return f"{key.split('_')[0].lower()}-{env[key]}"
     return f"ppid-{os.getppid()}"
@@ -104,7 +108,7 @@ def job_name(environ: dict[str, str] | None = None) -> str:
 
 def dump_dir() -> Path:
     """Return the folder dumps go to: ``$FERRO_DUMP_DIR``, else ``<tmp>/ferro-dumps/<job>``."""
-    given = os.environ.get(DUMP_DIR_ENV)
+    given = environment.get(DUMP_DIR_ENV)
     return Path(given) if given else Path(tempfile.gettempdir()) / "ferro-dumps" / job_name()
 
 
@@ -370,7 +374,7 @@ def dump_on_failure(reason: str) -> None:
     It also asks the other ranks' hang watches for theirs, so the dump folder
     holds the whole job's view, the rank that caused the failure included.
     """
-    if os.environ.get(DUMP_ON_FAILURE_ENV, "1") == "0" or _state.recorder_capacity() == 0:
+    if environment.get(DUMP_ON_FAILURE_ENV, "1") == "0" or _state.recorder_capacity() == 0:
         return
     try:
         folder = dump_dir()

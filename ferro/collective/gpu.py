@@ -10,12 +10,12 @@ says so: it is much slower, and a silent fallback would hide a missing NCCL.
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ferro import environment
 from ferro._buffers import is_device_array, is_torch_tensor
 from ferro.backend.base import Backend
 from ferro.backend.nccl.buffers import describe
@@ -86,7 +86,7 @@ def _nccl_or_host(x: Any, g: Backend, call: str, run: Callable[[Any], Any]) -> A
 
 
 def _to_host(x: Any, g: Backend, call: str) -> Any:
-    if os.environ.get(FALLBACK_ENV) != "1":
+    if environment.get(FALLBACK_ENV) != "1":
         raise BackendUnavailableError(
             f"rank {g.rank}: {call}: this group ({type(g).__name__}) has no NCCL communicator (backend='nccl' or "
             f"'hybrid' has one; pip install nvidia-nccl-cu12). To copy through host memory instead, set "

@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ferro import environment
 from ferro._core import state as _state
 from ferro.backend.shm import process_alive
 from ferro.collective import diagnosis, flight_recorder
@@ -229,7 +230,7 @@ class _Watch:
         folder = flight_recorder.dump_dir()
         groups = [g for _, g in flight_recorder.describe_groups()]  # without their records: cheap
         rank = self.rank if self.rank is not None else flight_recorder.job_rank(groups)
-        if os.environ.get(LAUNCHER_COLLECTS_ENV) == "launcher":
+        if environment.get(LAUNCHER_COLLECTS_ENV) == "launcher":
             flight_recorder.write_json(folder / f"suspect-{rank}.json",
                                        {"rank": rank, "stalled_for": now - self.changed, "time_ns": time.time_ns()})
             return
@@ -400,7 +401,7 @@ def start_hang_watch(hang_timeout: float | None = None, rank: int | None = None)
     """
     global _watch
     if hang_timeout is None:
-        value = os.environ.get(HANG_TIMEOUT_ENV, "")
+        value = environment.get(HANG_TIMEOUT_ENV, "")
         try:
             hang_timeout = float(value) if value else 0.0
         except ValueError:

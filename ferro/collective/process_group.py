@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlparse
 
+from ferro import environment
 from ferro.backend import JoinSpec, backend_entry, join_backend
 from ferro.backend.base import Backend
 from ferro.backend.sub import SubBackend, sub_group
@@ -49,7 +50,7 @@ _default_group: Backend | None = None  # the documented default group; see the m
 
 
 def _configure_logging() -> None:
-    level = os.environ.get(LOG_LEVEL_ENV)
+    level = environment.get(LOG_LEVEL_ENV)
     if not level:
         return
     logger = logging.getLogger("ferro")
@@ -117,7 +118,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
     _configure_logging()
     if _default_group is not None:
         raise ConfigurationError("init_process_group: already initialised; call destroy_process_group() first")
-    if os.environ.get(ELASTIC_ENV) == "1" and init_method in (None, "env://"):
+    if environment.get(ELASTIC_ENV) == "1" and init_method in (None, "env://"):
         # The launcher serves the job's store on MASTER_PORT, so rank 0 could not serve its own ("address in
         # use"), and a replacement rank could not join a fixed group anyway.
         raise ConfigurationError(
@@ -126,8 +127,8 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
             "membership), not a fixed group from init_process_group. Train through ferro.elastic.Manager (see the "
             "fault tolerance guide), or start the job without --restart-policy rank (--max-restarts then restarts "
             "the whole group)")
-    if backend == "auto" and os.environ.get(BACKEND_ENV):
-        backend = os.environ[BACKEND_ENV]  # the job's launcher chose (FERRO_BACKEND=mpi under mpirun)
+    if backend == "auto" and environment.get(BACKEND_ENV):
+        backend = str(environment.get(BACKEND_ENV))  # the job's launcher chose (FERRO_BACKEND=mpi under mpirun)
     if backend != "auto":
         backend_entry(backend)  # an unknown or unavailable backend is refused before any rendezvous
     if backend == "mpi":  # MPI's launcher already started and connected the ranks: no store, no address
@@ -182,7 +183,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
         backend = backend_by_hosts(store, rank, world_size, default_timeout(timeout))
         log.debug("init_process_group: backend auto -> %s", backend)
     # Listen where the peers can reach us: the route towards the master, unless only a file names the job.
-    bind_addr = None if master_addr else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
+    bind_addr = None if master_addr else environment.get("FERRO_BIND_ADDR", "127.0.0.1")
     spec = JoinSpec(rank, world_size, master_addr or "127.0.0.1", master_port or DEFAULT_MASTER_PORT, timeout=timeout,
                     secret=secret, store=store, bind_addr=bind_addr, close_store=close_store, device_id=device_id)
     group = join_backend(backend, spec)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ferro import environment
 from ferro.backend.base import Backend
 from ferro.collective.hang_watch import start_hang_watch, waiting_in
 from ferro.collective.reductions import allreduce
@@ -56,14 +57,14 @@ class _Environment:
 
 
 def _environment() -> _Environment:
-    if os.environ.get(ELASTIC_ENV) != "1":
+    if environment.get(ELASTIC_ENV) != "1":
         raise ConfigurationError(
             "ferro.elastic.Manager: start the job with `ferro run --restart-policy rank ...`: its agent serves the "
             "membership store, records ranks that die and starts their replacements (or pass store=, member= and "
             "members= yourself)")
     try:
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        incarnation = int(os.environ.get("FERRO_RESTART_COUNT", "0"))
+        incarnation = int(environment.get("FERRO_RESTART_COUNT", "0") or 0)
     except (KeyError, ValueError) as exc:
         raise ConfigurationError(f"ferro.elastic.Manager: RANK and WORLD_SIZE must be set ({exc})") from None
     port = parse_port(os.environ.get("MASTER_PORT", ""))
@@ -131,10 +132,10 @@ class Manager:
                  members: list[str] | None = None, secret: bytes | str | None = None,
                  replica_size: int = 1) -> None:
         self.timeout = default_timeout(timeout)
-        self.min_size = int(os.environ.get(MIN_SIZE_ENV, "1")) if min_size is None else int(min_size)
+        self.min_size = int(environment.get(MIN_SIZE_ENV, "1") or 1) if min_size is None else int(min_size)
         if self.min_size < 1:
             raise ConfigurationError(f"ferro.elastic.Manager: min_size must be at least 1, got {self.min_size}")
-        self.min_nodes = int(os.environ.get(MIN_NODES_ENV, "1")) if min_nodes is None else int(min_nodes)
+        self.min_nodes = int(environment.get(MIN_NODES_ENV, "1") or 1) if min_nodes is None else int(min_nodes)
         per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
         self.ranks_per_node = per_node if per_node > 0 else None
         if self.min_nodes > 1 and self.ranks_per_node is None:

@@ -30,7 +30,6 @@ GPU tensors (use ``"nccl"``) and ``ReduceOp.AVG`` on integers.
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from ferro import collective
+from ferro import collective, environment
 from ferro.backend import JoinSpec, join_backend
 from ferro.backend.base import Backend
 from ferro.collective.flight_recorder import include_torch_frames
@@ -114,7 +113,7 @@ def group_timeout(given: datetime.timedelta) -> float:
         ConfigurationError: ``$FERRO_TIMEOUT`` is not a number of seconds in (0, one week].
 
     """
-    if given == default_pg_timeout and os.environ.get(TIMEOUT_ENV):
+    if given == default_pg_timeout and environment.get(TIMEOUT_ENV):
         return default_timeout()
     return given.total_seconds()
 
@@ -135,7 +134,7 @@ def create_process_group(options: Any, backend_options: Any) -> ProcessGroupFerr
     """
     rank, size = int(options.group_rank), int(options.group_size)
     seconds = group_timeout(options.timeout)
-    chosen = os.environ.get(BACKEND_ENV) or "auto"
+    chosen = environment.get(BACKEND_ENV) or "auto"
     if chosen not in HOST_BACKENDS:
         raise ConfigurationError(
             f"rank {rank}: torch's 'ferro' backend runs on {', '.join(HOST_BACKENDS)}; {BACKEND_ENV}={chosen!r} is "
@@ -145,7 +144,7 @@ def create_process_group(options: Any, backend_options: Any) -> ProcessGroupFerr
         chosen = backend_by_hosts(store, rank, size, seconds)
     master = _store_address(options.store)
     # Listen where the peers can reach us: the route towards the store's host, else loopback.
-    bind_addr = None if master else os.environ.get("FERRO_BIND_ADDR", "127.0.0.1")
+    bind_addr = None if master else environment.get("FERRO_BIND_ADDR", "127.0.0.1")
     spec = JoinSpec(rank, size, master or "127.0.0.1", timeout=seconds, store=store, bind_addr=bind_addr)
     group = join_backend(chosen, spec)
     include_torch_frames()  # call sites are the user's lines, not torch.distributed's

@@ -19,6 +19,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from ferro import environment
+
 __all__ = ["ERROR_FILE_ENV", "FailureRecord", "read_failure", "record_failure"]
 
 #: Where ``ferro run`` asks a rank to write its record (one file per rank and attempt).
@@ -51,7 +53,7 @@ class FailureRecord:
 
 def record_failure(exc: BaseException) -> None:
     """Write ``exc``'s record where ``$FERRO_ERROR_FILE`` says; nothing without it, or for a clean ``sys.exit``."""
-    path = os.environ.get(ERROR_FILE_ENV)
+    path = environment.get(ERROR_FILE_ENV)
     if not path or (isinstance(exc, SystemExit) and exc.code in (None, 0)):
         return
     lines = str(exc).strip().splitlines()

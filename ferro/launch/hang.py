@@ -14,13 +14,13 @@ as they failed are judged the same way and the verdict follows the failure repor
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ferro import environment
 from ferro.collective import diagnosis, hang_watch
 from ferro.collective.flight_recorder import DUMP_DIR_ENV
 from ferro.collective.hang_watch import HANG_EXIT_CODE, HANG_TIMEOUT_ENV, LAUNCHER_COLLECTS_ENV
@@ -74,7 +74,7 @@ class HangWatchdog:
 
     def __init__(self, hang_timeout: float, dump_dir: str | None, world_size: int, local_ranks: list[int],
                  port: int, per_rank: bool = False) -> None:
-        given = dump_dir or os.environ.get(DUMP_DIR_ENV)
+        given = dump_dir or environment.get(DUMP_DIR_ENV)
         self.folder = Path(given) if given else Path(tempfile.gettempdir()) / "ferro-dumps" / f"run-{port}"
         self.hang_timeout = hang_timeout
         self.world_size = world_size

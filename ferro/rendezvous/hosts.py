@@ -11,6 +11,7 @@ import socket
 import time
 from typing import Any
 
+from ferro import environment
 from ferro.rendezvous.connect import time_left, wait_for_ranks
 
 __all__ = ["HOST_ID_ENV", "exchange_host_identities", "host_identity", "machine_identity"]
@@ -28,7 +29,7 @@ def host_identity() -> str:
     hosts to the network, so ferro treats them as such). ``$FERRO_HOST_ID``
     replaces all of it, to declare hosts explicitly.
     """
-    explicit = os.environ.get(HOST_ID_ENV)
+    explicit = environment.get(HOST_ID_ENV)
     if explicit:
         return f"explicit:{explicit}"
     try:

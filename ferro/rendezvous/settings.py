@@ -13,6 +13,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ferro import environment
 from ferro.errors import ConfigurationError, InvalidRankError, InvalidWorldSizeError
 
 __all__ = [
@@ -50,7 +51,7 @@ def default_timeout(timeout: float | None = None) -> float:
     """
     source = "timeout"
     if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV)
+        raw = environment.get(TIMEOUT_ENV)
         if raw is None:
             return DEFAULT_TIMEOUT_SECONDS
         source = f"{TIMEOUT_ENV}={raw!r}"
@@ -71,7 +72,7 @@ def default_timeout(timeout: float | None = None) -> float:
 def secret_from_env(secret: bytes | str | None = None, environ: Mapping[str, str] | None = None) -> bytes | None:
     """Return the job secret as bytes: the argument if given, else ``$FERRO_SECRET``, else None."""
     if secret is None:
-        secret = (os.environ if environ is None else environ).get(SECRET_ENV)
+        secret = environment.get(SECRET_ENV, environ=environ)
     if secret is None or secret == "" or secret == b"":
         return None
     return secret.encode() if isinstance(secret, str) else bytes(secret)

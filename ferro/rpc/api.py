@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ferro import environment
 from ferro.errors import BackendClosedError, ConfigurationError
 from ferro.rendezvous.connect import (
     build_mesh,
@@ -106,7 +107,7 @@ def init_rpc(name: str, rank: int | None = None, world_size: int | None = None, 
         if repeated:
             raise ConfigurationError(f"init_rpc: worker names must be unique; {repeated} repeat (names by rank: "
                                      f"{names})")
-        bind = os.environ.get("FERRO_BIND_ADDR") or local_address_towards(host)
+        bind = environment.get("FERRO_BIND_ADDR") or local_address_towards(host)
         sockets = build_mesh(store, rank, world_size, prefix=f"{namespace}/mesh", secret=key, bind_addr=bind,
                              timeout=max(deadline - time.monotonic(), 1.0))
         agent = RpcAgent(name, rank, names, sockets, seconds, num_worker_threads)
@@ -138,8 +139,8 @@ def _store_address(init_method: str | None, found: Any) -> tuple[str, int]:
             raise ConfigurationError(f"init_rpc: init_method {init_method!r}: use tcp://host:port")
         return parsed.hostname, parsed.port
     host = master_address(found, "init_rpc")
-    raw = os.environ.get(RPC_PORT_ENV) or os.environ.get("MASTER_PORT")
-    return host, parse_port(raw, RPC_PORT_ENV if os.environ.get(RPC_PORT_ENV) else "MASTER_PORT") if raw else (
+    raw = environment.get(RPC_PORT_ENV) or os.environ.get("MASTER_PORT")
+    return host, parse_port(raw, RPC_PORT_ENV if environment.get(RPC_PORT_ENV) else "MASTER_PORT") if raw else (
         found.master_port if found else DEFAULT_MASTER_PORT)
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 
+from ferro._version import __version__
 from ferro.errors import DistributedError
 from ferro.tools import doctor
 
@@ -36,6 +37,7 @@ def _ckpt_consolidate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``ferro`` command."""
     parser = argparse.ArgumentParser(prog="ferro", description="ferro: distributed training with a compiled core.")
+    parser.add_argument("--version", action="version", version=f"ferro {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("run", help="start a job's ranks on this node (torchrun-style); see `ferro run --help`",
                         add_help=False)

@@ -28,6 +28,7 @@ import sys
 from collections.abc import Sequence
 from types import TracebackType
 
+from ferro import environment
 from ferro.errors import ConfigurationError
 from ferro.rendezvous.settings import free_port
 
@@ -120,7 +121,7 @@ class EmulatedCluster:
         interface, not loopback. ``target`` is what ``ferro run`` takes after
         its options (``["-m", "module", ...]`` or ``["script.py", ...]``).
         """
-        secret = os.environ.get("FERRO_SECRET") or secrets.token_hex(16)
+        secret = environment.get("FERRO_SECRET") or secrets.token_hex(16)
         port = str(free_port())
         launchers = []
         for host in range(self.hosts):

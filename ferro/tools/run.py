@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from ferro import environment
 from ferro.errors import ConfigurationError
 from ferro.launch.agent import LaunchConfig, run_job
 from ferro.launch.in_place import run_in_place
@@ -80,7 +81,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     port = args.master_port
     if port is None:
         port = free_port(addr) if nnodes == 1 else 29500
-    secret = env.get("FERRO_SECRET")
+    secret = environment.get("FERRO_SECRET", environ=env)
     if not secret and nnodes > 1:
         raise ConfigurationError(
             "ferro run: a job on several nodes needs the same FERRO_SECRET on every node; export one "

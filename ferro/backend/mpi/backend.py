@@ -30,17 +30,17 @@ What MPI does not offer, and what ferro does instead:
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from ferro import environment
 from ferro._buffers import byte_view
 from ferro._core.status import KIND_COLLECTIVE, kind_name
-from ferro.backend.base import FramedBackend, KeptIdentity
+from ferro.backend.base import FramedBackend, KeptIdentity, Support
 from ferro.backend.joined import JoinSpec
 from ferro.backend.mpi.abort import install_abort_hook, remove_abort_hook
 from ferro.backend.mpi.collectives import MpiCollectives
@@ -106,6 +106,12 @@ class MpiBackend(KeptIdentity, FramedBackend, MpiCollectives):
 
     """
 
+    SUPPORT: ClassVar[Support] = Support(
+        engine_kind="MPI's own calls, through mpi4py",
+        asynchronous="yes, as MPI's nonblocking calls",
+        receive_any="yes (MPI_Iprobe)",
+        sub_groups="yes (MPI_Comm_split)")
+
     nonblocking_collectives = True
 
     def __init__(self, comm: Any = None, *, timeout: float | None = None, check_calls: bool | None = None,
@@ -123,9 +129,9 @@ class MpiBackend(KeptIdentity, FramedBackend, MpiCollectives):
         self._world_rank = mpi.COMM_WORLD.Get_rank()
         self._timeout = default_timeout(timeout)
         if check_calls is None:
-            check_calls = os.environ.get(CHECK_CALLS_ENV, "0") not in ("", "0", "false", "no")
+            check_calls = environment.get(CHECK_CALLS_ENV, "0") not in ("", "0", "false", "no")
         self._check_calls = check_calls
-        raw = os.environ.get(MAX_COUNT_ENV)
+        raw = environment.get(MAX_COUNT_ENV)
         try:
             self._max_count = MAX_COUNT if not raw else int(raw)
         except ValueError:

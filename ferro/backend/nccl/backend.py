@@ -18,12 +18,14 @@ collective: every rank of the parent calls :func:`ferro.new_group`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
+from ferro.backend.base import Support
 from ferro.backend.joined import JoinSpec, StoreBackend
 from ferro.backend.nccl.communicator import Communicator
 from ferro.backend.nccl.cuda import require_gpu
 from ferro.backend.nccl.library import load_library
+from ferro.backend.nccl.types import NCCL_DTYPES
 from ferro.backend.tcp import TcpBackend
 from ferro.errors import BackendUnavailableError, DistributedError, InvalidBufferError
 from ferro.rendezvous.settings import default_timeout, validate_rank_and_size
@@ -87,6 +89,16 @@ class NcclBackend(StoreBackend):
         ferro.allreduce(x)            # x == 2 on both ranks, on the current stream
 
     """
+
+    SUPPORT: ClassVar[Support] = Support(
+        devices="CUDA GPUs, one per rank (torch tensors, CuPy arrays)",
+        dtypes=f"NCCL's: {', '.join(NCCL_DTYPES)} (each from the NCCL version that has it); complex as pairs "
+               "of reals; no bitwise ops",
+        engine="every collective, on the GPU (NCCL)", generic="none",
+        asynchronous="yes, on CUDA streams",
+        point_to_point="yes, tag 0 only (NCCL matches messages in order)",
+        receive_any="no: NCCL has no such receive",
+        sub_groups="yes (ncclCommSplit)")
 
     store_namespace = "nccl"
     host_memory = False
@@ -181,6 +193,12 @@ class HybridBackend(TcpBackend):
         ferro.broadcast_object({"step": 3})             # TCP
 
     """
+
+    SUPPORT: ClassVar[Support] = Support(
+        devices="CPU (over TCP) and CUDA GPUs (over NCCL)",
+        dtypes="CPU arrays as `tcp`; GPU tensors as `nccl`",
+        engine_kind="compiled TCP for host buffers; NCCL for GPU tensors",
+        receive_any="yes, for host buffers")
 
     store_namespace = "hybrid"
     splits_collectively = True

@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ferro import environment
 from ferro.errors import BackendUnavailableError, CudaError
 
 __all__ = ["DRIVER_ENV", "CudaDriver", "load_driver", "require_gpu"]
@@ -200,7 +201,7 @@ def load_driver() -> CudaDriver:
         BackendUnavailableError: No NVIDIA driver is installed.
 
     """
-    path = os.environ.get(DRIVER_ENV) or DRIVER_SONAME
+    path = environment.get(DRIVER_ENV) or DRIVER_SONAME
     try:
         handle = ctypes.CDLL(path)
     except OSError as exc:

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ferro import environment
 from ferro.errors import BackendUnavailableError
 
 __all__ = [
@@ -147,7 +148,7 @@ def candidates(environ: Mapping[str, str], search_path: Iterable[str], loaded: I
 
     """
     found: list[Candidate] = []
-    explicit = environ.get(LIBRARY_ENV)
+    explicit = environment.get(LIBRARY_ENV, environ=environ)
     if explicit:
         found.append(Candidate(LIBRARY_ENV, explicit))
     for path in loaded:

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from typing import Any
 
+from ferro import environment
 from ferro.errors import ConfigurationError, DistributedError
 
 __all__ = ["HEARTBEAT_ENV", "HEARTBEAT_SECONDS", "Progress", "Watchdog", "blame", "heartbeat_seconds"]
@@ -44,7 +44,7 @@ POLL_IDLE_SECONDS = 0.1
 
 def heartbeat_seconds() -> float:
     """Return the heartbeat period (``$FERRO_NCCL_HEARTBEAT_S``, default 1 s)."""
-    raw = os.environ.get(HEARTBEAT_ENV)
+    raw = environment.get(HEARTBEAT_ENV)
     if raw is None:
         return HEARTBEAT_SECONDS
     try:

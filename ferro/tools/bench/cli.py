@@ -35,8 +35,8 @@ from ferro.tools.emulate import EmulatedCluster, cluster_unavailable, parse_emul
 __all__ = ["build_parser", "main", "parse_size"]
 
 # The ferro peers are the registry's backends (ferro.backend.BACKENDS) that a single host can run.
-FERRO_PEERS = tuple(f"ferro-{name}" for name in available_backends(gpu=False) if name != "hierarchical")
-PEERS = ("torch-gloo", "mpi", "torch-nccl", "stream", *FERRO_PEERS)
+OWN_BACKEND_PEERS = tuple(f"ferro-{name}" for name in available_backends(gpu=False) if name != "hierarchical")
+PEERS = ("torch-gloo", "mpi", "torch-nccl", "stream", *OWN_BACKEND_PEERS)
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 
 
