@@ -355,6 +355,14 @@ def test_a_rank_stopped_before_its_record_is_not_blamed_beside_the_rank_that_cra
     assert diagnosis.diagnose(dumps, 3).culprits() == [0, 1]
 
 
+def test_the_verdict_says_rank_or_ranks_as_many_wait():
+    one_waits = diagnosis.diagnose({0: _dump(0, 4, "started"), 1: _dump(1, 3)}, 3).findings[0].summary
+    assert "which rank 0 waits in;" in one_waits and "ranks 0 wait" not in one_waits, one_waits
+    two_wait = diagnosis.diagnose({0: _dump(0, 4, "started"), 1: _dump(1, 4, "started"), 2: _dump(2, 3)},
+                                  3).findings[0].summary
+    assert "which ranks 0, 1 wait in;" in two_wait, two_wait
+
+
 def test_no_finding_when_every_rank_completed_alike():
     found = diagnosis.diagnose({r: _dump(r, 6) for r in range(3)})
     assert found.findings == [] and "no hang and no mismatch" in found.report()

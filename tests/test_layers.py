@@ -16,7 +16,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ferro"
 # Lowest first: one folder per layer (DESIGN.md's table), plus the bottom's three modules and the
 # public face. A module may import modules of its own layer or any layer below.
 LAYERS = [
-    ("bottom", ["ferro.errors", "ferro.types", "ferro._buffers", "ferro._core"]),
+    ("bottom", ["ferro.errors", "ferro.types", "ferro._buffers", "ferro._core", "ferro.environment", "ferro._version"]),
     ("rendezvous", ["ferro.rendezvous"]),
     ("rpc", ["ferro.rpc"]),
     ("backend", ["ferro.backend"]),

@@ -348,7 +348,8 @@ def _hang(pg_id: str, records: dict[int, dict[str, Any]], expected: list[int],
     places = "; ".join(f"rank {r} is {_place(r, dumps, ended)}" if r in ended else f"rank {r} is at "
                        f"{_place(r, dumps, ended)}" for r in culprits)
     summary = (f"rank{'s' if len(culprits) > 1 else ''} {_ranges(culprits)} did not arrive at call #{latest} "
-               f"({_short(call)}), which ranks {_ranges(waiting)} {verb} in; {places}")
+               f"({_short(call)}), which rank{'s' if len(waiting) > 1 else ''} {_ranges(waiting)} "
+               f"{verb}{'s' if len(waiting) == 1 and verb == 'wait' else ''} in; {places}")
     return Finding("hang", pg_id, culprits, summary, details)
 
 
