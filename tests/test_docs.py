@@ -19,7 +19,15 @@ above its fence:
 * a ``python`` block with a ``title="NAME"`` is a file: it is written into the working folder as NAME,
   and some ``bash`` block of the page must name it or some other file of the page import it;
 * a ``bash`` block runs with bash in the working folder, after the page's files are written;
-* ``text`` blocks are output shown to the reader, not code.
+* ``text`` blocks are output shown to the reader, not code. Output a reader would compare with their own run is
+  checked against a real one: ``<!-- test: output -->`` on a ``text`` block that follows a ``bash`` block makes the
+  lines that block prints the lines shown, and ``<!-- test: transcript -->`` on a ``text`` block that starts with
+  ``$ COMMAND`` runs COMMAND in the repository root and compares likewise. Both compare the sets of lines (ranks
+  print in any order; a note repeated once per timeout may repeat another time) after numbers that differ from run
+  to run (times, losses, CPU shares, process ids, addresses, shared-library paths) are masked, so a line the page
+  shows and the program no longer prints fails, and so does a line the program prints that the page leaves out.
+  Output that cannot be compared (benchmark figures, a run with a random order of events) says why in
+  ``<!-- not-run: REASON -->``.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ class Block:
     code: str
     title: str | None = None
     ranks: int = 1
+    checked_output: str | None = None  # "output" or "transcript"
     not_run: str | None = None
     directive_error: str | None = None
 
@@ -79,6 +88,8 @@ def _parse_directive(block: Block, kind: str, text: str) -> None:
     for word in text.split():
         if word.startswith("ranks=") and word[6:].isdigit():
             block.ranks = int(word[6:])
+        elif word in ("output", "transcript") and block.language in OUTPUT_LANGUAGES:
+            block.checked_output = word
         else:
             block.directive_error = f"unknown test directive {word!r}"
 
@@ -114,6 +125,45 @@ def blocks_of(page: Path) -> list[Block]:
 
 ALL_BLOCKS = [block for page in PAGES for block in blocks_of(page)]
 RUN_BLOCKS = [b for b in ALL_BLOCKS if b.not_run is None and b.language in RUNNABLE_LANGUAGES and b.title is None]
+TRANSCRIPTS = [b for b in ALL_BLOCKS if b.checked_output == "transcript"]
+
+
+def _output_shown_after(block: Block) -> Block | None:
+    """The ``<!-- test: output -->`` block that follows ``block`` on its page, if the next block is one."""
+    blocks = [b for b in ALL_BLOCKS if b.page == block.page]
+    following = blocks[blocks.index(block) + 1:]
+    if following and following[0].checked_output == "output":
+        return following[0]
+    return None
+
+
+_MASKS = [
+    (re.compile(r"0x[0-9a-f]+"), "<address>"),
+    (re.compile(r"\(/[^()]*\.so[.0-9]*:\d+\)"), "(<library>)"),   # a native frame's shared library
+    (re.compile(r"\d+\.\d+|\b\d{4,}\b"), "<n>"),                  # times, losses, pids, ports, run ids
+    (re.compile(r"\d+% CPU"), "<n>% CPU"),
+]
+
+
+def _masked_lines(text: str) -> set[str]:
+    lines = set()
+    for line in text.splitlines():
+        for pattern, mask in _MASKS:
+            line = pattern.sub(mask, line)
+        if line.strip():
+            lines.add(line.rstrip())
+    return lines
+
+
+def assert_output_matches(shown: Block, printed: str) -> None:
+    """The lines ``shown`` on the page are the lines the program ``printed``, numbers masked (see the docstring)."""
+    expected = _masked_lines(shown.code.split("\n", 1)[1] if shown.checked_output == "transcript" else shown.code)
+    actual = _masked_lines(printed)
+    missing, unshown = sorted(expected - actual), sorted(actual - expected)
+    assert not missing and not unshown, (
+        f"{shown.name}: the page's output is not what the program prints\n"
+        f"shown but not printed:\n  " + "\n  ".join(missing) + "\nprinted but not shown:\n  " + "\n  ".join(unshown)
+        + f"\n--- the run printed ---\n{printed}")
 
 
 def test_every_code_block_is_run_or_marked_with_a_reason():
@@ -136,6 +186,10 @@ def test_every_code_block_is_run_or_marked_with_a_reason():
             if block.title not in users and not re.search(rf"^\s*(from|import) {module}\b", users, re.M):
                 problems.append(f"{block.name}: the file {block.title} is run by no bash block of its page "
                                 "and imported by no file of it")
+    for block in ALL_BLOCKS:
+        if block.checked_output == "output" and not any(_output_shown_after(b) is block for b in RUN_BLOCKS
+                                                        if b.language == "bash"):
+            problems.append(f"{block.name}: <!-- test: output --> must follow a bash block that runs")
     assert not problems, "\n".join(problems)
     assert len(RUN_BLOCKS) >= 25, "the guides lost their runnable examples"
 
@@ -178,6 +232,31 @@ def test_code_block_runs(block, tmp_path):
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=folder, env=env,
                             capture_output=True, text=True, timeout=BLOCK_TIMEOUT)
     assert result.returncode == 0, f"{block.name} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    shown = _output_shown_after(block)
+    if shown is not None:
+        assert_output_matches(shown, result.stdout + result.stderr)
+
+
+@pytest.mark.parametrize("shown", TRANSCRIPTS, ids=lambda b: b.name)
+def test_transcript_is_what_its_command_prints(shown):
+    command = shown.code.split("\n", 1)[0]
+    assert command.startswith("$ "), f"{shown.name}: a transcript starts with '$ COMMAND'"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FERRO_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    result = subprocess.run(["bash", "-c", command[2:] + " 2>&1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=BLOCK_TIMEOUT)
+    assert_output_matches(shown, result.stdout)
+
+
+def test_output_checks_cannot_pass_on_other_output():
+    # The comparison must be able to fail both ways: a line shown that is not printed, and one printed not shown.
+    shown = Block(ROOT / "README.md", 1, "text", "[rank 0] loss 0.25 after 1.5 s\nferro run: done\n",
+                  checked_output="output")
+    assert_output_matches(shown, "ferro run: done\n[rank 0] loss 0.31 after 2.0 s\n")  # numbers masked
+    with pytest.raises(AssertionError, match="shown but not printed"):
+        assert_output_matches(shown, "ferro run: done\n")
+    with pytest.raises(AssertionError, match="printed but not shown"):
+        assert_output_matches(shown, "ferro run: done\n[rank 0] loss 0.31 after 2.0 s\n[rank 1] extra\n")
 
 
 # --- the built site ---

@@ -363,6 +363,28 @@ def test_the_verdict_says_rank_or_ranks_as_many_wait():
     assert "which ranks 0, 1 wait in;" in two_wait, two_wait
 
 
+def test_a_stack_ends_at_the_user_s_module_not_in_ferro_run_s_bootstrap():
+    dump = _dump(1, 3, where="cases.py:86 in main")
+    bootstrap = "/site-packages/ferro/launch/bootstrap.py"
+    dump["threads"] = [{"main": True, "name": "MainThread", "frames": [
+        {"filename": "cases.py", "line": 86, "name": "main"}, {"filename": "cases.py", "line": 98, "name": "<module>"},
+        {"filename": "<frozen runpy>", "line": 88, "name": "_run_code"},
+        {"filename": bootstrap, "line": 152, "name": "_run_target"}]}]
+    dump["pid"] = 7
+    dump["native_threads"] = [{"native_id": 7, "frames": [
+        {"filename": "/usr/lib/libc.so.6", "line": 0, "name": "clock_nanosleep"},
+        {"filename": "cases.py", "line": 86, "name": "main"}, {"filename": "cases.py", "line": 98, "name": "<module>"},
+        {"filename": "<frozen runpy>", "line": 88, "name": "_run_code"},
+        {"filename": bootstrap, "line": 159, "name": "<module>"},
+        {"filename": "/usr/lib/libc.so.6", "line": 0, "name": "0x7f7086a4524a"}]}]
+    lines = diagnosis._stack(dump)
+    assert lines[1:3] == ["  cases.py:86 in main", "  cases.py:98 in <module>"] and "runpy" not in "".join(lines)
+    assert lines[-1] == "  <module> (cases.py:98)" and "bootstrap" not in "".join(lines), lines
+    # Under torchrun or mpirun there is no bootstrap: the whole stack is the user's.
+    dump["threads"][0]["frames"] = dump["threads"][0]["frames"][:2]
+    assert diagnosis._stack(dump)[1:3] == ["  cases.py:86 in main", "  cases.py:98 in <module>"]
+
+
 def test_no_finding_when_every_rank_completed_alike():
     found = diagnosis.diagnose({r: _dump(r, 6) for r in range(3)})
     assert found.findings == [] and "no hang and no mismatch" in found.report()

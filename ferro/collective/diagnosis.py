@@ -163,6 +163,24 @@ def _place(rank: int, dumps: dict[int, dict[str, Any]], ended: dict[int, str]) -
     return _where(dump) + (f" ({activity})" if activity else "")
 
 
+def _is_launcher_frame(filename: str) -> bool:
+    # ferro run's bootstrap running the user's script: runpy, then ferro/launch/bootstrap.py.
+    return filename == "<frozen runpy>" or filename.endswith("runpy.py") or filename.replace("\\", "/").endswith(
+        "ferro/launch/bootstrap.py")
+
+
+def _user_frames(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return the frames of the rank's own program: innermost first, up to ``ferro run``'s bootstrap.
+
+    Everything outside that frame (the bootstrap, runpy and, in a native stack, the C start-up below them) is the
+    same for every rank of every job, and only hides the user's frames in a report.
+    """
+    for index, frame in enumerate(frames):
+        if _is_launcher_frame(str(frame.get("filename", ""))):
+            return frames[:index]
+    return frames
+
+
 def _stack(dump: dict[str, Any] | None, limit: int = 12) -> list[str]:
     if dump is None:
         return []
@@ -170,7 +188,7 @@ def _stack(dump: dict[str, Any] | None, limit: int = 12) -> list[str]:
     main = next((t for t in threads if t.get("main")), threads[0] if threads else None)
     if not main:
         return []
-    frames = main.get("frames") or []
+    frames = _user_frames(main.get("frames") or [])
     lines = [f"stack of rank {dump.get('rank')}'s {main.get('name', 'main')} thread (innermost first):"]
     lines.extend(f"  {f['filename']}:{f['line']} in {f['name']}" for f in frames[:limit])
     if len(frames) > limit:
@@ -178,7 +196,7 @@ def _stack(dump: dict[str, Any] | None, limit: int = 12) -> list[str]:
     native = next((t for t in dump.get("native_threads") or [] if t.get("native_id") == dump.get("pid")), None)
     if native and native.get("frames"):
         lines.append("its native stack (py-spy, innermost first):")
-        lines.extend(f"  {f['name']} ({f['filename']}:{f['line']})" for f in native["frames"][:limit])
+        lines.extend(f"  {f['name']} ({f['filename']}:{f['line']})" for f in _user_frames(native["frames"])[:limit])
     return lines
 
 
