@@ -425,6 +425,20 @@ def test_the_version_is_written_once_and_shown_everywhere(site):
     assert 'dynamic = ["version"]' in pyproject and "version = \"" not in pyproject.split("[project]")[1][:400]
 
 
+@pytest.mark.parametrize("query, first", [
+    ("allreduce", "api/ferro/#ferro.allreduce"), ("init_process_group", "api/ferro/#ferro.init_process_group"),
+    ("FERRO_SOCKET_BUFFER_BYTES", "reference/environment/"), ("nproc-per-node", "reference/cli/"),
+])
+def test_search_lists_the_entry_a_user_looks_for_first(site, query, first):
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("needs node to run the site's own search worker")
+    done = subprocess.run([node, str(ROOT / "tests" / "search_rank.js"), str(site), query], capture_output=True,
+                          text=True, timeout=60)
+    results = done.stdout.split()
+    assert results and results[0].startswith(first), f"search {query!r}: {results}\n{done.stderr[-2000:]}"
+
+
 def test_search_splits_dotted_names(site):
     # The separator must split "ferro.allreduce" so that a search for "allreduce" matches the API entry's title.
     config = json.loads((site / "search" / "search_index.json").read_text())["config"]
@@ -432,3 +446,17 @@ def test_search_splits_dotted_names(site):
     assert "allreduce" in separator.split("ferro.allreduce")
     assert "reduce_scatter" in separator.split("ferro.reduce_scatter(x)") or \
         "reduce" in separator.split("ferro.reduce_scatter(x)")
+
+
+def test_backend_classes_show_users_their_calls_and_the_backend_page_shows_implementers_the_hooks(site):
+    user = _anchors(site / "api" / "ferro" / "index.html")
+    implementer = _anchors(site / "api" / "backend" / "index.html")
+    for name in ("send", "recv", "barrier", "split", "close", "stats"):
+        assert f"ferro.Backend.{name}" in user
+    for cls in ("Backend", "TcpBackend", "ShmBackend", "HierarchicalBackend", "MpiBackend", "NcclBackend"):
+        hooks = sorted(a for a in user if a.startswith(f"ferro.{cls}.") and re.search(
+            r"\.(native_\w+|\w+_tagged|ring_pieces|frames_waiting|abort_peers|cut_peer|issue_nonblocking)$", a))
+        assert not hooks, f"the page users read lists implementer hooks: {hooks}"
+    for hook in ("send_tagged", "frames_waiting", "abort_peers", "cut_peer", "issue_nonblocking"):
+        assert f"ferro.backend.base.Backend.{hook}" in implementer
+    assert "ferro.backend.NativeCollectives.native_allreduce" in implementer

@@ -129,7 +129,7 @@ def cli_page() -> str:
     main = cli.build_parser()
     helps = {choice.dest: choice.help for action in main._actions if isinstance(action, argparse._SubParsersAction)
              for choice in action._choices_actions}
-    lines = ["# Command line", "",
+    lines = ["---", "search:", "  boost: 2", "---", "", "# Command line", "",
              f"Generated from the argument parsers of ferro {ferro.__version__} at every build of this site; "
              "`ferro COMMAND --help` prints the same. `ferro --version` prints the version.", ""]
     lines += _command(main, "", 2)
@@ -142,7 +142,7 @@ def environment_page() -> str:
     """Return the page of every ``FERRO_*`` variable, from the registry."""
     from ferro import environment
 
-    lines = ["# Environment variables", "",
+    lines = ["---", "search:", "  boost: 2", "---", "", "# Environment variables", "",
              "Every `FERRO_*` variable ferro reads, generated from `ferro.environment.VARIABLES`: each read in the "
              "code goes through that registry, and the test suite fails on a read that bypasses it or a name it "
              "lacks. **Set by `ferro run`** marks the ones the launcher sets for the ranks it starts (under "
