@@ -68,7 +68,7 @@ _VARIABLES = (
              "The level of the `ferro` logger, set at `init_process_group`: `DEBUG`, `INFO`, `WARNING` ..."),
     Variable("FERRO_HOST_ID", "Process groups", "derived: boot id, `/dev/shm` and network namespace",
              "Declares which host a rank is on: ranks with the same value share memory and form one host of a "
-             "hierarchical group.", set_by_launcher=True),
+             "hierarchical group (`ferro bench --emulate` sets it for each emulated host)."),
     Variable("FERRO_RPC_PORT", "Process groups", "`MASTER_PORT`",
              "The port rank 0 of `ferro.rpc.init_rpc` serves its store on."),
     # Transports

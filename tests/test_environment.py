@@ -9,7 +9,11 @@ fails here, and so does any ``FERRO_*`` name in the Python source that the regis
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,3 +128,30 @@ def test_get_reads_the_given_mapping_and_refuses_an_unregistered_name():
     assert environment.get("FERRO_TIMEOUT", "60", environ={}) == "60"
     with pytest.raises(KeyError, match="FERRO_NOT_A_SETTING is not in ferro.environment.VARIABLES"):
         environment.get("FERRO_NOT_A_SETTING")
+
+
+_SEEN = """
+import json, os, sys
+rank = os.environ["RANK"]
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+    json.dump(sorted(k for k in os.environ if k.startswith("FERRO_")), f)
+"""
+
+
+@pytest.mark.parametrize("policy", ["group", "rank"])
+def test_the_variables_marked_as_set_by_ferro_run_are_the_ones_its_ranks_get(tmp_path, policy):
+    script = tmp_path / "seen.py"
+    script.write_text(_SEEN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FERRO_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    done = subprocess.run([sys.executable, "-m", "ferro.tools.cli", "run", "--nproc-per-node", "2",
+                           "--restart-policy", policy, str(script), str(tmp_path)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    # Under --restart-policy rank the launcher waits for an elastic Manager's "finished", which this script (it only
+    # reports its environment) never sets: that job ends as failed, after both ranks wrote their files.
+    assert done.returncode == 0 or (policy == "rank" and "before training finished" in done.stderr), done.stderr[-3000:]
+    seen = {name for rank in (0, 1) for name in json.loads((tmp_path / f"rank{rank}.json").read_text())}
+    marked = {v.name for v in environment.VARIABLES.values() if v.set_by_launcher}
+    elastic_only = {"FERRO_ELASTIC", "FERRO_MIN_SIZE", "FERRO_MIN_NODES", "FERRO_HEARTBEAT_FILE"}
+    expected = marked if policy == "rank" else marked - elastic_only
+    assert seen == expected, f"ferro run sets {sorted(seen - expected)} unmarked; marked but not set: " \
+                             f"{sorted(expected - seen)}"
