@@ -33,6 +33,34 @@ from ferro._core.posix cimport FERRO_HEADER_SIZE, ferro_pack_header
 
 from ferro.errors import InvalidBufferError
 
+
+cdef extern from "schedule.h" nogil:
+    enum:
+        FERRO_PLAN_RING
+        FERRO_PLAN_RECURSIVE_DOUBLING
+        FERRO_PLAN_HALVING_DOUBLING
+        FERRO_PHASE_REDUCE_SCATTER
+        FERRO_PHASE_ALL_GATHER
+        FERRO_STEP_REDUCE
+        FERRO_STEP_SEND_SOURCE
+        FERRO_STEP_RECV_BASE
+        FERRO_STEP_DIVIDE
+    ctypedef struct ferro_step:
+        int send_peer
+        int recv_peer
+        size_t send_off
+        size_t send_len
+        size_t recv_off
+        size_t recv_len
+        unsigned flags
+        size_t divide_off
+        size_t divide_len
+    ctypedef struct ferro_plan:
+        int power
+    void ferro_plan_init(ferro_plan* plan, int algorithm, int rank, int n, size_t count, size_t itemsize,
+                         const size_t* starts, const size_t* ends, size_t* bounds, int phases, int mean, int source)
+    int ferro_plan_next(ferro_plan* plan, ferro_step* step)
+
 cdef enum:
     RING = 0
     RECURSIVE_DOUBLING = 1
@@ -139,11 +167,36 @@ cdef int _exchange_segments(SendOp* s, ConnState* to, const unsigned char* out, 
     return 0
 
 
+cdef int _run_plan(ConnState** conns, ferro_plan* plan, unsigned char* buf, const unsigned char* src,
+                   size_t itemsize, int dtype, ferro_reduce_fn kernel, unsigned char* scratch, size_t segment,
+                   double divisor, uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
+    """Run a schedule (``schedule.h``) on the mesh: each step's frames, reductions and MEAN's division.
+
+    Every step exchanges its ranges segment by segment (:func:`_exchange_segments`), each arriving segment of a
+    reducing step reduced at once while it is in cache. ``src`` is the read-only input of an out-of-place
+    reduce-scatter (NULL otherwise).
+    """
+    cdef ferro_step step
+    while ferro_plan_next(plan, &step):
+        if step.send_peer >= 0 or step.recv_peer >= 0:
+            if _exchange_segments(s, conns[step.send_peer] if step.send_peer >= 0 else NULL,
+                                  (src if step.flags & FERRO_STEP_SEND_SOURCE else buf) + step.send_off,
+                                  step.send_len, r, conns[step.recv_peer] if step.recv_peer >= 0 else NULL,
+                                  buf + step.recv_off, step.recv_len,
+                                  kernel if step.flags & FERRO_STEP_REDUCE else NULL, scratch, itemsize, segment,
+                                  fingerprint, deadline,
+                                  src + step.recv_off if step.flags & FERRO_STEP_RECV_BASE else NULL):
+                return 1
+        if step.flags & FERRO_STEP_DIVIDE and divisor != 0:
+            ferro_divide(buf + step.divide_off, step.divide_len // itemsize, dtype, divisor)
+    return 0
+
+
 cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const size_t* starts, const size_t* ends,
                size_t itemsize, ferro_reduce_fn kernel, unsigned char* scratch, size_t segment, uint64_t fingerprint,
                int64_t deadline, SendOp* s, RecvOp* r, int phases, int dtype=-1, double divisor=0,
                const unsigned char* src=NULL) except -1 nogil:
-    """Segmented ring over chunks ``[starts[i], ends[i])`` (in elements) of ``buf``.
+    """Segmented ring over chunks ``[starts[i], ends[i])`` (in elements) of ``buf``: the ring's schedule, run.
 
     Chunks cut at bounds pass ``bounds, bounds + 1``; chunks with gaps between
     them (a piece of each host's block, in a pipelined hierarchical collective)
@@ -156,72 +209,23 @@ cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const siz
     here, each segment reduced as soon as it lands; all-gather
     (``PHASE_ALL_GATHER``) then passes every rank's chunk around. Both make an allreduce.
     """
-    cdef ConnState* nxt = conns[(rank + 1) % n]
-    cdef ConnState* prv = conns[(rank - 1 + n) % n]
-    cdef int step, send_idx, recv_idx
-    cdef size_t send_off, send_len, recv_off, recv_len
-    cdef int phase
-    for phase in range(2):
-        if phase == 1 and divisor != 0:
-            # MEAN: this rank scales only the chunk it completed (1/n of the data, still in
-            # cache); the all-gather then spreads the averaged values, identical everywhere.
-            ferro_divide(buf + starts[rank] * itemsize, ends[rank] - starts[rank], dtype, divisor)
-        if not phases & (PHASE_REDUCE_SCATTER if phase == 0 else PHASE_ALL_GATHER):
-            continue
-        for step in range(n - 1):
-            if phase == 0:  # reduce-scatter: afterwards chunk `rank` is complete here
-                send_idx = (rank - step - 1 + 2 * n) % n
-                recv_idx = (rank - step - 2 + 2 * n) % n
-            else:           # all-gather: pass the complete chunks around
-                send_idx = (rank - step + 2 * n) % n
-                recv_idx = (rank - step - 1 + 2 * n) % n
-            send_off = starts[send_idx] * itemsize
-            send_len = ends[send_idx] * itemsize - send_off
-            recv_off = starts[recv_idx] * itemsize
-            recv_len = ends[recv_idx] * itemsize - recv_off
-            if _exchange_segments(s, nxt, (src if phase == 0 and step == 0 and src != NULL else buf) + send_off,
-                                  send_len, r, prv, buf + recv_off, recv_len, kernel if phase == 0 else NULL, scratch,
-                                  itemsize, segment, fingerprint, deadline,
-                                  src + recv_off if phase == 0 and src != NULL else NULL):
-                return 1
-    return 0
+    cdef ferro_plan plan
+    ferro_plan_init(&plan, FERRO_PLAN_RING, rank, n, 0, itemsize, starts, ends, NULL, phases, divisor != 0,
+                    src != NULL)
+    return _run_plan(conns, &plan, buf, src, itemsize, dtype, kernel, scratch, segment, divisor, fingerprint,
+                     deadline, s, r)
 
 
-cdef int _recursive_doubling(ConnState** conns, int rank, int n, unsigned char* buf, size_t nbytes,
-                             size_t itemsize, ferro_reduce_fn kernel, unsigned char* scratch, uint64_t fingerprint,
-                             int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
-    """log2(n) whole-message exchanges; ranks beyond a power of two fold into a partner first."""
-    cdef int power = 1, extra, virtual, mask, partner_virtual, partner
-    while power * 2 <= n:
-        power *= 2
-    extra = n - power
-    if rank < 2 * extra:
-        if rank % 2 == 0:
-            if _exchange(s, conns[rank + 1], buf, nbytes, r, NULL, NULL, 0, fingerprint, deadline):
-                return 1
-            return _exchange(s, NULL, NULL, 0, r, conns[rank + 1], buf, nbytes, fingerprint, deadline)
-        if _exchange(s, NULL, NULL, 0, r, conns[rank - 1], scratch, nbytes, fingerprint, deadline):
-            return 1
-        kernel(buf, scratch, nbytes // itemsize)
-        virtual = rank // 2
-    else:
-        virtual = rank - extra
-    mask = 1
-    while mask < power:
-        partner_virtual = virtual ^ mask
-        partner = partner_virtual * 2 + 1 if partner_virtual < extra else partner_virtual + extra
-        if _exchange(s, conns[partner], buf, nbytes, r, conns[partner], scratch, nbytes, fingerprint, deadline):
-            return 1
-        kernel(buf, scratch, nbytes // itemsize)
-        mask <<= 1
-    if rank < 2 * extra:
-        return _exchange(s, conns[rank - 1], buf, nbytes, r, NULL, NULL, 0, fingerprint, deadline)
-    return 0
-
-
-cdef inline int _folded_partner(int virtual, int extra) noexcept nogil:
-    # The real rank of a virtual one, once the first 2 * extra ranks have folded in pairs.
-    return virtual * 2 + 1 if virtual < extra else virtual + extra
+cdef int _recursive_doubling(ConnState** conns, int rank, int n, unsigned char* buf, size_t count, size_t itemsize,
+                             int dtype, ferro_reduce_fn kernel, unsigned char* scratch, size_t segment,
+                             double divisor, uint64_t fingerprint, int64_t deadline, SendOp* s,
+                             RecvOp* r) except -1 nogil:
+    """log2(n) whole-message exchanges; ranks beyond a power of two fold into a partner first (``schedule.h``)."""
+    cdef ferro_plan plan
+    ferro_plan_init(&plan, FERRO_PLAN_RECURSIVE_DOUBLING, rank, n, count, itemsize, NULL, NULL, NULL, 0,
+                    divisor != 0, 0)
+    return _run_plan(conns, &plan, buf, NULL, itemsize, dtype, kernel, scratch, segment, divisor, fingerprint,
+                     deadline, s, r)
 
 
 cdef int _halving_doubling(ConnState** conns, int rank, int n, unsigned char* buf, size_t count, size_t itemsize,
@@ -233,64 +237,18 @@ cdef int _halving_doubling(ConnState** conns, int rank, int n, unsigned char* bu
     It moves what the ring moves (2(p-1)/p of the message per rank) in 2 log2(p) rounds
     instead of 2(p-1). Ranks beyond a power of two p fold into a partner first, as in
     recursive doubling. ``bounds`` must hold p + 1 entries (filled here); each round is
-    cut into ``segment``-byte frames, each reduced as soon as it lands.
+    cut into ``segment``-byte frames, each reduced as soon as it lands. The steps are ``schedule.h``'s.
     """
-    cdef int power = 1, extra, virtual, mask, partner, lo, hi, mid, keep_lo, keep_hi, send_lo, send_hi, width, i
-    cdef size_t nbytes = count * itemsize
-    while power * 2 <= n:
-        power *= 2
-    extra = n - power
-    if rank < 2 * extra:
-        if rank % 2 == 0:  # hand the data to rank + 1, then wait for the result
-            if _exchange_segments(s, conns[rank + 1], buf, nbytes, r, NULL, NULL, 0, NULL, NULL, itemsize, segment,
-                                  fingerprint, deadline):
-                return 1
-            return _exchange_segments(s, NULL, NULL, 0, r, conns[rank + 1], buf, nbytes, NULL, NULL, itemsize,
-                                      segment, fingerprint, deadline)
-        if _exchange_segments(s, NULL, NULL, 0, r, conns[rank - 1], buf, nbytes, kernel, scratch, itemsize, segment,
-                              fingerprint, deadline):
-            return 1
-        virtual = rank // 2
-    else:
-        virtual = rank - extra
-    for i in range(power + 1):
-        bounds[i] = _bound(count, power, i) * itemsize
-    # Halving: keep the half of the current range that the bit says, send the other; the range ends as chunk `virtual`.
-    lo, hi, mask = 0, power, power >> 1
-    while mask > 0:
-        partner = _folded_partner(virtual ^ mask, extra)
-        mid = lo + (hi - lo) // 2
-        if virtual & mask:
-            keep_lo, keep_hi, send_lo, send_hi = mid, hi, lo, mid
-        else:
-            keep_lo, keep_hi, send_lo, send_hi = lo, mid, mid, hi
-        if _exchange_segments(s, conns[partner], buf + bounds[send_lo], bounds[send_hi] - bounds[send_lo],
-                              r, conns[partner], buf + bounds[keep_lo], bounds[keep_hi] - bounds[keep_lo],
-                              kernel, scratch, itemsize, segment, fingerprint, deadline):
-            return 1
-        lo, hi = keep_lo, keep_hi
-        mask >>= 1
-    if divisor != 0:  # MEAN: this rank's chunk is complete; divide it once, while it is in cache
-        ferro_divide(buf + bounds[lo], (bounds[hi] - bounds[lo]) // itemsize, dtype, divisor)
-    # Doubling: swap ranges with the partner whose range lies next to this one's, until all is here.
-    mask = 1
-    while mask < power:
-        partner = _folded_partner(virtual ^ mask, extra)
-        width = hi - lo
-        if virtual & mask:
-            send_lo, send_hi = lo - width, lo  # the partner's range, received
-        else:
-            send_lo, send_hi = hi, hi + width
-        if _exchange_segments(s, conns[partner], buf + bounds[lo], bounds[hi] - bounds[lo],
-                              r, conns[partner], buf + bounds[send_lo], bounds[send_hi] - bounds[send_lo],
-                              NULL, NULL, itemsize, segment, fingerprint, deadline):
-            return 1
-        lo, hi = min(lo, send_lo), max(hi, send_hi)
-        mask <<= 1
-    if rank < 2 * extra:  # hand the result back to the folded partner
-        return _exchange_segments(s, conns[rank - 1], buf, nbytes, r, NULL, NULL, 0, NULL, NULL, itemsize, segment,
-                                  fingerprint, deadline)
-    return 0
+    cdef ferro_plan plan
+    ferro_plan_init(&plan, FERRO_PLAN_HALVING_DOUBLING, rank, n, count, itemsize, NULL, NULL, bounds, 0,
+                    divisor != 0, 0)
+    return _run_plan(conns, &plan, buf, NULL, itemsize, dtype, kernel, scratch, segment, divisor, fingerprint,
+                     deadline, s, r)
+
+
+cdef inline int _folded_partner(int virtual, int extra) noexcept nogil:
+    # The real rank of a virtual one, once the first 2 * extra ranks have folded in pairs (as schedule.h folds).
+    return virtual * 2 + 1 if virtual < extra else virtual + extra
 
 
 def _near_peers(int rank, int n):
@@ -490,11 +448,8 @@ cdef int _allreduce_locked(Mesh mesh, unsigned char* buf, size_t count, size_t i
     """The allreduce itself, once :meth:`Mesh.prepare_allreduce` ran and the locks are held."""
     cdef int rc
     if algorithm == RECURSIVE_DOUBLING:
-        rc = _recursive_doubling(mesh.states, mesh.rank, mesh.n, buf, count * itemsize, itemsize, kernel,
-                                 mesh.scratch, fingerprint, deadline, s, r)
-        if rc == 0 and divisor != 0:
-            ferro_divide(buf, count, dtype, divisor)
-        return rc
+        return _recursive_doubling(mesh.states, mesh.rank, mesh.n, buf, count, itemsize, dtype, kernel,
+                                   mesh.scratch, segment, divisor, fingerprint, deadline, s, r)
     if algorithm == HALVING_DOUBLING:
         return _halving_doubling(mesh.states, mesh.rank, mesh.n, buf, count, itemsize, dtype, kernel, mesh.scratch,
                                  segment, mesh.bounds, divisor, fingerprint, deadline, s, r)

@@ -1,0 +1,289 @@
+/* The schedules of ferro's collectives, described once.
+ *
+ * A schedule is what one rank does, step by step: send this byte range to that peer while receiving that range
+ * from another, and reduce what arrives or let it land. It is a pure iterator over (algorithm, rank, world size,
+ * byte bounds): no I/O, no allocation, O(1) state whatever the world size. The compiled executor
+ * (collectives.pyx: _run_plan) runs these steps on the mesh's connections, and `ferro bench --simulate` replays the
+ * very same steps (through collectives.plan_steps) on a model of the network: there is no second description of
+ * an algorithm anywhere.
+ *
+ * Byte offsets index the collective's working buffer. A step with STEP_REDUCE has what arrives reduced into
+ * [recv_off, recv_off + recv_len) (through the executor's scratch, segment by segment); without it the bytes land
+ * there. STEP_SEND_SOURCE: the sent bytes come from the call's read-only input instead (an out-of-place
+ * reduce-scatter's first step), and STEP_RECV_BASE: the receiving range starts as a copy of the input (see
+ * _exchange_segments' `base`). STEP_DIVIDE: after the step, MEAN divides [divide_off, divide_off + divide_len),
+ * the chunk this rank completed, once.
+ */
+#ifndef FERRO_SCHEDULE_H
+#define FERRO_SCHEDULE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    FERRO_PLAN_RING = 0,
+    FERRO_PLAN_RECURSIVE_DOUBLING = 1,
+    FERRO_PLAN_HALVING_DOUBLING = 2,
+};
+
+enum {
+    FERRO_PHASE_REDUCE_SCATTER = 1,
+    FERRO_PHASE_ALL_GATHER = 2,
+};
+
+enum {
+    FERRO_STEP_REDUCE = 1,
+    FERRO_STEP_SEND_SOURCE = 2,
+    FERRO_STEP_RECV_BASE = 4,
+    FERRO_STEP_DIVIDE = 8,
+};
+
+typedef struct {
+    int send_peer;          /* -1: nothing to send */
+    int recv_peer;          /* -1: nothing to receive */
+    size_t send_off, send_len;
+    size_t recv_off, recv_len;
+    unsigned flags;
+    size_t divide_off, divide_len;
+} ferro_step;
+
+typedef struct {
+    int algorithm, rank, n;
+    /* ring: chunk i is [starts[i], ends[i]) in elements; halving-doubling: `bounds`, the power-of-two chunks'
+     * byte offsets (power + 1 of them, filled by ferro_plan_init); recursive doubling: the whole [0, nbytes). */
+    const size_t *starts, *ends, *bounds;
+    size_t nbytes, itemsize;
+    int phases;             /* the ring's: FERRO_PHASE_* */
+    int mean;               /* divide once, where the algorithm completes a chunk */
+    int source;             /* the ring's first reduce-scatter step reads the input (out of place) */
+    /* progress */
+    int stage, index;
+    int power, extra, virtual_rank, mask, lo, hi;
+} ferro_plan;
+
+static inline size_t ferro_plan_bound(size_t total, int parts, int i) {
+    /* Chunk i starts here when total elements split as numpy.array_split does. */
+    size_t base = total / (size_t)parts, extra = total % (size_t)parts;
+    return (size_t)i * base + ((size_t)i < extra ? (size_t)i : extra);
+}
+
+static inline int ferro_plan_folded_partner(int virtual_rank, int extra) {
+    /* The real rank of a virtual one, once the first 2 * extra ranks have folded in pairs. */
+    return virtual_rank < extra ? virtual_rank * 2 + 1 : virtual_rank + extra;
+}
+
+static inline void ferro_plan_clear(ferro_step *step) {
+    step->send_peer = -1;
+    step->recv_peer = -1;
+    step->send_off = step->send_len = step->recv_off = step->recv_len = 0;
+    step->flags = 0;
+    step->divide_off = step->divide_len = 0;
+}
+
+/* Start a plan. For the ring, `starts`/`ends` are the n chunks' element bounds; for halving-doubling `bounds` must
+ * hold room for power + 1 entries (power: the largest power of two <= n), filled here from `count` elements of
+ * `itemsize` bytes; recursive doubling needs neither. */
+static inline void ferro_plan_init(ferro_plan *plan, int algorithm, int rank, int n, size_t count, size_t itemsize,
+                                   const size_t *starts, const size_t *ends, size_t *bounds, int phases, int mean,
+                                   int source) {
+    int i;
+    plan->algorithm = algorithm;
+    plan->rank = rank;
+    plan->n = n;
+    plan->starts = starts;
+    plan->ends = ends;
+    plan->bounds = bounds;
+    plan->nbytes = count * itemsize;
+    plan->itemsize = itemsize;
+    plan->phases = phases;
+    plan->mean = mean;
+    plan->source = source;
+    plan->stage = 0;
+    plan->index = 0;
+    plan->power = 1;
+    while (plan->power * 2 <= n)
+        plan->power *= 2;
+    plan->extra = n - plan->power;
+    plan->virtual_rank = rank < 2 * plan->extra ? rank / 2 : rank - plan->extra;
+    plan->mask = 0;
+    plan->lo = 0;
+    plan->hi = plan->power;
+    if (algorithm == FERRO_PLAN_HALVING_DOUBLING && bounds != NULL)
+        for (i = 0; i <= plan->power; i++)
+            bounds[i] = ferro_plan_bound(count, plan->power, i) * itemsize;
+}
+
+static int ferro_plan_next_ring(ferro_plan *p, ferro_step *step) {
+    int n = p->n, rank = p->rank, phase, send_idx, recv_idx, at;
+    for (;;) {
+        phase = p->stage;  /* 0: reduce-scatter, 1: all-gather, 2: done */
+        if (phase >= 2 || n < 2)
+            return 0;
+        if (!(p->phases & (phase == 0 ? FERRO_PHASE_REDUCE_SCATTER : FERRO_PHASE_ALL_GATHER)) || p->index >= n - 1) {
+            p->stage++;
+            p->index = 0;
+            continue;
+        }
+        at = p->index++;
+        ferro_plan_clear(step);
+        step->send_peer = (rank + 1) % n;
+        step->recv_peer = (rank - 1 + n) % n;
+        if (phase == 0) {  /* reduce-scatter: afterwards chunk `rank` is complete here */
+            send_idx = (rank - at - 1 + 2 * n) % n;
+            recv_idx = (rank - at - 2 + 2 * n) % n;
+            step->flags |= FERRO_STEP_REDUCE;
+            if (p->source) {
+                step->flags |= FERRO_STEP_RECV_BASE;
+                if (at == 0)
+                    step->flags |= FERRO_STEP_SEND_SOURCE;
+            }
+            if (at == n - 2 && p->mean) {  /* the chunk this rank completed: divide it once, in cache */
+                step->flags |= FERRO_STEP_DIVIDE;
+                step->divide_off = p->starts[rank] * p->itemsize;
+                step->divide_len = (p->ends[rank] - p->starts[rank]) * p->itemsize;
+            }
+        } else {           /* all-gather: pass the complete chunks around */
+            send_idx = (rank - at + 2 * n) % n;
+            recv_idx = (rank - at - 1 + 2 * n) % n;
+        }
+        step->send_off = p->starts[send_idx] * p->itemsize;
+        step->send_len = (p->ends[send_idx] - p->starts[send_idx]) * p->itemsize;
+        step->recv_off = p->starts[recv_idx] * p->itemsize;
+        step->recv_len = (p->ends[recv_idx] - p->starts[recv_idx]) * p->itemsize;
+        return 1;
+    }
+}
+
+static inline int ferro_plan_divide_all(ferro_plan *p, ferro_step *step) {
+    /* A step that moves nothing: MEAN divides the whole result once (recursive doubling). */
+    ferro_plan_clear(step);
+    step->flags = FERRO_STEP_DIVIDE;
+    step->divide_len = p->nbytes;
+    return 1;
+}
+
+/* Recursive doubling and halving-doubling share the fold: ranks beyond the power of two hand their data to a
+ * partner first (stage 0) and get the result back last (stage 3). */
+static int ferro_plan_next_doubling(ferro_plan *p, ferro_step *step) {
+    int rank = p->rank, extra = p->extra, power = p->power, partner, mid, width;
+    int halving = p->algorithm == FERRO_PLAN_HALVING_DOUBLING;
+    int folded_out = rank < 2 * extra && rank % 2 == 0;   /* hands its data over and waits */
+    const size_t *b = p->bounds;
+    for (;;) {
+        ferro_plan_clear(step);
+        switch (p->stage) {
+        case 0:  /* the fold */
+            p->stage = 1;
+            if (rank < 2 * extra) {
+                if (folded_out) {
+                    step->send_peer = rank + 1;
+                    step->send_len = p->nbytes;
+                    p->stage = 3;
+                } else {
+                    step->recv_peer = rank - 1;
+                    step->recv_len = p->nbytes;
+                    step->flags = FERRO_STEP_REDUCE;
+                }
+                return 1;
+            }
+            continue;
+        case 1:  /* recursive doubling's exchanges, or halving's */
+            if (!halving) {
+                if (p->mask == 0)
+                    p->mask = 1;
+                if (p->mask >= power) {
+                    p->stage = 3;
+                    if (p->mean)
+                        return ferro_plan_divide_all(p, step);
+                    continue;
+                }
+                partner = ferro_plan_folded_partner(p->virtual_rank ^ p->mask, extra);
+                step->send_peer = step->recv_peer = partner;
+                step->send_len = step->recv_len = p->nbytes;
+                step->flags = FERRO_STEP_REDUCE;
+                p->mask <<= 1;
+                return 1;
+            }
+            if (p->mask == 0)
+                p->mask = power >> 1;
+            if (p->mask == 0) {  /* power 1: nothing to halve */
+                p->stage = 2;
+                p->mask = 1;
+                continue;
+            }
+            partner = ferro_plan_folded_partner(p->virtual_rank ^ p->mask, extra);
+            mid = p->lo + (p->hi - p->lo) / 2;
+            step->send_peer = step->recv_peer = partner;
+            if (p->virtual_rank & p->mask) {  /* keep the upper half, send the lower */
+                step->send_off = b[p->lo];
+                step->send_len = b[mid] - b[p->lo];
+                p->lo = mid;
+            } else {
+                step->send_off = b[mid];
+                step->send_len = b[p->hi] - b[mid];
+                p->hi = mid;
+            }
+            step->recv_off = b[p->lo];
+            step->recv_len = b[p->hi] - b[p->lo];
+            step->flags = FERRO_STEP_REDUCE;
+            p->mask >>= 1;
+            if (p->mask == 0) {
+                p->stage = 2;
+                p->mask = 1;
+                if (p->mean) {  /* this rank's chunk is complete: divide it once, while it is in cache */
+                    step->flags |= FERRO_STEP_DIVIDE;
+                    step->divide_off = b[p->lo];
+                    step->divide_len = b[p->hi] - b[p->lo];
+                }
+            }
+            return 1;
+        case 2:  /* halving-doubling's gather: swap ranges with the partner next to this one's */
+            if (p->mask >= power) {
+                p->stage = 3;
+                continue;
+            }
+            partner = ferro_plan_folded_partner(p->virtual_rank ^ p->mask, extra);
+            width = p->hi - p->lo;
+            step->send_peer = step->recv_peer = partner;
+            step->send_off = b[p->lo];
+            step->send_len = b[p->hi] - b[p->lo];
+            if (p->virtual_rank & p->mask) {
+                step->recv_off = b[p->lo - width];
+                step->recv_len = b[p->lo] - b[p->lo - width];
+                p->lo -= width;
+            } else {
+                step->recv_off = b[p->hi];
+                step->recv_len = b[p->hi + width] - b[p->hi];
+                p->hi += width;
+            }
+            p->mask <<= 1;
+            return 1;
+        case 3:  /* the unfold: the result goes back to (or comes back from) the folded partner */
+            p->stage = 4;
+            if (rank < 2 * extra) {
+                if (folded_out) {
+                    step->recv_peer = rank + 1;
+                    step->recv_len = p->nbytes;
+                } else {
+                    step->send_peer = rank - 1;
+                    step->send_len = p->nbytes;
+                }
+                return 1;
+            }
+            continue;
+        default:
+            return 0;
+        }
+    }
+}
+
+/* The next step of the plan into `step`: 1, or 0 when the plan is done. */
+static inline int ferro_plan_next(ferro_plan *plan, ferro_step *step) {
+    if (plan->n < 2)
+        return 0;
+    if (plan->algorithm == FERRO_PLAN_RING)
+        return ferro_plan_next_ring(plan, step);
+    return ferro_plan_next_doubling(plan, step);
+}
+
+#endif
