@@ -14,6 +14,15 @@ DEFAULT_SEGMENT_BYTES: int
 DEFAULT_CHAIN_BYTES: int
 DEFAULT_BRUCK_BYTES: int
 DIRECT_REDUCE_SCATTER_BYTES: int
+STEP_REDUCE: int
+STEP_SEND_SOURCE: int
+STEP_RECV_BASE: int
+STEP_DIVIDE: int
+
+def plan_steps(
+    algorithm: int, rank: int, n: int, count: int, itemsize: int, phases: int = ..., mean: bool = ...,
+    source: bool = ...,
+) -> list[tuple[int, int, int, int, int, int, int]]: ...
 
 class Mesh:
     connections: list[Connection | None]

@@ -251,6 +251,57 @@ cdef inline int _folded_partner(int virtual, int extra) noexcept nogil:
     return virtual * 2 + 1 if virtual < extra else virtual + extra
 
 
+def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t itemsize, int phases=3,
+               bint mean=False, bint source=False):
+    """Return the steps ``rank`` of ``n`` runs for a collective of ``count`` elements: ``schedule.h``'s plan.
+
+    The same iterator the compiled executor runs, exposed for ``ferro bench --simulate`` and the tests. Each
+    step is ``(send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags)`` in bytes; a peer of -1
+    means no message that way; ``flags`` holds ``STEP_REDUCE``, ``STEP_DIVIDE``, ... The ring's chunks are cut
+    as the allreduce cuts them (``numpy.array_split`` of ``count`` over ``n``).
+
+    Args:
+        algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING`` or ``ALGORITHM_HALVING_DOUBLING``.
+        rank: The rank whose steps to list.
+        n: The world size.
+        count: Elements.
+        itemsize: Bytes per element.
+        phases: The ring's: 1 reduce-scatter, 2 all-gather, 3 both (an allreduce).
+        mean: MEAN's division included.
+        source: An out-of-place reduce-scatter (the ring reads its input).
+    """
+    cdef ferro_plan plan
+    cdef ferro_step step
+    cdef size_t* bounds = <size_t*>malloc((n + 2) * sizeof(size_t))
+    cdef int i
+    if bounds == NULL:
+        raise MemoryError()
+    if not 0 <= rank < n or count < 0 or itemsize <= 0:
+        free(bounds)
+        raise ValueError(f"no plan for rank {rank} of {n}, {count} elements of {itemsize} bytes")
+    steps = []
+    try:
+        for i in range(n + 1):
+            bounds[i] = _bound(count, n, i)
+        if algorithm == RING:
+            ferro_plan_init(&plan, FERRO_PLAN_RING, rank, n, count, itemsize, bounds, bounds + 1, NULL, phases,
+                            mean, source)
+        else:
+            ferro_plan_init(&plan, algorithm, rank, n, count, itemsize, NULL, NULL, bounds, 0, mean, 0)
+        while ferro_plan_next(&plan, &step):
+            steps.append((step.send_peer, step.send_off, step.send_len, step.recv_peer, step.recv_off,
+                          step.recv_len, step.flags))
+    finally:
+        free(bounds)
+    return steps
+
+
+STEP_REDUCE = FERRO_STEP_REDUCE
+STEP_SEND_SOURCE = FERRO_STEP_SEND_SOURCE
+STEP_RECV_BASE = FERRO_STEP_RECV_BASE
+STEP_DIVIDE = FERRO_STEP_DIVIDE
+
+
 def _near_peers(int rank, int n):
     """The peers every collective but all_to_all may touch (see :class:`Mesh`)."""
     cdef int distance = 1, power = 1, extra, virtual, mask, partner_virtual

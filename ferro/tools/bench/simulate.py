@@ -1,0 +1,190 @@
+"""``ferro bench --simulate HxR@RATE[,LATENCY]``: ferro's own schedules replayed on a model of the network.
+
+The steps are the ones the compiled executor runs (:func:`ferro._core.collectives.plan_steps`, the iterator of
+``_core/schedule.h``), cut into the same segments; nothing here describes an algorithm a second time. The model:
+
+* ``H`` hosts of ``R`` ranks each (rank ``r`` on host ``r // R``, as ``ferro run --nnodes`` places them), each
+  host with one link to a non-blocking switch, ``RATE`` bytes per second each way, shared by its ranks: a message
+  between hosts holds its sender's uplink and its receiver's downlink, first come first served;
+* every message pays ``LATENCY`` on the wire and a per-message CPU ``overhead`` at its sender; messages between
+  ranks of one host go through memory at ``local_rate``;
+* a rank runs its steps in order; a step sends and receives one segment each way at a time (as
+  ``_exchange_segments`` does), and a reducing step then reduces what arrived at ``reduce_rate``.
+
+It predicts the slowest rank's time, and gives the textbook lower bounds beside it (:func:`lower_bound`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import re
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ferro._core import collectives as native
+
+__all__ = ["ALGORITHMS", "Network", "lower_bound", "parse_network", "predict", "replay"]
+
+#: The schedules the simulator replays, by the name ``ferro.allreduce(algorithm=...)`` takes.
+ALGORITHMS = {"ring": native.ALGORITHM_RING, "recursive_doubling": native.ALGORITHM_RECURSIVE_DOUBLING,
+              "halving_doubling": native.ALGORITHM_HALVING_DOUBLING}
+_RATE_UNITS = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8,
+               "gbps": 1e9 / 8, "kb": 1e3, "mb": 1e6, "gb": 1e9}
+_TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+@dataclass(frozen=True)
+class Network:
+    """A cluster as the simulator sees it.
+
+    Attributes:
+        hosts: Hosts.
+        ranks_per_host: Ranks on each host.
+        rate: Bytes per second each way on a host's link.
+        latency: Seconds a message spends on the wire beyond its bytes (one way).
+        overhead: Sender CPU seconds per message.
+        local_rate: Bytes per second between two ranks of one host.
+        local_latency: Seconds per message between two ranks of one host.
+        reduce_rate: Bytes per second a rank reduces.
+    """
+
+    hosts: int
+    ranks_per_host: int
+    rate: float
+    latency: float = 50e-6
+    overhead: float = 5e-6
+    local_rate: float = 4e9
+    local_latency: float = 5e-6
+    reduce_rate: float = 4e9
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of the whole cluster."""
+        return self.hosts * self.ranks_per_host
+
+
+def parse_network(text: str) -> Network:
+    """Parse ``HxR@RATE[,LATENCY]``: ``16x1@100mbit``, ``8x2@200mbit,100us``, ``256x8@25gbit,5us``.
+
+    Raises:
+        ValueError: The text is not of that form.
+    """
+    match = re.fullmatch(r"(\d+)x(\d+)@([\d.]+)([a-z]+)(?:,([\d.]+)([a-z]+))?", text.strip().lower())
+    if not match or match.group(4) not in _RATE_UNITS or (match.group(6) and match.group(6) not in _TIME_UNITS):
+        raise ValueError(f"--simulate {text!r}: expected HOSTSxRANKS@RATE[,LATENCY], e.g. 16x1@100mbit or "
+                         f"8x2@25gbit,5us (rates in kbit, mbit, gbit; latency in ns, us, ms, s)")
+    hosts, ranks = int(match.group(1)), int(match.group(2))
+    if hosts < 1 or ranks < 1:
+        raise ValueError(f"--simulate {text!r}: at least one host of one rank")
+    rate = float(match.group(3)) * _RATE_UNITS[match.group(4)]
+    network = Network(hosts, ranks, rate)
+    if match.group(5):
+        network = Network(hosts, ranks, rate, latency=float(match.group(5)) * _TIME_UNITS[match.group(6)])
+    return network
+
+
+Step = tuple[int, int, int, int, int, int, int]
+
+
+def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment: int) -> float:
+    """Return the seconds until the slowest rank has run every step ``steps_of(rank)`` gives, on ``network``.
+
+    Each step is cut into ``segment``-byte exchanges as the executor cuts it. A discrete-event replay: events
+    are taken in time order, so the links are granted in the order the messages reach them.
+    """
+    n, per_host = network.world_size, network.ranks_per_host
+    plans = [_exchanges(steps_of(rank), segment) for rank in range(n)]
+    position = [0] * n
+    up_free = [0.0] * network.hosts      # each host's link, each way
+    down_free = [0.0] * network.hosts
+    arrivals: dict[tuple[int, int], deque[float]] = defaultdict(deque)   # (src, dst) -> arrival times, in order
+    waiting: dict[tuple[int, int], tuple[int, float, float, int]] = {}   # (src, dst) -> the receiver's op
+    finished = [0.0] * n
+    events = [(0.0, rank) for rank in range(n)]  # (time a rank starts its next exchange, rank)
+    heapq.heapify(events)
+
+    def send(src: int, dst: int, nbytes: int, start: float) -> float:
+        """Put one message on its way; return when it has left the sender (its buffer is free)."""
+        at = start + network.overhead
+        if src // per_host == dst // per_host:
+            leaves = at + nbytes / network.local_rate
+            arrival = leaves + network.local_latency
+        else:
+            a, b = src // per_host, dst // per_host
+            begin = max(at, up_free[a], down_free[b])
+            leaves = begin + nbytes / network.rate
+            up_free[a] = down_free[b] = leaves
+            arrival = leaves + network.latency
+        key = (src, dst)
+        if key in waiting:  # the receiver is already in the exchange that takes this message
+            rank, sent_done, began, reduce_bytes = waiting.pop(key)
+            finish(rank, max(sent_done, arrival), reduce_bytes)
+        else:
+            arrivals[key].append(arrival)
+        return leaves
+
+    def finish(rank: int, done: float, reduce_bytes: int) -> None:
+        done += reduce_bytes / network.reduce_rate
+        position[rank] += 1
+        heapq.heappush(events, (done, rank))
+
+    while events:
+        now, rank = heapq.heappop(events)
+        if position[rank] >= len(plans[rank]):
+            finished[rank] = now
+            continue
+        dst, out_bytes, src, in_bytes, reduce_bytes = plans[rank][position[rank]]
+        sent_done = send(rank, dst, out_bytes, now) if dst >= 0 else now
+        if src < 0:
+            finish(rank, sent_done, 0)
+        elif arrivals[(src, rank)]:
+            finish(rank, max(sent_done, arrivals[(src, rank)].popleft()), reduce_bytes)
+        else:
+            waiting[(src, rank)] = (rank, sent_done, now, reduce_bytes)
+    if waiting:
+        raise RuntimeError(f"the schedules deadlock: {len(waiting)} receives never matched (ranks "
+                           f"{sorted(r for r, *_ in waiting.values())[:8]})")
+    return max(finished)
+
+
+def _exchanges(steps: Sequence[Step], segment: int) -> list[tuple[int, int, int, int, int]]:
+    """Cut each step into the executor's one-segment-each-way exchanges: (dst, bytes out, src, bytes in, reduced)."""
+    out: list[tuple[int, int, int, int, int]] = []
+    for send_peer, _, send_len, recv_peer, _, recv_len, flags in steps:
+        position = 0
+        while position < send_len or position < recv_len:
+            a = min(segment, max(0, send_len - position))
+            b = min(segment, max(0, recv_len - position))
+            if a or b:
+                out.append((send_peer if a else -1, a, recv_peer if b else -1, b,
+                            b if flags & native.STEP_REDUCE else 0))
+            position += segment
+    return out
+
+
+def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
+            segment: int = native.DEFAULT_SEGMENT_BYTES) -> float:
+    """Return the predicted seconds of an allreduce of ``nbytes`` with ``algorithm`` on ``network``."""
+    count = nbytes // itemsize
+    n = network.world_size
+    code = ALGORITHMS[algorithm]
+    return replay(network, lambda rank: native.plan_steps(code, rank, n, count, itemsize), segment)
+
+
+def lower_bound(network: Network, nbytes: int) -> float:
+    """Return the textbook lower bound of an allreduce of ``nbytes``: the larger of the bandwidth and latency bounds.
+
+    Bandwidth: each host must send and receive 2 (H - 1) / H of the host's data over its link (ranks of one host
+    can combine first). Latency: every rank's data must reach every other, doubling at best each round:
+    ceil(log2 H) rounds between hosts and ceil(log2 R) inside one.
+    """
+    hosts, per_host, n = network.hosts, network.ranks_per_host, network.world_size
+    if n < 2:
+        return 0.0
+    bandwidth = 2 * (hosts - 1) / hosts * nbytes / network.rate if hosts > 1 else (
+        2 * (n - 1) / n * nbytes / network.local_rate)
+    latency = (math.ceil(math.log2(hosts)) * network.latency
+               + math.ceil(math.log2(per_host)) * network.local_latency)
+    return max(bandwidth, latency)

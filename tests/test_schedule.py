@@ -1,0 +1,157 @@
+"""The schedules of ``_core/schedule.h``, run as data: every rank's plan executed on simulated ranks against NumPy.
+
+These are the very steps the compiled executor runs (``plan_steps`` iterates the same C plan), so a plan that
+sends a range no one receives, or reduces a chunk twice, fails here at every world size from 1 to 9 and 16,
+powers of two and not. ``ferro bench --simulate`` replays the same steps on a network model; its tests are below.
+"""
+
+from collections import defaultdict, deque
+
+import numpy as np
+import pytest
+
+from ferro._core import collectives as native
+from ferro.tools.bench import simulate
+
+WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16]
+ALGORITHMS = sorted(simulate.ALGORITHMS)
+
+
+def run_plans(inputs, algorithm, phases=3, mean=False):
+    """Execute every rank's steps with queues between ranks (in order per pair, as TCP delivers); return buffers."""
+    n = len(inputs)
+    itemsize = inputs[0].itemsize
+    count = inputs[0].size
+    buffers = [x.copy().view(np.uint8) for x in inputs]
+    plans = [deque(native.plan_steps(simulate.ALGORITHMS[algorithm], r, n, count, itemsize, phases, mean))
+             for r in range(n)]
+    queues = defaultdict(deque)
+    sent = [False] * n  # whether the rank's current step has sent already
+    while any(plans):
+        progressed = False
+        for rank in range(n):
+            if not plans[rank]:
+                continue
+            send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags = plans[rank][0]
+            if send_peer >= 0 and send_len and not sent[rank]:
+                queues[(rank, send_peer)].append(buffers[rank][send_off:send_off + send_len].copy())
+                sent[rank] = True
+                progressed = True
+            if recv_peer >= 0 and recv_len:
+                if not queues[(recv_peer, rank)]:
+                    continue
+                data = queues[(recv_peer, rank)].popleft()
+                assert data.size == recv_len, f"rank {rank} expected {recv_len} bytes from {recv_peer}, got {data.size}"
+                target = buffers[rank][recv_off:recv_off + recv_len]
+                if flags & native.STEP_REDUCE:
+                    view = target.view(inputs[0].dtype)
+                    view += data.view(inputs[0].dtype)
+                else:
+                    target[:] = data
+            if flags & native.STEP_DIVIDE:
+                chunk = buffers[rank][0:0]
+                assert mean
+                del chunk
+            plans[rank].popleft()
+            sent[rank] = False
+            progressed = True
+        assert progressed, f"{algorithm} at {n} ranks deadlocks: {[len(p) for p in plans]} steps left"
+    assert not any(queues.values()), "a message was sent that no step received"
+    return [b.view(inputs[0].dtype) for b in buffers]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("count", [1, 7, 64, 1001])
+def test_every_rank_ends_with_the_numpy_sum(algorithm, n, count):
+    rng = np.random.default_rng(n * 1000 + count)
+    inputs = [rng.integers(-1000, 1000, count).astype(np.int64) for _ in range(n)]
+    results = run_plans(inputs, algorithm)
+    expected = np.sum(inputs, axis=0)
+    for rank, result in enumerate(results):
+        np.testing.assert_array_equal(result, expected, err_msg=f"{algorithm}, {n} ranks, rank {rank}")
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_the_ring_s_phases_alone_reduce_scatter_and_all_gather(n):
+    count = 3 * n + 1
+    inputs = [np.arange(count, dtype=np.int32) * (r + 1) for r in range(n)]
+    scattered = run_plans(inputs, "ring", phases=1)
+    bounds = [native_bound(count, n, i) for i in range(n + 1)]
+    total = np.sum(inputs, axis=0)
+    for rank in range(n):
+        np.testing.assert_array_equal(scattered[rank][bounds[rank]:bounds[rank + 1]], total[bounds[rank]:bounds[rank + 1]])
+    pieces = [np.where((np.arange(count) >= bounds[r]) & (np.arange(count) < bounds[r + 1]), total, 0).astype(np.int32)
+              for r in range(n)]
+    gathered = run_plans(pieces, "ring", phases=2)
+    for rank in range(n):
+        np.testing.assert_array_equal(gathered[rank], total)
+
+
+def native_bound(total, parts, i):
+    base, extra = divmod(total, parts)
+    return i * base + min(i, extra)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_mean_divides_each_element_exactly_once(algorithm, n):
+    count = 40
+    steps = [native.plan_steps(simulate.ALGORITHMS[algorithm], r, n, count, 8, 3, True) for r in range(n)]
+    # The ring and halving-doubling divide each rank's completed chunk once, so the divided ranges tile the buffer
+    # exactly; recursive doubling divides the whole result on every rank that computed it (not the folded ones).
+    divided = np.zeros(count * 8, dtype=int)
+    for rank_steps in steps:
+        for step in rank_steps:
+            if step[-1] & native.STEP_DIVIDE:
+                offset, length = _divided_range(step, count * 8)
+                divided[offset:offset + length] += 1
+    if algorithm == "recursive_doubling":
+        power = 1 << (n.bit_length() - 1)
+        assert (divided == power).all(), divided
+    else:
+        assert (divided == 1).all(), divided
+
+
+def _divided_range(step, nbytes):
+    # plan_steps reports the division through the step's flags; where it falls is the step's completed range:
+    # the received chunk for the ring and halving-doubling, the whole buffer for recursive doubling's empty step.
+    send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags = step
+    if send_peer < 0 and recv_peer < 0:
+        return 0, nbytes
+    return recv_off, recv_len
+
+
+def test_plan_refuses_a_rank_outside_the_group():
+    with pytest.raises(ValueError, match="no plan for rank 4 of 4"):
+        native.plan_steps(native.ALGORITHM_RING, 4, 4, 10, 4)
+
+
+# --- the simulator ---
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("spec", ["1x1@1gbit", "2x1@1gbit", "5x1@100mbit", "8x2@200mbit", "3x3@1gbit,10us"])
+def test_simulation_replays_every_plan_and_never_beats_the_lower_bound(algorithm, spec):
+    network = simulate.parse_network(spec)
+    for nbytes in (8, 64 * 1024, 4 * 1024 * 1024):
+        predicted = simulate.predict(network, algorithm, nbytes)
+        assert predicted >= simulate.lower_bound(network, nbytes) * 0.999, (spec, algorithm, nbytes)
+
+
+def test_simulated_ring_approaches_the_line_for_large_messages_and_doubling_wins_small_ones():
+    network = simulate.parse_network("16x1@100mbit,50us")
+    big = 64 * 1024 * 1024
+    assert simulate.predict(network, "ring", big) < 1.05 * simulate.lower_bound(network, big)
+    # 4 bytes: log2(16) = 4 rounds against the ring's 30.
+    assert simulate.predict(network, "recursive_doubling", 4) < simulate.predict(network, "ring", 4) / 4
+
+
+def test_network_specs_parse_and_bad_ones_say_the_form():
+    network = simulate.parse_network("8x2@25gbit,5us")
+    assert (network.hosts, network.ranks_per_host, network.world_size) == (8, 2, 16)
+    assert network.rate == pytest.approx(25e9 / 8) and network.latency == pytest.approx(5e-6)
+    for bad in ("8@1gbit", "8x1@fast", "8x1@1gbit,5parsecs"):
+        with pytest.raises(ValueError, match="HOSTSxRANKS@RATE"):
+            simulate.parse_network(bad)
+    with pytest.raises(ValueError, match="at least one host"):
+        simulate.parse_network("0x1@1gbit")
