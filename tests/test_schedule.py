@@ -80,7 +80,8 @@ def test_the_ring_s_phases_alone_reduce_scatter_and_all_gather(n):
     bounds = [native_bound(count, n, i) for i in range(n + 1)]
     total = np.sum(inputs, axis=0)
     for rank in range(n):
-        np.testing.assert_array_equal(scattered[rank][bounds[rank]:bounds[rank + 1]], total[bounds[rank]:bounds[rank + 1]])
+        mine = slice(bounds[rank], bounds[rank + 1])
+        np.testing.assert_array_equal(scattered[rank][mine], total[mine])
     pieces = [np.where((np.arange(count) >= bounds[r]) & (np.arange(count) < bounds[r + 1]), total, 0).astype(np.int32)
               for r in range(n)]
     gathered = run_plans(pieces, "ring", phases=2)

@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--emulate", default=None, metavar="HxR@RATE",
                         help="run on an emulated cluster: H hosts of R ranks as network namespaces, each host's "
                              "link shaped to RATE both ways (2x2@1gbit, 4x1@10gbit); needs root")
+    parser.add_argument("--simulate", default=None, metavar="HxR@RATE[,LATENCY]",
+                        help="start no ranks: replay the allreduce schedules ferro runs on a model of H hosts of R "
+                             "ranks, each host's link RATE both ways with LATENCY per message (default 50us), e.g. "
+                             "256x8@25gbit,5us; prints the predicted time of ferro's choice, of each algorithm, and "
+                             "the lower bound")
     parser.add_argument("--compare", default="",
                         help=f"also run any of {', '.join(PEERS)}, e.g. mpi,ferro-tcp (MPI over "
                              "TCP beside --backend tcp, else with its default settings: shared memory on one host; "
@@ -200,6 +205,40 @@ def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[i
     return "\n".join(lines)
 
 
+def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
+    """Print ``--simulate``'s table: per size, ferro's choice and every algorithm predicted, beside the bound."""
+    from ferro.collective.algorithms import choose_allreduce
+    from ferro.tools.bench import simulate
+
+    if ops != ["allreduce"]:
+        print("ferro bench: --simulate replays allreduce's schedules only (the other ops' schedules are not yet "
+              "described as plans)", file=sys.stderr)
+        return 2
+    try:
+        network = simulate.parse_network(args.simulate)
+    except ValueError as exc:
+        print(f"ferro bench: {exc}", file=sys.stderr)
+        return 2
+    itemsize = 2 if args.dtype in ("float16", "bfloat16") else 8 if args.dtype.endswith("64") else (
+        1 if args.dtype.endswith("8") else 4)
+    n = network.world_size
+    names = sorted(simulate.ALGORITHMS)
+    print(f"# ferro bench --simulate {args.simulate}: {network.hosts} hosts x {network.ranks_per_host} ranks = {n}, "
+          f"{network.rate * 8 / 1e9:g} Gbit/s each way per host, {network.latency * 1e6:g} us per message; "
+          f"predicted time per call (us), the schedules the executor runs")
+    print(f"# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} {'algorithm':>18} {'time':>11} "
+          f"{'busbw':>8} " + " ".join(f"{name:>18}" for name in names) + f" {'bound':>11}")
+    for size in sizes_from(args.minbytes, args.maxbytes, args.stepfactor):
+        nbytes = max(itemsize, size - size % itemsize)
+        chosen = choose_allreduce(nbytes, n)
+        times = {name: simulate.predict(network, name, nbytes, itemsize) for name in names}
+        busbw = nbytes / times[chosen] / 1e9 * 2 * (n - 1) / n if times[chosen] > 0 and n > 1 else 0.0
+        print(f"  {nbytes:>10} {nbytes // itemsize:>12} {args.dtype:>8} {args.op:>6} {-1:>5} {chosen:>18} "
+              f"{times[chosen] * 1e6:>11.1f} {busbw:>8.3f} " + " ".join(f"{times[name] * 1e6:>18.1f}" for name in names)
+              + f" {simulate.lower_bound(network, nbytes) * 1e6:>11.1f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``ferro bench`` and return its exit status."""
     args = build_parser().parse_args(argv)
@@ -225,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ferro bench: backend 'mpi' needs mpi4py: {_available('mpi')}; pip install 'ferro[mpi]'",
               file=sys.stderr)
         return 2
+    if args.simulate:
+        return _simulate(args, ops)
     peers = [p for p in args.compare.split(",") if p]
     bad = [p for p in peers if p not in PEERS]
     if bad:

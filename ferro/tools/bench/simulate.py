@@ -48,6 +48,7 @@ class Network:
         local_rate: Bytes per second between two ranks of one host.
         local_latency: Seconds per message between two ranks of one host.
         reduce_rate: Bytes per second a rank reduces.
+
     """
 
     hosts: int
@@ -70,6 +71,7 @@ def parse_network(text: str) -> Network:
 
     Raises:
         ValueError: The text is not of that form.
+
     """
     match = re.fullmatch(r"(\d+)x(\d+)@([\d.]+)([a-z]+)(?:,([\d.]+)([a-z]+))?", text.strip().lower())
     if not match or match.group(4) not in _RATE_UNITS or (match.group(6) and match.group(6) not in _TIME_UNITS):
