@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import re
 import signal
 import subprocess
@@ -12,8 +13,9 @@ import pytest
 
 FERRO = [sys.executable, "-m", "ferro"]
 NUMBER = r"(?:\d+(?:\.\d+)?|N/A)"
-# size count type redop root | time algbw busbw #wrong | time algbw busbw #wrong
-ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(-?\d+)\s+" + r"\s+".join([NUMBER] * 8) + r"\s*$")
+# size count type redop root | time algbw busbw #wrong | time algbw busbw #wrong | algorithm
+ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(-?\d+)\s+" + r"\s+".join([NUMBER] * 8)
+                 + r"(?:\s+(?P<algorithm>\S.*?))?\s*$")
 
 
 def parse_rows(text):
@@ -25,7 +27,8 @@ def parse_rows(text):
         assert match, f"not an nccl-tests row: {line!r}"
         fields = line.split()
         rows.append({"size": int(fields[0]), "count": int(fields[1]), "type": fields[2], "redop": fields[3],
-                     "oop_time": fields[5], "oop_busbw": fields[7], "oop_wrong": fields[8], "ip_wrong": fields[12]})
+                     "oop_time": fields[5], "oop_busbw": fields[7], "oop_wrong": fields[8], "ip_wrong": fields[12],
+                     "algorithm": match.group("algorithm") or ""})
     return rows
 
 
@@ -38,6 +41,7 @@ def test_table_parses_check_finds_nothing_wrong_and_files_are_written(tmp_path):
     rows = parse_rows(done.stdout)
     sizes = [8, 128, 2048, 32768]
     assert len(rows) == 6 * len(sizes) + 1  # six ops over the sizes, plus one barrier row
+    assert all(row["algorithm"] for row in rows), "every row names the algorithm that ran"
     for row in rows:
         assert row["oop_wrong"] in ("0", "N/A") and row["ip_wrong"] in ("0", "N/A")
         assert float(row["oop_time"]) > 0
@@ -208,3 +212,18 @@ def test_comparison_divides_by_the_time_it_prints():
     wide = _comparison([row("ferro-tcp", 3.8, 3.8), row("ferro-shm", 5175.6, 5175.6)], "ferro-tcp", ["ferro-shm"],
                        {1024: 12345678.0}, 1).splitlines()[-1].split()
     assert wide[2:] == ["12345678.0", "3.8", "5175.6", "1362.00x"]
+
+
+def test_rows_name_the_algorithm_the_variable_forces(tmp_path):
+    env = dict(os.environ, FERRO_ALGORITHM_ALLREDUCE="ring")
+    done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "4", "--backend", "tcp", "-b", "8", "-e", "1M",
+                           "-f", "128", "--iters", "2", "--warmup", "1", "--check"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    rows = parse_rows(done.stdout)
+    assert [row["algorithm"] for row in rows] == ["ring"] * 3 and all(row["oop_wrong"] == "0" for row in rows)
+    done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "4", "--backend", "tcp", "-b", "8", "-e", "1M",
+                           "-f", "128", "--iters", "2", "--warmup", "1"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert [row["algorithm"] for row in parse_rows(done.stdout)] == ["recursive_doubling", "recursive_doubling",
+                                                                     "halving_doubling"]

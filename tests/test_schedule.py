@@ -156,3 +156,66 @@ def test_network_specs_parse_and_bad_ones_say_the_form():
             simulate.parse_network(bad)
     with pytest.raises(ValueError, match="at least one host"):
         simulate.parse_network("0x1@1gbit")
+
+
+# --- forcing an algorithm (FERRO_ALGORITHM_ALLREDUCE, algorithm=) on real ranks ---
+
+def _forced_allreduce(rank, world_size, count):
+    import ferro
+
+    with ferro.TcpBackend.from_env(timeout=30) as group:
+        x = np.arange(count, dtype=np.float64) * (rank + 1)
+        ferro.allreduce(x, group=group)
+        sent = group.stats()["allreduce"]["bytes_sent"]
+        mean = np.arange(count, dtype=np.float64) * (rank + 1)
+        ferro.allreduce(mean, ferro.ReduceOp.MEAN, group=group)
+        return x.tolist(), mean.tolist(), sent
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_variable_forces_an_algorithm_and_every_rank_gets_numpy_s_answer(algorithm):
+    from ferro.testing import run_processes
+
+    n, count = 5, 1000  # 5: recursive doubling and halving-doubling fold a rank; 1000 floats: the rule's RD
+    results = run_processes(_forced_allreduce, n, args=(count,), backend=None, timeout=90,
+                            env={"FERRO_ALGORITHM_ALLREDUCE": algorithm})
+    total = np.arange(count, dtype=np.float64) * sum(r + 1 for r in range(n))
+    for rank, (summed, mean, sent) in enumerate(results):
+        np.testing.assert_array_equal(summed, total)
+        np.testing.assert_allclose(mean, total / n, rtol=1e-15)
+        # The bytes each rank sent are the bytes its plan sends: the forced algorithm is the one that ran.
+        planned = sum(step[2] for step in native.plan_steps(simulate.ALGORITHMS[algorithm], rank, n, count, 8))
+        assert sent == planned, (rank, sent, planned)
+    assert len({tuple(mean) for _, mean, _ in results}) == 1  # bit for bit the same on every rank
+
+
+def _mismatched_algorithms(rank, world_size):
+    import ferro
+
+    with ferro.TcpBackend.from_env(timeout=20) as group:
+        try:
+            ferro.allreduce(np.ones(64), group=group, algorithm="ring" if rank == 0 else "recursive_doubling")
+        except ferro.CollectiveMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+
+def test_ranks_that_force_different_algorithms_fail_with_a_mismatch_naming_them_not_a_hang():
+    from ferro.testing import run_processes
+
+    results = run_processes(_mismatched_algorithms, 2, backend=None, timeout=60)
+    assert any("algorithm ring" in r and "algorithm recursive_doubling" in r for r in results), results
+
+
+def test_a_variable_that_names_no_algorithm_is_refused_with_its_name(monkeypatch):
+    import ferro
+    from ferro.testing import run_threads
+
+    monkeypatch.setenv("FERRO_ALGORITHM_ALLREDUCE", "fastest")
+
+    def rank(group):
+        with pytest.raises(ValueError, match="FERRO_ALGORITHM_ALLREDUCE 'fastest'"):
+            ferro.allreduce(np.ones(4), group=group)
+        return True
+
+    assert run_threads(rank, 2) == [True, True]

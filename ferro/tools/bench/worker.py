@@ -68,6 +68,10 @@ class _Adapter(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional: MPI needs no leaving
         """Leave the group."""
 
+    def algorithm(self, op: str, nbytes: int) -> str:
+        """Name the algorithm ``op`` of ``nbytes`` runs (a peer library chooses its own: its name says so)."""
+        return f"{self.name}'s"
+
     def synchronize(self) -> None:  # noqa: B027 - host libraries finish inside the call
         """Wait for work the calls left running (GPU streams)."""
 
@@ -96,6 +100,25 @@ class _Ferro(_Adapter):
 
     def barrier(self) -> None:
         self.ferro.barrier()
+
+    def algorithm(self, op: str, nbytes: int) -> str:
+        """Name the algorithm ferro runs: its TCP rules (``FERRO_ALGORITHM_ALLREDUCE`` included), else the engine."""
+        from ferro._core import collectives as native
+        from ferro.collective.resolve import resolve_allreduce_algorithm
+
+        n = self.world_size
+        kind = type(self.group).__name__
+        if kind != "TcpBackend":
+            return {"ShmBackend": "shared-memory arena", "HierarchicalBackend": "hierarchical",
+                    "MpiBackend": "MPI's"}.get(kind, kind)
+        if op == "allreduce":
+            return resolve_allreduce_algorithm(nbytes, n)
+        if op == "all_gather":
+            return "bruck" if n >= 4 and nbytes <= native.DEFAULT_BRUCK_BYTES else "ring"
+        if op == "broadcast":
+            return "binomial tree" if n <= 2 or nbytes <= native.DEFAULT_CHAIN_BYTES else "pipelined chain"
+        return {"reduce_scatter": "ring", "all_to_all": "pairwise", "barrier": "dissemination",
+                "reduce": "binomial tree", "gather": "direct", "scatter": "direct"}.get(op, "")
 
     def max_over_ranks(self, value: float) -> float:
         x = np.array([value])
@@ -424,7 +447,7 @@ def sweep(adapter: _Adapter, ops: list[str], sizes: list[int], dtype: np.dtype, 
             wrong = int(adapter.max_over_ranks(float(checker()))) if check and checker is not None else None
             row = Row(adapter.name, op, size, count, dtype.name, redop if op in REDUCING else "none",
                       0 if op == "broadcast" else -1, adapter.world_size, oop, ip, wrong,
-                      wrong if ip is not None else None)
+                      wrong if ip is not None else None, adapter.algorithm(op, size))
             rows.append(row)
             show(format_row(row))
     show(footer(rows))
