@@ -45,7 +45,7 @@ class Row:
         ip_time_us: In-place time, or None where the op has no in-place form.
         oop_wrong: Wrong elements seen with --check, or None without it.
         ip_wrong: As ``oop_wrong`` for in-place.
-        algorithm: The algorithm that ran (ferro's, by its rule or ``FERRO_ALGORITHM_*``), or the library's.
+        algorithm: The algorithm that ran (ferro's, by its rule or ``FERRO_ALGORITHM_ALLREDUCE``), or the library's.
 
     """
 
