@@ -227,3 +227,17 @@ def test_rows_name_the_algorithm_the_variable_forces(tmp_path):
                           timeout=300, cwd=tmp_path)
     assert [row["algorithm"] for row in parse_rows(done.stdout)] == ["recursive_doubling", "recursive_doubling",
                                                                      "halving_doubling"]
+
+
+def test_fit_writes_a_cost_model_from_ring_allreduces(tmp_path):
+    from ferro.collective.cost_model import load_cost_model
+
+    model_path = tmp_path / "model.json"
+    done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "2", "--backend", "tcp", "-b", "8", "-e", "1M",
+                           "-f", "32", "--iters", "3", "--warmup", "1", "--fit", str(model_path)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert [row["algorithm"] for row in parse_rows(done.stdout.split("# cost model")[0])] == ["ring"] * 4
+    model = load_cost_model(str(model_path))
+    assert model is not None and model.alpha > 0 and model.beta > 0 and "2 ranks" in model.fitted_on
+    assert "chosen by the model" in done.stdout

@@ -18,6 +18,7 @@ from ferro import environment
 from ferro._buffers import Operand, operand
 from ferro._core.reduce import has_kernel
 from ferro.backend.base import Backend
+from ferro.collective.cost_model import COST_MODEL_ENV, CostModel, load_cost_model
 from ferro.collective.process_group import get_default_group
 from ferro.errors import ConfigurationError, InvalidBufferError, InvalidRankError, SizeMismatchError
 from ferro.rendezvous.settings import default_timeout
@@ -179,18 +180,29 @@ ALLREDUCE_ALGORITHM_NAMES = ("ring", "recursive_doubling", "halving_doubling")
 ALGORITHM_ALLREDUCE_ENV = "FERRO_ALGORITHM_ALLREDUCE"
 
 
+@functools.lru_cache(maxsize=8)
+def _cost_model(path: str) -> CostModel | None:
+    return load_cost_model(path)  # read once per file: the choice runs on every call
+
+
 def resolve_allreduce_algorithm(nbytes: int, world_size: int, forced: str | None = None) -> str:
-    """Return the allreduce algorithm a call runs: ``forced``, else ``$FERRO_ALGORITHM_ALLREDUCE``, else the rule's.
+    """Return the allreduce algorithm a call runs.
+
+    ``forced``, else ``$FERRO_ALGORITHM_ALLREDUCE``, else the fastest by the cost model in ``$FERRO_COST_MODEL``
+    (``ferro bench --fit`` writes one), else the rule measured on loopback (:func:`choose_allreduce`).
 
     Raises:
         ValueError: ``forced`` or the variable names no algorithm.
+        ConfigurationError: ``$FERRO_COST_MODEL`` names no readable model.
 
     """
     source = "algorithm"
     if forced is None:
         forced, source = environment.get(ALGORITHM_ALLREDUCE_ENV) or None, ALGORITHM_ALLREDUCE_ENV
     if forced is None:
-        return choose_allreduce(nbytes, world_size)
+        model_path = environment.get(COST_MODEL_ENV)
+        model = _cost_model(model_path) if model_path else None
+        return model.choose_allreduce(nbytes, world_size) if model else choose_allreduce(nbytes, world_size)
     if forced not in ALLREDUCE_ALGORITHM_NAMES:
         raise ValueError(f"allreduce: unknown {source} {forced!r}; use one of {', '.join(ALLREDUCE_ALGORITHM_NAMES)}")
     return forced

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -96,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "ranks, each host's link RATE both ways with LATENCY per message (default 50us), e.g. "
                              "256x8@25gbit,5us; prints the predicted time of ferro's choice, of each algorithm, and "
                              "the lower bound")
+    parser.add_argument("--fit", default=None, metavar="FILE",
+                        help="fit the allreduce cost model (seconds per message, per byte) on the ranks this run "
+                             "starts, from ring allreduces of every size, and write it to FILE; with "
+                             "FERRO_COST_MODEL=FILE every allreduce chooses the algorithm it predicts fastest")
     parser.add_argument("--compare", default="",
                         help=f"also run any of {', '.join(PEERS)}, e.g. mpi,ferro-tcp (MPI over "
                              "TCP beside --backend tcp, else with its default settings: shared memory on one host; "
@@ -312,6 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.load < 0:
         print(f"ferro bench: --load {args.load}: give 0 or more compute threads per rank", file=sys.stderr)
         return 2
+    if args.fit:
+        if ops != ["allreduce"] or peers or len(args.nproc) != 1 or args.nproc[0] < 2:
+            print("ferro bench: --fit measures allreduce on one world size of 2 ranks or more, with no --compare",
+                  file=sys.stderr)
+            return 2
+        # The ring's time is linear in the size with both costs in it; the model's other forms follow from them.
+        os.environ["FERRO_ALGORITHM_ALLREDUCE"] = "ring"
     if args.load:
         single_threaded_blas(os.environ)  # the ranks inherit it: N threads are N busy threads, not N x cores
     rows: list[Row] = []
@@ -361,7 +373,40 @@ def main(argv: list[str] | None = None) -> int:
             print(_comparison([r for r in rows if r.world_size == world_size], primary, peers, copy_us,
                               world_size, args.load))
     _write_outputs(args, rows)
+    if args.fit and status == 0:
+        status = _fit(args, rows)
     return status
+
+
+def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
+    """Fit alpha and beta to the ring rows (relative least squares over every size), write the model, show it."""
+    import numpy as np
+
+    from ferro.collective.cost_model import CostModel
+
+    ring = [r for r in rows if r.library.startswith("ferro") and r.op == "allreduce" and r.size > 0]
+    if len(ring) < 2:
+        print("ferro bench: --fit needs at least two sizes (-b, -e, -f)", file=sys.stderr)
+        return 1
+    n = ring[0].world_size
+    sizes = np.array([r.size for r in ring], dtype=float)
+    seconds = np.array([r.time_us() for r in ring]) * 1e-6
+    # t = 2 (n - 1) alpha + 2 (n - 1) / n size beta, weighted by 1 / t: every size counts by its relative error.
+    design = np.stack([np.full_like(sizes, 2 * (n - 1)), 2 * (n - 1) / n * sizes], axis=1) / seconds[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(sizes), rcond=None)
+    where = f"--emulate {args.emulate}" if args.emulate else f"one host ({socket.gethostname()})"
+    model = CostModel(max(float(alpha), 0.0), max(float(beta), 0.0), 0.0,
+                      f"{n} ranks, backend {ring[0].library}, {where}")
+    model.save(args.fit)
+    print(f"# cost model written to {args.fit}: alpha {model.alpha * 1e6:.2f} us per message, beta "
+          f"{1 / model.beta / 1e6 if model.beta else float('inf'):.1f} MB/s ({model.fitted_on})")
+    print(f"# {'size':>10} {'measured':>12} {'fitted':>12} {'chosen by the model':>20} {'by the rule':>20}")
+    from ferro.collective.resolve import choose_allreduce
+
+    for row, measured in zip(ring, seconds, strict=True):
+        print(f"  {row.size:>10} {measured * 1e6:>12.1f} {model.allreduce('ring', row.size, n) * 1e6:>12.1f} "
+              f"{model.choose_allreduce(row.size, n):>20} {choose_allreduce(row.size, n):>20}")
+    return 0
 
 
 def _as_rank(args: argparse.Namespace, ops: list[str]) -> int:

@@ -1,0 +1,98 @@
+"""A latency-bandwidth cost model of the allreduce algorithms, fitted on the user's own network.
+
+Each algorithm's time is the closed form of its schedule (``_core/schedule.h``) under the alpha-beta-gamma model:
+``alpha`` seconds per message, ``beta`` seconds per byte moved, ``gamma`` seconds per byte reduced. For ``n`` ranks,
+``p`` the largest power of two not above ``n`` and ``m`` bytes:
+
+* ring: ``2 (n - 1) alpha + 2 (n - 1) / n m beta + (n - 1) / n m gamma``;
+* recursive doubling: ``log2 p (alpha + m beta + m gamma)``, plus ``2 (alpha + m beta) + m gamma`` to fold and
+  unfold the ranks beyond ``p``;
+* halving-doubling: ``2 log2 p alpha + 2 (p - 1) / p m beta + (p - 1) / p m gamma``, plus the same fold.
+
+``tests/test_schedule.py`` holds these forms to the simulator, which replays the schedules themselves, so the two
+cannot drift apart. ``ferro bench --fit FILE`` measures ``alpha`` and ``beta + gamma / 2`` from timed ring
+allreduces on the ranks it starts and writes them; ``FERRO_COST_MODEL=FILE`` makes every allreduce that is not
+forced choose the algorithm the model predicts fastest. Every rank must read the same file (a rank that chose
+otherwise fails with a mismatch that names both algorithms, see the call's fingerprint).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ferro import environment
+from ferro.errors import ConfigurationError
+
+__all__ = ["COST_MODEL_ENV", "CostModel", "load_cost_model"]
+
+#: A JSON file written by ``ferro bench --fit``: allreduce algorithms are chosen from it.
+COST_MODEL_ENV = "FERRO_COST_MODEL"
+_ALGORITHMS = ("ring", "recursive_doubling", "halving_doubling")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The alpha-beta-gamma costs of one kind of link.
+
+    Attributes:
+        alpha: Seconds per message (latency and per-message overhead).
+        beta: Seconds per byte sent.
+        gamma: Seconds per byte reduced.
+        fitted_on: What the figures were measured on (ranks, backend, host), for people.
+
+    """
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+    fitted_on: str = ""
+
+    def allreduce(self, algorithm: str, nbytes: int, world_size: int) -> float:
+        """Return the predicted seconds of an allreduce of ``nbytes`` over ``world_size`` ranks."""
+        n, m = world_size, float(nbytes)
+        if n < 2 or m == 0:
+            return 0.0
+        a, b, g = self.alpha, self.beta, self.gamma
+        power = 1 << (n.bit_length() - 1)
+        rounds = int(math.log2(power))
+        fold = (2 * (a + m * b) + m * g) if n > power else 0.0
+        if algorithm == "ring":
+            return 2 * (n - 1) * a + 2 * (n - 1) / n * m * b + (n - 1) / n * m * g
+        if algorithm == "recursive_doubling":
+            return rounds * (a + m * b + m * g) + fold
+        if algorithm == "halving_doubling":
+            return 2 * rounds * a + 2 * (power - 1) / power * m * b + (power - 1) / power * m * g + fold
+        raise ValueError(f"no cost for allreduce algorithm {algorithm!r}; use one of {', '.join(_ALGORITHMS)}")
+
+    def choose_allreduce(self, nbytes: int, world_size: int) -> str:
+        """Return the algorithm predicted fastest (the first of ring, recursive doubling, halving-doubling on a tie)."""
+        return min(_ALGORITHMS, key=lambda name: self.allreduce(name, nbytes, world_size))
+
+    def save(self, path: str | Path) -> None:
+        """Write the model as JSON."""
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def load_cost_model(path: str | None = None) -> CostModel | None:
+    """Return the model in ``path`` (default ``$FERRO_COST_MODEL``), or None when there is none.
+
+    Raises:
+        ConfigurationError: The file cannot be read or is not a model ``ferro bench --fit`` wrote.
+
+    """
+    path = path or environment.get(COST_MODEL_ENV)
+    if not path:
+        return None
+    try:
+        fields = json.loads(Path(path).read_text())
+        model = CostModel(float(fields["alpha"]), float(fields["beta"]), float(fields.get("gamma", 0.0)),
+                          str(fields.get("fitted_on", "")))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigurationError(f"{COST_MODEL_ENV}={path}: not a cost model written by ferro bench --fit ({exc})"
+                                 ) from None
+    if min(model.alpha, model.beta, model.gamma) < 0:
+        raise ConfigurationError(f"{COST_MODEL_ENV}={path}: costs must not be negative: {model}")
+    return model
