@@ -268,3 +268,56 @@ def test_the_cost_model_file_drives_the_choice_and_a_bad_one_is_refused(tmp_path
     broken.write_text("{\"alpha\": 1}")
     with pytest.raises(ConfigurationError, match="not a cost model written by ferro bench --fit"):
         load_cost_model(str(broken))
+
+
+# --- broadcast's schedules: the binomial tree and the pipelined chain ---
+
+def run_broadcast(n, root, nbytes, code, segment):
+    data = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
+    buffers = [data.copy() if r == root else np.zeros(nbytes, np.uint8) for r in range(n)]
+    plans = [deque(native.plan_steps(code, r, n, nbytes, 1, root=root, segment=segment)) for r in range(n)]
+    queues, sent = defaultdict(deque), [False] * n
+    while any(plans):
+        progressed = False
+        for rank in range(n):
+            if not plans[rank]:
+                continue
+            send_peer, send_off, send_len, recv_peer, recv_off, recv_len, _ = plans[rank][0]
+            if send_peer >= 0 and send_len and not sent[rank]:
+                queues[(rank, send_peer)].append(buffers[rank][send_off:send_off + send_len].copy())
+                sent[rank], progressed = True, True
+            if recv_peer >= 0 and recv_len:
+                if not queues[(recv_peer, rank)]:
+                    continue
+                buffers[rank][recv_off:recv_off + recv_len] = queues[(recv_peer, rank)].popleft()
+            plans[rank].popleft()
+            sent[rank], progressed = False, True
+        assert progressed, f"broadcast deadlocks at {n} ranks from {root}"
+    assert not any(queues.values())
+    return data, buffers
+
+
+@pytest.mark.parametrize("algorithm", sorted(simulate.BROADCAST_ALGORITHMS))
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_every_rank_gets_the_root_s_bytes(algorithm, n):
+    for root in {0, n // 2, n - 1}:
+        for nbytes, segment in ((1, 4), (10, 4), (1000, 64), (4096, 4096)):
+            data, buffers = run_broadcast(n, root, nbytes, simulate.BROADCAST_ALGORITHMS[algorithm], segment)
+            for rank, got in enumerate(buffers):
+                np.testing.assert_array_equal(got, data, err_msg=f"{algorithm} {n} ranks, root {root}, rank {rank}")
+
+
+def test_the_chain_pipelines_and_the_tree_does_not():
+    network = simulate.parse_network("16x1@100mbit,50us")
+    big, small = 16 << 20, 1024
+    bound = simulate.lower_bound_broadcast(network, big)
+    chain = simulate.predict_broadcast(network, "pipelined chain", big)
+    # 16 MiB from one root: the tree sends the whole message log2(16) = 4 times over; the chain forwards 1 MiB
+    # segments as they arrive, paying the pipeline's fill (15 hops of a segment) on top of the 16 segments.
+    assert simulate.predict_broadcast(network, "binomial tree", big) > 3.5 * bound
+    assert chain == pytest.approx((16 + 15) * (1 << 20) / network.rate, rel=0.05)
+    # Finer segments fill the pipeline faster: the simulator says what the chain's fixed 1 MiB costs here.
+    assert simulate.predict_broadcast(network, "pipelined chain", big, segment=64 << 10) < 1.1 * bound
+    # 1 KiB: 4 rounds against 15 hops.
+    assert simulate.predict_broadcast(network, "binomial tree", small) < simulate.predict_broadcast(
+        network, "pipelined chain", small) / 2

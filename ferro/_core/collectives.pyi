@@ -15,13 +15,15 @@ DEFAULT_CHAIN_BYTES: int
 DEFAULT_BRUCK_BYTES: int
 DIRECT_REDUCE_SCATTER_BYTES: int
 STEP_REDUCE: int
+ALGORITHM_BINOMIAL_TREE: int
+ALGORITHM_CHAIN: int
 STEP_SEND_SOURCE: int
 STEP_RECV_BASE: int
 STEP_DIVIDE: int
 
 def plan_steps(
     algorithm: int, rank: int, n: int, count: int, itemsize: int, phases: int = ..., mean: bool = ...,
-    source: bool = ...,
+    source: bool = ..., root: int = ..., segment: int = ...,
 ) -> list[tuple[int, int, int, int, int, int, int]]: ...
 
 class Mesh:

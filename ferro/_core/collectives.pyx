@@ -39,6 +39,8 @@ cdef extern from "schedule.h" nogil:
         FERRO_PLAN_RING
         FERRO_PLAN_RECURSIVE_DOUBLING
         FERRO_PLAN_HALVING_DOUBLING
+        FERRO_PLAN_BINOMIAL_TREE
+        FERRO_PLAN_CHAIN
         FERRO_PHASE_REDUCE_SCATTER
         FERRO_PHASE_ALL_GATHER
         FERRO_STEP_REDUCE
@@ -59,6 +61,8 @@ cdef extern from "schedule.h" nogil:
         int power
     void ferro_plan_init(ferro_plan* plan, int algorithm, int rank, int n, size_t count, size_t itemsize,
                          const size_t* starts, const size_t* ends, size_t* bounds, int phases, int mean, int source)
+    void ferro_plan_init_broadcast(ferro_plan* plan, int algorithm, int rank, int n, int root, size_t nbytes,
+                                   size_t segment)
     int ferro_plan_next(ferro_plan* plan, ferro_step* step)
 
 cdef enum:
@@ -252,7 +256,7 @@ cdef inline int _folded_partner(int virtual, int extra) noexcept nogil:
 
 
 def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t itemsize, int phases=3,
-               bint mean=False, bint source=False):
+               bint mean=False, bint source=False, int root=0, Py_ssize_t segment=DEFAULT_SEGMENT_BYTES):
     """Return the steps ``rank`` of ``n`` runs for a collective of ``count`` elements: ``schedule.h``'s plan.
 
     The same iterator the compiled executor runs, exposed for ``ferro bench --simulate`` and the tests. Each
@@ -261,7 +265,9 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
     as the allreduce cuts them (``numpy.array_split`` of ``count`` over ``n``).
 
     Args:
-        algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING`` or ``ALGORITHM_HALVING_DOUBLING``.
+        algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING``, ``ALGORITHM_HALVING_DOUBLING``, or
+            broadcast's ``ALGORITHM_BINOMIAL_TREE`` and ``ALGORITHM_CHAIN`` (``count`` bytes from ``root``, the
+            chain in ``segment``-byte pieces).
         rank: The rank whose steps to list.
         n: The world size.
         count: Elements.
@@ -283,7 +289,11 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
     try:
         for i in range(n + 1):
             bounds[i] = _bound(count, n, i)
-        if algorithm == RING:
+        if algorithm == FERRO_PLAN_BINOMIAL_TREE or algorithm == FERRO_PLAN_CHAIN:
+            if not 0 <= root < n or segment <= 0:
+                raise ValueError(f"no broadcast plan from root {root} of {n} in {segment}-byte segments")
+            ferro_plan_init_broadcast(&plan, algorithm, rank, n, root, count * itemsize, segment)
+        elif algorithm == RING:
             ferro_plan_init(&plan, FERRO_PLAN_RING, rank, n, count, itemsize, bounds, bounds + 1, NULL, phases,
                             mean, source)
         else:
@@ -297,6 +307,8 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
 
 
 STEP_REDUCE = FERRO_STEP_REDUCE
+ALGORITHM_BINOMIAL_TREE = FERRO_PLAN_BINOMIAL_TREE
+ALGORITHM_CHAIN = FERRO_PLAN_CHAIN
 STEP_SEND_SOURCE = FERRO_STEP_SEND_SOURCE
 STEP_RECV_BASE = FERRO_STEP_RECV_BASE
 STEP_DIVIDE = FERRO_STEP_DIVIDE
@@ -595,7 +607,9 @@ def allreduce(Mesh mesh, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t f
         itemsize: Bytes per element.
         fingerprint: The call's fingerprint, carried by every frame.
         timeout: Seconds for the whole collective.
-        algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING`` or ``ALGORITHM_HALVING_DOUBLING``.
+        algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING``, ``ALGORITHM_HALVING_DOUBLING``, or
+            broadcast's ``ALGORITHM_BINOMIAL_TREE`` and ``ALGORITHM_CHAIN`` (``count`` bytes from ``root``, the
+            chain in ``segment``-byte pieces).
         segment_bytes: Ring segment size; every rank must use the same.
         divisor: When not 0, divide the result by it (MEAN) inside the collective:
             the ring divides each chunk once, between its two phases.
@@ -785,55 +799,28 @@ def all_gather(Mesh mesh, buf, Py_ssize_t nbytes, uint64_t fingerprint, double t
 
 
 cdef int _broadcast_tree(ConnState** conns, int rank, int n, int root, unsigned char* buf, size_t nbytes,
-                         uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
-    """Binomial tree: receive once from the parent, then send to each child; log2(n) rounds."""
-    cdef int virtual = (rank - root + n) % n, mask = 1
-    while mask < n:
-        if virtual & mask:
-            if _exchange(s, NULL, NULL, 0, r, conns[(virtual - mask + root) % n], buf, nbytes, fingerprint, deadline):
-                return 1
-            break
-        mask <<= 1
-    mask >>= 1
-    while mask > 0:
-        if virtual + mask < n:
-            if _exchange(s, conns[(virtual + mask + root) % n], buf, nbytes, r, NULL, NULL, 0, fingerprint, deadline):
-                return 1
-        mask >>= 1
-    return 0
+                         size_t segment, uint64_t fingerprint, int64_t deadline, SendOp* s,
+                         RecvOp* r) except -1 nogil:
+    """Binomial tree: receive once from the parent, then send to each child; log2(n) rounds (``schedule.h``)."""
+    cdef ferro_plan plan
+    ferro_plan_init_broadcast(&plan, FERRO_PLAN_BINOMIAL_TREE, rank, n, root, nbytes, segment)
+    return _run_plan(conns, &plan, buf, NULL, 1, -1, NULL, NULL, segment, 0, fingerprint, deadline, s, r)
 
 
 cdef int _broadcast_chain(ConnState** conns, int rank, int n, int root, unsigned char* buf, size_t nbytes,
                           size_t segment, uint64_t fingerprint, int64_t deadline, SendOp* s,
                           RecvOp* r) except -1 nogil:
-    """Pipelined chain root -> root+1 -> ...: forward segment i-1 while segment i arrives."""
-    cdef int virtual = (rank - root + n) % n
-    cdef ConnState* nxt = conns[(rank + 1) % n] if virtual != n - 1 else NULL
-    cdef ConnState* prv = conns[(rank - 1 + n) % n] if virtual != 0 else NULL
-    cdef size_t count = (nbytes + segment - 1) // segment, i, start, length, prev_start = 0, prev_length = 0
-    cdef ConnState* to
-    for i in range(count + 1):
-        start = i * segment
-        length = min(segment, nbytes - start) if i < count else 0
-        if virtual == 0:
-            # The root sends segment i; it has nothing to receive.
-            if i < count and _exchange(s, nxt, buf + start, length, r, NULL, NULL, 0, fingerprint, deadline):
-                return 1
-            continue
-        # Others forward segment i-1 while segment i arrives.
-        to = nxt if i > 0 else NULL
-        if _exchange(s, to, buf + prev_start, prev_length, r, prv if i < count else NULL, buf + start, length,
-                     fingerprint, deadline):
-            return 1
-        prev_start, prev_length = start, length
-    return 0
+    """Pipelined chain root -> root+1 -> ...: forward segment i-1 while segment i arrives (``schedule.h``)."""
+    cdef ferro_plan plan
+    ferro_plan_init_broadcast(&plan, FERRO_PLAN_CHAIN, rank, n, root, nbytes, segment)
+    return _run_plan(conns, &plan, buf, NULL, 1, -1, NULL, NULL, segment, 0, fingerprint, deadline, s, r)
 
 
 cdef int _broadcast_locked(Mesh mesh, int root, unsigned char* buf, size_t nbytes, size_t segment,
                            uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
     if mesh.chain(nbytes):
         return _broadcast_chain(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, segment, fingerprint, deadline, s, r)
-    return _broadcast_tree(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, fingerprint, deadline, s, r)
+    return _broadcast_tree(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, segment, fingerprint, deadline, s, r)
 
 
 def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,

@@ -24,6 +24,8 @@ enum {
     FERRO_PLAN_RING = 0,
     FERRO_PLAN_RECURSIVE_DOUBLING = 1,
     FERRO_PLAN_HALVING_DOUBLING = 2,
+    FERRO_PLAN_BINOMIAL_TREE = 3,   /* broadcast: receive from the parent, then send to each child */
+    FERRO_PLAN_CHAIN = 4,           /* broadcast: root -> root + 1 -> ..., segment i - 1 forwarded as i arrives */
 };
 
 enum {
@@ -56,6 +58,8 @@ typedef struct {
     int phases;             /* the ring's: FERRO_PHASE_* */
     int mean;               /* divide once, where the algorithm completes a chunk */
     int source;             /* the ring's first reduce-scatter step reads the input (out of place) */
+    int root;               /* broadcast's */
+    size_t segment;         /* the chain's segment */
     /* progress */
     int stage, index;
     int power, extra, virtual_rank, mask, lo, hi;
@@ -98,6 +102,8 @@ static inline void ferro_plan_init(ferro_plan *plan, int algorithm, int rank, in
     plan->phases = phases;
     plan->mean = mean;
     plan->source = source;
+    plan->root = 0;
+    plan->segment = 0;
     plan->stage = 0;
     plan->index = 0;
     plan->power = 1;
@@ -277,12 +283,89 @@ static int ferro_plan_next_doubling(ferro_plan *p, ferro_step *step) {
     }
 }
 
+/* Start a broadcast of `nbytes` from `root`: a binomial tree, or a chain of `segment`-byte pieces. */
+static inline void ferro_plan_init_broadcast(ferro_plan *plan, int algorithm, int rank, int n, int root, size_t nbytes,
+                                             size_t segment) {
+    ferro_plan_init(plan, algorithm, rank, n, nbytes, 1, NULL, NULL, NULL, 0, 0, 0);
+    plan->root = root;
+    plan->segment = segment ? segment : 1;
+    plan->virtual_rank = (rank - root + n) % n;
+    plan->mask = 1;
+}
+
+static int ferro_plan_next_tree(ferro_plan *p, ferro_step *step) {
+    int v = p->virtual_rank, n = p->n;
+    ferro_plan_clear(step);
+    if (p->stage == 0) {  /* find the parent: the lowest set bit of the virtual rank */
+        p->stage = 1;
+        while (p->mask < n) {
+            if (v & p->mask) {
+                step->recv_peer = (v - p->mask + p->root) % n;
+                step->recv_len = p->nbytes;
+                p->mask >>= 1;
+                return 1;
+            }
+            p->mask <<= 1;
+        }
+        p->mask >>= 1;
+    }
+    while (p->mask > 0) {  /* the children, farthest first */
+        int child = v + p->mask;
+        p->mask >>= 1;
+        if (child < n) {
+            step->send_peer = (child + p->root) % n;
+            step->send_len = p->nbytes;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int ferro_plan_next_chain(ferro_plan *p, ferro_step *step) {
+    int v = p->virtual_rank, n = p->n;
+    size_t count = (p->nbytes + p->segment - 1) / p->segment, i, start, length;
+    for (;;) {
+        i = (size_t)p->index;
+        if (i > count)
+            return 0;
+        p->index++;
+        ferro_plan_clear(step);
+        start = i * p->segment;
+        length = i < count ? (p->nbytes - start < p->segment ? p->nbytes - start : p->segment) : 0;
+        if (v == 0) {  /* the root sends segment i; it has nothing to receive */
+            if (i < count && v != n - 1) {
+                step->send_peer = (p->rank + 1) % n;
+                step->send_off = start;
+                step->send_len = length;
+                return 1;
+            }
+            continue;
+        }
+        if (i > 0 && v != n - 1) {  /* forward segment i - 1 ... */
+            step->send_peer = (p->rank + 1) % n;
+            step->send_off = (i - 1) * p->segment;
+            step->send_len = p->nbytes - step->send_off < p->segment ? p->nbytes - step->send_off : p->segment;
+        }
+        if (i < count) {            /* ... while segment i arrives */
+            step->recv_peer = (p->rank - 1 + n) % n;
+            step->recv_off = start;
+            step->recv_len = length;
+        }
+        if (step->send_peer >= 0 || step->recv_peer >= 0)
+            return 1;
+    }
+}
+
 /* The next step of the plan into `step`: 1, or 0 when the plan is done. */
 static inline int ferro_plan_next(ferro_plan *plan, ferro_step *step) {
     if (plan->n < 2)
         return 0;
     if (plan->algorithm == FERRO_PLAN_RING)
         return ferro_plan_next_ring(plan, step);
+    if (plan->algorithm == FERRO_PLAN_BINOMIAL_TREE)
+        return ferro_plan_next_tree(plan, step);
+    if (plan->algorithm == FERRO_PLAN_CHAIN)
+        return ferro_plan_next_chain(plan, step);
     return ferro_plan_next_doubling(plan, step);
 }
 

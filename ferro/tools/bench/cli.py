@@ -223,13 +223,15 @@ def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[i
 
 
 def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
-    """Print ``--simulate``'s table: per size, ferro's choice and every algorithm predicted, beside the bound."""
-    from ferro.collective.algorithms import choose_allreduce
+    """Print ``--simulate``'s tables: per size, ferro's choice and every algorithm predicted, beside the bound."""
+    from ferro._core import collectives as native
+    from ferro.collective.resolve import resolve_allreduce_algorithm
     from ferro.tools.bench import simulate
 
-    if ops != ["allreduce"]:
-        print("ferro bench: --simulate replays allreduce's schedules only (the other ops' schedules are not yet "
-              "described as plans)", file=sys.stderr)
+    unplanned = [op for op in ops if op not in ("allreduce", "broadcast")]
+    if unplanned:
+        print(f"ferro bench: --simulate replays allreduce's and broadcast's schedules; {', '.join(unplanned)} "
+              "are not yet described as plans", file=sys.stderr)
         return 2
     try:
         network = simulate.parse_network(args.simulate)
@@ -239,20 +241,27 @@ def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
     itemsize = 2 if args.dtype in ("float16", "bfloat16") else 8 if args.dtype.endswith("64") else (
         1 if args.dtype.endswith("8") else 4)
     n = network.world_size
-    names = sorted(simulate.ALGORITHMS)
     print(f"# ferro bench --simulate {args.simulate}: {network.hosts} hosts x {network.ranks_per_host} ranks = {n}, "
           f"{network.rate * 8 / 1e9:g} Gbit/s each way per host, {network.latency * 1e6:g} us per message; "
-          f"predicted time per call (us), the schedules the executor runs")
-    print(f"# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} {'algorithm':>18} {'time':>11} "
-          f"{'busbw':>8} " + " ".join(f"{name:>18}" for name in names) + f" {'bound':>11}")
-    for size in sizes_from(args.minbytes, args.maxbytes, args.stepfactor):
-        nbytes = max(itemsize, size - size % itemsize)
-        chosen = choose_allreduce(nbytes, n)
-        times = {name: simulate.predict(network, name, nbytes, itemsize) for name in names}
-        busbw = nbytes / times[chosen] / 1e9 * 2 * (n - 1) / n if times[chosen] > 0 and n > 1 else 0.0
-        print(f"  {nbytes:>10} {nbytes // itemsize:>12} {args.dtype:>8} {args.op:>6} {-1:>5} {chosen:>18} "
-              f"{times[chosen] * 1e6:>11.1f} {busbw:>8.3f} " + " ".join(f"{times[name] * 1e6:>18.1f}" for name in names)
-              + f" {simulate.lower_bound(network, nbytes) * 1e6:>11.1f}")
+          f"predicted time per call (us) of the schedules the executor runs")
+    for op in ops:
+        names = sorted(simulate.ALGORITHMS) if op == "allreduce" else sorted(simulate.BROADCAST_ALGORITHMS)
+        print(f"#\n# {op}\n# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} {'algorithm':>18} "
+              f"{'time':>11} {'busbw':>8} " + " ".join(f"{name:>18}" for name in names) + f" {'bound':>11}")
+        for size in sizes_from(args.minbytes, args.maxbytes, args.stepfactor):
+            nbytes = max(itemsize, size - size % itemsize)
+            if op == "allreduce":
+                chosen = resolve_allreduce_algorithm(nbytes, n)
+                times = {name: simulate.predict(network, name, nbytes, itemsize) for name in names}
+                bound, factor, redop, root = simulate.lower_bound(network, nbytes), 2 * (n - 1) / n, args.op, -1
+            else:
+                chosen = "binomial tree" if n <= 2 or nbytes <= native.DEFAULT_CHAIN_BYTES else "pipelined chain"
+                times = {name: simulate.predict_broadcast(network, name, nbytes) for name in names}
+                bound, factor, redop, root = simulate.lower_bound_broadcast(network, nbytes), 1.0, "none", 0
+            busbw = nbytes / times[chosen] / 1e9 * factor if times[chosen] > 0 and n > 1 else 0.0
+            print(f"  {nbytes:>10} {nbytes // itemsize:>12} {args.dtype:>8} {redop:>6} {root:>5} {chosen:>18} "
+                  f"{times[chosen] * 1e6:>11.1f} {busbw:>8.3f} "
+                  + " ".join(f"{times[name] * 1e6:>18.1f}" for name in names) + f" {bound * 1e6:>11.1f}")
     return 0
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from ferro._core import collectives as native
 
-__all__ = ["ALGORITHMS", "Network", "lower_bound", "parse_network", "predict", "replay"]
+__all__ = ["ALGORITHMS", "BROADCAST_ALGORITHMS", "Network", "lower_bound", "lower_bound_broadcast", "parse_network",
+           "predict", "predict_broadcast", "replay"]
 
 #: The schedules the simulator replays, by the name ``ferro.allreduce(algorithm=...)`` takes.
 ALGORITHMS = {"ring": native.ALGORITHM_RING, "recursive_doubling": native.ALGORITHM_RECURSIVE_DOUBLING,
@@ -173,6 +174,29 @@ def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
     n = network.world_size
     code = ALGORITHMS[algorithm]
     return replay(network, lambda rank: native.plan_steps(code, rank, n, count, itemsize), segment)
+
+
+#: Broadcast's schedules, by the name ``ferro bench`` rows give them.
+BROADCAST_ALGORITHMS = {"binomial tree": native.ALGORITHM_BINOMIAL_TREE, "pipelined chain": native.ALGORITHM_CHAIN}
+
+
+def predict_broadcast(network: Network, algorithm: str, nbytes: int, root: int = 0,
+                      segment: int = native.DEFAULT_SEGMENT_BYTES) -> float:
+    """Return the predicted seconds of a broadcast of ``nbytes`` from ``root`` with ``algorithm`` on ``network``."""
+    code, n = BROADCAST_ALGORITHMS[algorithm], network.world_size
+    return replay(network, lambda rank: native.plan_steps(code, rank, n, nbytes, 1, root=root, segment=segment),
+                  segment)
+
+
+def lower_bound_broadcast(network: Network, nbytes: int) -> float:
+    """Return the lower bound of a broadcast: the root's link carries the data once; ceil(log2) rounds of latency."""
+    hosts, per_host, n = network.hosts, network.ranks_per_host, network.world_size
+    if n < 2:
+        return 0.0
+    bandwidth = nbytes / network.rate if hosts > 1 else nbytes / network.local_rate
+    latency = (math.ceil(math.log2(hosts)) * network.latency
+               + math.ceil(math.log2(per_host)) * network.local_latency)
+    return max(bandwidth, latency)
 
 
 def lower_bound(network: Network, nbytes: int) -> float:
