@@ -17,14 +17,10 @@ WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16]
 ALGORITHMS = sorted(simulate.ALGORITHMS)
 
 
-def run_plans(inputs, algorithm, phases=3, mean=False):
-    """Execute every rank's steps with queues between ranks (in order per pair, as TCP delivers); return buffers."""
-    n = len(inputs)
-    itemsize = inputs[0].itemsize
-    count = inputs[0].size
-    buffers = [x.copy().view(np.uint8) for x in inputs]
-    plans = [deque(native.plan_steps(simulate.ALGORITHMS[algorithm], r, n, count, itemsize, phases, mean))
-             for r in range(n)]
+def execute(plans, buffers, dtype):
+    """Run every rank's steps (deques) on its byte buffer, with queues between ranks in order per pair, as TCP
+    delivers: a step sends first, then waits for its receive; a reducing step adds what arrived as ``dtype``."""
+    n = len(plans)
     queues = defaultdict(deque)
     sent = [False] * n  # whether the rank's current step has sent already
     while any(plans):
@@ -35,8 +31,7 @@ def run_plans(inputs, algorithm, phases=3, mean=False):
             send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags = plans[rank][0]
             if send_peer >= 0 and send_len and not sent[rank]:
                 queues[(rank, send_peer)].append(buffers[rank][send_off:send_off + send_len].copy())
-                sent[rank] = True
-                progressed = True
+                sent[rank], progressed = True, True
             if recv_peer >= 0 and recv_len:
                 if not queues[(recv_peer, rank)]:
                     continue
@@ -44,19 +39,23 @@ def run_plans(inputs, algorithm, phases=3, mean=False):
                 assert data.size == recv_len, f"rank {rank} expected {recv_len} bytes from {recv_peer}, got {data.size}"
                 target = buffers[rank][recv_off:recv_off + recv_len]
                 if flags & native.STEP_REDUCE:
-                    view = target.view(inputs[0].dtype)
-                    view += data.view(inputs[0].dtype)
+                    view = target.view(dtype)
+                    view += data.view(dtype)
                 else:
                     target[:] = data
-            if flags & native.STEP_DIVIDE:
-                chunk = buffers[rank][0:0]
-                assert mean
-                del chunk
             plans[rank].popleft()
-            sent[rank] = False
-            progressed = True
-        assert progressed, f"{algorithm} at {n} ranks deadlocks: {[len(p) for p in plans]} steps left"
+            sent[rank], progressed = False, True
+        assert progressed, f"the plans deadlock at {n} ranks: {[len(p) for p in plans]} steps left"
     assert not any(queues.values()), "a message was sent that no step received"
+
+
+def run_plans(inputs, algorithm, phases=3, mean=False):
+    """Execute every rank's allreduce steps (MEAN's division left out: the tests sum integers); return buffers."""
+    n, itemsize, count = len(inputs), inputs[0].itemsize, inputs[0].size
+    buffers = [x.copy().view(np.uint8) for x in inputs]
+    plans = [deque(native.plan_steps(simulate.ALGORITHMS[algorithm], r, n, count, itemsize, phases, mean))
+             for r in range(n)]
+    execute(plans, buffers, inputs[0].dtype)
     return [b.view(inputs[0].dtype) for b in buffers]
 
 
@@ -276,24 +275,7 @@ def run_broadcast(n, root, nbytes, code, segment):
     data = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
     buffers = [data.copy() if r == root else np.zeros(nbytes, np.uint8) for r in range(n)]
     plans = [deque(native.plan_steps(code, r, n, nbytes, 1, root=root, segment=segment)) for r in range(n)]
-    queues, sent = defaultdict(deque), [False] * n
-    while any(plans):
-        progressed = False
-        for rank in range(n):
-            if not plans[rank]:
-                continue
-            send_peer, send_off, send_len, recv_peer, recv_off, recv_len, _ = plans[rank][0]
-            if send_peer >= 0 and send_len and not sent[rank]:
-                queues[(rank, send_peer)].append(buffers[rank][send_off:send_off + send_len].copy())
-                sent[rank], progressed = True, True
-            if recv_peer >= 0 and recv_len:
-                if not queues[(recv_peer, rank)]:
-                    continue
-                buffers[rank][recv_off:recv_off + recv_len] = queues[(recv_peer, rank)].popleft()
-            plans[rank].popleft()
-            sent[rank], progressed = False, True
-        assert progressed, f"broadcast deadlocks at {n} ranks from {root}"
-    assert not any(queues.values())
+    execute(plans, buffers, np.uint8)
     return data, buffers
 
 
