@@ -237,7 +237,10 @@ def test_fit_writes_a_cost_model_from_ring_allreduces(tmp_path):
                            "-f", "32", "--iters", "3", "--warmup", "1", "--fit", str(model_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert [row["algorithm"] for row in parse_rows(done.stdout.split("# cost model")[0])] == ["ring"] * 4
+    timed = [row["algorithm"] for row in parse_rows(done.stdout.split("# cost model")[0])]
+    assert timed == ["ring"] * 4 + ["recursive_doubling"] * 4 + ["halving_doubling"] * 4  # each forced in turn
     model = load_cost_model(str(model_path))
     assert model is not None and model.alpha > 0 and model.beta > 0 and "2 ranks" in model.fitted_on
+    assert set(model.per_algorithm) == set(model.measured) == {"ring", "recursive_doubling", "halving_doubling"}
+    assert model.world_size == 2 and [size for size, _ in model.measured["ring"]] == [8, 256, 8192, 262144]
     assert "chosen by the model" in done.stdout

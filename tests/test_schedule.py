@@ -303,3 +303,21 @@ def test_the_chain_pipelines_and_the_tree_does_not():
     # 1 KiB: 4 rounds against 15 hops.
     assert simulate.predict_broadcast(network, "binomial tree", small) < simulate.predict_broadcast(
         network, "pipelined chain", small) / 2
+
+
+def test_a_fitted_model_chooses_by_its_timings_inside_their_range_and_by_its_forms_outside():
+    from ferro.collective.cost_model import CostModel
+
+    # Timings as ferro bench --fit took them at 8 ranks on an emulated 100 Mbit cluster (us): recursive doubling
+    # fastest at 4 KiB, halving-doubling at 16 KiB, the ring from 256 KiB.
+    timed = {"ring": [(4096, 1171e-6), (16384, 2551e-6), (262144, 38505e-6), (4194304, 619985e-6)],
+             "recursive_doubling": [(4096, 531e-6), (16384, 4079e-6), (262144, 115211e-6), (4194304, 1431405e-6)],
+             "halving_doubling": [(4096, 886e-6), (16384, 2422e-6), (262144, 38720e-6), (4194304, 837712e-6)]}
+    model = CostModel(36e-6, 1 / 12.1e6, 0.0, "test", {"ring": (36e-6, 1 / 12.1e6),
+                                                        "recursive_doubling": (0.0, 1 / 9.0e6),
+                                                        "halving_doubling": (29e-6, 1 / 11.0e6)}, 8, timed)
+    assert [model.choose_allreduce(size, 8) for size in (4096, 16384, 4194304)] == [
+        "recursive_doubling", "halving_doubling", "ring"]
+    assert model.choose_allreduce(1 << 20, 8) == "ring"  # between timed sizes: interpolated
+    # Outside the timed sizes, or at another world size, the per-algorithm forms decide: large, the ring.
+    assert model.choose_allreduce(64 << 20, 8) == "ring" and model.choose_allreduce(64 << 20, 16) == "ring"

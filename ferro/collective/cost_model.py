@@ -10,8 +10,9 @@ Each algorithm's time is the closed form of its schedule (``_core/schedule.h``) 
 * halving-doubling: ``2 log2 p alpha + 2 (p - 1) / p m beta + (p - 1) / p m gamma``, plus the same fold.
 
 ``tests/test_schedule.py`` holds these forms to the simulator, which replays the schedules themselves, so the two
-cannot drift apart. ``ferro bench --fit FILE`` measures ``alpha`` and ``beta + gamma / 2`` from timed ring
-allreduces on the ranks it starts and writes them; ``FERRO_COST_MODEL=FILE`` makes every allreduce that is not
+cannot drift apart. ``ferro bench --fit FILE`` times each algorithm at every size on the ranks it starts and fits
+``alpha`` and ``beta`` to each one's own form (``per_algorithm``: what the link costs that algorithm, which the
+shared costs do not always say), and writes them; ``FERRO_COST_MODEL=FILE`` makes every allreduce that is not
 forced choose the algorithm the model predicts fastest. Every rank must read the same file (a rank that chose
 otherwise fails with a mismatch that names both algorithms, see the call's fingerprint).
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ferro import environment
@@ -42,6 +43,15 @@ class CostModel:
         beta: Seconds per byte sent.
         gamma: Seconds per byte reduced.
         fitted_on: What the figures were measured on (ranks, backend, host), for people.
+        per_algorithm: ``{algorithm: (alpha, beta)}`` fitted to that algorithm's own runs, which replace the
+            shared costs in its closed form (gamma then folded into beta). What one link costs is not all an
+            algorithm pays: on an emulated 100 Mbit cluster halving-doubling, which sends and receives on one
+            connection per step, ran 1.4-1.7x slower than the ring that the shared costs say it ties.
+        world_size: The ranks ``measured`` was timed on (0: none).
+        measured: ``{algorithm: [(bytes, seconds), ...]}`` as ``ferro bench --fit`` timed them. At that world
+            size and between the smallest and largest size timed, the choice reads these (interpolated on log
+            scales) rather than the closed forms, which two costs cannot fit at every size; elsewhere the forms
+            extrapolate.
 
     """
 
@@ -49,6 +59,9 @@ class CostModel:
     beta: float
     gamma: float = 0.0
     fitted_on: str = ""
+    per_algorithm: dict[str, tuple[float, float]] = field(default_factory=dict)
+    world_size: int = 0
+    measured: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
     def allreduce(self, algorithm: str, nbytes: int, world_size: int) -> float:
         """Return the predicted seconds of an allreduce of ``nbytes`` over ``world_size`` ranks."""
@@ -56,6 +69,8 @@ class CostModel:
         if n < 2 or m == 0:
             return 0.0
         a, b, g = self.alpha, self.beta, self.gamma
+        if algorithm in self.per_algorithm:
+            (a, b), g = self.per_algorithm[algorithm], 0.0
         power = 1 << (n.bit_length() - 1)
         rounds = int(math.log2(power))
         fold = (2 * (a + m * b) + m * g) if n > power else 0.0
@@ -69,7 +84,27 @@ class CostModel:
 
     def choose_allreduce(self, nbytes: int, world_size: int) -> str:
         """Return the algorithm predicted fastest (the first of ring, recursive doubling, halving-doubling on a tie)."""
+        timed = self._interpolated(nbytes) if world_size == self.world_size else None
+        if timed:
+            return min(timed, key=lambda name: timed[name])
         return min(_ALGORITHMS, key=lambda name: self.allreduce(name, nbytes, world_size))
+
+    def _interpolated(self, nbytes: int) -> dict[str, float] | None:
+        """Each timed algorithm's seconds at ``nbytes``, log-log interpolated; None outside the timed sizes."""
+        times: dict[str, float] = {}
+        for name, points in self.measured.items():
+            points = sorted(points)
+            if len(points) < 2 or not points[0][0] <= nbytes <= points[-1][0] or nbytes <= 0:
+                return None
+            for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+                if x0 <= nbytes <= x1:
+                    if x1 == x0 or min(x0, y0, y1) <= 0:
+                        times[name] = y0
+                    else:
+                        share = math.log(nbytes / x0) / math.log(x1 / x0)
+                        times[name] = math.exp(math.log(y0) + share * math.log(y1 / y0))
+                    break
+        return times or None
 
     def save(self, path: str | Path) -> None:
         """Write the model as JSON."""
@@ -88,11 +123,19 @@ def load_cost_model(path: str | None = None) -> CostModel | None:
         return None
     try:
         fields = json.loads(Path(path).read_text())
+        per_algorithm = {str(name): (float(pair[0]), float(pair[1]))
+                         for name, pair in dict(fields.get("per_algorithm", {})).items()}
+        measured = {str(name): [(int(size), float(seconds)) for size, seconds in points]
+                    for name, points in dict(fields.get("measured", {})).items()}
         model = CostModel(float(fields["alpha"]), float(fields["beta"]), float(fields.get("gamma", 0.0)),
-                          str(fields.get("fitted_on", "")))
+                          str(fields.get("fitted_on", "")), per_algorithm, int(fields.get("world_size", 0)),
+                          measured)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigurationError(f"{COST_MODEL_ENV}={path}: not a cost model written by ferro bench --fit ({exc})"
                                  ) from None
-    if min(model.alpha, model.beta, model.gamma) < 0:
+    unknown = sorted((set(model.per_algorithm) | set(model.measured)) - set(_ALGORITHMS))
+    if unknown:
+        raise ConfigurationError(f"{COST_MODEL_ENV}={path}: no allreduce algorithm named {unknown[0]!r}")
+    if min(model.alpha, model.beta, model.gamma, *(c for pair in model.per_algorithm.values() for c in pair)) < 0:
         raise ConfigurationError(f"{COST_MODEL_ENV}={path}: costs must not be negative: {model}")
     return model

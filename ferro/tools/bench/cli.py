@@ -331,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             print("ferro bench: --fit measures allreduce on one world size of 2 ranks or more, with no --compare",
                   file=sys.stderr)
             return 2
-        # The ring's time is linear in the size with both costs in it; the model's other forms follow from them.
-        os.environ["FERRO_ALGORITHM_ALLREDUCE"] = "ring"
+
     if args.load:
         single_threaded_blas(os.environ)  # the ranks inherit it: N threads are N busy threads, not N x cores
     rows: list[Row] = []
@@ -349,7 +348,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"each way per host; its ratio below is the fraction of it each op reaches")
         for world_size in world_sizes:
             args.nproc = world_size
-            for library in ["ferro", *peers]:
+            # --fit times ferro once per allreduce algorithm, forced (each row names it).
+            runs = [("ferro", name) for name in FIT_ALGORITHMS] if args.fit else [("ferro", None)]
+            for library, forced in [*runs, *((peer, None) for peer in peers)]:
+                if forced:
+                    os.environ["FERRO_ALGORITHM_ALLREDUCE"] = forced
                 reason = _available(library, args.backend, cluster.hosts if cluster else 1)
                 if reason:
                     print(f"# {library}: {reason}; skipped")
@@ -359,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                         ours = [r for r in rows if r.world_size == world_size and r.library.startswith("ferro")]
                         rows += stream_rows(line_rate, ours, cluster.hosts)
                     continue
-                out = os.path.join(tmp, f"{library}-{world_size}.json")
+                out = os.path.join(tmp, f"{library}-{forced or 'chosen'}-{world_size}.json")
                 try:
                     code = _run_library(library, args, ops, out, cluster)
                 except ConfigurationError as exc:
@@ -387,34 +390,47 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+FIT_ALGORITHMS = ("ring", "recursive_doubling", "halving_doubling")
+
+
 def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
-    """Fit alpha and beta to the ring rows (relative least squares over every size), write the model, show it."""
+    """Fit alpha and beta to each algorithm's rows (least squares weighted by 1/t), write the model, show it."""
     import numpy as np
 
     from ferro.collective.cost_model import CostModel
-
-    ring = [r for r in rows if r.library.startswith("ferro") and r.op == "allreduce" and r.size > 0]
-    if len(ring) < 2:
-        print("ferro bench: --fit needs at least two sizes (-b, -e, -f)", file=sys.stderr)
-        return 1
-    n = ring[0].world_size
-    sizes = np.array([r.size for r in ring], dtype=float)
-    seconds = np.array([r.time_us() for r in ring]) * 1e-6
-    # t = 2 (n - 1) alpha + 2 (n - 1) / n size beta, weighted by 1 / t: every size counts by its relative error.
-    design = np.stack([np.full_like(sizes, 2 * (n - 1)), 2 * (n - 1) / n * sizes], axis=1) / seconds[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(sizes), rcond=None)
-    where = f"--emulate {args.emulate}" if args.emulate else f"one host ({socket.gethostname()})"
-    model = CostModel(max(float(alpha), 0.0), max(float(beta), 0.0), 0.0,
-                      f"{n} ranks, backend {ring[0].library}, {where}")
-    model.save(args.fit)
-    print(f"# cost model written to {args.fit}: alpha {model.alpha * 1e6:.2f} us per message, beta "
-          f"{1 / model.beta / 1e6 if model.beta else float('inf'):.1f} MB/s ({model.fitted_on})")
-    print(f"# {'size':>10} {'measured':>12} {'fitted':>12} {'chosen by the model':>20} {'by the rule':>20}")
     from ferro.collective.resolve import choose_allreduce
 
-    for row, measured in zip(ring, seconds, strict=True):
-        print(f"  {row.size:>10} {measured * 1e6:>12.1f} {model.allreduce('ring', row.size, n) * 1e6:>12.1f} "
-              f"{model.choose_allreduce(row.size, n):>20} {choose_allreduce(row.size, n):>20}")
+    ours = [r for r in rows if r.library.startswith("ferro") and r.op == "allreduce" and r.size > 0]
+    n = ours[0].world_size if ours else 0
+    fitted: dict[str, tuple[float, float]] = {}
+    for name in FIT_ALGORITHMS:
+        mine = [r for r in ours if r.algorithm == name]
+        if len(mine) < 2:
+            print(f"ferro bench: --fit has {len(mine)} size(s) of {name}; give at least two (-b, -e, -f)",
+                  file=sys.stderr)
+            return 1
+        # Each algorithm's closed form is alpha * A(size) + beta * B(size): A and B are its form with unit costs.
+        per_message = np.array([CostModel(1.0, 0.0).allreduce(name, r.size, n) for r in mine])
+        per_byte = np.array([CostModel(0.0, 1.0).allreduce(name, r.size, n) for r in mine])
+        seconds = np.array([r.time_us() for r in mine]) * 1e-6
+        design = np.stack([per_message, per_byte], axis=1) / seconds[:, None]
+        (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(seconds), rcond=None)
+        fitted[name] = (max(float(alpha), 0.0), max(float(beta), 0.0))
+    where = f"--emulate {args.emulate}" if args.emulate else f"one host ({socket.gethostname()})"
+    ring_alpha, ring_beta = fitted["ring"]
+    timed = {name: [(r.size, r.time_us() * 1e-6) for r in ours if r.algorithm == name] for name in FIT_ALGORITHMS}
+    model = CostModel(ring_alpha, ring_beta, 0.0, f"{n} ranks, backend {ours[0].library}, {where}", fitted, n,
+                      timed)
+    model.save(args.fit)
+    print(f"# cost model written to {args.fit} ({model.fitted_on}); per algorithm, us per message and MB/s:")
+    for name, (alpha, beta) in fitted.items():
+        print(f"#   {name:>18}: alpha {alpha * 1e6:8.2f} us, beta {1 / beta / 1e6 if beta else float('inf'):8.1f} MB/s")
+    print(f"# {'size':>10} " + " ".join(f"{name:>18}" for name in FIT_ALGORITHMS)
+          + f" {'chosen by the model':>20} {'by the rule':>20}   (measured us)")
+    for size in sorted({r.size for r in ours}):
+        measured = {r.algorithm: r.time_us() for r in ours if r.size == size}
+        print(f"  {size:>10} " + " ".join(f"{measured.get(name, float('nan')):>18.1f}" for name in FIT_ALGORITHMS)
+              + f" {model.choose_allreduce(size, n):>20} {choose_allreduce(size, n):>20}")
     return 0
 
 
