@@ -31,7 +31,7 @@ _NAME = re.compile(r"\bFERRO_[A-Z0-9_]+\b")
 
 
 def _constants(tree: ast.Module) -> dict[str, str]:
-    """Module-level ``NAME = "FERRO_..."`` assignments (and ``from ... import NAME`` resolved by the caller)."""
+    """Module-level ``NAME = "string"`` assignments; the caller keeps those of FERRO_* names, from every module."""
     found = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):

@@ -21,6 +21,8 @@ import argparse
 import importlib
 from typing import Any
 
+from ferro.tools.cli import DELEGATED
+
 # torch's name, ferro's (under ``ferro.``), and a note where they differ.
 TORCH_NAMES: tuple[tuple[str, str, str], ...] = (
     ("torch.distributed.init_process_group", "init_process_group",
@@ -112,13 +114,10 @@ def _command(parser: argparse.ArgumentParser, summary: str, level: int) -> list[
         if isinstance(action, argparse._SubParsersAction):
             helps = {choice.dest: choice.help for choice in action._choices_actions}
             for name, sub in action.choices.items():
-                if name in _DELEGATED:
-                    continue  # documented from its own parser below
+                if name in DELEGATED:  # `ferro run` and `ferro bench` parse their arguments themselves
+                    sub = importlib.import_module(DELEGATED[name]).build_parser()
                 lines += _command(sub, helps.get(name) or "", level + 1)
     return lines
-
-
-_DELEGATED = {"run": "ferro.tools.run", "bench": "ferro.tools.bench.cli"}
 
 
 def cli_page() -> str:
@@ -126,15 +125,10 @@ def cli_page() -> str:
     import ferro
     from ferro.tools import cli
 
-    main = cli.build_parser()
-    helps = {choice.dest: choice.help for action in main._actions if isinstance(action, argparse._SubParsersAction)
-             for choice in action._choices_actions}
     lines = ["---", "search:", "  boost: 2", "---", "", "# Command line", "",
              f"Generated from the argument parsers of ferro {ferro.__version__} at every build of this site; "
              "`ferro COMMAND --help` prints the same. `ferro --version` prints the version.", ""]
-    lines += _command(main, "", 2)
-    for name, module in _DELEGATED.items():
-        lines += _command(importlib.import_module(module).build_parser(), helps.get(name) or "", 3)
+    lines += _command(cli.build_parser(), "", 2)
     return "\n".join(lines) + "\n"
 
 

@@ -127,8 +127,9 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
             "membership), not a fixed group from init_process_group. Train through ferro.elastic.Manager (see the "
             "fault tolerance guide), or start the job without --restart-policy rank (--max-restarts then restarts "
             "the whole group)")
-    if backend == "auto" and environment.get(BACKEND_ENV):
-        backend = str(environment.get(BACKEND_ENV))  # the job's launcher chose (FERRO_BACKEND=mpi under mpirun)
+    launcher_choice = environment.get(BACKEND_ENV)
+    if backend == "auto" and launcher_choice:
+        backend = launcher_choice  # the job's launcher chose (FERRO_BACKEND=mpi under mpirun)
     if backend != "auto":
         backend_entry(backend)  # an unknown or unavailable backend is refused before any rendezvous
     if backend == "mpi":  # MPI's launcher already started and connected the ranks: no store, no address

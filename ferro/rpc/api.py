@@ -139,8 +139,9 @@ def _store_address(init_method: str | None, found: Any) -> tuple[str, int]:
             raise ConfigurationError(f"init_rpc: init_method {init_method!r}: use tcp://host:port")
         return parsed.hostname, parsed.port
     host = master_address(found, "init_rpc")
-    raw = environment.get(RPC_PORT_ENV) or os.environ.get("MASTER_PORT")
-    return host, parse_port(raw, RPC_PORT_ENV if environment.get(RPC_PORT_ENV) else "MASTER_PORT") if raw else (
+    own = environment.get(RPC_PORT_ENV)
+    raw = own or os.environ.get("MASTER_PORT")
+    return host, parse_port(raw, RPC_PORT_ENV if own else "MASTER_PORT") if raw else (
         found.master_port if found else DEFAULT_MASTER_PORT)
 
 

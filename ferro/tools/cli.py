@@ -11,7 +11,7 @@ from ferro._version import __version__
 from ferro.errors import DistributedError
 from ferro.tools import doctor
 
-__all__ = ["main"]
+__all__ = ["DELEGATED", "main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Subcommands with parsers of their own: everything after the name is theirs.
-_DELEGATED = {"run": "ferro.tools.run", "bench": "ferro.tools.bench.cli"}
+#: Subcommands with parsers of their own: everything after the name is theirs (the reference pages read them too).
+DELEGATED = {"run": "ferro.tools.run", "bench": "ferro.tools.bench.cli"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(arguments: list[str]) -> int:
-    if arguments and arguments[0] in _DELEGATED:
+    if arguments and arguments[0] in DELEGATED:
         import importlib
 
-        return int(importlib.import_module(_DELEGATED[arguments[0]]).main(arguments[1:]))
+        return int(importlib.import_module(DELEGATED[arguments[0]]).main(arguments[1:]))
     args = build_parser().parse_args(arguments)
     try:
         return int(args.handler(args))
