@@ -17,9 +17,11 @@ WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16]
 ALGORITHMS = sorted(simulate.ALGORITHMS)
 
 
-def execute(plans, buffers, dtype):
+def execute(plans, buffers, dtype, sources=None, block=0):
     """Run every rank's steps (deques) on its byte buffer, with queues between ranks in order per pair, as TCP
-    delivers: a step sends first, then waits for its receive; a reducing step adds what arrived as ``dtype``."""
+    delivers: a step sends first, then waits for its receive; a reducing step adds what arrived as ``dtype``.
+    ``STEP_SEND_SOURCE`` sends from ``sources[rank]``; ``STEP_PACK`` sends the ``block``-byte blocks whose index has
+    the step's bit set, packed, and unpacks what arrives into the same places (as ``_exchange_packed`` does)."""
     n = len(plans)
     queues = defaultdict(deque)
     sent = [False] * n  # whether the rank's current step has sent already
@@ -28,9 +30,16 @@ def execute(plans, buffers, dtype):
         for rank in range(n):
             if not plans[rank]:
                 continue
-            send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags = plans[rank][0]
+            send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags, bit = plans[rank][0]
+            packed = [j for j in range(n) if j & bit] if flags & native.STEP_PACK else None
             if send_peer >= 0 and send_len and not sent[rank]:
-                queues[(rank, send_peer)].append(buffers[rank][send_off:send_off + send_len].copy())
+                origin = sources[rank] if flags & native.STEP_SEND_SOURCE else buffers[rank]
+                if packed is not None:
+                    message = np.concatenate([origin[j * block:(j + 1) * block] for j in packed])
+                else:
+                    message = origin[send_off:send_off + send_len].copy()
+                assert message.size == send_len
+                queues[(rank, send_peer)].append(message)
                 sent[rank], progressed = True, True
             if recv_peer >= 0 and recv_len:
                 if not queues[(recv_peer, rank)]:
@@ -38,7 +47,10 @@ def execute(plans, buffers, dtype):
                 data = queues[(recv_peer, rank)].popleft()
                 assert data.size == recv_len, f"rank {rank} expected {recv_len} bytes from {recv_peer}, got {data.size}"
                 target = buffers[rank][recv_off:recv_off + recv_len]
-                if flags & native.STEP_REDUCE:
+                if packed is not None:
+                    for at, j in enumerate(packed):
+                        buffers[rank][j * block:(j + 1) * block] = data[at * block:(at + 1) * block]
+                elif flags & native.STEP_REDUCE:
                     view = target.view(dtype)
                     view += data.view(dtype)
                 else:
@@ -103,7 +115,7 @@ def test_mean_divides_each_element_exactly_once(algorithm, n):
     divided = np.zeros(count * 8, dtype=int)
     for rank_steps in steps:
         for step in rank_steps:
-            if step[-1] & native.STEP_DIVIDE:
+            if step[6] & native.STEP_DIVIDE:
                 offset, length = _divided_range(step, count * 8)
                 divided[offset:offset + length] += 1
     if algorithm == "recursive_doubling":
@@ -116,7 +128,7 @@ def test_mean_divides_each_element_exactly_once(algorithm, n):
 def _divided_range(step, nbytes):
     # plan_steps reports the division through the step's flags; where it falls is the step's completed range:
     # the received chunk for the ring and halving-doubling, the whole buffer for recursive doubling's empty step.
-    send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags = step
+    send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags, _ = step
     if send_peer < 0 and recv_peer < 0:
         return 0, nbytes
     return recv_off, recv_len
@@ -292,17 +304,105 @@ def test_every_rank_gets_the_root_s_bytes(algorithm, n):
 def test_the_chain_pipelines_and_the_tree_does_not():
     network = simulate.parse_network("16x1@100mbit,50us")
     big, small = 16 << 20, 1024
-    bound = simulate.lower_bound_broadcast(network, big)
-    chain = simulate.predict_broadcast(network, "pipelined chain", big)
-    # 16 MiB from one root: the tree sends the whole message log2(16) = 4 times over; the chain forwards 1 MiB
-    # segments as they arrive, paying the pipeline's fill (15 hops of a segment) on top of the 16 segments.
-    assert simulate.predict_broadcast(network, "binomial tree", big) > 3.5 * bound
-    assert chain == pytest.approx((16 + 15) * (1 << 20) / network.rate, rel=0.05)
-    # Finer segments fill the pipeline faster: the simulator says what the chain's fixed 1 MiB costs here.
-    assert simulate.predict_broadcast(network, "pipelined chain", big, segment=64 << 10) < 1.1 * bound
+
+    def bcast(algorithm, nbytes, **kwargs):
+        return simulate.predict(network, algorithm, nbytes, op="broadcast", **kwargs)
+
+    bound = simulate.lower_bound(network, big, "broadcast")
+    # 16 MiB from one root: the tree sends the whole message log2(16) = 4 times over; the chain forwards its
+    # segments as they arrive, paying the pipeline's fill (14 hops of a segment) on top of the segments.
+    assert bcast("binomial tree", big) > 3.5 * bound
+    segment = native.chain_segment(big, 16)
+    assert 16 << 10 <= segment < 1 << 20
+    pieces = -(-big // segment)
+    assert bcast("pipelined chain", big) == pytest.approx((pieces + 14) * segment / network.rate, rel=0.05)
+    assert bcast("pipelined chain", big) < 1.1 * bound
+    # A link whose messages cost more (latency_bytes) gets longer segments.
+    assert native.chain_segment(big, 16, 1e6) > segment
     # 1 KiB: 4 rounds against 15 hops.
-    assert simulate.predict_broadcast(network, "binomial tree", small) < simulate.predict_broadcast(
-        network, "pipelined chain", small) / 2
+    assert bcast("binomial tree", small) < bcast("pipelined chain", small) / 2
+
+
+# --- all_gather, all_to_all and the barrier: the remaining plans, on simulated ranks ---
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("block", [1, 8, 1000])
+def test_bruck_all_gather_leaves_every_block_on_every_rank(n, block):
+    parts = [np.random.default_rng(r).integers(0, 255, block, dtype=np.uint8) for r in range(n)]
+    # The working buffer holds the blocks in each rank's order (its own first), as _all_gather_bruck puts them.
+    buffers = [np.concatenate([parts[r], np.zeros((n - 1) * block, np.uint8)]) for r in range(n)]
+    plans = [deque(native.plan_steps(native.ALGORITHM_BRUCK, r, n, block, 1)) for r in range(n)]
+    assert all(len(p) == (n - 1).bit_length() for p in plans)  # ceil(log2 n) rounds
+    execute(plans, buffers, np.uint8)
+    for r in range(n):
+        in_rank_order = np.roll(buffers[r], r * block)
+        np.testing.assert_array_equal(in_rank_order, np.concatenate(parts), err_msg=f"{n} ranks, rank {r}")
+
+
+@pytest.mark.parametrize("algorithm", ["pairwise", "bruck"])
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_all_to_all_plans_deliver_each_block_to_its_rank(algorithm, n):
+    block = 24
+    code = simulate.OP_ALGORITHMS["all_to_all"][algorithm]
+    sends = [np.random.default_rng(100 + r).integers(0, 255, n * block, dtype=np.uint8) for r in range(n)]
+    expected = [np.concatenate([sends[src][dst * block:(dst + 1) * block] for src in range(n)]) for dst in range(n)]
+    plans = [deque(native.plan_steps(code, r, n, block, 1)) for r in range(n)]
+    if algorithm == "pairwise":
+        buffers = [np.zeros(n * block, np.uint8) for _ in range(n)]
+        for r in range(n):  # the executor copies a rank's own block before the steps
+            buffers[r][r * block:(r + 1) * block] = sends[r][r * block:(r + 1) * block]
+        execute(plans, buffers, np.uint8, sources=sends)
+        results = buffers
+    else:  # Bruck works on the blocks rotated: block j is bound for rank + j, and ends up from rank - j
+        buffers = [np.concatenate([sends[r][((r + j) % n) * block:((r + j) % n + 1) * block] for j in range(n)])
+                   for r in range(n)]
+        assert all(len(p) == (n - 1).bit_length() for p in plans)  # ceil(log2 n) rounds
+        execute(plans, buffers, np.uint8, block=block)
+        results = [np.concatenate([buffers[r][((r - s) % n) * block:((r - s) % n + 1) * block] for s in range(n)])
+                   for r in range(n)]
+    for r in range(n):
+        np.testing.assert_array_equal(results[r], expected[r], err_msg=f"{algorithm}, {n} ranks, rank {r}")
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_the_dissemination_barrier_lets_no_rank_leave_before_every_rank_arrived(n):
+    # heard[r]: the ranks whose arrival rank r has learnt of, through the messages so far.
+    plans = [native.plan_steps(native.ALGORITHM_DISSEMINATION, r, n, 0, 1) for r in range(n)]
+    heard = [{r} for r in range(n)]
+    for round_steps in zip(*plans, strict=True) if n > 1 else []:
+        sent = [set(heard[r]) for r in range(n)]
+        for r, (send_peer, _, _, recv_peer, *_) in enumerate(round_steps):
+            assert round_steps[send_peer][3] == r  # whom r signals waits for r in the same round
+            heard[r] |= sent[recv_peer]
+    assert all(h == set(range(n)) for h in heard), heard
+    assert all(len(p) == (n - 1).bit_length() for p in plans)
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_to_all", "broadcast"])
+@pytest.mark.parametrize("spec", ["2x1@1gbit", "5x1@100mbit", "8x2@200mbit", "16x1@100mbit,50us"])
+def test_every_op_s_plans_replay_and_none_beats_its_lower_bound(op, spec):
+    network = simulate.parse_network(spec)
+    for algorithm in simulate.OP_ALGORITHMS[op]:
+        for nbytes in (64, 64 * 1024, 4 << 20):
+            predicted = simulate.predict(network, algorithm, nbytes, op=op)
+            assert predicted >= simulate.lower_bound(network, nbytes, op) * 0.999, (spec, op, algorithm, nbytes)
+
+
+def test_the_closed_forms_the_mesh_chooses_by_agree_with_the_replay():
+    # The mesh's choice (schedule.h's forms) against the simulator replaying both plans, on a 16-host 100 Mbit
+    # network and the link numbers that network has (latency_bytes: alpha / beta; copies free beside the link).
+    network = simulate.parse_network("16x1@100mbit,100us")
+    latency_bytes = (network.latency + network.overhead) * network.rate
+    agree, total = 0, 0
+    for op, names in (("broadcast", ("binomial tree", "pipelined chain")), ("all_gather", ("ring", "bruck")),
+                      ("all_to_all", ("pairwise", "bruck"))):
+        for nbytes in (1024, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20):
+            replayed = {name: simulate.predict(network, name, nbytes, op=op, latency_bytes=latency_bytes)
+                        for name in names}
+            chosen = native.choose(op, nbytes, 16, latency_bytes, 0.0)
+            total += 1
+            agree += chosen == min(replayed, key=replayed.get) or replayed[chosen] < 1.1 * min(replayed.values())
+    assert agree == total
 
 
 def test_a_fitted_model_chooses_by_its_timings_inside_their_range_and_by_its_forms_outside():
@@ -321,3 +421,35 @@ def test_a_fitted_model_chooses_by_its_timings_inside_their_range_and_by_its_for
     assert model.choose_allreduce(1 << 20, 8) == "ring"  # between timed sizes: interpolated
     # Outside the timed sizes, or at another world size, the per-algorithm forms decide: large, the ring.
     assert model.choose_allreduce(64 << 20, 8) == "ring" and model.choose_allreduce(64 << 20, 16) == "ring"
+
+
+def _all_to_all_both_plans(rank, world_size):
+    import ferro
+
+    with ferro.TcpBackend.from_env(timeout=30) as group:
+        n, mesh = world_size, group.native.direct_mesh
+        results = {}
+        for block in (1, 3, 20000):  # float64s to each peer: small totals take Bruck at these sizes, large pairwise
+            x = np.concatenate([np.arange(block, dtype=np.float64) + 100 * rank + dst for dst in range(n)])
+            before = [conn.send_seq if conn is not None else 0 for conn in mesh.connections]
+            got = ferro.all_to_all(x, group=group)
+            peers = sorted(p for p, conn in enumerate(mesh.connections) if conn is not None and conn.send_seq > before[p])
+            results[block] = (got.tolist(), peers, mesh.choose("all_to_all", x.nbytes))
+        return results
+
+
+@pytest.mark.parametrize("n", [4, 5, 8])
+def test_all_to_all_on_real_ranks_takes_the_chosen_plan_and_matches_numpy(n):
+    from ferro.testing import run_processes
+
+    results = run_processes(_all_to_all_both_plans, n, backend=None, timeout=120)
+    chosen = set()
+    for rank, by_block in enumerate(results):
+        for block, (got, peers, algorithm) in by_block.items():
+            expected = np.concatenate([np.arange(block, dtype=np.float64) + 100 * src + rank for src in range(n)])
+            np.testing.assert_array_equal(got, expected, err_msg=f"rank {rank}, block {block}, {algorithm}")
+            # Bruck's rounds send to rank + 1, + 2, + 4, ...; the pairwise exchange to every peer.
+            bruck_peers = sorted({(rank + (1 << k)) % n for k in range((n - 1).bit_length())})
+            assert peers == (bruck_peers if algorithm == "bruck" else sorted(set(range(n)) - {rank})), (block, peers)
+            chosen.add(algorithm)
+    assert chosen == {"bruck", "pairwise"}

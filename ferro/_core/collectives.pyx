@@ -41,12 +41,17 @@ cdef extern from "schedule.h" nogil:
         FERRO_PLAN_HALVING_DOUBLING
         FERRO_PLAN_BINOMIAL_TREE
         FERRO_PLAN_CHAIN
+        FERRO_PLAN_BRUCK
+        FERRO_PLAN_PAIRWISE
+        FERRO_PLAN_BRUCK_ALL_TO_ALL
+        FERRO_PLAN_DISSEMINATION
         FERRO_PHASE_REDUCE_SCATTER
         FERRO_PHASE_ALL_GATHER
         FERRO_STEP_REDUCE
         FERRO_STEP_SEND_SOURCE
         FERRO_STEP_RECV_BASE
         FERRO_STEP_DIVIDE
+        FERRO_STEP_PACK
     ctypedef struct ferro_step:
         int send_peer
         int recv_peer
@@ -57,13 +62,27 @@ cdef extern from "schedule.h" nogil:
         unsigned flags
         size_t divide_off
         size_t divide_len
+        size_t pack_bit
     ctypedef struct ferro_plan:
+        int n
         int power
+        size_t block
     void ferro_plan_init(ferro_plan* plan, int algorithm, int rank, int n, size_t count, size_t itemsize,
                          const size_t* starts, const size_t* ends, size_t* bounds, int phases, int mean, int source)
     void ferro_plan_init_broadcast(ferro_plan* plan, int algorithm, int rank, int n, int root, size_t nbytes,
                                    size_t segment)
+    void ferro_plan_init_bruck(ferro_plan* plan, int rank, int n, size_t block)
+    void ferro_plan_init_all_to_all(ferro_plan* plan, int algorithm, int rank, int n, const size_t* send_bounds,
+                                    const size_t* recv_bounds, size_t block)
+    size_t ferro_plan_blocks_with_bit(int n, size_t bit)
     int ferro_plan_next(ferro_plan* plan, ferro_step* step)
+    size_t ferro_chain_segment(size_t nbytes, int n, double latency_bytes, size_t smallest, size_t largest)
+    double ferro_cost_tree(size_t nbytes, int n, double latency_bytes)
+    double ferro_cost_chain(size_t nbytes, int n, double latency_bytes, size_t segment)
+    double ferro_cost_all_gather_ring(size_t total, int n, double latency_bytes)
+    double ferro_cost_all_gather_bruck(size_t total, int n, double latency_bytes, double copy_ratio)
+    double ferro_cost_all_to_all_pairwise(size_t total, int n, double latency_bytes)
+    double ferro_cost_all_to_all_bruck(size_t total, int n, double latency_bytes, double copy_ratio)
 
 cdef enum:
     RING = 0
@@ -78,11 +97,56 @@ ALGORITHMS = {"ring": RING, "recursive_doubling": RECURSIVE_DOUBLING, "halving_d
 # 1 MiB measured best on loopback (256 KiB: -25% at 64 MB; 4 MiB: -10%); fits in L2 for the reduce.
 cdef size_t SEGMENT_BYTES = 1024 * 1024
 DEFAULT_SEGMENT_BYTES = SEGMENT_BYTES
-# 64 KiB: below it a broadcast's log2(n) tree rounds cost less than the chain's n - 1 hops.
-DEFAULT_CHAIN_BYTES = 64 * 1024
-# An all_gather gathering at most this many bytes in all (4 ranks or more) takes Bruck's ceil(log2 n)
-# rounds instead of the ring's n - 1; at 8 ranks the two tie here (see DESIGN.md, "Choosing by size").
-DEFAULT_BRUCK_BYTES = 128 * 1024
+# The broadcast, all_gather and all_to_all choose among their plans by the closed forms of schedule.h, with two
+# numbers of the link (see Mesh): these defaults reproduce what loopback measured (DESIGN.md, "Choosing by size"):
+# the tree and the chain tie at 64 KiB among 4 ranks, Bruck's all_gather and the ring at 128 KiB among 8.
+DEFAULT_LATENCY_BYTES = 8192.0
+DEFAULT_COPY_RATIO = 0.125
+# The chain's segment stays within these (the frame header and a wake-up per frame below; pipelining above).
+cdef enum:
+    CHAIN_SMALLEST = 16 * 1024
+    CHAIN_LARGEST = 1024 * 1024
+CHAIN_SEGMENT_SMALLEST = CHAIN_SMALLEST
+CHAIN_SEGMENT_LARGEST = CHAIN_LARGEST
+
+
+def chain_segment(size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BYTES) -> int:
+    """The pipelined chain's segment for a broadcast of ``nbytes`` among ``n`` ranks (``schedule.h``)."""
+    return ferro_chain_segment(nbytes, n, latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
+
+
+cdef inline bint _prefer_chain(size_t nbytes, int n, double latency_bytes) noexcept nogil:
+    cdef size_t segment
+    if n <= 2:
+        return False
+    segment = ferro_chain_segment(nbytes, n, latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
+    return ferro_cost_chain(nbytes, n, latency_bytes, segment) < ferro_cost_tree(nbytes, n, latency_bytes)
+
+
+cdef inline bint _prefer_bruck_all_gather(size_t total, int n, double latency_bytes, double copy_ratio) noexcept nogil:
+    return n > 3 and (ferro_cost_all_gather_bruck(total, n, latency_bytes, copy_ratio)
+                      < ferro_cost_all_gather_ring(total, n, latency_bytes))
+
+
+cdef inline bint _prefer_bruck_all_to_all(size_t total, int n, double latency_bytes, double copy_ratio) noexcept nogil:
+    return n > 3 and (ferro_cost_all_to_all_bruck(total, n, latency_bytes, copy_ratio)
+                      < ferro_cost_all_to_all_pairwise(total, n, latency_bytes))
+
+
+def choose(str op, size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BYTES,
+           double copy_ratio=DEFAULT_COPY_RATIO) -> str:
+    """Name the plan a TCP group of ``n`` runs for ``op`` of ``nbytes``: what :class:`Mesh` chooses.
+
+    ``nbytes`` is the broadcast's message, the all_gather's output (every rank's part), the all_to_all's bytes
+    sent per rank (equal blocks; uneven ones always take the pairwise exchange).
+    """
+    if op == "broadcast":
+        return "pipelined chain" if _prefer_chain(nbytes, n, latency_bytes) else "binomial tree"
+    if op == "all_gather":
+        return "bruck" if _prefer_bruck_all_gather(nbytes, n, latency_bytes, copy_ratio) else "ring"
+    if op == "all_to_all":
+        return "bruck" if _prefer_bruck_all_to_all(nbytes, n, latency_bytes, copy_ratio) else "pairwise"
+    raise ValueError(f"no plan is chosen by cost for {op!r}")
 # A reduce_scatter of at most this many bytes of input may take the direct path, which works in the
 # mesh's scratch (kept at the largest call's size); above it the front end's ~100 us are under 2 % of
 # the call at 1 Gbit, and the full path's scratch is the call's own.
@@ -171,6 +235,28 @@ cdef int _exchange_segments(SendOp* s, ConnState* to, const unsigned char* out, 
     return 0
 
 
+cdef int _exchange_packed(ConnState** conns, ferro_step* step, unsigned char* buf, size_t block, int n,
+                          unsigned char* scratch, size_t segment, uint64_t fingerprint, int64_t deadline,
+                          SendOp* s, RecvOp* r) except -1 nogil:
+    """A Bruck all_to_all round: the blocks ``j`` with ``j & pack_bit`` leave packed, and the arriving ones take
+    their places. ``scratch`` holds twice ``step.send_len`` bytes."""
+    cdef size_t j, at = 0, bit = step.pack_bit
+    cdef unsigned char* inbox = scratch + step.send_len
+    for j in range(<size_t>n):
+        if j & bit:
+            memcpy(scratch + at, buf + j * block, block)
+            at += block
+    if _exchange_segments(s, conns[step.send_peer], scratch, step.send_len, r, conns[step.recv_peer], inbox,
+                          step.recv_len, NULL, NULL, 1, segment, fingerprint, deadline):
+        return 1
+    at = 0
+    for j in range(<size_t>n):
+        if j & bit:
+            memcpy(buf + j * block, inbox + at, block)
+            at += block
+    return 0
+
+
 cdef int _run_plan(ConnState** conns, ferro_plan* plan, unsigned char* buf, const unsigned char* src,
                    size_t itemsize, int dtype, ferro_reduce_fn kernel, unsigned char* scratch, size_t segment,
                    double divisor, uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
@@ -182,6 +268,10 @@ cdef int _run_plan(ConnState** conns, ferro_plan* plan, unsigned char* buf, cons
     """
     cdef ferro_step step
     while ferro_plan_next(plan, &step):
+        if step.flags & FERRO_STEP_PACK:
+            if _exchange_packed(conns, &step, buf, plan.block, plan.n, scratch, segment, fingerprint, deadline, s, r):
+                return 1
+            continue
         if step.send_peer >= 0 or step.recv_peer >= 0:
             if _exchange_segments(s, conns[step.send_peer] if step.send_peer >= 0 else NULL,
                                   (src if step.flags & FERRO_STEP_SEND_SOURCE else buf) + step.send_off,
@@ -260,14 +350,17 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
     """Return the steps ``rank`` of ``n`` runs for a collective of ``count`` elements: ``schedule.h``'s plan.
 
     The same iterator the compiled executor runs, exposed for ``ferro bench --simulate`` and the tests. Each
-    step is ``(send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags)`` in bytes; a peer of -1
-    means no message that way; ``flags`` holds ``STEP_REDUCE``, ``STEP_DIVIDE``, ... The ring's chunks are cut
+    step is ``(send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags, pack_bit)`` in bytes; a peer
+    of -1 means no message that way; ``flags`` holds ``STEP_REDUCE``, ``STEP_DIVIDE``, ``STEP_PACK`` (Bruck's
+    all_to_all: the blocks whose index has ``pack_bit`` set travel, packed), ... The ring's chunks are cut
     as the allreduce cuts them (``numpy.array_split`` of ``count`` over ``n``).
 
     Args:
-        algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING``, ``ALGORITHM_HALVING_DOUBLING``, or
-            broadcast's ``ALGORITHM_BINOMIAL_TREE`` and ``ALGORITHM_CHAIN`` (``count`` bytes from ``root``, the
-            chain in ``segment``-byte pieces).
+        algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING``, ``ALGORITHM_HALVING_DOUBLING``;
+            broadcast's ``ALGORITHM_BINOMIAL_TREE`` and ``ALGORITHM_CHAIN`` (``count`` elements from ``root``, the
+            chain in ``segment``-byte pieces); all_gather's ``ALGORITHM_BRUCK``; all_to_all's
+            ``ALGORITHM_PAIRWISE`` and ``ALGORITHM_BRUCK_ALL_TO_ALL``; the barrier's ``ALGORITHM_DISSEMINATION``.
+            For all_gather and all_to_all, ``count`` elements is each rank's block (to each peer).
         rank: The rank whose steps to list.
         n: The world size.
         count: Elements.
@@ -279,6 +372,7 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
     cdef ferro_plan plan
     cdef ferro_step step
     cdef size_t* bounds = <size_t*>malloc((n + 2) * sizeof(size_t))
+    cdef size_t block = <size_t>count * <size_t>itemsize
     cdef int i
     if bounds == NULL:
         raise MemoryError()
@@ -293,6 +387,14 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
             if not 0 <= root < n or segment <= 0:
                 raise ValueError(f"no broadcast plan from root {root} of {n} in {segment}-byte segments")
             ferro_plan_init_broadcast(&plan, algorithm, rank, n, root, count * itemsize, segment)
+        elif algorithm == FERRO_PLAN_BRUCK:
+            ferro_plan_init_bruck(&plan, rank, n, block)
+        elif algorithm == FERRO_PLAN_PAIRWISE or algorithm == FERRO_PLAN_BRUCK_ALL_TO_ALL:
+            for i in range(n + 1):
+                bounds[i] = <size_t>i * block
+            ferro_plan_init_all_to_all(&plan, algorithm, rank, n, bounds, bounds, block)
+        elif algorithm == FERRO_PLAN_DISSEMINATION:
+            ferro_plan_init(&plan, algorithm, rank, n, 0, 1, NULL, NULL, NULL, 0, 0, 0)
         elif algorithm == RING:
             ferro_plan_init(&plan, FERRO_PLAN_RING, rank, n, count, itemsize, bounds, bounds + 1, NULL, phases,
                             mean, source)
@@ -300,7 +402,7 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
             ferro_plan_init(&plan, algorithm, rank, n, count, itemsize, NULL, NULL, bounds, 0, mean, 0)
         while ferro_plan_next(&plan, &step):
             steps.append((step.send_peer, step.send_off, step.send_len, step.recv_peer, step.recv_off,
-                          step.recv_len, step.flags))
+                          step.recv_len, step.flags, step.pack_bit))
     finally:
         free(bounds)
     return steps
@@ -309,6 +411,11 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
 STEP_REDUCE = FERRO_STEP_REDUCE
 ALGORITHM_BINOMIAL_TREE = FERRO_PLAN_BINOMIAL_TREE
 ALGORITHM_CHAIN = FERRO_PLAN_CHAIN
+ALGORITHM_BRUCK = FERRO_PLAN_BRUCK
+ALGORITHM_PAIRWISE = FERRO_PLAN_PAIRWISE
+ALGORITHM_BRUCK_ALL_TO_ALL = FERRO_PLAN_BRUCK_ALL_TO_ALL
+ALGORITHM_DISSEMINATION = FERRO_PLAN_DISSEMINATION
+STEP_PACK = FERRO_STEP_PACK
 STEP_SEND_SOURCE = FERRO_STEP_SEND_SOURCE
 STEP_RECV_BASE = FERRO_STEP_RECV_BASE
 STEP_DIVIDE = FERRO_STEP_DIVIDE
@@ -357,12 +464,14 @@ cdef class Mesh:
         connections: One :class:`~ferro._core.transport.Connection` per rank, None at
             ``rank`` and at peers not connected yet.
         rank: This rank.
-        chain_bytes: Broadcasts above this size (to more than two ranks) take the pipelined
-            chain, where every link carries the message once, all at the same time; smaller
-            ones the binomial tree's log2(n) rounds.
-        bruck_bytes: All_gathers of at most this many bytes in all, among 4 ranks or more,
-            take Bruck's ceil(log2 n) rounds; larger ones (and any among 3 ranks, where
-            the rounds are as many) the ring's n - 1.
+        latency_bytes: A message's fixed cost in bytes of the link's time (alpha / beta).
+        copy_ratio: A byte copied in memory, in bytes of the link's time.
+
+    Which plan a broadcast, all_gather or all_to_all runs comes from the closed forms of their schedules with
+    those two numbers (:func:`choose`): the binomial tree's log2(n) rounds or the pipelined chain (its segment
+    from the same forms), Bruck's ceil(log2 n) rounds or the ring's (all_gather) and the pairwise exchange's
+    (all_to_all) n - 1 steps. The TCP backend sets them from the cost model
+    (:meth:`ferro.collective.cost_model.CostModel.link_numbers`); every rank must hold the same ones.
         connector: ``connector(peer, timeout) -> Connection``, called (with the GIL) for a
             peer not connected yet; None: every peer must be connected up front.
     """
@@ -380,18 +489,18 @@ cdef class Mesh:
     cdef unsigned char* scratch
     cdef size_t scratch_cap
     cdef size_t* bounds
-    cdef readonly size_t chain_bytes
-    cdef readonly size_t bruck_bytes
+    cdef public double latency_bytes
+    cdef public double copy_ratio
     cdef public object connector
 
-    def __cinit__(self, connections, int rank, size_t chain_bytes=DEFAULT_CHAIN_BYTES,
-                  size_t bruck_bytes=DEFAULT_BRUCK_BYTES, connector=None):
+    def __cinit__(self, connections, int rank, double latency_bytes=DEFAULT_LATENCY_BYTES,
+                  double copy_ratio=DEFAULT_COPY_RATIO, connector=None):
         cdef int i
         self.connections = list(connections)
         self.rank = rank
         self.n = len(self.connections)
-        self.chain_bytes = chain_bytes
-        self.bruck_bytes = bruck_bytes
+        self.latency_bytes = latency_bytes
+        self.copy_ratio = copy_ratio
         self.connector = connector
         if not 0 <= rank < self.n:
             raise ValueError(f"rank {rank} is outside a mesh of {self.n}")
@@ -474,10 +583,14 @@ cdef class Mesh:
         self.locked = 0
 
     cdef inline bint chain(self, size_t nbytes) noexcept nogil:
-        return nbytes > self.chain_bytes and self.n > 2
+        return _prefer_chain(nbytes, self.n, self.latency_bytes)
 
     cdef inline bint bruck(self, size_t total) noexcept nogil:
-        return total <= self.bruck_bytes and self.n > 3
+        return _prefer_bruck_all_gather(total, self.n, self.latency_bytes, self.copy_ratio)
+
+    def choose(self, str op, size_t nbytes) -> str:
+        """Name the plan this mesh runs for ``op`` of ``nbytes`` (see the module's :func:`choose`)."""
+        return choose(op, nbytes, self.n, self.latency_bytes, self.copy_ratio)
 
     cdef unsigned char* scratch_for(self, size_t nbytes) except NULL:
         """A scratch buffer of at least ``nbytes`` (while the locks are held)."""
@@ -607,9 +720,7 @@ def allreduce(Mesh mesh, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t f
         itemsize: Bytes per element.
         fingerprint: The call's fingerprint, carried by every frame.
         timeout: Seconds for the whole collective.
-        algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING``, ``ALGORITHM_HALVING_DOUBLING``, or
-            broadcast's ``ALGORITHM_BINOMIAL_TREE`` and ``ALGORITHM_CHAIN`` (``count`` bytes from ``root``, the
-            chain in ``segment``-byte pieces).
+        algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING`` or ``ALGORITHM_HALVING_DOUBLING``.
         segment_bytes: Ring segment size; every rank must use the same.
         divisor: When not 0, divide the result by it (MEAN) inside the collective:
             the ring divides each chunk once, between its two phases.
@@ -729,21 +840,18 @@ def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
 cdef int _all_gather_bruck(ConnState** conns, int rank, int n, unsigned char* out, size_t nbytes,
                            unsigned char* blocks, uint64_t fingerprint, int64_t deadline, SendOp* s,
                            RecvOp* r) except -1 nogil:
-    """Bruck's all-gather of ``nbytes`` per rank into ``out``: ceil(log2 n) rounds, any n.
+    """Bruck's all-gather of ``nbytes`` per rank into ``out``: ceil(log2 n) rounds, any n (``schedule.h``).
 
     ``blocks`` (``n * nbytes``) holds the blocks in this rank's order: block ``j`` is
     rank ``rank + j``'s. Round ``k`` sends the first ``min(2^k, n - 2^k)`` blocks to
     rank ``rank - 2^k`` while as many arrive from rank ``rank + 2^k``; a rotation
     puts them in rank order at the end.
     """
-    cdef size_t have = 1, count
+    cdef ferro_plan plan
     memcpy(blocks, out + <size_t>rank * nbytes, nbytes)
-    while have < <size_t>n:
-        count = min(have, <size_t>n - have)
-        if _exchange(s, conns[(rank - <int>have + n) % n], blocks, count * nbytes,
-                     r, conns[(rank + <int>have) % n], blocks + have * nbytes, count * nbytes, fingerprint, deadline):
-            return 1
-        have += count
+    ferro_plan_init_bruck(&plan, rank, n, nbytes)
+    if _run_plan(conns, &plan, blocks, NULL, 1, -1, NULL, NULL, SEGMENT_BYTES, 0, fingerprint, deadline, s, r):
+        return 1
     memcpy(out + <size_t>rank * nbytes, blocks, <size_t>(n - rank) * nbytes)
     memcpy(out, blocks + <size_t>(n - rank) * nbytes, <size_t>rank * nbytes)
     return 0
@@ -819,13 +927,18 @@ cdef int _broadcast_chain(ConnState** conns, int rank, int n, int root, unsigned
 cdef int _broadcast_locked(Mesh mesh, int root, unsigned char* buf, size_t nbytes, size_t segment,
                            uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
     if mesh.chain(nbytes):
-        return _broadcast_chain(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, segment, fingerprint, deadline, s, r)
+        return _broadcast_chain(mesh.states, mesh.rank, mesh.n, root, buf, nbytes,
+                                ferro_chain_segment(nbytes, mesh.n, mesh.latency_bytes, CHAIN_SMALLEST,
+                                                    CHAIN_LARGEST), fingerprint, deadline, s, r)
     return _broadcast_tree(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, segment, fingerprint, deadline, s, r)
 
 
 def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
               Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES) -> None:
-    """Broadcast ``buf`` (bytes) from ``root`` in place: binomial tree, or pipelined chain (see :class:`Mesh`)."""
+    """Broadcast ``buf`` (bytes) from ``root`` in place: binomial tree, or pipelined chain (see :class:`Mesh`).
+
+    The tree's frames are ``segment_bytes`` long; the chain's segment is :func:`chain_segment`'s.
+    """
     cdef _Call call = _Call()
     cdef SendOp s
     cdef RecvOp r
@@ -850,16 +963,22 @@ def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
 
 def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_offsets,
                uint64_t fingerprint, double timeout) -> None:
-    """Pairwise exchange: bytes ``[send_offsets[j], send_offsets[j+1])`` go to rank ``j``.
+    """Exchange blocks: bytes ``[send_offsets[j], send_offsets[j+1])`` go to rank ``j``.
 
-    In step ``k`` rank ``r`` sends to ``r+k`` and receives from ``r-k``, both at once.
-    ``recv_offsets`` say where each source's block lands in ``recv_buf``.
+    ``recv_offsets`` say where each source's block lands in ``recv_buf``. Equal blocks
+    take Bruck's ceil(log2 n) rounds where the mesh's cost forms say so (see :class:`Mesh`);
+    otherwise the pairwise exchange: in step ``k`` rank ``r``
+    sends to ``r+k`` and receives from ``r-k``, both at once (``schedule.h``).
     """
     cdef _Call call = _Call()
     cdef SendOp s
     cdef RecvOp r
-    cdef int rc = 0, n = mesh.n, rank = mesh.rank, step, dst, src, i
+    cdef int rc = 0, n = mesh.n, rank = mesh.rank, i
     cdef int64_t deadline
+    cdef size_t block
+    cdef bint uniform
+    cdef unsigned char* work = NULL
+    cdef ferro_plan plan
     cdef size_t* send_at = NULL
     cdef size_t* recv_at = NULL
     cdef const unsigned char* out
@@ -884,17 +1003,31 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
             raise InvalidBufferError("all_to_all: the block a rank sends itself must match the one it receives")
         out = <const unsigned char*>call.input.buf
         into = <unsigned char*>call.view.buf
+        block = send_at[1] - send_at[0]
+        uniform = _prefer_bruck_all_to_all(<size_t>n * block, n, mesh.latency_bytes, mesh.copy_ratio)
+        for i in range(n):
+            if not uniform:
+                break
+            uniform = (send_at[i + 1] - send_at[i] == block and recv_at[i + 1] - recv_at[i] == block
+                       and send_at[i] == i * block and recv_at[i] == i * block)
+        if uniform:  # Bruck: the rotated blocks, and room to pack half of them each way
+            work = mesh.scratch_for(<size_t>n * block + 2 * <size_t>((n + 1) // 2) * block)
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
-            memcpy(into + recv_at[rank], out + send_at[rank], send_at[rank + 1] - send_at[rank])
-            for step in range(1, n):
-                dst = (rank + step) % n
-                src = (rank - step + n) % n
-                if _exchange(&s, call.states[dst], out + send_at[dst], send_at[dst + 1] - send_at[dst],
-                             &r, call.states[src], into + recv_at[src], recv_at[src + 1] - recv_at[src],
-                             fingerprint, deadline):
-                    rc = 1
-                    break
+            if uniform:
+                for i in range(n):  # block i is bound for rank + i
+                    memcpy(work + <size_t>i * block, out + <size_t>((rank + i) % n) * block, block)
+                ferro_plan_init_all_to_all(&plan, FERRO_PLAN_BRUCK_ALL_TO_ALL, rank, n, NULL, NULL, block)
+                rc = _run_plan(call.states, &plan, work, NULL, 1, -1, NULL, work + <size_t>n * block,
+                               SEGMENT_BYTES, 0, fingerprint, deadline, &s, &r)
+                if rc == 0:
+                    for i in range(n):  # and block i came from rank - i
+                        memcpy(into + <size_t>((rank - i + n) % n) * block, work + <size_t>i * block, block)
+            else:
+                memcpy(into + recv_at[rank], out + send_at[rank], send_at[rank + 1] - send_at[rank])
+                ferro_plan_init_all_to_all(&plan, FERRO_PLAN_PAIRWISE, rank, n, send_at, recv_at, 0)
+                rc = _run_plan(call.states, &plan, into, out, 1, -1, NULL, NULL, SEGMENT_BYTES, 0, fingerprint,
+                               deadline, &s, &r)
     finally:
         free(send_at)
         free(recv_at)
@@ -905,12 +1038,13 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
 
 cdef int _barrier_locked(Mesh mesh, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
     """Dissemination: in round k signal rank+2^k and wait for rank-2^k (empty barrier frames)."""
-    cdef int distance = 1, rank = mesh.rank, n = mesh.n
-    while distance < n:
-        if _exchange(s, mesh.states[(rank + distance) % n], NULL, 0,
-                     r, mesh.states[(rank - distance + n) % n], NULL, 0, 0, deadline, KIND_BARRIER):
+    cdef ferro_plan plan
+    cdef ferro_step step
+    ferro_plan_init(&plan, FERRO_PLAN_DISSEMINATION, mesh.rank, mesh.n, 0, 1, NULL, NULL, NULL, 0, 0, 0)
+    while ferro_plan_next(&plan, &step):
+        if _exchange(s, mesh.states[step.send_peer], NULL, 0, r, mesh.states[step.recv_peer], NULL, 0, 0, deadline,
+                     KIND_BARRIER):
             return 1
-        distance *= 2
     return 0
 
 

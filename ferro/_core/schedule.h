@@ -19,6 +19,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <math.h>
 
 enum {
     FERRO_PLAN_RING = 0,
@@ -26,6 +27,10 @@ enum {
     FERRO_PLAN_HALVING_DOUBLING = 2,
     FERRO_PLAN_BINOMIAL_TREE = 3,   /* broadcast: receive from the parent, then send to each child */
     FERRO_PLAN_CHAIN = 4,           /* broadcast: root -> root + 1 -> ..., segment i - 1 forwarded as i arrives */
+    FERRO_PLAN_BRUCK = 5,           /* all_gather: ceil(log2 n) rounds, blocks in this rank's rotated order */
+    FERRO_PLAN_PAIRWISE = 6,        /* all_to_all: n - 1 steps, step k to rank + k while rank - k's arrives */
+    FERRO_PLAN_BRUCK_ALL_TO_ALL = 7,/* all_to_all of equal blocks: ceil(log2 n) rounds of packed blocks */
+    FERRO_PLAN_DISSEMINATION = 8,   /* barrier: round k signals rank + 2^k and waits for rank - 2^k */
 };
 
 enum {
@@ -38,6 +43,7 @@ enum {
     FERRO_STEP_SEND_SOURCE = 2,
     FERRO_STEP_RECV_BASE = 4,
     FERRO_STEP_DIVIDE = 8,
+    FERRO_STEP_PACK = 16,       /* Bruck's all_to_all: the blocks whose index has bit `pack_bit` set */
 };
 
 typedef struct {
@@ -47,6 +53,7 @@ typedef struct {
     size_t recv_off, recv_len;
     unsigned flags;
     size_t divide_off, divide_len;
+    size_t pack_bit;        /* FERRO_STEP_PACK: send (and receive into) blocks j with j & pack_bit, packed */
 } ferro_step;
 
 typedef struct {
@@ -60,6 +67,8 @@ typedef struct {
     int source;             /* the ring's first reduce-scatter step reads the input (out of place) */
     int root;               /* broadcast's */
     size_t segment;         /* the chain's segment */
+    size_t block;           /* Bruck's: bytes per rank's block */
+    const size_t *send_bounds, *recv_bounds;  /* pairwise all_to_all: rank j's block, n + 1 byte offsets each */
     /* progress */
     int stage, index;
     int power, extra, virtual_rank, mask, lo, hi;
@@ -82,6 +91,7 @@ static inline void ferro_plan_clear(ferro_step *step) {
     step->send_off = step->send_len = step->recv_off = step->recv_len = 0;
     step->flags = 0;
     step->divide_off = step->divide_len = 0;
+    step->pack_bit = 0;
 }
 
 /* Start a plan. For the ring, `starts`/`ends` are the n chunks' element bounds; for halving-doubling `bounds` must
@@ -104,6 +114,8 @@ static inline void ferro_plan_init(ferro_plan *plan, int algorithm, int rank, in
     plan->source = source;
     plan->root = 0;
     plan->segment = 0;
+    plan->block = 0;
+    plan->send_bounds = plan->recv_bounds = NULL;
     plan->stage = 0;
     plan->index = 0;
     plan->power = 1;
@@ -356,6 +368,92 @@ static int ferro_plan_next_chain(ferro_plan *p, ferro_step *step) {
     }
 }
 
+/* Start Bruck's all_gather of `block` bytes per rank. The working buffer holds the n blocks in this rank's order
+ * (block j is rank + j's): the executor puts this rank's own first and rotates them into rank order at the end. */
+static inline void ferro_plan_init_bruck(ferro_plan *plan, int rank, int n, size_t block) {
+    ferro_plan_init(plan, FERRO_PLAN_BRUCK, rank, n, 0, 1, NULL, NULL, NULL, 0, 0, 0);
+    plan->block = block;
+    plan->index = 1;  /* blocks held so far */
+}
+
+static int ferro_plan_next_bruck(ferro_plan *p, ferro_step *step) {
+    /* Round k sends the first min(2^k, n - 2^k) blocks to rank - 2^k while as many arrive from rank + 2^k. */
+    size_t have = (size_t)p->index, count;
+    int n = p->n, rank = p->rank;
+    if (have >= (size_t)n)
+        return 0;
+    count = have < (size_t)n - have ? have : (size_t)n - have;
+    ferro_plan_clear(step);
+    step->send_peer = (int)((rank - (long)have % n + n) % n);
+    step->send_len = count * p->block;
+    step->recv_peer = (int)((rank + have) % (size_t)n);
+    step->recv_off = have * p->block;
+    step->recv_len = count * p->block;
+    p->index = (int)(have + count);
+    return 1;
+}
+
+/* Start an all_to_all: the pairwise exchange over `send_bounds`/`recv_bounds` (n + 1 byte offsets each: rank j's
+ * block to send, and where rank j's lands), or Bruck's over equal `block`-byte blocks. Bruck's working buffer holds
+ * the n blocks rotated: block j is bound for rank + j, and at the end came from rank - j (the executor rotates). */
+static inline void ferro_plan_init_all_to_all(ferro_plan *plan, int algorithm, int rank, int n,
+                                              const size_t *send_bounds, const size_t *recv_bounds, size_t block) {
+    ferro_plan_init(plan, algorithm, rank, n, 0, 1, NULL, NULL, NULL, 0, 0, 0);
+    plan->send_bounds = send_bounds;
+    plan->recv_bounds = recv_bounds;
+    plan->block = block;
+    plan->index = 1;
+}
+
+static inline size_t ferro_plan_blocks_with_bit(int n, size_t bit) {
+    /* How many of the indices 0 .. n - 1 have `bit` set. */
+    size_t full = (size_t)n / (2 * bit), rest = (size_t)n % (2 * bit);
+    return full * bit + (rest > bit ? rest - bit : 0);
+}
+
+static int ferro_plan_next_all_to_all(ferro_plan *p, ferro_step *step) {
+    int n = p->n, rank = p->rank, dst, src;
+    size_t bit;
+    ferro_plan_clear(step);
+    if (p->algorithm == FERRO_PLAN_PAIRWISE) {
+        if (p->index >= n)
+            return 0;
+        dst = (rank + p->index) % n;
+        src = (rank - p->index + n) % n;
+        p->index++;
+        step->send_peer = dst;
+        step->send_off = p->send_bounds[dst];
+        step->send_len = p->send_bounds[dst + 1] - p->send_bounds[dst];
+        step->recv_peer = src;
+        step->recv_off = p->recv_bounds[src];
+        step->recv_len = p->recv_bounds[src + 1] - p->recv_bounds[src];
+        step->flags = FERRO_STEP_SEND_SOURCE;
+        return 1;
+    }
+    bit = (size_t)p->index;  /* Bruck: a block at index j still has j's unprocessed bits to travel */
+    if (bit >= (size_t)n)
+        return 0;
+    p->index = (int)(bit * 2);
+    step->send_peer = (int)((rank + bit) % (size_t)n);
+    step->recv_peer = (int)((rank - (long)bit % n + n) % n);
+    step->send_len = step->recv_len = ferro_plan_blocks_with_bit(n, bit) * p->block;
+    step->flags = FERRO_STEP_PACK;
+    step->pack_bit = bit;
+    return 1;
+}
+
+static int ferro_plan_next_dissemination(ferro_plan *p, ferro_step *step) {
+    /* Empty messages: after round k every rank has heard, through some path, from the 2^(k+1) ranks before it. */
+    int distance = p->index ? p->index : 1;
+    if (distance >= p->n)
+        return 0;
+    ferro_plan_clear(step);
+    step->send_peer = (p->rank + distance) % p->n;
+    step->recv_peer = (p->rank - distance + p->n) % p->n;
+    p->index = distance * 2;
+    return 1;
+}
+
 /* The next step of the plan into `step`: 1, or 0 when the plan is done. */
 static inline int ferro_plan_next(ferro_plan *plan, ferro_step *step) {
     if (plan->n < 2)
@@ -366,7 +464,75 @@ static inline int ferro_plan_next(ferro_plan *plan, ferro_step *step) {
         return ferro_plan_next_tree(plan, step);
     if (plan->algorithm == FERRO_PLAN_CHAIN)
         return ferro_plan_next_chain(plan, step);
+    if (plan->algorithm == FERRO_PLAN_BRUCK)
+        return ferro_plan_next_bruck(plan, step);
+    if (plan->algorithm == FERRO_PLAN_PAIRWISE || plan->algorithm == FERRO_PLAN_BRUCK_ALL_TO_ALL)
+        return ferro_plan_next_all_to_all(plan, step);
+    if (plan->algorithm == FERRO_PLAN_DISSEMINATION)
+        return ferro_plan_next_dissemination(plan, step);
     return ferro_plan_next_doubling(plan, step);
+}
+
+/* --- Choosing among the plans ------------------------------------------------------------------------------
+ *
+ * The closed forms of the schedules above under the alpha-beta model, in units of one byte on the wire: a message
+ * costs `latency_bytes` (alpha / beta: what a link moves in one message's fixed cost) plus its bytes, and a byte
+ * copied locally costs `copy_ratio` (memcpy's seconds per byte / beta). Every rank evaluates the same doubles in
+ * the same order, so every rank chooses alike. ferro.collective.cost_model derives the two numbers from a fitted
+ * model (or its defaults, which reproduce the thresholds measured on loopback) and the tests hold these forms to the
+ * simulator's replay of the plans themselves.
+ */
+
+static inline double ferro_log2_rounds(int n) {
+    int rounds = 0;
+    while ((1 << rounds) < n)
+        rounds++;
+    return (double)rounds;
+}
+
+/* The chain's segment for `nbytes` among n ranks: sqrt(m L / (n - 2)) minimises (n - 2 + m / s) (L + s). */
+static inline size_t ferro_chain_segment(size_t nbytes, int n, double latency_bytes, size_t smallest,
+                                         size_t largest) {
+    double best = n > 2 ? sqrt((double)nbytes * latency_bytes / (double)(n - 2)) : (double)largest;
+    size_t segment = best >= (double)largest ? largest : (size_t)best;
+    segment = segment < smallest ? smallest : segment;
+    if (segment > 4096)
+        segment -= segment % 4096;  /* whole pages */
+    return segment ? segment : 1;
+}
+
+static inline double ferro_cost_tree(size_t nbytes, int n, double latency_bytes) {
+    return ferro_log2_rounds(n) * (latency_bytes + (double)nbytes);
+}
+
+static inline double ferro_cost_chain(size_t nbytes, int n, double latency_bytes, size_t segment) {
+    double pieces = (double)((nbytes + segment - 1) / segment);
+    double piece = (double)(nbytes < segment ? nbytes : segment);
+    return ((double)(n - 2) + pieces) * (latency_bytes + piece);
+}
+
+/* All_gather of `total` bytes in all: the ring's n - 1 steps of a block, or Bruck's ceil(log2 n) rounds that move
+ * the same bytes but copy them twice (into rotated order and back). */
+static inline double ferro_cost_all_gather_ring(size_t total, int n, double latency_bytes) {
+    return (double)(n - 1) * (latency_bytes + (double)total / n);
+}
+
+static inline double ferro_cost_all_gather_bruck(size_t total, int n, double latency_bytes, double copy_ratio) {
+    return ferro_log2_rounds(n) * latency_bytes + (double)(n - 1) / n * (double)total + 2.0 * copy_ratio * total;
+}
+
+/* All_to_all of `total` bytes per rank (n equal blocks): pairwise n - 1 steps, or Bruck's rounds of about half
+ * the blocks each, packed and unpacked every round and rotated twice. */
+static inline double ferro_cost_all_to_all_pairwise(size_t total, int n, double latency_bytes) {
+    return (double)(n - 1) * (latency_bytes + (double)total / n);
+}
+
+static inline double ferro_cost_all_to_all_bruck(size_t total, int n, double latency_bytes, double copy_ratio) {
+    double rounds = ferro_log2_rounds(n), moved = 0.0, block = (double)total / n;
+    size_t bit;
+    for (bit = 1; bit < (size_t)n; bit <<= 1)
+        moved += (double)ferro_plan_blocks_with_bit(n, bit) * block;
+    return rounds * latency_bytes + moved + copy_ratio * (2.0 * moved + 2.0 * (double)total);
 }
 
 #endif

@@ -163,6 +163,11 @@ class TcpBackend(StoreBackend, NativeCollectives):
                                     secret=self._secret, bind_addr=bind_addr, deadline=self._deadline)
         # Indexed by rank, for the native collectives and the direct paths; each connection made on first use.
         self._mesh = Mesh([None] * self._world_size, self._rank, connector=self._link)
+        from ferro.collective.cost_model import load_cost_model  # ferro.collective imports the backends
+
+        model = load_cost_model()  # $FERRO_COST_MODEL: the link's numbers choose the broadcast's plan, ...
+        if model is not None:
+            self._mesh.latency_bytes, self._mesh.copy_ratio = model.link_numbers()
         try:
             self._peers.join(self._deadline, prefetch=self._mesh.near_peers)
         except BaseException:

@@ -9,6 +9,10 @@ Each algorithm's time is the closed form of its schedule (``_core/schedule.h``) 
   unfold the ranks beyond ``p``;
 * halving-doubling: ``2 log2 p alpha + 2 (p - 1) / p m beta + (p - 1) / p m gamma``, plus the same fold.
 
+The broadcast, all_gather and all_to_all choose by the closed forms in ``_core/schedule.h`` (tree or pipelined chain
+and the chain's segment, Bruck or ring, Bruck or pairwise), which need two numbers of the link:
+:meth:`CostModel.link_numbers` gives them to each TCP group's mesh.
+
 ``tests/test_schedule.py`` holds these forms to the simulator, which replays the schedules themselves, so the two
 cannot drift apart. ``ferro bench --fit FILE`` times each algorithm at every size on the ranks it starts and fits
 ``alpha`` and ``beta`` to each one's own form (``per_algorithm``: what the link costs that algorithm, which the
@@ -27,11 +31,16 @@ from pathlib import Path
 from ferro import environment
 from ferro.errors import ConfigurationError
 
-__all__ = ["COST_MODEL_ENV", "CostModel", "load_cost_model"]
+__all__ = ["COPY_SECONDS_PER_BYTE", "COST_MODEL_ENV", "LINK_KINDS", "CostModel", "load_cost_model"]
 
 #: A JSON file written by ``ferro bench --fit``: allreduce algorithms are chosen from it.
 COST_MODEL_ENV = "FERRO_COST_MODEL"
 _ALGORITHMS = ("ring", "recursive_doubling", "halving_doubling")
+#: The kinds of link a model holds costs for: ranks of one host, and ranks of different hosts.
+LINK_KINDS = ("same_host", "between_hosts")
+#: Seconds a rank spends copying one byte in memory (Bruck's rotations and packing): memcpy at about 3 GB/s, the
+#: figure behind the mesh's default copy ratio (0.125 of a loopback link's 2.4 ns per byte).
+COPY_SECONDS_PER_BYTE = 0.3e-9
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,9 @@ class CostModel:
             size and between the smallest and largest size timed, the choice reads these (interpolated on log
             scales) rather than the closed forms, which two costs cannot fit at every size; elsewhere the forms
             extrapolate.
+        link: The kind of link ``alpha`` and ``beta`` were measured on (:data:`LINK_KINDS`).
+        links: ``{kind: (alpha, beta)}`` for every kind fitted so far (``ferro bench --fit`` keeps the other
+            kind's figures when it refits one).
 
     """
 
@@ -62,6 +74,22 @@ class CostModel:
     per_algorithm: dict[str, tuple[float, float]] = field(default_factory=dict)
     world_size: int = 0
     measured: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    link: str = "same_host"
+    links: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def link_numbers(self) -> tuple[float, float]:
+        """Return ``(latency_bytes, copy_ratio)`` for a TCP group's plans (see ``ferro._core.collectives.Mesh``).
+
+        A flat group's broadcast, all_gather and all_to_all are as slow as their slowest links, so the link
+        between hosts is taken when the model has one; else the one it has. ``latency_bytes`` is alpha / beta:
+        the bytes one message's fixed cost is worth; ``copy_ratio`` a byte copied in memory in the link's bytes.
+        """
+        alpha, beta = self.links.get("between_hosts") or self.links.get(self.link) or (self.alpha, self.beta)
+        if beta <= 0:
+            from ferro._core.collectives import DEFAULT_COPY_RATIO, DEFAULT_LATENCY_BYTES
+
+            return DEFAULT_LATENCY_BYTES, DEFAULT_COPY_RATIO
+        return alpha / beta, COPY_SECONDS_PER_BYTE / beta
 
     def allreduce(self, algorithm: str, nbytes: int, world_size: int) -> float:
         """Return the predicted seconds of an allreduce of ``nbytes`` over ``world_size`` ranks."""
@@ -127,15 +155,21 @@ def load_cost_model(path: str | None = None) -> CostModel | None:
                          for name, pair in dict(fields.get("per_algorithm", {})).items()}
         measured = {str(name): [(int(size), float(seconds)) for size, seconds in points]
                     for name, points in dict(fields.get("measured", {})).items()}
+        links = {str(kind): (float(pair[0]), float(pair[1])) for kind, pair in dict(fields.get("links", {})).items()}
         model = CostModel(float(fields["alpha"]), float(fields["beta"]), float(fields.get("gamma", 0.0)),
                           str(fields.get("fitted_on", "")), per_algorithm, int(fields.get("world_size", 0)),
-                          measured)
+                          measured, str(fields.get("link", "same_host")), links)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigurationError(f"{COST_MODEL_ENV}={path}: not a cost model written by ferro bench --fit ({exc})"
                                  ) from None
     unknown = sorted((set(model.per_algorithm) | set(model.measured)) - set(_ALGORITHMS))
     if unknown:
         raise ConfigurationError(f"{COST_MODEL_ENV}={path}: no allreduce algorithm named {unknown[0]!r}")
-    if min(model.alpha, model.beta, model.gamma, *(c for pair in model.per_algorithm.values() for c in pair)) < 0:
+    kinds = sorted({model.link, *model.links} - set(LINK_KINDS))
+    if kinds:
+        raise ConfigurationError(f"{COST_MODEL_ENV}={path}: no kind of link named {kinds[0]!r}; "
+                                 f"use {' or '.join(LINK_KINDS)}")
+    pairs = [*model.per_algorithm.values(), *model.links.values()]
+    if min(model.alpha, model.beta, model.gamma, *(c for pair in pairs for c in pair)) < 0:
         raise ConfigurationError(f"{COST_MODEL_ENV}={path}: costs must not be negative: {model}")
     return model

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from ferro._core import collectives as native
 
-__all__ = ["ALGORITHMS", "BROADCAST_ALGORITHMS", "Network", "lower_bound", "lower_bound_broadcast", "parse_network",
-           "predict", "predict_broadcast", "replay"]
+__all__ = ["ALGORITHMS", "BROADCAST_ALGORITHMS", "OP_ALGORITHMS", "Network", "lower_bound", "parse_network", "predict",
+           "replay"]
 
 #: The schedules the simulator replays, by the name ``ferro.allreduce(algorithm=...)`` takes.
 ALGORITHMS = {"ring": native.ALGORITHM_RING, "recursive_doubling": native.ALGORITHM_RECURSIVE_DOUBLING,
@@ -88,7 +88,7 @@ def parse_network(text: str) -> Network:
     return network
 
 
-Step = tuple[int, int, int, int, int, int, int]
+Step = tuple[int, int, int, int, int, int, int, int]
 
 
 def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment: int) -> float:
@@ -155,7 +155,7 @@ def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment:
 def _exchanges(steps: Sequence[Step], segment: int) -> list[tuple[int, int, int, int, int]]:
     """Cut each step into the executor's one-segment-each-way exchanges: (dst, bytes out, src, bytes in, reduced)."""
     out: list[tuple[int, int, int, int, int]] = []
-    for send_peer, _, send_len, recv_peer, _, recv_len, flags in steps:
+    for send_peer, _, send_len, recv_peer, _, recv_len, flags, _ in steps:
         position = 0
         while position < send_len or position < recv_len:
             a = min(segment, max(0, send_len - position))
@@ -167,50 +167,74 @@ def _exchanges(steps: Sequence[Step], segment: int) -> list[tuple[int, int, int,
     return out
 
 
+#: Every op's schedules, by the names ``ferro bench`` rows give them.
+OP_ALGORITHMS: dict[str, dict[str, int]] = {
+    "allreduce": ALGORITHMS,
+    "broadcast": {"binomial tree": native.ALGORITHM_BINOMIAL_TREE, "pipelined chain": native.ALGORITHM_CHAIN},
+    "all_gather": {"ring": native.ALGORITHM_RING, "bruck": native.ALGORITHM_BRUCK},
+    "reduce_scatter": {"ring": native.ALGORITHM_RING},
+    "all_to_all": {"pairwise": native.ALGORITHM_PAIRWISE, "bruck": native.ALGORITHM_BRUCK_ALL_TO_ALL},
+    "barrier": {"dissemination": native.ALGORITHM_DISSEMINATION},
+}
+#: Broadcast's schedules (``OP_ALGORITHMS["broadcast"]``).
+BROADCAST_ALGORITHMS = OP_ALGORITHMS["broadcast"]
+
+
 def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
-            segment: int = native.DEFAULT_SEGMENT_BYTES) -> float:
-    """Return the predicted seconds of an allreduce of ``nbytes`` with ``algorithm`` on ``network``."""
-    count = nbytes // itemsize
-    n = network.world_size
-    code = ALGORITHMS[algorithm]
-    return replay(network, lambda rank: native.plan_steps(code, rank, n, count, itemsize), segment)
+            segment: int = native.DEFAULT_SEGMENT_BYTES, op: str = "allreduce", root: int = 0,
+            latency_bytes: float = native.DEFAULT_LATENCY_BYTES) -> float:
+    """Return the predicted seconds of one call of ``op`` with ``algorithm`` on ``network``.
+
+    ``nbytes`` is the size a ``ferro bench`` row gives: the allreduce's and broadcast's message, the all_gather's
+    output, the reduce_scatter's input, the all_to_all's bytes sent per rank. A pipelined chain is cut as the
+    mesh cuts it for a link of ``latency_bytes`` (:func:`ferro._core.collectives.chain_segment`).
+
+    Raises:
+        ValueError: ``op`` or ``algorithm`` is not one the simulator replays.
+
+    """
+    if op not in OP_ALGORITHMS or algorithm not in OP_ALGORITHMS[op]:
+        known = ", ".join(f"{o}: {'/'.join(a)}" for o, a in OP_ALGORITHMS.items())
+        raise ValueError(f"no schedule of {op} named {algorithm!r} to replay; the simulator has {known}")
+    n, code = network.world_size, OP_ALGORITHMS[op][algorithm]
+    count = max(nbytes // itemsize, 1)
+    if op == "allreduce":
+        return replay(network, lambda rank: native.plan_steps(code, rank, n, count, itemsize), segment)
+    if op == "broadcast":
+        if algorithm == "pipelined chain":
+            segment = native.chain_segment(nbytes, n, latency_bytes)
+        return replay(network, lambda rank: native.plan_steps(code, rank, n, nbytes, 1, root=root, segment=segment),
+                      segment)
+    if op == "reduce_scatter":
+        return replay(network, lambda rank: native.plan_steps(code, rank, n, count, itemsize, phases=1,
+                                                              source=True), segment)
+    if op == "all_gather" and algorithm == "ring":
+        return replay(network, lambda rank: native.plan_steps(code, rank, n, count, itemsize, phases=2), segment)
+    block = max(count // n, 1)  # all_gather's Bruck, all_to_all: each rank's block, or the block to each peer
+    return replay(network, lambda rank: native.plan_steps(code, rank, n, block, itemsize), segment)
 
 
-#: Broadcast's schedules, by the name ``ferro bench`` rows give them.
-BROADCAST_ALGORITHMS = {"binomial tree": native.ALGORITHM_BINOMIAL_TREE, "pipelined chain": native.ALGORITHM_CHAIN}
+def lower_bound(network: Network, nbytes: int, op: str = "allreduce") -> float:
+    """Return the textbook lower bound of ``op`` of ``nbytes`` (as :func:`predict` counts them).
 
+    Bandwidth: what each host's link must carry at the least (ranks of one host may combine first), at
+    ``rate``; inside one host at ``local_rate``. Latency: one message's. (The textbook's ceil(log2 n) rounds of
+    latency assume a rank sends one message per round; in this model a sender is busy only ``overhead`` per
+    message, so a root reaches four children in about one latency, and the round count is no bound.)
 
-def predict_broadcast(network: Network, algorithm: str, nbytes: int, root: int = 0,
-                      segment: int = native.DEFAULT_SEGMENT_BYTES) -> float:
-    """Return the predicted seconds of a broadcast of ``nbytes`` from ``root`` with ``algorithm`` on ``network``."""
-    code, n = BROADCAST_ALGORITHMS[algorithm], network.world_size
-    return replay(network, lambda rank: native.plan_steps(code, rank, n, nbytes, 1, root=root, segment=segment),
-                  segment)
-
-
-def lower_bound_broadcast(network: Network, nbytes: int) -> float:
-    """Return the lower bound of a broadcast: the root's link carries the data once; ceil(log2) rounds of latency."""
-    hosts, per_host, n = network.hosts, network.ranks_per_host, network.world_size
-    if n < 2:
-        return 0.0
-    bandwidth = nbytes / network.rate if hosts > 1 else nbytes / network.local_rate
-    latency = (math.ceil(math.log2(hosts)) * network.latency
-               + math.ceil(math.log2(per_host)) * network.local_latency)
-    return max(bandwidth, latency)
-
-
-def lower_bound(network: Network, nbytes: int) -> float:
-    """Return the textbook lower bound of an allreduce of ``nbytes``: the larger of the bandwidth and latency bounds.
-
-    Bandwidth: each host must send and receive 2 (H - 1) / H of the host's data over its link (ranks of one host
-    can combine first). Latency: every rank's data must reach every other, doubling at best each round:
-    ceil(log2 H) rounds between hosts and ceil(log2 R) inside one.
+    * allreduce: each host sends and receives 2 (H - 1) / H of the data;
+    * broadcast: the root's host sends the message once;
+    * all_gather, reduce_scatter: each host receives (sends) (H - 1) / H of the whole;
+    * all_to_all: each host sends what its R ranks send to the other hosts, R (H - 1) / H of a rank's bytes.
     """
     hosts, per_host, n = network.hosts, network.ranks_per_host, network.world_size
     if n < 2:
         return 0.0
-    bandwidth = 2 * (hosts - 1) / hosts * nbytes / network.rate if hosts > 1 else (
-        2 * (n - 1) / n * nbytes / network.local_rate)
-    latency = (math.ceil(math.log2(hosts)) * network.latency
-               + math.ceil(math.log2(per_host)) * network.local_latency)
+    share = {"allreduce": 2 * (hosts - 1) / hosts, "broadcast": 1.0 if hosts > 1 else 0.0,
+             "all_gather": (hosts - 1) / hosts, "reduce_scatter": (hosts - 1) / hosts,
+             "all_to_all": per_host * (hosts - 1) / hosts, "barrier": 0.0}[op]
+    local = {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0, "all_gather": (n - 1) / n,
+             "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n, "barrier": 0.0}[op]
+    bandwidth = share * nbytes / network.rate if hosts > 1 else local * nbytes / network.local_rate
+    latency = network.latency if hosts > 1 else network.local_latency
     return max(bandwidth, latency)

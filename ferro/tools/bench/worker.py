@@ -113,10 +113,8 @@ class _Ferro(_Adapter):
                     "MpiBackend": "MPI's"}.get(kind, kind)
         if op == "allreduce":
             return resolve_allreduce_algorithm(nbytes, n)
-        if op == "all_gather":
-            return "bruck" if n >= 4 and nbytes <= native.DEFAULT_BRUCK_BYTES else "ring"
-        if op == "broadcast":
-            return "binomial tree" if n <= 2 or nbytes <= native.DEFAULT_CHAIN_BYTES else "pipelined chain"
+        if op in ("all_gather", "broadcast", "all_to_all"):  # the mesh's own choice, by its cost forms
+            return self.group.native.direct_mesh.choose(op, nbytes)
         return {"reduce_scatter": "ring", "all_to_all": "pairwise", "barrier": "dissemination",
                 "reduce": "binomial tree", "gather": "direct", "scatter": "direct"}.get(op, "")
 
