@@ -8,9 +8,11 @@ cluster's rate) and prints measured and predicted side by side with the lower bo
     python bench/bench_scale_collectives.py --clusters 8x1@100mbit,16x1@100mbit --ops allreduce,broadcast \\
         -b 4 -e 4M -f 16 --compare torch-gloo,mpi --json scale.json
 
-Needs root (network namespaces). ``--mpirun /usr/bin/mpirun`` compares Debian's Open MPI 4.1. The simulator
-predicts one call; ``ferro bench`` times calls back to back, which for a pipelined chain overlaps successive
-broadcasts, so its broadcast rows above the tree's threshold are rates the single-call replay does not model.
+Needs root (network namespaces). ``--mpirun /usr/bin/mpirun`` compares Debian's Open MPI 4.1. With
+``FERRO_COST_MODEL`` set, ferro's ranks choose by that model and the simulator cuts the chain as they do. The
+simulator predicts one call; ``ferro bench`` times calls back to back, which for a pipelined chain overlaps
+successive broadcasts, so its chain rows are rates the single-call replay does not model.
+``--from-json`` re-predicts rows an earlier run wrote (``--json``) without running anything.
 """
 
 from __future__ import annotations
@@ -22,26 +24,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ferro._core import collectives as native
+from ferro.collective.cost_model import load_cost_model
 from ferro.tools.bench import simulate
 from ferro.tools.bench.table import read_json
 
-PREDICTED = ("allreduce", "broadcast")
-
 
 def _predict(network: simulate.Network, op: str, algorithm: str, nbytes: int, itemsize: int) -> float | None:
-    if op == "allreduce" and algorithm in simulate.ALGORITHMS:
-        return simulate.predict(network, algorithm, nbytes, itemsize)
-    if op == "broadcast" and algorithm in simulate.BROADCAST_ALGORITHMS:
-        return simulate.predict_broadcast(network, algorithm, nbytes)
-    return None
-
-
-def _bound(network: simulate.Network, op: str, nbytes: int) -> float | None:
-    if op == "allreduce":
-        return simulate.lower_bound(network, nbytes)
-    if op == "broadcast":
-        return simulate.lower_bound_broadcast(network, nbytes)
-    return None
+    """The simulator's seconds for the plan a row names (None: a plan the simulator does not hold)."""
+    if algorithm not in simulate.OP_ALGORITHMS.get(op, {}):
+        return None
+    model = load_cost_model()
+    latency_bytes = model.link_numbers()[0] if model else native.DEFAULT_LATENCY_BYTES
+    return simulate.predict(network, algorithm, nbytes, itemsize, op=op, latency_bytes=latency_bytes)
 
 
 def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:
@@ -65,14 +60,49 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:
         if not row.library.startswith("ferro"):
             continue
         itemsize = max(1, row.size // max(1, row.count))
-        predicted = _predict(network, row.op, row.algorithm, row.size, itemsize) if row.op in PREDICTED else None
+        predicted = _predict(network, row.op, row.algorithm, row.size, itemsize)
         peers = {r.library: r.time_us() for r in rows if r.op == row.op and r.size == row.size
                  and not r.library.startswith("ferro")}
-        bound = _bound(network, row.op, row.size)
-        results.append({"cluster": cluster, "op": row.op, "size": row.size, "algorithm": row.algorithm,
+        bound = simulate.lower_bound(network, row.size, row.op) if row.op in simulate.OP_ALGORITHMS else None
+        results.append({"cluster": cluster, "op": row.op, "size": row.size, "itemsize": itemsize,
+                        "algorithm": row.algorithm,
                         "measured_us": row.time_us(), "predicted_us": None if predicted is None else predicted * 1e6,
                         "bound_us": None if bound is None else bound * 1e6, "peers_us": peers})
     return results
+
+
+def predict_scale(ranks: list[int], links: list[str], sizes: list[int]) -> list[dict]:
+    """Predict the allreduce at ``ranks`` (one rank per host) on each link ``RATE,LATENCY``: ferro's choice by a
+    cost model of that link (what ``ferro bench --fit`` would measure there) and the ring alone, beside the bound.
+
+    The ring and, on powers of two, recursive doubling and halving-doubling are replayed from one host's plan
+    (:func:`simulate.replay_symmetric`, equal to the full replay at 1 rank per host: ``tests/test_schedule.py``).
+    """
+    from ferro.collective.cost_model import CostModel
+
+    rows = []
+    for link in links:
+        for n in ranks:
+            network = simulate.parse_network(f"{n}x1@{link}")
+            model = CostModel(network.latency + network.overhead, 1 / network.rate, 1 / network.reduce_rate)
+            for size in sizes:
+                chosen = model.choose_allreduce(size, n)
+                ring = simulate.predict(network, "ring", size)
+                best = ring if chosen == "ring" else simulate.predict(network, chosen, size)
+                rows.append({"link": link, "ranks": n, "size": size, "algorithm": chosen, "chosen_us": best * 1e6,
+                             "ring_us": ring * 1e6, "bound_us": simulate.lower_bound(network, size) * 1e6})
+                print(f"  {link:>14} {n:>6} {size:>10} {chosen:>18} {best * 1e6:>12.1f} {ring * 1e6:>12.1f} "
+                      f"{ring / best:>6.1f}x {rows[-1]['bound_us']:>11.1f}", flush=True)
+    return rows
+
+
+def _repredicted(row: dict) -> dict:
+    network = simulate.parse_network(row["cluster"])
+    itemsize = row.get("itemsize", 4)
+    predicted = _predict(network, row["op"], row["algorithm"], row["size"], itemsize)
+    bound = simulate.lower_bound(network, row["size"], row["op"]) if row["op"] in simulate.OP_ALGORITHMS else None
+    return {"predicted_us": None if predicted is None else predicted * 1e6,
+            "bound_us": None if bound is None else bound * 1e6}
 
 
 def show(results: list[dict]) -> None:
@@ -102,8 +132,28 @@ def main() -> int:
     parser.add_argument("--mpirun", default=None, help="the mpirun of the mpi peer (Open MPI 4 or 5)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per cluster")
     parser.add_argument("--json", default=None, help="write every row here")
+    parser.add_argument("--from-json", default=None, help="re-predict the rows of an earlier --json; run nothing")
+    parser.add_argument("--predict-scale", default=None, metavar="RANKS",
+                        help="comma-separated rank counts (e.g. 256,1024,4096,16384): predict the allreduce there "
+                             "on --links, run nothing")
+    parser.add_argument("--links", default="25gbit,2us,25gbit,10us,100gbit,2us,100gbit,10us",
+                        help="RATE,LATENCY pairs for --predict-scale")
+    parser.add_argument("--sizes", default="8,65536,1048576,67108864", help="bytes, for --predict-scale")
     args = parser.parse_args()
-    results = [row for cluster in args.clusters.split(",") for row in run_cluster(cluster, args)]
+    if args.predict_scale:
+        parts = args.links.split(",")
+        print(f"# {'link':>14} {'ranks':>6} {'size':>10} {'ferro chooses':>18} {'its time':>12} {'ring alone':>12} "
+              f"{'gain':>7} {'bound':>11}   (us, predicted)")
+        rows = predict_scale([int(n) for n in args.predict_scale.split(",")],
+                             [f"{parts[i]},{parts[i + 1]}" for i in range(0, len(parts), 2)],
+                             [int(size) for size in args.sizes.split(",")])
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
+    if args.from_json:
+        results = [dict(r, **_repredicted(r)) for r in json.loads(Path(args.from_json).read_text())]
+    else:
+        results = [row for cluster in args.clusters.split(",") for row in run_cluster(cluster, args)]
     show(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

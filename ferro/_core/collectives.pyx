@@ -19,7 +19,7 @@ from libc.string cimport memcpy, memmove, memset
 from ferro._core.direct cimport READ_CLOCK, DirectCall
 from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
 from ferro._core.state cimport ferro_stat_slot
-from ferro._core.status cimport ST_OK
+from ferro._core.status cimport ST_ABORTED, ST_OK
 from ferro._core.transport cimport (
     ConnState,
     Connection,
@@ -27,9 +27,10 @@ from ferro._core.transport cimport (
     SendOp,
     monotonic_ns,
     raise_failure,
+    run_many,
     run_ops,
 )
-from ferro._core.posix cimport FERRO_HEADER_SIZE, ferro_pack_header
+from ferro._core.posix cimport FERRO_HEADER_SIZE, ferro_pack_header, pollfd
 
 from ferro.errors import InvalidBufferError
 
@@ -151,6 +152,9 @@ def choose(str op, size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BY
 # mesh's scratch (kept at the largest call's size); above it the front end's ~100 us are under 2 % of
 # the call at 1 Gbit, and the full path's scratch is the call's own.
 DIRECT_REDUCE_SCATTER_BYTES = 1024 * 1024
+# The pairwise all_to_all keeps this many of its steps in flight at once (one frame per block).
+cdef enum:
+    PAIRWISE_WINDOW = 16
 
 cdef uint32_t KIND_BARRIER = 2
 cdef uint32_t KIND_COLLECTIVE = 3
@@ -961,6 +965,48 @@ def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "broadcast", timeout)
 
 
+cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned char* out, unsigned char* into,
+                           SendOp* sends, RecvOp* recvs, pollfd* fds, uint64_t fingerprint, int64_t deadline,
+                           SendOp* s, RecvOp* r) except -1 nogil:
+    """Run the pairwise exchange's steps ``PAIRWISE_WINDOW`` at a time, each block one frame (``run_many``).
+
+    Every step touches its own pair of peers, so the steps of a window share no connection's direction. On a
+    failure, ``s`` and ``r`` receive the ops that failed first (not the ones stopped because of them).
+    """
+    cdef ferro_step step
+    cdef int w, failed_send, failed_recv
+    while True:
+        w = 0
+        while w < PAIRWISE_WINDOW and ferro_plan_next(plan, &step):
+            _prepare_send(&sends[w], conns[step.send_peer], out + step.send_off, step.send_len, fingerprint)
+            _prepare_recv(&recvs[w], conns[step.recv_peer], into + step.recv_off, step.recv_len, fingerprint)
+            w += 1
+        if w == 0:
+            return 0
+        if run_many(sends, w, recvs, w, fds, deadline) < 0:
+            return -1
+        failed_send = _first_failed(sends, NULL, w)
+        failed_recv = _first_failed(NULL, recvs, w)
+        if failed_send >= 0 or failed_recv >= 0:
+            if failed_send >= 0:
+                memcpy(s, &sends[failed_send], sizeof(SendOp))
+            if failed_recv >= 0:
+                memcpy(r, &recvs[failed_recv], sizeof(RecvOp))
+            return 1
+
+
+cdef int _first_failed(SendOp* sends, RecvOp* recvs, int count) noexcept nogil:
+    """The index of the op whose failure stopped the others (else of the first failed one), or -1."""
+    cdef int i, status, first = -1
+    for i in range(count):
+        status = sends[i].status if sends != NULL else recvs[i].status
+        if status != ST_OK and status != ST_ABORTED:
+            return i
+        if status != ST_OK and first < 0:
+            first = i
+    return first
+
+
 def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_offsets,
                uint64_t fingerprint, double timeout) -> None:
     """Exchange blocks: bytes ``[send_offsets[j], send_offsets[j+1])`` go to rank ``j``.
@@ -979,6 +1025,9 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
     cdef bint uniform
     cdef unsigned char* work = NULL
     cdef ferro_plan plan
+    cdef SendOp* sends = NULL
+    cdef RecvOp* recvs = NULL
+    cdef pollfd* fds = NULL
     cdef size_t* send_at = NULL
     cdef size_t* recv_at = NULL
     cdef const unsigned char* out
@@ -992,7 +1041,10 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
         call.take_input(send_buf)
         send_at = <size_t*>malloc((n + 1) * sizeof(size_t))
         recv_at = <size_t*>malloc((n + 1) * sizeof(size_t))
-        if send_at == NULL or recv_at == NULL:
+        sends = <SendOp*>malloc(PAIRWISE_WINDOW * sizeof(SendOp))
+        recvs = <RecvOp*>malloc(PAIRWISE_WINDOW * sizeof(RecvOp))
+        fds = <pollfd*>malloc(2 * PAIRWISE_WINDOW * sizeof(pollfd))
+        if send_at == NULL or recv_at == NULL or sends == NULL or recvs == NULL or fds == NULL:
             raise MemoryError()
         for i in range(n + 1):
             send_at[i] = send_offsets[i]
@@ -1026,11 +1078,14 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
             else:
                 memcpy(into + recv_at[rank], out + send_at[rank], send_at[rank + 1] - send_at[rank])
                 ferro_plan_init_all_to_all(&plan, FERRO_PLAN_PAIRWISE, rank, n, send_at, recv_at, 0)
-                rc = _run_plan(call.states, &plan, into, out, 1, -1, NULL, NULL, SEGMENT_BYTES, 0, fingerprint,
-                               deadline, &s, &r)
+                rc = _pairwise_windows(call.states, &plan, out, into, sends, recvs, fds, fingerprint, deadline,
+                                       &s, &r)
     finally:
         free(send_at)
         free(recv_at)
+        free(sends)
+        free(recvs)
+        free(fds)
         call.release()
     if rc:
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "all_to_all", timeout)

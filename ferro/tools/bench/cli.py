@@ -223,41 +223,51 @@ def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[i
 
 
 def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
-    """Print ``--simulate``'s tables: per size, ferro's choice and every algorithm predicted, beside the bound."""
+    """Print ``--simulate``'s tables: per size, ferro's choice and every plan of the op predicted, beside the bound."""
     from ferro._core import collectives as native
+    from ferro.collective.cost_model import load_cost_model
     from ferro.collective.resolve import resolve_allreduce_algorithm
+    from ferro.errors import ConfigurationError
     from ferro.tools.bench import simulate
 
-    unplanned = [op for op in ops if op not in ("allreduce", "broadcast")]
+    unplanned = [op for op in ops if op not in simulate.OP_ALGORITHMS]
     if unplanned:
-        print(f"ferro bench: --simulate replays allreduce's and broadcast's schedules; {', '.join(unplanned)} "
-              "are not yet described as plans", file=sys.stderr)
+        print(f"ferro bench: --simulate replays {', '.join(simulate.OP_ALGORITHMS)}; {', '.join(unplanned)} "
+              "are point-to-point, not plans", file=sys.stderr)
         return 2
     try:
         network = simulate.parse_network(args.simulate)
-    except ValueError as exc:
+        model = load_cost_model()
+    except (ValueError, ConfigurationError) as exc:
         print(f"ferro bench: {exc}", file=sys.stderr)
         return 2
+    latency_bytes, copy_ratio = model.link_numbers() if model else (native.DEFAULT_LATENCY_BYTES,
+                                                                     native.DEFAULT_COPY_RATIO)
     itemsize = 2 if args.dtype in ("float16", "bfloat16") else 8 if args.dtype.endswith("64") else (
         1 if args.dtype.endswith("8") else 4)
     n = network.world_size
     print(f"# ferro bench --simulate {args.simulate}: {network.hosts} hosts x {network.ranks_per_host} ranks = {n}, "
           f"{network.rate * 8 / 1e9:g} Gbit/s each way per host, {network.latency * 1e6:g} us per message; "
-          f"predicted time per call (us) of the schedules the executor runs")
+          f"predicted time per call (us) of the schedules the executor runs"
+          + (f"; choices by the cost model {model.fitted_on!r}" if model else ""))
     for op in ops:
-        names = sorted(simulate.ALGORITHMS) if op == "allreduce" else sorted(simulate.BROADCAST_ALGORITHMS)
+        names = sorted(simulate.OP_ALGORITHMS[op])
         print(f"#\n# {op}\n# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} {'algorithm':>18} "
               f"{'time':>11} {'busbw':>8} " + " ".join(f"{name:>18}" for name in names) + f" {'bound':>11}")
-        for size in sizes_from(args.minbytes, args.maxbytes, args.stepfactor):
-            nbytes = max(itemsize, size - size % itemsize)
+        for size in sizes_from(args.minbytes, args.maxbytes, args.stepfactor) if op != "barrier" else [0]:
+            nbytes = max(itemsize, size - size % itemsize) if op != "barrier" else 0
             if op == "allreduce":
                 chosen = resolve_allreduce_algorithm(nbytes, n)
-                times = {name: simulate.predict(network, name, nbytes, itemsize) for name in names}
-                bound, factor, redop, root = simulate.lower_bound(network, nbytes), 2 * (n - 1) / n, args.op, -1
+            elif op in ("broadcast", "all_gather", "all_to_all"):
+                chosen = native.choose(op, nbytes, n, latency_bytes, copy_ratio)
             else:
-                chosen = "binomial tree" if n <= 2 or nbytes <= native.DEFAULT_CHAIN_BYTES else "pipelined chain"
-                times = {name: simulate.predict_broadcast(network, name, nbytes) for name in names}
-                bound, factor, redop, root = simulate.lower_bound_broadcast(network, nbytes), 1.0, "none", 0
+                chosen = names[0]
+            times = {name: simulate.predict(network, name, nbytes, itemsize, op=op, latency_bytes=latency_bytes)
+                     for name in names}
+            bound = simulate.lower_bound(network, nbytes, op)
+            factor = {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(op, (n - 1) / n)
+            redop = args.op if op in ("allreduce", "reduce_scatter") else "none"
+            root = 0 if op == "broadcast" else -1
             busbw = nbytes / times[chosen] / 1e9 * factor if times[chosen] > 0 and n > 1 else 0.0
             print(f"  {nbytes:>10} {nbytes // itemsize:>12} {args.dtype:>8} {redop:>6} {root:>5} {chosen:>18} "
                   f"{times[chosen] * 1e6:>11.1f} {busbw:>8.3f} "
@@ -397,8 +407,9 @@ def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
     """Fit alpha and beta to each algorithm's rows (least squares weighted by 1/t), write the model, show it."""
     import numpy as np
 
-    from ferro.collective.cost_model import CostModel
+    from ferro.collective.cost_model import CostModel, load_cost_model
     from ferro.collective.resolve import choose_allreduce
+    from ferro.errors import ConfigurationError
 
     ours = [r for r in rows if r.library.startswith("ferro") and r.op == "allreduce" and r.size > 0]
     n = ours[0].world_size if ours else 0
@@ -419,8 +430,17 @@ def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
     where = f"--emulate {args.emulate}" if args.emulate else f"one host ({socket.gethostname()})"
     ring_alpha, ring_beta = fitted["ring"]
     timed = {name: [(r.size, r.time_us() * 1e-6) for r in ours if r.algorithm == name] for name in FIT_ALGORITHMS}
+    # Which kind of link this was, and the other kind's figures from an earlier fit into the same file.
+    link = "between_hosts" if args.emulate and parse_emulation(args.emulate)[0] > 1 else "same_host"
+    links = {}
+    if os.path.exists(args.fit):
+        try:
+            links = dict(load_cost_model(args.fit).links)
+        except ConfigurationError:
+            links = {}  # not a model: overwritten
+    links[link] = (ring_alpha, ring_beta)
     model = CostModel(ring_alpha, ring_beta, 0.0, f"{n} ranks, backend {ours[0].library}, {where}", fitted, n,
-                      timed)
+                      timed, link, links)
     model.save(args.fit)
     print(f"# cost model written to {args.fit} ({model.fitted_on}); per algorithm, us per message and MB/s:")
     for name, (alpha, beta) in fitted.items():

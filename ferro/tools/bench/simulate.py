@@ -17,7 +17,6 @@ It predicts the slowest rank's time, and gives the textbook lower bounds beside 
 from __future__ import annotations
 
 import heapq
-import math
 import re
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
@@ -152,6 +151,46 @@ def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment:
     return max(finished)
 
 
+def replay_symmetric(network: Network, steps_of: Callable[[int], Sequence[Step]], segment: int) -> float:
+    """Return :func:`replay`'s seconds for a plan every host runs alike, from the plans of host 0's ranks alone.
+
+    The ring, Bruck's plans, the pairwise exchange, the dissemination barrier, and recursive doubling and
+    halving-doubling on a power of two of hosts look the same from every host (rotated, or XORed): every rank
+    does its i-th exchange at the same moment, and each host's link carries in each direction what host 0's
+    ranks send off the host. So a step lasts as long as host 0's slowest rank needs for it, its link shared by
+    those of its ranks sending off the host. It costs R plans instead of H x R, which is what makes 16,384 ranks
+    predictable; ``tests/test_schedule.py`` holds it to the full replay where both run: equal at one rank per
+    host, an upper estimate within 2x with several (their lockstep and shared link cost more than the replay's
+    overlap).
+    """
+    per_host = network.ranks_per_host
+    plans = [_exchanges(steps_of(rank), segment) for rank in range(min(per_host, network.world_size))]
+    total = 0.0
+    for step in zip(*plans, strict=True):
+        off_host = [(dst, out, src, inn, red) for dst, out, src, inn, red in step
+                    if (dst >= 0 and dst // per_host != 0) or (src >= 0 and src // per_host != 0)]
+        uplink = sum(out for dst, out, *_ in off_host if dst >= 0 and dst // per_host != 0)
+        downlink = sum(inn for _, _, src, inn, _ in off_host if src >= 0 and src // per_host != 0)
+        slowest = 0.0
+        for dst, out, src, inn, red in step:
+            crosses = (dst >= 0 and dst // per_host != 0) or (src >= 0 and src // per_host != 0)
+            if crosses:
+                wire = max(uplink, downlink) / network.rate + network.latency
+            else:
+                wire = max(out, inn) / network.local_rate + network.local_latency
+            slowest = max(slowest, network.overhead + wire + red / network.reduce_rate)
+        total += slowest
+    return total
+
+
+#: The plans every host runs alike (see :func:`replay_symmetric`); recursive doubling and halving-doubling only
+#: on a power of two of ranks, where no rank folds.
+SYMMETRIC = {("allreduce", "ring"), ("all_gather", "ring"), ("all_gather", "bruck"), ("reduce_scatter", "ring"),
+             ("all_to_all", "pairwise"), ("all_to_all", "bruck"), ("barrier", "dissemination")}
+#: Above this many exchanges in all, :func:`predict` replays a symmetric plan from host 0's ranks alone.
+FULL_REPLAY_EXCHANGES = 2_000_000
+
+
 def _exchanges(steps: Sequence[Step], segment: int) -> list[tuple[int, int, int, int, int]]:
     """Cut each step into the executor's one-segment-each-way exchanges: (dst, bytes out, src, bytes in, reduced)."""
     out: list[tuple[int, int, int, int, int]] = []
@@ -182,15 +221,19 @@ BROADCAST_ALGORITHMS = OP_ALGORITHMS["broadcast"]
 
 def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
             segment: int = native.DEFAULT_SEGMENT_BYTES, op: str = "allreduce", root: int = 0,
-            latency_bytes: float = native.DEFAULT_LATENCY_BYTES) -> float:
+            latency_bytes: float = native.DEFAULT_LATENCY_BYTES, method: str = "auto") -> float:
     """Return the predicted seconds of one call of ``op`` with ``algorithm`` on ``network``.
 
     ``nbytes`` is the size a ``ferro bench`` row gives: the allreduce's and broadcast's message, the all_gather's
     output, the reduce_scatter's input, the all_to_all's bytes sent per rank. A pipelined chain is cut as the
-    mesh cuts it for a link of ``latency_bytes`` (:func:`ferro._core.collectives.chain_segment`).
+    mesh cuts it for a link of ``latency_bytes`` (:func:`ferro._core.collectives.chain_segment`). ``method``:
+    ``"full"`` replays every rank (:func:`replay`), ``"symmetric"`` host 0's ranks (:func:`replay_symmetric`, for
+    the plans in :data:`SYMMETRIC`), ``"auto"`` the full replay unless it would take more than
+    :data:`FULL_REPLAY_EXCHANGES` exchanges and the plan is symmetric.
 
     Raises:
-        ValueError: ``op`` or ``algorithm`` is not one the simulator replays.
+        ValueError: ``op`` or ``algorithm`` is not one the simulator replays, or a symmetric replay of a plan
+            that is not symmetric.
 
     """
     if op not in OP_ALGORITHMS or algorithm not in OP_ALGORITHMS[op]:
@@ -198,20 +241,30 @@ def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
         raise ValueError(f"no schedule of {op} named {algorithm!r} to replay; the simulator has {known}")
     n, code = network.world_size, OP_ALGORITHMS[op][algorithm]
     count = max(nbytes // itemsize, 1)
+    steps_of: Callable[[int], Sequence[Step]]
     if op == "allreduce":
-        return replay(network, lambda rank: native.plan_steps(code, rank, n, count, itemsize), segment)
-    if op == "broadcast":
+        steps_of = lambda rank: native.plan_steps(code, rank, n, count, itemsize)  # noqa: E731
+    elif op == "broadcast":
         if algorithm == "pipelined chain":
             segment = native.chain_segment(nbytes, n, latency_bytes)
-        return replay(network, lambda rank: native.plan_steps(code, rank, n, nbytes, 1, root=root, segment=segment),
-                      segment)
-    if op == "reduce_scatter":
-        return replay(network, lambda rank: native.plan_steps(code, rank, n, count, itemsize, phases=1,
-                                                              source=True), segment)
-    if op == "all_gather" and algorithm == "ring":
-        return replay(network, lambda rank: native.plan_steps(code, rank, n, count, itemsize, phases=2), segment)
-    block = max(count // n, 1)  # all_gather's Bruck, all_to_all: each rank's block, or the block to each peer
-    return replay(network, lambda rank: native.plan_steps(code, rank, n, block, itemsize), segment)
+        steps_of = lambda rank: native.plan_steps(code, rank, n, nbytes, 1, root=root, segment=segment)  # noqa: E731
+    elif op == "reduce_scatter":
+        steps_of = lambda rank: native.plan_steps(code, rank, n, count, itemsize, phases=1, source=True)  # noqa: E731
+    elif op == "all_gather" and algorithm == "ring":
+        steps_of = lambda rank: native.plan_steps(code, rank, n, count, itemsize, phases=2)  # noqa: E731
+    else:  # all_gather's Bruck, all_to_all: each rank's block, or the block to each peer
+        block = max(count // n, 1)
+        steps_of = lambda rank: native.plan_steps(code, rank, n, block, itemsize)  # noqa: E731
+    symmetric = (op, algorithm) in SYMMETRIC or (algorithm in ("recursive_doubling", "halving_doubling")
+                                                 and n & (n - 1) == 0 and network.hosts & (network.hosts - 1) == 0)
+    if algorithm == "ring" and count < n:
+        symmetric = False  # chunks of nothing: the ranks holding one element do more steps than the others
+    if method == "symmetric" and not symmetric:
+        raise ValueError(f"{op}'s {algorithm} at {n} ranks is not the same from every host: replay it in full")
+    if method == "auto" and symmetric and n * len(_exchanges(steps_of(0), segment)) > FULL_REPLAY_EXCHANGES:
+        method = "symmetric"
+    return replay_symmetric(network, steps_of, segment) if method == "symmetric" else replay(network, steps_of,
+                                                                                              segment)
 
 
 def lower_bound(network: Network, nbytes: int, op: str = "allreduce") -> float:

@@ -103,7 +103,6 @@ class _Ferro(_Adapter):
 
     def algorithm(self, op: str, nbytes: int) -> str:
         """Name the algorithm ferro runs: its TCP rules (``FERRO_ALGORITHM_ALLREDUCE`` included), else the engine."""
-        from ferro._core import collectives as native
         from ferro.collective.resolve import resolve_allreduce_algorithm
 
         n = self.world_size
