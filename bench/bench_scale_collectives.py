@@ -28,20 +28,40 @@ from ferro._core import collectives as native
 from ferro.collective.cost_model import load_cost_model
 from ferro.tools.bench import simulate
 from ferro.tools.bench.table import read_json
+from ferro.tools.bench.worker import timed_calls
+
+#: What a TCP stream carries of an emulated link's rate: 1448 bytes of payload in each 1514-byte frame the
+#: token bucket counts (MTU 1500, TCP timestamps on).
+TCP_PAYLOAD_SHARE = 1448 / 1514
 
 
-def _predict(network: simulate.Network, op: str, algorithm: str, nbytes: int, itemsize: int) -> float | None:
-    """The simulator's seconds for the plan a row names (None: a plan the simulator does not hold)."""
+def emulated_network(cluster: str) -> simulate.Network:
+    """The simulator's model of an emulated cluster: its links at the TCP payload rate, and, where a cost model is
+    loaded (``FERRO_COST_MODEL``, fitted on that cluster), its measured cost per message as the latency."""
+    network = simulate.parse_network(cluster)
+    model = load_cost_model()
+    latency = network.latency
+    if model is not None:
+        alpha = model.per_algorithm.get("ring", (model.alpha, model.beta))[0]
+        latency = max(alpha - network.overhead, 0.0)
+    return simulate.Network(network.hosts, network.ranks_per_host, network.rate * TCP_PAYLOAD_SHARE, latency=latency,
+                            overhead=network.overhead)
+
+
+def _predict(network: simulate.Network, op: str, algorithm: str, nbytes: int, itemsize: int,
+             calls: int = 1) -> float | None:
+    """The simulator's seconds per call for the plan a row names, ``calls`` of them back to back as ``ferro bench``
+    times them (None: a plan the simulator does not hold)."""
     if algorithm not in simulate.OP_ALGORITHMS.get(op, {}):
         return None
     model = load_cost_model()
     latency_bytes = model.link_numbers()[0] if model else native.DEFAULT_LATENCY_BYTES
-    return simulate.predict(network, algorithm, nbytes, itemsize, op=op, latency_bytes=latency_bytes)
+    return simulate.predict(network, algorithm, nbytes, itemsize, op=op, latency_bytes=latency_bytes, calls=calls)
 
 
 def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:
     """Run one cluster's sweep and return its rows with predictions."""
-    network = simulate.parse_network(cluster)
+    network = emulated_network(cluster)
     with tempfile.TemporaryDirectory(prefix="ferro-scale-") as tmp:
         out = Path(tmp) / "rows.json"
         command = [sys.executable, "-m", "ferro", "bench", *args.ops.split(","), "--emulate", cluster,
@@ -60,11 +80,12 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:
         if not row.library.startswith("ferro"):
             continue
         itemsize = max(1, row.size // max(1, row.count))
-        predicted = _predict(network, row.op, row.algorithm, row.size, itemsize)
+        calls = timed_calls(args.iters, row.size)
+        predicted = _predict(network, row.op, row.algorithm, row.size, itemsize, calls)
         peers = {r.library: r.time_us() for r in rows if r.op == row.op and r.size == row.size
                  and not r.library.startswith("ferro")}
         bound = simulate.lower_bound(network, row.size, row.op) if row.op in simulate.OP_ALGORITHMS else None
-        results.append({"cluster": cluster, "op": row.op, "size": row.size, "itemsize": itemsize,
+        results.append({"cluster": cluster, "op": row.op, "size": row.size, "itemsize": itemsize, "calls": calls,
                         "algorithm": row.algorithm,
                         "measured_us": row.time_us(), "predicted_us": None if predicted is None else predicted * 1e6,
                         "bound_us": None if bound is None else bound * 1e6, "peers_us": peers})
@@ -97,9 +118,9 @@ def predict_scale(ranks: list[int], links: list[str], sizes: list[int]) -> list[
 
 
 def _repredicted(row: dict) -> dict:
-    network = simulate.parse_network(row["cluster"])
+    network = emulated_network(row["cluster"])
     itemsize = row.get("itemsize", 4)
-    predicted = _predict(network, row["op"], row["algorithm"], row["size"], itemsize)
+    predicted = _predict(network, row["op"], row["algorithm"], row["size"], itemsize, row.get("calls", 1))
     bound = simulate.lower_bound(network, row["size"], row["op"]) if row["op"] in simulate.OP_ALGORITHMS else None
     return {"predicted_us": None if predicted is None else predicted * 1e6,
             "bound_us": None if bound is None else bound * 1e6}

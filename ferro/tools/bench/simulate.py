@@ -221,7 +221,7 @@ BROADCAST_ALGORITHMS = OP_ALGORITHMS["broadcast"]
 
 def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
             segment: int = native.DEFAULT_SEGMENT_BYTES, op: str = "allreduce", root: int = 0,
-            latency_bytes: float = native.DEFAULT_LATENCY_BYTES, method: str = "auto") -> float:
+            latency_bytes: float = native.DEFAULT_LATENCY_BYTES, method: str = "auto", calls: int = 1) -> float:
     """Return the predicted seconds of one call of ``op`` with ``algorithm`` on ``network``.
 
     ``nbytes`` is the size a ``ferro bench`` row gives: the allreduce's and broadcast's message, the all_gather's
@@ -229,7 +229,9 @@ def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
     mesh cuts it for a link of ``latency_bytes`` (:func:`ferro._core.collectives.chain_segment`). ``method``:
     ``"full"`` replays every rank (:func:`replay`), ``"symmetric"`` host 0's ranks (:func:`replay_symmetric`, for
     the plans in :data:`SYMMETRIC`), ``"auto"`` the full replay unless it would take more than
-    :data:`FULL_REPLAY_EXCHANGES` exchanges and the plan is symmetric.
+    :data:`FULL_REPLAY_EXCHANGES` exchanges and the plan is symmetric. ``calls``: replay that many calls back to
+    back, each rank starting its next call as soon as its own part of the last is done (as ``ferro bench`` times
+    them), and return the time per call: a pipelined chain's successive broadcasts overlap.
 
     Raises:
         ValueError: ``op`` or ``algorithm`` is not one the simulator replays, or a symmetric replay of a plan
@@ -255,6 +257,9 @@ def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
     else:  # all_gather's Bruck, all_to_all: each rank's block, or the block to each peer
         block = max(count // n, 1)
         steps_of = lambda rank: native.plan_steps(code, rank, n, block, itemsize)  # noqa: E731
+    if calls > 1:
+        one_call = steps_of
+        steps_of = lambda rank: list(one_call(rank)) * calls  # noqa: E731
     symmetric = (op, algorithm) in SYMMETRIC or (algorithm in ("recursive_doubling", "halving_doubling")
                                                  and n & (n - 1) == 0 and network.hosts & (network.hosts - 1) == 0)
     if algorithm == "ring" and count < n:
@@ -263,8 +268,9 @@ def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
         raise ValueError(f"{op}'s {algorithm} at {n} ranks is not the same from every host: replay it in full")
     if method == "auto" and symmetric and n * len(_exchanges(steps_of(0), segment)) > FULL_REPLAY_EXCHANGES:
         method = "symmetric"
-    return replay_symmetric(network, steps_of, segment) if method == "symmetric" else replay(network, steps_of,
-                                                                                              segment)
+    seconds = replay_symmetric(network, steps_of, segment) if method == "symmetric" else replay(network, steps_of,
+                                                                                                 segment)
+    return seconds / max(calls, 1)
 
 
 def lower_bound(network: Network, nbytes: int, op: str = "allreduce") -> float:

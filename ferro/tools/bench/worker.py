@@ -410,6 +410,11 @@ def _count_for(op: str, nbytes: int, itemsize: int, n: int) -> tuple[int, int]:
     return count, count * itemsize
 
 
+def timed_calls(iters: int, size: int) -> int:
+    """How many calls a row of ``size`` bytes times back to back: ``iters``, fewer above 4 MB (same bytes)."""
+    return max(1, min(iters, int(iters * 4e6 / max(size, 4e6)))) if size else iters
+
+
 def _time(adapter: _Adapter, call: Callable[[], Any], iters: int, warmup: int) -> float:
     for _ in range(warmup):
         call()
@@ -438,7 +443,7 @@ def sweep(adapter: _Adapter, ops: list[str], sizes: list[int], dtype: np.dtype, 
                 show(f"# {op} with {dtype.name}/{redop} is not available in {adapter.name}; skipped")
                 break
             out_of_place, in_place, checker = plan
-            scaled = max(1, min(iters, int(iters * 4e6 / max(size, 4e6)))) if size else iters
+            scaled = timed_calls(iters, size)
             oop = _time(adapter, out_of_place, scaled, warmup)
             ip = _time(adapter, in_place, scaled, warmup) if in_place is not None else None
             wrong = int(adapter.max_over_ranks(float(checker()))) if check and checker is not None else None
