@@ -65,7 +65,7 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="ferro-scale-") as tmp:
         out = Path(tmp) / "rows.json"
         command = [sys.executable, "-m", "ferro", "bench", *args.ops.split(","), "--emulate", cluster,
-                   "--backend", "tcp", "-b", args.minbytes, "-e", args.maxbytes, "-f", str(args.stepfactor),
+                   "--backend", args.backend, "-b", args.minbytes, "-e", args.maxbytes, "-f", str(args.stepfactor),
                    "--iters", str(args.iters), "--warmup", str(args.warmup), "--json", str(out)]
         if args.compare:
             command += ["--compare", args.compare]
@@ -126,6 +126,48 @@ def _repredicted(row: dict) -> dict:
             "bound_us": None if bound is None else bound * 1e6}
 
 
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def _cell(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _markdown_row(r: dict) -> str:
+    ours, peers = r["measured_us"], r["peers_us"]
+    predicted, stream = r["predicted_us"], peers.get("stream")
+
+    def ratio(peer: str) -> str:
+        return f"{peers[peer] / ours:.2f}x" if peers.get(peer) and ours else "-"
+
+    return (f"| {r['op']} | {_size(r['size'])} | {r['algorithm']} | {_cell(ours)} | {_cell(predicted)} | "
+            f"{_cell(predicted / ours if predicted and ours else None, 2)} | {_cell(stream)} | "
+            f"{_cell(stream / ours if stream and ours else None, 2)} | {_cell(peers.get('torch-gloo'))} | "
+            f"{ratio('torch-gloo')} | {_cell(peers.get('mpi'))} | {ratio('mpi')} |")
+
+
+def markdown(results: list[dict]) -> str:
+    """The rows as Markdown tables, one per cluster: ferro beside its prediction, the stream and the peers."""
+    lines: list[str] = []
+    for cluster in dict.fromkeys(r["cluster"] for r in results):
+        lines += [f"## {cluster}", "",
+                  "| op | size | ferro's plan | ferro (us) | predicted | pred / ferro | stream | of stream | gloo | "
+                  "ferro / gloo | Open MPI | ferro / MPI |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        seen = set()
+        for r in results:
+            if r["cluster"] != cluster or (r["op"], r["size"]) in seen:
+                continue  # ferro bench may give a size twice (its smallest count): the first row stands
+            seen.add((r["op"], r["size"]))
+            lines.append(_markdown_row(r))
+        lines.append("")
+    return "\n".join(lines)
+
+
 def show(results: list[dict]) -> None:
     """Print the side-by-side table."""
     peers = sorted({name for r in results for name in r["peers_us"]})
@@ -149,11 +191,15 @@ def main() -> int:
     parser.add_argument("-f", "--stepfactor", type=int, default=16)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--backend", default="tcp", help="ferro's backend (default tcp: the plans the simulator "
+                        "replays; auto takes the hierarchical backend where hosts hold several ranks)")
     parser.add_argument("--compare", default="", help="ferro bench --compare peers, e.g. torch-gloo,mpi")
     parser.add_argument("--mpirun", default=None, help="the mpirun of the mpi peer (Open MPI 4 or 5)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per cluster")
     parser.add_argument("--json", default=None, help="write every row here")
-    parser.add_argument("--from-json", default=None, help="re-predict the rows of an earlier --json; run nothing")
+    parser.add_argument("--from-json", default=None,
+                        help="re-predict the rows of earlier --json files (comma-separated); run nothing")
+    parser.add_argument("--markdown", default=None, help="also write the rows as Markdown tables here")
     parser.add_argument("--predict-scale", default=None, metavar="RANKS",
                         help="comma-separated rank counts (e.g. 256,1024,4096,16384): predict the allreduce there "
                              "on --links, run nothing")
@@ -172,10 +218,13 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0
     if args.from_json:
-        results = [dict(r, **_repredicted(r)) for r in json.loads(Path(args.from_json).read_text())]
+        results = [dict(r, **_repredicted(r)) for path in args.from_json.split(",")
+                   for r in json.loads(Path(path).read_text())]
     else:
         results = [row for cluster in args.clusters.split(",") for row in run_cluster(cluster, args)]
     show(results)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

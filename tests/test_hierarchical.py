@@ -288,3 +288,43 @@ def test_a_rank_that_never_comes_fails_a_pipelined_allreduce_on_every_host_withi
     assert results[3] == "absent"
     for name, prompt in results[:3]:
         assert name in ("DistributedTimeoutError", "PeerLostError") and prompt, results
+
+
+def rank_all_to_all_two_levels(rank, world_size):
+    os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
+    group = ferro.init_process_group(timeout=60)
+    try:
+        n, results = world_size, {}
+        for block in (1, 3000):  # float64s to each rank
+            x = np.concatenate([np.arange(block, dtype=np.float64) + 1000 * rank + dst for dst in range(n)])
+            parts = [p for p in (group.leader_group, group.local_group) if p is not None]
+            for part in parts:
+                part.reset_stats()
+            even = ferro.all_to_all(x)
+            between = group.leader_group.stats()["all_to_all"]["bytes_sent"] if group.leader_group else None
+            counts = [block + (dst + rank) % 3 for dst in range(n)]  # uneven: the TCP mesh's pairwise exchange
+            rows = np.concatenate([np.full(c, 1000.0 * rank + dst) for dst, c in enumerate(counts)])
+            uneven = ferro.all_to_all_single_uneven(rows, counts, [block + (rank + src) % 3 for src in range(n)])
+            results[block] = (even.tolist(), between, uneven.tolist())
+        return results
+    finally:
+        ferro.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [4, 6])
+def test_all_to_all_of_equal_blocks_goes_in_two_levels_and_equals_numpy(world_size):
+    """2+2 and 3+3 ranks: equal blocks meet in shared memory and cross between hosts once, from leader to leader
+    (each sends the other host R x R blocks); uneven ones take the TCP mesh; both equal NumPy's answer."""
+    n, per_host = world_size, world_size // 2
+    results = run_processes(rank_all_to_all_two_levels, n, backend=None, timeout=120)
+    for rank, by_block in enumerate(results):
+        for block, (even, between, uneven) in by_block.items():
+            expected = np.concatenate([np.arange(block, dtype=np.float64) + 1000 * src + rank for src in range(n)])
+            assert even == expected.tolist(), (rank, block)
+            if rank % per_host == 0:  # a leader: the other host's R x R blocks of 8-byte floats, in one message
+                assert between == per_host * per_host * block * 8, (rank, block, between)
+            else:
+                assert between is None
+            counts = [block + (rank + src) % 3 for src in range(n)]
+            assert uneven == np.concatenate([np.full(c, 1000.0 * src + rank) for src, c in enumerate(counts)]
+                                            ).tolist(), (rank, block)

@@ -17,7 +17,7 @@ WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16]
 ALGORITHMS = sorted(simulate.ALGORITHMS)
 
 
-def execute(plans, buffers, dtype, sources=None, block=0):
+def execute(plans, buffers, dtype, sources=None, block=0, reduce=np.add):
     """Run every rank's steps (deques) on its byte buffer, with queues between ranks in order per pair, as TCP
     delivers: a step sends first, then waits for its receive; a reducing step adds what arrived as ``dtype``.
     ``STEP_SEND_SOURCE`` sends from ``sources[rank]``; ``STEP_PACK`` sends the ``block``-byte blocks whose index has
@@ -52,7 +52,7 @@ def execute(plans, buffers, dtype, sources=None, block=0):
                         buffers[rank][j * block:(j + 1) * block] = data[at * block:(at + 1) * block]
                 elif flags & native.STEP_REDUCE:
                     view = target.view(dtype)
-                    view += data.view(dtype)
+                    reduce(view, data.view(dtype), out=view)
                 else:
                     target[:] = data
             plans[rank].popleft()
@@ -61,13 +61,13 @@ def execute(plans, buffers, dtype, sources=None, block=0):
     assert not any(queues.values()), "a message was sent that no step received"
 
 
-def run_plans(inputs, algorithm, phases=3, mean=False):
+def run_plans(inputs, algorithm, phases=3, mean=False, reduce=np.add):
     """Execute every rank's allreduce steps (MEAN's division left out: the tests sum integers); return buffers."""
     n, itemsize, count = len(inputs), inputs[0].itemsize, inputs[0].size
     buffers = [x.copy().view(np.uint8) for x in inputs]
     plans = [deque(native.plan_steps(simulate.ALGORITHMS[algorithm], r, n, count, itemsize, phases, mean))
              for r in range(n)]
-    execute(plans, buffers, inputs[0].dtype)
+    execute(plans, buffers, inputs[0].dtype, reduce=reduce)
     return [b.view(inputs[0].dtype) for b in buffers]
 
 
@@ -81,6 +81,28 @@ def test_every_rank_ends_with_the_numpy_sum(algorithm, n, count):
     expected = np.sum(inputs, axis=0)
     for rank, result in enumerate(results):
         np.testing.assert_array_equal(result, expected, err_msg=f"{algorithm}, {n} ranks, rank {rank}")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_every_dtype_and_op_matches_numpy_and_every_rank_holds_the_same_bits(algorithm, n):
+    # Each plan reduces in a fixed order, so floats agree bit for bit on every rank and with NumPy to rounding.
+    count = 37
+    for dtype in (np.int32, np.int64, np.float32, np.float64):
+        rng = np.random.default_rng(n * 7 + np.dtype(dtype).itemsize)
+        inputs = [(rng.integers(-9, 10, count) if np.dtype(dtype).kind == "i" else rng.standard_normal(count))
+                  .astype(dtype) for _ in range(n)]
+        for reduce, reference in ((np.add, np.sum), (np.multiply, np.prod), (np.minimum, np.min),
+                                  (np.maximum, np.max)):
+            results = run_plans(inputs, algorithm, reduce=reduce)
+            expected = reference(np.array(inputs), axis=0).astype(dtype)
+            for rank, result in enumerate(results):
+                if np.dtype(dtype).kind == "i" or reduce in (np.minimum, np.maximum):
+                    np.testing.assert_array_equal(result, expected, err_msg=f"{algorithm} {n} {dtype} {reduce}")
+                else:
+                    tolerance = 1e-5 if dtype == np.float32 else 1e-12  # relative, and absolute where sums cancel
+                    np.testing.assert_allclose(result, expected, rtol=tolerance, atol=tolerance)
+                assert result.tobytes() == results[0].tobytes(), (algorithm, n, dtype, reduce, rank)
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -476,3 +498,60 @@ def test_the_symmetric_replay_equals_the_full_one_where_both_run(spec):
     with pytest.raises(ValueError, match="not the same from every host"):
         simulate.predict(simulate.parse_network("5x1@1gbit"), "binomial tree", 64, op="broadcast",
                          method="symmetric")
+
+
+def _mesh_numbers(rank, world_size):
+    import ferro
+
+    with ferro.TcpBackend.from_env(timeout=30) as group:
+        mesh = group.native.direct_mesh
+        group.barrier()  # rank 0 serves the store: no rank leaves before all have joined
+        return mesh.latency_bytes, mesh.copy_ratio, mesh.partner_ratio, mesh.choose("all_gather", 16 << 10)
+
+
+def test_a_fitted_model_gives_every_tcp_group_its_link_numbers(tmp_path):
+    from ferro.collective.cost_model import CostModel, load_cost_model
+    from ferro.testing import run_processes
+
+    # Fitted on a 100 Mbit cluster between hosts: 100 us and 12.5 MB/s for the ring; halving-doubling (a new
+    # partner every step) 1.5x the ring's cost per byte. 16 KiB all_gathers at 4 ranks then take the ring.
+    path = tmp_path / "model.json"
+    CostModel(100e-6, 80e-9, 0.0, "test", {"ring": (100e-6, 80e-9), "halving_doubling": (50e-6, 120e-9)}, 4, {},
+              "between_hosts", {"between_hosts": (100e-6, 80e-9)}).save(path)
+    numbers = load_cost_model(str(path)).link_numbers()
+    assert numbers == pytest.approx((1250.0, 0.3e-9 / 80e-9, 1.5))
+    results = run_processes(_mesh_numbers, 4, backend=None, timeout=60, env={"FERRO_COST_MODEL": str(path)})
+    assert all(r[:3] == pytest.approx(numbers) for r in results)
+    assert {r[3] for r in results} == {"ring"}
+    assert native.choose("all_gather", 16 << 10, 4, numbers[0], numbers[1], 1.0) == "bruck"  # without the ratio
+    defaults = run_processes(_mesh_numbers, 4, backend=None, timeout=60)
+    assert all(r[:3] == (native.DEFAULT_LATENCY_BYTES, native.DEFAULT_COPY_RATIO, 1.0) for r in defaults)
+
+
+def _forced_every_dtype_and_op(rank, world_size):
+    import ferro
+
+    with ferro.TcpBackend.from_env(timeout=60) as group:
+        out = {}
+        for algorithm in ALGORITHMS:
+            for dtype in ("int32", "int64", "float16", "float32", "float64"):
+                x = ((np.arange(50) % 7 - 3) * (rank + 1)).astype(dtype)
+                for op in ("SUM", "PRODUCT", "MIN", "MAX") + (("MEAN",) if dtype.startswith("float") else ()):
+                    y = x.copy()
+                    ferro.allreduce(y, getattr(ferro.ReduceOp, op), group=group, algorithm=algorithm)
+                    out[algorithm, dtype, op] = y.tobytes()
+        return out
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_every_forced_algorithm_every_dtype_and_op_on_real_ranks_matches_numpy(n):
+    from ferro.testing import run_processes
+
+    results = run_processes(_forced_every_dtype_and_op, n, backend=None, timeout=120)
+    references = {"SUM": np.sum, "PRODUCT": np.prod, "MIN": np.min, "MAX": np.max, "MEAN": np.mean}
+    for (algorithm, dtype, op), got in results[0].items():
+        inputs = np.array([((np.arange(50) % 7 - 3) * (r + 1)).astype(np.float64) for r in range(n)])
+        expected = references[op](inputs, axis=0).astype(dtype)
+        np.testing.assert_allclose(np.frombuffer(got, dtype).astype(np.float64), expected.astype(np.float64),
+                                   rtol=1e-3 if dtype == "float16" else 1e-12, err_msg=f"{algorithm} {dtype} {op}")
+        assert all(r[algorithm, dtype, op] == got for r in results), (algorithm, dtype, op)  # bit for bit

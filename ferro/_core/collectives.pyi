@@ -29,7 +29,9 @@ STEP_RECV_BASE: int
 STEP_DIVIDE: int
 
 def chain_segment(nbytes: int, n: int, latency_bytes: float = ...) -> int: ...
-def choose(op: str, nbytes: int, n: int, latency_bytes: float = ..., copy_ratio: float = ...) -> str: ...
+def choose(
+    op: str, nbytes: int, n: int, latency_bytes: float = ..., copy_ratio: float = ..., partner_ratio: float = ...
+) -> str: ...
 def plan_steps(
     algorithm: int, rank: int, n: int, count: int, itemsize: int, phases: int = ..., mean: bool = ...,
     source: bool = ..., root: int = ..., segment: int = ...,
@@ -41,9 +43,11 @@ class Mesh:
     n: int
     latency_bytes: float
     copy_ratio: float
+    partner_ratio: float
     connector: Callable[[int, float], Connection] | None
     def __init__(
         self, connections: Sequence[Connection | None], rank: int, latency_bytes: float = ..., copy_ratio: float = ...,
+        partner_ratio: float = ...,
         connector: Callable[[int, float], Connection] | None = ...,
     ) -> None: ...
     def attach(self, peer: int, conn: Connection) -> None: ...
@@ -111,5 +115,6 @@ def all_to_all(
     recv_offsets: list[int],
     fingerprint: int,
     timeout: float,
+    even: bool = ...,
 ) -> None: ...
 def barrier(mesh: Mesh, timeout: float) -> None: ...

@@ -78,12 +78,14 @@ cdef extern from "schedule.h" nogil:
     size_t ferro_plan_blocks_with_bit(int n, size_t bit)
     int ferro_plan_next(ferro_plan* plan, ferro_step* step)
     size_t ferro_chain_segment(size_t nbytes, int n, double latency_bytes, size_t smallest, size_t largest)
-    double ferro_cost_tree(size_t nbytes, int n, double latency_bytes)
+    double ferro_cost_tree(size_t nbytes, int n, double latency_bytes, double partner_ratio)
     double ferro_cost_chain(size_t nbytes, int n, double latency_bytes, size_t segment)
     double ferro_cost_all_gather_ring(size_t total, int n, double latency_bytes)
-    double ferro_cost_all_gather_bruck(size_t total, int n, double latency_bytes, double copy_ratio)
-    double ferro_cost_all_to_all_pairwise(size_t total, int n, double latency_bytes)
-    double ferro_cost_all_to_all_bruck(size_t total, int n, double latency_bytes, double copy_ratio)
+    double ferro_cost_all_gather_bruck(size_t total, int n, double latency_bytes, double copy_ratio,
+                                       double partner_ratio)
+    double ferro_cost_all_to_all_pairwise(size_t total, int n, double latency_bytes, double partner_ratio)
+    double ferro_cost_all_to_all_bruck(size_t total, int n, double latency_bytes, double copy_ratio,
+                                       double partner_ratio)
 
 cdef enum:
     RING = 0
@@ -116,37 +118,40 @@ def chain_segment(size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BYT
     return ferro_chain_segment(nbytes, n, latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
 
 
-cdef inline bint _prefer_chain(size_t nbytes, int n, double latency_bytes) noexcept nogil:
+cdef inline bint _prefer_chain(size_t nbytes, int n, double latency_bytes, double partner_ratio) noexcept nogil:
     cdef size_t segment
     if n <= 2:
         return False
     segment = ferro_chain_segment(nbytes, n, latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
-    return ferro_cost_chain(nbytes, n, latency_bytes, segment) < ferro_cost_tree(nbytes, n, latency_bytes)
+    return (ferro_cost_chain(nbytes, n, latency_bytes, segment)
+            < ferro_cost_tree(nbytes, n, latency_bytes, partner_ratio))
 
 
-cdef inline bint _prefer_bruck_all_gather(size_t total, int n, double latency_bytes, double copy_ratio) noexcept nogil:
-    return n > 3 and (ferro_cost_all_gather_bruck(total, n, latency_bytes, copy_ratio)
+cdef inline bint _prefer_bruck_all_gather(size_t total, int n, double latency_bytes, double copy_ratio,
+                                          double partner_ratio) noexcept nogil:
+    return n > 3 and (ferro_cost_all_gather_bruck(total, n, latency_bytes, copy_ratio, partner_ratio)
                       < ferro_cost_all_gather_ring(total, n, latency_bytes))
 
 
-cdef inline bint _prefer_bruck_all_to_all(size_t total, int n, double latency_bytes, double copy_ratio) noexcept nogil:
-    return n > 3 and (ferro_cost_all_to_all_bruck(total, n, latency_bytes, copy_ratio)
-                      < ferro_cost_all_to_all_pairwise(total, n, latency_bytes))
+cdef inline bint _prefer_bruck_all_to_all(size_t total, int n, double latency_bytes, double copy_ratio,
+                                          double partner_ratio) noexcept nogil:
+    return n > 3 and (ferro_cost_all_to_all_bruck(total, n, latency_bytes, copy_ratio, partner_ratio)
+                      < ferro_cost_all_to_all_pairwise(total, n, latency_bytes, partner_ratio))
 
 
 def choose(str op, size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BYTES,
-           double copy_ratio=DEFAULT_COPY_RATIO) -> str:
+           double copy_ratio=DEFAULT_COPY_RATIO, double partner_ratio=1.0) -> str:
     """Name the plan a TCP group of ``n`` runs for ``op`` of ``nbytes``: what :class:`Mesh` chooses.
 
     ``nbytes`` is the broadcast's message, the all_gather's output (every rank's part), the all_to_all's bytes
     sent per rank (equal blocks; uneven ones always take the pairwise exchange).
     """
     if op == "broadcast":
-        return "pipelined chain" if _prefer_chain(nbytes, n, latency_bytes) else "binomial tree"
+        return "pipelined chain" if _prefer_chain(nbytes, n, latency_bytes, partner_ratio) else "binomial tree"
     if op == "all_gather":
-        return "bruck" if _prefer_bruck_all_gather(nbytes, n, latency_bytes, copy_ratio) else "ring"
+        return "bruck" if _prefer_bruck_all_gather(nbytes, n, latency_bytes, copy_ratio, partner_ratio) else "ring"
     if op == "all_to_all":
-        return "bruck" if _prefer_bruck_all_to_all(nbytes, n, latency_bytes, copy_ratio) else "pairwise"
+        return "bruck" if _prefer_bruck_all_to_all(nbytes, n, latency_bytes, copy_ratio, partner_ratio) else "pairwise"
     raise ValueError(f"no plan is chosen by cost for {op!r}")
 # A reduce_scatter of at most this many bytes of input may take the direct path, which works in the
 # mesh's scratch (kept at the largest call's size); above it the front end's ~100 us are under 2 % of
@@ -470,6 +475,7 @@ cdef class Mesh:
         rank: This rank.
         latency_bytes: A message's fixed cost in bytes of the link's time (alpha / beta).
         copy_ratio: A byte copied in memory, in bytes of the link's time.
+        partner_ratio: A byte sent to a new partner each step, in bytes streamed to one (see ``schedule.h``).
 
     Which plan a broadcast, all_gather or all_to_all runs comes from the closed forms of their schedules with
     those two numbers (:func:`choose`): the binomial tree's log2(n) rounds or the pipelined chain (its segment
@@ -495,16 +501,18 @@ cdef class Mesh:
     cdef size_t* bounds
     cdef public double latency_bytes
     cdef public double copy_ratio
+    cdef public double partner_ratio
     cdef public object connector
 
     def __cinit__(self, connections, int rank, double latency_bytes=DEFAULT_LATENCY_BYTES,
-                  double copy_ratio=DEFAULT_COPY_RATIO, connector=None):
+                  double copy_ratio=DEFAULT_COPY_RATIO, double partner_ratio=1.0, connector=None):
         cdef int i
         self.connections = list(connections)
         self.rank = rank
         self.n = len(self.connections)
         self.latency_bytes = latency_bytes
         self.copy_ratio = copy_ratio
+        self.partner_ratio = partner_ratio
         self.connector = connector
         if not 0 <= rank < self.n:
             raise ValueError(f"rank {rank} is outside a mesh of {self.n}")
@@ -587,14 +595,14 @@ cdef class Mesh:
         self.locked = 0
 
     cdef inline bint chain(self, size_t nbytes) noexcept nogil:
-        return _prefer_chain(nbytes, self.n, self.latency_bytes)
+        return _prefer_chain(nbytes, self.n, self.latency_bytes, self.partner_ratio)
 
     cdef inline bint bruck(self, size_t total) noexcept nogil:
-        return _prefer_bruck_all_gather(total, self.n, self.latency_bytes, self.copy_ratio)
+        return _prefer_bruck_all_gather(total, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio)
 
     def choose(self, str op, size_t nbytes) -> str:
         """Name the plan this mesh runs for ``op`` of ``nbytes`` (see the module's :func:`choose`)."""
-        return choose(op, nbytes, self.n, self.latency_bytes, self.copy_ratio)
+        return choose(op, nbytes, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio)
 
     cdef unsigned char* scratch_for(self, size_t nbytes) except NULL:
         """A scratch buffer of at least ``nbytes`` (while the locks are held)."""
@@ -1008,11 +1016,12 @@ cdef int _first_failed(SendOp* sends, RecvOp* recvs, int count) noexcept nogil:
 
 
 def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_offsets,
-               uint64_t fingerprint, double timeout) -> None:
+               uint64_t fingerprint, double timeout, bint even=False) -> None:
     """Exchange blocks: bytes ``[send_offsets[j], send_offsets[j+1])`` go to rank ``j``.
 
-    ``recv_offsets`` say where each source's block lands in ``recv_buf``. Equal blocks
-    take Bruck's ceil(log2 n) rounds where the mesh's cost forms say so (see :class:`Mesh`);
+    ``recv_offsets`` say where each source's block lands in ``recv_buf``. ``even`` (every
+    rank's blocks equal, as ``ferro.all_to_all`` guarantees: every rank must pass the same)
+    takes Bruck's ceil(log2 n) rounds where the mesh's cost forms say so (see :class:`Mesh`);
     otherwise the pairwise exchange: in step ``k`` rank ``r``
     sends to ``r+k`` and receives from ``r-k``, both at once (``schedule.h``).
     """
@@ -1056,7 +1065,8 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
         out = <const unsigned char*>call.input.buf
         into = <unsigned char*>call.view.buf
         block = send_at[1] - send_at[0]
-        uniform = _prefer_bruck_all_to_all(<size_t>n * block, n, mesh.latency_bytes, mesh.copy_ratio)
+        uniform = even and _prefer_bruck_all_to_all(<size_t>n * block, n, mesh.latency_bytes, mesh.copy_ratio,
+                                                    mesh.partner_ratio)
         for i in range(n):
             if not uniform:
                 break

@@ -436,9 +436,42 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         return True
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
-                          fingerprint: int, timeout: float) -> bool:
-        """All-to-all over the TCP mesh."""
-        return self._world.native_all_to_all(send, send_offsets, recv, recv_offsets, fingerprint, timeout)
+                          fingerprint: int, timeout: float, even: bool = False) -> bool:
+        """All-to-all; for equal blocks in two levels: shared memory, the leaders, shared memory.
+
+        Each host's sends meet over shared memory, the leaders exchange one message per pair of hosts, and each
+        host hands the arrivals out over shared memory: ``H - 1`` messages per leader instead of ``R (n - R)``
+        per host over the links, the same bytes between hosts; the copies inside a host cost memory bandwidth.
+        Uneven calls, and hosts of unequal or interleaved ranks, take the TCP mesh.
+        """
+        if not even or not self._equal_runs or self._local is None:
+            return self._world.native_all_to_all(send, send_offsets, recv, recv_offsets, fingerprint, timeout,
+                                                 even=even)
+        self._world._usable("all_to_all")
+        n, per_host, hosts = self._world.world_size, len(self._members), len(self._hosts)
+        block = send_offsets[1] - send_offsets[0]
+        mine, local_index = self._host_of[self._world.rank], self._members.index(self._world.rank)
+        deadline = time.monotonic() + timeout
+        # 1. Every rank of the host holds every local rank's sends: [source rank][destination host][its rank].
+        sends = np.empty((per_host, hosts, per_host, block), np.uint8)
+        sends[local_index] = np.frombuffer(send, np.uint8, n * block).reshape(hosts, per_host, block)
+        self._local.native_all_gather(sends.reshape(-1), [i * n * block for i in range(per_host + 1)], fingerprint,
+                                      _left(deadline))
+        # 2. The leaders swap, per pair of hosts, what the R ranks of one send the R of the other:
+        #    arrived[source host][source rank][destination rank].
+        arrived = np.empty((hosts, per_host, per_host, block), np.uint8)
+        if self._leaders is not None:
+            outgoing = np.ascontiguousarray(sends.transpose(1, 0, 2, 3))
+            share = per_host * per_host * block
+            offsets = [h * share for h in range(hosts + 1)]
+            self._leaders.native_all_to_all(outgoing.reshape(-1), offsets, arrived.reshape(-1), offsets, fingerprint,
+                                            _left(deadline), even=True)
+        if hosts == 1:  # no leaders' exchange: every rank already holds its host's sends
+            arrived[mine] = sends[:, mine]
+        else:  # 3. The leader hands the arrivals to its host; each rank keeps the blocks bound for it.
+            self._local.native_broadcast(arrived.reshape(-1), 0, fingerprint, _left(deadline))
+        np.frombuffer(recv, np.uint8, n * block)[:] = arrived[:, :, local_index].reshape(-1)
+        return True
 
     def _counters(self) -> dict[int, tuple[int, int, int]]:
         # Calls are counted on this group; the bytes by the three groups that move them.

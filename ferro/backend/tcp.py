@@ -167,7 +167,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
 
         model = load_cost_model()  # $FERRO_COST_MODEL: the link's numbers choose the broadcast's plan, ...
         if model is not None:
-            self._mesh.latency_bytes, self._mesh.copy_ratio = model.link_numbers()
+            self._mesh.latency_bytes, self._mesh.copy_ratio, self._mesh.partner_ratio = model.link_numbers()
         try:
             self._peers.join(self._deadline, prefetch=self._mesh.near_peers)
         except BaseException:
@@ -312,10 +312,10 @@ class TcpBackend(StoreBackend, NativeCollectives):
         return True
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
-                          fingerprint: int, timeout: float) -> bool:
-        """Pairwise exchange of byte blocks."""
+                          fingerprint: int, timeout: float, even: bool = False) -> bool:
+        """Exchange byte blocks: Bruck's rounds for small equal ones, else the pairwise exchange."""
         self._usable("all_to_all")
-        native.all_to_all(self._mesh, send, send_offsets, recv, recv_offsets, fingerprint, timeout)
+        native.all_to_all(self._mesh, send, send_offsets, recv, recv_offsets, fingerprint, timeout, even)
         return True
 
     def cut_peer(self, peer: int) -> bool:

@@ -77,19 +77,25 @@ class CostModel:
     link: str = "same_host"
     links: dict[str, tuple[float, float]] = field(default_factory=dict)
 
-    def link_numbers(self) -> tuple[float, float]:
-        """Return ``(latency_bytes, copy_ratio)`` for a TCP group's plans (see ``ferro._core.collectives.Mesh``).
+    def link_numbers(self) -> tuple[float, float, float]:
+        """Return ``(latency_bytes, copy_ratio, partner_ratio)`` for a TCP group's plans (``collectives.Mesh``).
 
         A flat group's broadcast, all_gather and all_to_all are as slow as their slowest links, so the link
         between hosts is taken when the model has one; else the one it has. ``latency_bytes`` is alpha / beta:
-        the bytes one message's fixed cost is worth; ``copy_ratio`` a byte copied in memory in the link's bytes.
+        the bytes one message's fixed cost is worth; ``copy_ratio`` a byte copied in memory in the link's bytes;
+        ``partner_ratio`` what a byte costs in steps that each talk to a new partner against the ring's streaming
+        to one: halving-doubling's fitted beta over the ring's (1 when the model has not timed both).
         """
         alpha, beta = self.links.get("between_hosts") or self.links.get(self.link) or (self.alpha, self.beta)
+        partner_ratio = 1.0
+        if "ring" in self.per_algorithm and "halving_doubling" in self.per_algorithm:
+            ring_beta, changing_beta = self.per_algorithm["ring"][1], self.per_algorithm["halving_doubling"][1]
+            partner_ratio = max(1.0, changing_beta / ring_beta) if ring_beta > 0 else 1.0
         if beta <= 0:
             from ferro._core.collectives import DEFAULT_COPY_RATIO, DEFAULT_LATENCY_BYTES
 
-            return DEFAULT_LATENCY_BYTES, DEFAULT_COPY_RATIO
-        return alpha / beta, COPY_SECONDS_PER_BYTE / beta
+            return DEFAULT_LATENCY_BYTES, DEFAULT_COPY_RATIO, partner_ratio
+        return alpha / beta, COPY_SECONDS_PER_BYTE / beta, partner_ratio
 
     def allreduce(self, algorithm: str, nbytes: int, world_size: int) -> float:
         """Return the predicted seconds of an allreduce of ``nbytes`` over ``world_size`` ranks."""

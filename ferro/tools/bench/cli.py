@@ -241,8 +241,8 @@ def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
     except (ValueError, ConfigurationError) as exc:
         print(f"ferro bench: {exc}", file=sys.stderr)
         return 2
-    latency_bytes, copy_ratio = model.link_numbers() if model else (native.DEFAULT_LATENCY_BYTES,
-                                                                     native.DEFAULT_COPY_RATIO)
+    latency_bytes, copy_ratio, partner_ratio = model.link_numbers() if model else (
+        native.DEFAULT_LATENCY_BYTES, native.DEFAULT_COPY_RATIO, 1.0)
     itemsize = 2 if args.dtype in ("float16", "bfloat16") else 8 if args.dtype.endswith("64") else (
         1 if args.dtype.endswith("8") else 4)
     n = network.world_size
@@ -259,7 +259,7 @@ def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
             if op == "allreduce":
                 chosen = resolve_allreduce_algorithm(nbytes, n)
             elif op in ("broadcast", "all_gather", "all_to_all"):
-                chosen = native.choose(op, nbytes, n, latency_bytes, copy_ratio)
+                chosen = native.choose(op, nbytes, n, latency_bytes, copy_ratio, partner_ratio)
             else:
                 chosen = names[0]
             times = {name: simulate.predict(network, name, nbytes, itemsize, op=op, latency_bytes=latency_bytes)
@@ -414,6 +414,10 @@ def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
     ours = [r for r in rows if r.library.startswith("ferro") and r.op == "allreduce" and r.size > 0]
     n = ours[0].world_size if ours else 0
     fitted: dict[str, tuple[float, float]] = {}
+    if ours and not any(r.algorithm in FIT_ALGORITHMS for r in ours):
+        print(f"ferro bench: --fit times the TCP backend's allreduce algorithms, but this run's allreduce was "
+              f"{ours[0].library}'s ({ours[0].algorithm}); give --backend tcp", file=sys.stderr)
+        return 1
     for name in FIT_ALGORITHMS:
         mine = [r for r in ours if r.algorithm == name]
         if len(mine) < 2:
@@ -432,12 +436,13 @@ def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
     timed = {name: [(r.size, r.time_us() * 1e-6) for r in ours if r.algorithm == name] for name in FIT_ALGORITHMS}
     # Which kind of link this was, and the other kind's figures from an earlier fit into the same file.
     link = "between_hosts" if args.emulate and parse_emulation(args.emulate)[0] > 1 else "same_host"
-    links = {}
+    links: dict[str, tuple[float, float]] = {}
     if os.path.exists(args.fit):
         try:
-            links = dict(load_cost_model(args.fit).links)
+            earlier = load_cost_model(args.fit)
         except ConfigurationError:
-            links = {}  # not a model: overwritten
+            earlier = None  # not a model: overwritten
+        links = dict(earlier.links) if earlier is not None else {}
     links[link] = (ring_alpha, ring_beta)
     model = CostModel(ring_alpha, ring_beta, 0.0, f"{n} ranks, backend {ours[0].library}, {where}", fitted, n,
                       timed, link, links)
