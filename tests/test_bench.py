@@ -244,3 +244,48 @@ def test_fit_writes_a_cost_model_from_ring_allreduces(tmp_path):
     assert set(model.per_algorithm) == set(model.measured) == {"ring", "recursive_doubling", "halving_doubling"}
     assert model.world_size == 2 and [size for size, _ in model.measured["ring"]] == [8, 256, 8192, 262144]
     assert "chosen by the model" in done.stdout
+
+
+def _simulated(args):
+    import contextlib
+    import io
+
+    from ferro.tools.bench.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_simulate_prints_every_op_s_choice_beside_every_plan_and_the_bound():
+    from ferro._core import collectives as native
+    from ferro.tools.bench import simulate
+
+    ops = ["allreduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"]
+    code, out, _ = _simulated([*ops, "--simulate", "16x1@100mbit", "-b", "4K", "-e", "4M", "-f", "32"])
+    assert code == 0
+    sections = out.split("#\n# ")[1:]
+    assert [section.splitlines()[0] for section in sections] == ops
+    network = simulate.parse_network("16x1@100mbit")
+    row_form = re.compile(r"^\s*(\d+)\s+\d+\s+\w+\s+\w+\s+-?\d+\s+([a-z_ ]+?)\s+([\d.]+)\s+[\d.]+\s+(.*)$")
+    for op, section in zip(ops, sections, strict=True):
+        names = sorted(simulate.OP_ALGORITHMS[op])
+        rows = [row_form.match(line) for line in section.splitlines()[2:]]
+        assert all(rows) and [int(row.group(1)) for row in rows] == [4096, 131072, 4194304], (op, section)
+        for row in rows:
+            size, chosen, time_us = int(row.group(1)), row.group(2), float(row.group(3))
+            *predicted, bound = (float(value) for value in row.group(4).split())
+            assert len(predicted) == len(names) and chosen in names, (op, row.group(0))
+            if op in ("broadcast", "all_gather", "all_to_all"):  # the mesh's own forms, with its defaults
+                assert chosen == native.choose(op, size, 16), (op, size)
+            assert bound == pytest.approx(simulate.lower_bound(network, size, op) * 1e6, rel=1e-3)
+            assert min(predicted) >= bound * 0.999, (op, row.group(0))
+            assert time_us == predicted[names.index(chosen)], (op, row.group(0))
+
+
+def test_simulate_refuses_what_it_cannot_replay():
+    code, _, err = _simulated(["sendrecv", "--simulate", "4x1@1gbit"])
+    assert code == 2 and "point-to-point" in err
+    code, _, err = _simulated(["allreduce", "--simulate", "4 hosts"])
+    assert code == 2 and "HOSTSxRANKS@RATE" in err

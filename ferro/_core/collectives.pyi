@@ -22,6 +22,7 @@ ALGORITHM_DISSEMINATION: int
 STEP_PACK: int
 DEFAULT_LATENCY_BYTES: float
 DEFAULT_COPY_RATIO: float
+DEFAULT_WINDOW_BYTES: int
 CHAIN_SEGMENT_SMALLEST: int
 CHAIN_SEGMENT_LARGEST: int
 STEP_SEND_SOURCE: int
@@ -44,6 +45,7 @@ class Mesh:
     latency_bytes: float
     copy_ratio: float
     partner_ratio: float
+    window_bytes: int
     connector: Callable[[int, float], Connection] | None
     def __init__(
         self, connections: Sequence[Connection | None], rank: int, latency_bytes: float = ..., copy_ratio: float = ...,

@@ -157,9 +157,13 @@ def choose(str op, size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BY
 # mesh's scratch (kept at the largest call's size); above it the front end's ~100 us are under 2 % of
 # the call at 1 Gbit, and the full path's scratch is the call's own.
 DIRECT_REDUCE_SCATTER_BYTES = 1024 * 1024
-# The pairwise all_to_all keeps this many of its steps in flight at once (one frame per block).
+# The pairwise all_to_all keeps up to this many of its steps in flight at once (one frame per block); blocks
+# smaller than the mesh's window_bytes no more than that many bytes each way (the first step always goes). At
+# 16x1@100mbit, 1 MiB (64 KiB blocks): 316-368 ms with 15 in flight, 111-124 with 128 KiB; but 4 MiB (256 KiB
+# blocks) 624-666 ms with 15, 671-787 one at a time: many small frames at once lose, few large ones win.
 cdef enum:
     PAIRWISE_WINDOW = 16
+DEFAULT_WINDOW_BYTES = 128 * 1024
 
 cdef uint32_t KIND_BARRIER = 2
 cdef uint32_t KIND_COLLECTIVE = 3
@@ -477,6 +481,8 @@ cdef class Mesh:
         copy_ratio: A byte copied in memory, in bytes of the link's time.
         partner_ratio: A byte sent to a new partner each step, in bytes streamed to one (see ``schedule.h``).
 
+    ``window_bytes`` (default 128 KiB) caps the bytes of small blocks the pairwise all_to_all has in flight.
+
     Which plan a broadcast, all_gather or all_to_all runs comes from the closed forms of their schedules with
     those two numbers (:func:`choose`): the binomial tree's log2(n) rounds or the pipelined chain (its segment
     from the same forms), Bruck's ceil(log2 n) rounds or the ring's (all_gather) and the pairwise exchange's
@@ -502,6 +508,7 @@ cdef class Mesh:
     cdef public double latency_bytes
     cdef public double copy_ratio
     cdef public double partner_ratio
+    cdef public size_t window_bytes
     cdef public object connector
 
     def __cinit__(self, connections, int rank, double latency_bytes=DEFAULT_LATENCY_BYTES,
@@ -513,6 +520,7 @@ cdef class Mesh:
         self.latency_bytes = latency_bytes
         self.copy_ratio = copy_ratio
         self.partner_ratio = partner_ratio
+        self.window_bytes = DEFAULT_WINDOW_BYTES
         self.connector = connector
         if not 0 <= rank < self.n:
             raise ValueError(f"rank {rank} is outside a mesh of {self.n}")
@@ -974,8 +982,8 @@ def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
 
 
 cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned char* out, unsigned char* into,
-                           SendOp* sends, RecvOp* recvs, pollfd* fds, uint64_t fingerprint, int64_t deadline,
-                           SendOp* s, RecvOp* r) except -1 nogil:
+                           SendOp* sends, RecvOp* recvs, pollfd* fds, size_t window_bytes, uint64_t fingerprint,
+                           int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
     """Run the pairwise exchange's steps ``PAIRWISE_WINDOW`` at a time, each block one frame (``run_many``).
 
     Every step touches its own pair of peers, so the steps of a window share no connection's direction. On a
@@ -983,9 +991,18 @@ cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned c
     """
     cdef ferro_step step
     cdef int w, failed_send, failed_recv
+    cdef bint held = False   # a step taken from the plan that did not fit the last window
+    cdef size_t moving
     while True:
         w = 0
-        while w < PAIRWISE_WINDOW and ferro_plan_next(plan, &step):
+        moving = 0
+        while w < PAIRWISE_WINDOW and (held or ferro_plan_next(plan, &step)):
+            held = False
+            if (w > 0 and max(step.send_len, step.recv_len) < window_bytes
+                    and moving + max(step.send_len, step.recv_len) > window_bytes):
+                held = True
+                break
+            moving += max(step.send_len, step.recv_len)
             _prepare_send(&sends[w], conns[step.send_peer], out + step.send_off, step.send_len, fingerprint)
             _prepare_recv(&recvs[w], conns[step.recv_peer], into + step.recv_off, step.recv_len, fingerprint)
             w += 1
@@ -1088,8 +1105,8 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
             else:
                 memcpy(into + recv_at[rank], out + send_at[rank], send_at[rank + 1] - send_at[rank])
                 ferro_plan_init_all_to_all(&plan, FERRO_PLAN_PAIRWISE, rank, n, send_at, recv_at, 0)
-                rc = _pairwise_windows(call.states, &plan, out, into, sends, recvs, fds, fingerprint, deadline,
-                                       &s, &r)
+                rc = _pairwise_windows(call.states, &plan, out, into, sends, recvs, fds, mesh.window_bytes,
+                                       fingerprint, deadline, &s, &r)
     finally:
         free(send_at)
         free(recv_at)
