@@ -112,8 +112,9 @@ class _Ferro(_Adapter):
                     "MpiBackend": "MPI's"}.get(kind, kind)
         if op == "allreduce":
             return resolve_allreduce_algorithm(nbytes, n)
-        if op in ("all_gather", "broadcast", "all_to_all"):  # the mesh's own choice, by its cost forms
-            return self.group.native.direct_mesh.choose(op, nbytes)
+        native_calls = self.group.native
+        if op in ("all_gather", "broadcast", "all_to_all") and native_calls is not None:
+            return native_calls.direct_mesh.choose(op, nbytes)  # the mesh's own choice, by its cost forms
         return {"reduce_scatter": "ring", "all_to_all": "pairwise", "barrier": "dissemination",
                 "reduce": "binomial tree", "gather": "direct", "scatter": "direct"}.get(op, "")
 
