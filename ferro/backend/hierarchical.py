@@ -26,6 +26,8 @@ __all__ = ["HierarchicalBackend"]
 
 #: Collectives of at least this many bytes are pipelined (see ``HierarchicalBackend._pipeline``).
 PIPELINE_MIN_BYTES = 2 << 20
+#: The most bytes a leader sends another host in the two-level all_to_all (R x R blocks); above, the TCP mesh.
+TWO_LEVEL_ALL_TO_ALL_BYTES = 64 * 1024
 #: The smallest piece a pipelined collective cuts, and the most pieces it cuts: the leaders' exchange of
 #: one piece must outlast a compiled call's fixed cost, and each piece costs a few of them. At 1 Gbit
 #: (2 hosts x 2 ranks, 2-core VM) 512 KiB pieces brought 4 MiB calls from 0.81-0.94 of the line to
@@ -442,14 +444,19 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         Each host's sends meet over shared memory, the leaders exchange one message per pair of hosts, and each
         host hands the arrivals out over shared memory: ``H - 1`` messages per leader instead of ``R (n - R)``
         per host over the links, the same bytes between hosts; the copies inside a host cost memory bandwidth.
-        Uneven calls, and hosts of unequal or interleaved ranks, take the TCP mesh.
+        It pays where hosts hold many ranks and the blocks are small: from 4 ranks a host, while the leaders'
+        message to a host (R x R blocks) is at most :data:`TWO_LEVEL_ALL_TO_ALL_BYTES`. At 2 ranks a host
+        (8x2@200mbit) it was no faster than the TCP mesh's Bruck rounds from 64 B to 16 KiB and 1.7x slower at
+        256 KiB, so there, and for uneven calls and hosts of unequal or interleaved ranks, the mesh runs it.
         """
-        if not even or not self._equal_runs or self._local is None:
+        per_host = len(self._members)
+        block = send_offsets[1] - send_offsets[0] if len(send_offsets) > 1 else 0
+        if (not even or not self._equal_runs or self._local is None or per_host < 4
+                or per_host * per_host * block > TWO_LEVEL_ALL_TO_ALL_BYTES):
             return self._world.native_all_to_all(send, send_offsets, recv, recv_offsets, fingerprint, timeout,
                                                  even=even)
         self._world._usable("all_to_all")
-        n, per_host, hosts = self._world.world_size, len(self._members), len(self._hosts)
-        block = send_offsets[1] - send_offsets[0]
+        n, hosts = self._world.world_size, len(self._hosts)
         mine, local_index = self._host_of[self._world.rank], self._members.index(self._world.rank)
         deadline = time.monotonic() + timeout
         # 1. Every rank of the host holds every local rank's sends: [source rank][destination host][its rank].
