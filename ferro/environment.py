@@ -85,8 +85,9 @@ _VARIABLES = (
              "Forces the allreduce algorithm of every call without `algorithm=`: `ring`, `recursive_doubling` or "
              "`halving_doubling`. Every rank must set the same; ranks that differ fail with a mismatch."),
     Variable("FERRO_COST_MODEL", "Transports", "unset (the rule measured on loopback)",
-             "A cost model written by `ferro bench --fit`: allreduce algorithms are chosen by its predicted times. "
-             "Every rank must read the same file."),
+             "A cost model written by `ferro bench --fit`: allreduce algorithms are chosen by its predicted times, "
+             "and the broadcast's, all_gather's and all_to_all's plans by its link figures. Every rank must read "
+             "the same file."),
     # Launcher
     Variable("FERRO_RUN_ID", "Launcher", "torchrun's, Slurm's or Open MPI's job id, else the parent's pid",
              "Names the job in flight-recorder dumps and their folder."),
