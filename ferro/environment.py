@@ -81,6 +81,13 @@ _VARIABLES = (
              "Capacity of each rank-to-rank ring of a shared-memory group."),
     Variable("FERRO_SHM_BUFFER_BYTES", "Transports", "256 KiB, or 1 MiB when ranks outnumber the cores",
              "The chunk a shared-memory group's large collectives move through its arena."),
+    Variable("FERRO_ALGORITHM_ALLREDUCE", "Transports", "unset (chosen by message size and world size)",
+             "Forces the allreduce algorithm of every call without `algorithm=`: `ring`, `recursive_doubling` or "
+             "`halving_doubling`. Every rank must set the same; ranks that differ fail with a mismatch."),
+    Variable("FERRO_COST_MODEL", "Transports", "unset (the rule measured on loopback)",
+             "A cost model written by `ferro bench --fit`: allreduce algorithms are chosen by its predicted times, "
+             "and the broadcast's, all_gather's and all_to_all's plans by its link figures. Every rank must read "
+             "the same file."),
     # Launcher
     Variable("FERRO_RUN_ID", "Launcher", "torchrun's, Slurm's or Open MPI's job id, else the parent's pid",
              "Names the job in flight-recorder dumps and their folder."),

@@ -167,10 +167,11 @@ def thread_tag(thread_name: str) -> int:
     return zlib.crc32(thread_name.encode()) % 0xFFF + 1
 
 
-def describe_fingerprint(value: int) -> str:
+def describe_fingerprint(value: int, against: int | None = None) -> str:
     """Decode a fingerprint for messages: ``allreduce(float32, SUM, 1024 elements, ...)``.
 
-    Only a reduction shows its op: ``broadcast(float32, root 0, 1024 elements, ...)``.
+    Only a reduction shows its op: ``broadcast(float32, root 0, 1024 elements, ...)``. An allreduce shows its
+    algorithm only beside a call (``against``) that chose another: ``allreduce(float32, SUM, algorithm ring, ...)``.
     """
     collective = collective_name(value >> 58)
     code = ((value >> 53) & 0x1F) - 1
@@ -180,14 +181,21 @@ def describe_fingerprint(value: int) -> str:
     count = (value >> 20) & 0xFFFFF
     thread = (value >> 8) & 0xFFF
     issued = f", from thread tag {thread:03x}" if thread else ""
-    # Rootless collectives carry a caller's tag in the root field (see ferro.all_gather's ``tag``).
-    where = f"root {root}, " if collective in _ROOTED else (f"tag {root}, " if root else "")
+    # Rootless collectives carry a caller's tag in the root field (see ferro.all_gather's ``tag``); allreduce carries
+    # its algorithm there (code + 1), so that ranks that run different algorithms say so.
+    if collective == "allreduce":
+        shown = against is not None and fingerprint_tag(against) != root and 0 < root <= len(_ALLREDUCE_ALGORITHMS)
+        where = f"algorithm {_ALLREDUCE_ALGORITHMS[root - 1]}, " if shown else ""
+    else:
+        where = f"root {root}, " if collective in _ROOTED else (f"tag {root}, " if root else "")
     # Only a reduction has an op; the field is 0 (SUM) in every other call's fingerprint.
     how = f"{op}, " if collective in _REDUCING else ""
     return f"{collective}({dtype}, {how}{where}{count} elements, shape hash {value & 0xFF:02x}{issued})"
 
 
 _REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
+# The allreduce algorithms by code (ferro._core.collectives.ALGORITHMS), for describe_fingerprint.
+_ALLREDUCE_ALGORITHMS = ("ring", "recursive_doubling", "halving_doubling")
 _ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter", "broadcast_object", "p2p"})
 
 #: Tags of :func:`ferro.all_gather` and :func:`ferro.reduce_scatter` travel in the root field: 10 bits.

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import re
 import signal
 import subprocess
@@ -12,8 +13,9 @@ import pytest
 
 FERRO = [sys.executable, "-m", "ferro"]
 NUMBER = r"(?:\d+(?:\.\d+)?|N/A)"
-# size count type redop root | time algbw busbw #wrong | time algbw busbw #wrong
-ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(-?\d+)\s+" + r"\s+".join([NUMBER] * 8) + r"\s*$")
+# size count type redop root | time algbw busbw #wrong | time algbw busbw #wrong | algorithm
+ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(-?\d+)\s+" + r"\s+".join([NUMBER] * 8)
+                 + r"(?:\s+(?P<algorithm>\S.*?))?\s*$")
 
 
 def parse_rows(text):
@@ -25,7 +27,8 @@ def parse_rows(text):
         assert match, f"not an nccl-tests row: {line!r}"
         fields = line.split()
         rows.append({"size": int(fields[0]), "count": int(fields[1]), "type": fields[2], "redop": fields[3],
-                     "oop_time": fields[5], "oop_busbw": fields[7], "oop_wrong": fields[8], "ip_wrong": fields[12]})
+                     "oop_time": fields[5], "oop_busbw": fields[7], "oop_wrong": fields[8], "ip_wrong": fields[12],
+                     "algorithm": match.group("algorithm") or ""})
     return rows
 
 
@@ -38,6 +41,7 @@ def test_table_parses_check_finds_nothing_wrong_and_files_are_written(tmp_path):
     rows = parse_rows(done.stdout)
     sizes = [8, 128, 2048, 32768]
     assert len(rows) == 6 * len(sizes) + 1  # six ops over the sizes, plus one barrier row
+    assert all(row["algorithm"] for row in rows), "every row names the algorithm that ran"
     for row in rows:
         assert row["oop_wrong"] in ("0", "N/A") and row["ip_wrong"] in ("0", "N/A")
         assert float(row["oop_time"]) > 0
@@ -208,3 +212,80 @@ def test_comparison_divides_by_the_time_it_prints():
     wide = _comparison([row("ferro-tcp", 3.8, 3.8), row("ferro-shm", 5175.6, 5175.6)], "ferro-tcp", ["ferro-shm"],
                        {1024: 12345678.0}, 1).splitlines()[-1].split()
     assert wide[2:] == ["12345678.0", "3.8", "5175.6", "1362.00x"]
+
+
+def test_rows_name_the_algorithm_the_variable_forces(tmp_path):
+    env = dict(os.environ, FERRO_ALGORITHM_ALLREDUCE="ring")
+    done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "4", "--backend", "tcp", "-b", "8", "-e", "1M",
+                           "-f", "128", "--iters", "2", "--warmup", "1", "--check"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    rows = parse_rows(done.stdout)
+    assert [row["algorithm"] for row in rows] == ["ring"] * 3 and all(row["oop_wrong"] == "0" for row in rows)
+    done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "4", "--backend", "tcp", "-b", "8", "-e", "1M",
+                           "-f", "128", "--iters", "2", "--warmup", "1"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert [row["algorithm"] for row in parse_rows(done.stdout)] == ["recursive_doubling", "recursive_doubling",
+                                                                     "halving_doubling"]
+
+
+def test_fit_writes_a_cost_model_from_ring_allreduces(tmp_path):
+    from ferro.collective.cost_model import load_cost_model
+
+    model_path = tmp_path / "model.json"
+    done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "2", "--backend", "tcp", "-b", "8", "-e", "1M",
+                           "-f", "32", "--iters", "3", "--warmup", "1", "--fit", str(model_path)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    timed = [row["algorithm"] for row in parse_rows(done.stdout.split("# cost model")[0])]
+    assert timed == ["ring"] * 4 + ["recursive_doubling"] * 4 + ["halving_doubling"] * 4  # each forced in turn
+    model = load_cost_model(str(model_path))
+    assert model is not None and model.alpha > 0 and model.beta > 0 and "2 ranks" in model.fitted_on
+    assert set(model.per_algorithm) == set(model.measured) == {"ring", "recursive_doubling", "halving_doubling"}
+    assert model.world_size == 2 and [size for size, _ in model.measured["ring"]] == [8, 256, 8192, 262144]
+    assert "chosen by the model" in done.stdout
+
+
+def _simulated(args):
+    import contextlib
+    import io
+
+    from ferro.tools.bench.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_simulate_prints_every_op_s_choice_beside_every_plan_and_the_bound():
+    from ferro._core import collectives as native
+    from ferro.tools.bench import simulate
+
+    ops = ["allreduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"]
+    code, out, _ = _simulated([*ops, "--simulate", "16x1@100mbit", "-b", "4K", "-e", "4M", "-f", "32"])
+    assert code == 0
+    sections = out.split("#\n# ")[1:]
+    assert [section.splitlines()[0] for section in sections] == ops
+    network = simulate.parse_network("16x1@100mbit")
+    row_form = re.compile(r"^\s*(\d+)\s+\d+\s+\w+\s+\w+\s+-?\d+\s+([a-z_ ]+?)\s+([\d.]+)\s+[\d.]+\s+(.*)$")
+    for op, section in zip(ops, sections, strict=True):
+        names = sorted(simulate.OP_ALGORITHMS[op])
+        rows = [row_form.match(line) for line in section.splitlines()[2:]]
+        assert all(rows) and [int(row.group(1)) for row in rows] == [4096, 131072, 4194304], (op, section)
+        for row in rows:
+            size, chosen, time_us = int(row.group(1)), row.group(2), float(row.group(3))
+            *predicted, bound = (float(value) for value in row.group(4).split())
+            assert len(predicted) == len(names) and chosen in names, (op, row.group(0))
+            if op in ("broadcast", "all_gather", "all_to_all"):  # the mesh's own forms, with its defaults
+                assert chosen == native.choose(op, size, 16), (op, size)
+            assert bound == pytest.approx(simulate.lower_bound(network, size, op) * 1e6, rel=1e-3)
+            assert min(predicted) >= bound * 0.999, (op, row.group(0))
+            assert time_us == predicted[names.index(chosen)], (op, row.group(0))
+
+
+def test_simulate_refuses_what_it_cannot_replay():
+    code, _, err = _simulated(["sendrecv", "--simulate", "4x1@1gbit"])
+    assert code == 2 and "point-to-point" in err
+    code, _, err = _simulated(["allreduce", "--simulate", "4 hosts"])
+    assert code == 2 and "HOSTSxRANKS@RATE" in err

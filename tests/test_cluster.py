@@ -133,3 +133,46 @@ def test_the_line_rate_reference_counts_each_op_s_bytes_on_a_host_s_link():
     (row,) = stream_rows(125e6, template, hosts=2)  # broadcast is not modelled
     assert row.library == "stream" and row.op == "allreduce" and row.world_size == 4
     assert row.oop_time_us == row.ip_time_us == pytest.approx((1 << 20) / 125e6 * 1e6)
+
+
+def test_mpirun_under_emulation_takes_open_mpi_4_and_5_launcher_settings(tmp_path):
+    # Open MPI 5's runtime (PRRTE) takes --prtemca; Open MPI 4.1 (Debian's) refuses it ("unknown option
+    # --prtemca") and takes ORTE's --mca plm_rsh_agent instead. No namespaces are made to build the command.
+    cluster = EmulatedCluster(2, "100mbit")
+    cluster._head = True  # the switch's address is added by a real cluster; here only the command is built
+    five = cluster.mpirun_command("mpirun", 1, ["python", "x.py"], str(tmp_path), version=(5, 0, 3))
+    four = cluster.mpirun_command("mpirun", 1, ["python", "x.py"], str(tmp_path), version=(4, 1, 4),
+                                  forward=["MPI4PY_LIBMPI"])
+    assert "--prtemca" in five and "plm_ssh_agent" in five and "plm_rsh_agent" not in five
+    assert "--prtemca" not in four and "plm_rsh_agent" in four and four[four.index("plm_rsh_no_tree_spawn") + 1] == "1"
+    assert four[four.index("-x") + 1] == "MPI4PY_LIBMPI" and four[-2:] == ["python", "x.py"]
+
+
+_SYSTEM_MPIRUN = "/usr/bin/mpirun"
+
+
+@needs_cluster
+def test_both_open_mpi_versions_run_one_rank_per_emulated_host_on_their_own_library(tmp_path):
+    import subprocess
+    import sys
+
+    from ferro.backend.mpi.launch import LIBMPI_ENV, find_mpirun, mpirun_environment, open_mpi_version
+
+    candidates = [m for m in (find_mpirun(), _SYSTEM_MPIRUN) if m and open_mpi_version(m)]
+    if not candidates:
+        pytest.skip("no Open MPI mpirun here")
+    script = ("from mpi4py import MPI; import socket; "
+              "print(MPI.COMM_WORLD.Get_rank(), socket.gethostname(), MPI.Get_library_version().split(',')[0])")
+    for mpirun in dict.fromkeys(candidates):
+        env = mpirun_environment(mpirun=mpirun)
+        version = open_mpi_version(mpirun)
+        with EmulatedCluster(2, "100mbit") as cluster:
+            command = cluster.mpirun_command(mpirun, 1, [sys.executable, "-c", script], str(tmp_path),
+                                             version=version, forward=[LIBMPI_ENV] if LIBMPI_ENV in env else [])
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, f"{mpirun}: {done.stderr[-3000:]}"
+        lines = sorted(done.stdout.split("\n"))[-2:]
+        ranks = {line.split()[0]: line.split()[1] for line in lines}
+        assert set(ranks) == {"0", "1"} and ranks["0"] != ranks["1"], lines  # one rank on each host
+        wanted = "v" + ".".join(map(str, version))
+        assert all(wanted in line for line in lines), f"{mpirun} is Open MPI {wanted}, but the ranks ran {lines}"

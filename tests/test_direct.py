@@ -382,14 +382,13 @@ def rank_gather_and_broadcast_across_the_thresholds(group):
             collective(*args, group=group, async_op=True).wait()
         return sorted(p for p, conn in enumerate(mesh.connections) if conn is not None and conn.send_seq > before[p])
 
-    part_sizes = (1, 7, mesh.bruck_bytes // (8 * n), mesh.bruck_bytes // (8 * n) + 1, 3 * mesh.bruck_bytes // 8)
-    for count in part_sizes:
+    for count in (1, 7, 512, 2048, 40000):
         gathered = np.empty(n * count)
         sent_to["all_gather", count] = run(ferro.all_gather, np.arange(count, dtype=np.float64) + 1000.0 * r,
                                            gathered)
         if not np.array_equal(gathered, np.concatenate([np.arange(count) + 1000.0 * k for k in range(n)])):
             wrong.append(f"all_gather of {count} per rank")
-    for nbytes in (8, mesh.chain_bytes, mesh.chain_bytes + 8, 4 * mesh.chain_bytes):
+    for nbytes in (8, 64 << 10, (64 << 10) + 8, 256 << 10, 4 << 20):
         for root in (0, n - 1):
             data = np.arange(nbytes // 8, dtype=np.float64) + root if r == root else np.zeros(nbytes // 8)
             peers = run(ferro.broadcast, data, root)
@@ -404,24 +403,28 @@ def rank_gather_and_broadcast_across_the_thresholds(group):
             ferro.reduce_scatter(x, "mean", group=group, async_op=True).wait()
         if not np.array_equal(part, np.array_split(np.arange(count) % 97 + (n - 1) / 2, n)[r]):
             wrong.append(f"reduce_scatter of {count}")
-    return (mesh.bruck_bytes, mesh.chain_bytes), sent_to, wrong
+    chosen = {key: mesh.choose(key[0], key[1] * 8 * n if key[0] == "all_gather" else key[1]) for key in sent_to}
+    return (mesh.latency_bytes, mesh.copy_ratio), sent_to, chosen, wrong
 
 
 @pytest.mark.parametrize("world_size", [3, 4, 5, 7])
 def test_gather_and_broadcast_agree_across_paths_and_thresholds(world_size):
-    from ferro._core.collectives import DEFAULT_BRUCK_BYTES, DEFAULT_CHAIN_BYTES
+    from ferro._core.collectives import DEFAULT_COPY_RATIO, DEFAULT_LATENCY_BYTES, choose
 
     n = world_size
     distances = [1 << k for k in range(n.bit_length()) if 1 << k < n]  # 1, 2, 4, ... below n
     results = run_processes(rank_gather_and_broadcast_across_the_thresholds, n, timeout=180)
-    for r, (thresholds, sent_to, wrong) in enumerate(results):
-        assert thresholds == (DEFAULT_BRUCK_BYTES, DEFAULT_CHAIN_BYTES)  # the mesh keeps what it was given
+    for r, (link, sent_to, chosen, wrong) in enumerate(results):
+        assert link == (DEFAULT_LATENCY_BYTES, DEFAULT_COPY_RATIO)  # no cost model: the mesh's defaults
         assert wrong == []
         for (op, size), peers in sent_to.items():
             if op == "all_gather":  # Bruck sends to rank - 1, - 2, - 4, ...; the ring only to rank + 1
-                bruck = n > 3 and size * 8 * n <= DEFAULT_BRUCK_BYTES
-                expected = sorted({(r - d) % n for d in distances}) if bruck else [(r + 1) % n]
+                expected = sorted({(r - d) % n for d in distances}) if chosen[op, size] == "bruck" else [(r + 1) % n]
             else:  # at the root: the tree sends to root + 1, + 2, + 4, ...; the chain only to root + 1
-                tree = n <= 2 or size <= DEFAULT_CHAIN_BYTES
+                tree = chosen[op, size] == "binomial tree"
                 expected = sorted({(r + d) % n for d in distances}) if tree else [(r + 1) % n]
-            assert peers == expected, (op, size, r)
+            assert peers == expected, (op, size, r, chosen[op, size])
+    # Both sides of each choice were crossed (the sizes straddle the forms' crossovers at these world sizes).
+    assert {choose("broadcast", size, n) for size in (8, 4 << 20)} == {"binomial tree", "pipelined chain"}
+    if n > 3:
+        assert {choose("all_gather", count * 8 * n, n) for count in (1, 40000)} == {"bruck", "ring"}

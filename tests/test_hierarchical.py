@@ -288,3 +288,48 @@ def test_a_rank_that_never_comes_fails_a_pipelined_allreduce_on_every_host_withi
     assert results[3] == "absent"
     for name, prompt in results[:3]:
         assert name in ("DistributedTimeoutError", "PeerLostError") and prompt, results
+
+
+def rank_all_to_all_two_levels(rank, world_size):
+    os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
+    group = ferro.init_process_group(timeout=60)
+    try:
+        n, results = world_size, {}
+        for block in (1, 3000):  # float64s to each rank
+            x = np.concatenate([np.arange(block, dtype=np.float64) + 1000 * rank + dst for dst in range(n)])
+            parts = [p for p in (group.leader_group, group.local_group) if p is not None]
+            for part in parts:
+                part.reset_stats()
+            even = ferro.all_to_all(x)
+            between = (group.leader_group.stats().get("all_to_all", {}).get("bytes_sent", 0)
+                       if group.leader_group else None)
+            counts = [block + (dst + rank) % 3 for dst in range(n)]  # uneven: the TCP mesh's pairwise exchange
+            rows = np.concatenate([np.full(c, 1000.0 * rank + dst) for dst, c in enumerate(counts)])
+            uneven = ferro.all_to_all_single_uneven(rows, counts, [block + (rank + src) % 3 for src in range(n)])
+            results[block] = (even.tolist(), between, uneven.tolist())
+        return results
+    finally:
+        ferro.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_all_to_all_of_equal_blocks_goes_in_two_levels_where_hosts_hold_many_ranks(world_size):
+    """4+4 ranks: small equal blocks meet in shared memory and cross between hosts once, leader to leader (R x R
+    blocks); larger ones (R x R blocks over 64 KiB), 2+2 ranks and uneven calls take the TCP mesh, where the
+    leaders' own group carries nothing. Every way equals NumPy's answer."""
+    from ferro.backend.hierarchical import TWO_LEVEL_ALL_TO_ALL_BYTES
+
+    n, per_host = world_size, world_size // 2
+    results = run_processes(rank_all_to_all_two_levels, n, backend=None, timeout=180)
+    for rank, by_block in enumerate(results):
+        for block, (even, between, uneven) in by_block.items():
+            expected = np.concatenate([np.arange(block, dtype=np.float64) + 1000 * src + rank for src in range(n)])
+            assert even == expected.tolist(), (rank, block)
+            two_levels = per_host >= 4 and per_host * per_host * block * 8 <= TWO_LEVEL_ALL_TO_ALL_BYTES
+            if rank % per_host:
+                assert between is None  # not a leader
+            else:  # a leader: the other host's R x R blocks of 8-byte floats in one message, or nothing
+                assert between == (per_host * per_host * block * 8 if two_levels else 0), (rank, block, between)
+            counts = [block + (rank + src) % 3 for src in range(n)]
+            assert uneven == np.concatenate([np.full(c, 1000.0 * src + rank) for src, c in enumerate(counts)]
+                                            ).tolist(), (rank, block)

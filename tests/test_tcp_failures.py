@@ -60,6 +60,30 @@ def test_rank_killed_mid_ring_exchange():
     assert results[2] == RankExit(None, "SIGKILL")
 
 
+def rank_killed_in_all_to_all(group):
+    # rank 2 dies as the others start a pairwise all_to_all (its steps in flight together): every survivor
+    # exchanges with rank 2 in that window, so each must name it, none may hang.
+    n, r = group.world_size, group.rank
+    blocks = np.ones(n * (1 << 18))  # 2 MiB to each peer: the pairwise exchange, not Bruck's
+    ferro.all_to_all(blocks, group=group)  # every connection made
+    group.barrier()
+    if r == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        for _ in range(20):
+            ferro.all_to_all(blocks, group=group, timeout=60)
+        return "finished"
+    except (ferro.PeerLostError, ferro.ConnectionBrokenError) as exc:
+        return type(exc).__name__, "rank 2" in str(exc)
+
+
+def test_rank_killed_in_a_windowed_all_to_all_is_named_by_every_survivor():
+    results = run_processes(rank_killed_in_all_to_all, 4, allow_exit={0, 1, 2, 3}, timeout=60)
+    assert results[2] == RankExit(None, "SIGKILL")
+    for r in (0, 1, 3):
+        assert results[r] in (("PeerLostError", True), ("ConnectionBrokenError", True)), (r, results[r])
+
+
 def rank_interrupted_in_recv(group):
     if group.rank == 1:
         out = np.empty(1)

@@ -11,22 +11,49 @@ ALGORITHM_RECURSIVE_DOUBLING: int
 ALGORITHM_HALVING_DOUBLING: int
 ALGORITHMS: dict[str, int]
 DEFAULT_SEGMENT_BYTES: int
-DEFAULT_CHAIN_BYTES: int
-DEFAULT_BRUCK_BYTES: int
 DIRECT_REDUCE_SCATTER_BYTES: int
+STEP_REDUCE: int
+ALGORITHM_BINOMIAL_TREE: int
+ALGORITHM_CHAIN: int
+ALGORITHM_BRUCK: int
+ALGORITHM_PAIRWISE: int
+ALGORITHM_BRUCK_ALL_TO_ALL: int
+ALGORITHM_DISSEMINATION: int
+STEP_PACK: int
+DEFAULT_LATENCY_BYTES: float
+DEFAULT_COPY_RATIO: float
+DEFAULT_WINDOW_BYTES: int
+CHAIN_SEGMENT_SMALLEST: int
+CHAIN_SEGMENT_LARGEST: int
+STEP_SEND_SOURCE: int
+STEP_RECV_BASE: int
+STEP_DIVIDE: int
+
+def chain_segment(nbytes: int, n: int, latency_bytes: float = ...) -> int: ...
+def choose(
+    op: str, nbytes: int, n: int, latency_bytes: float = ..., copy_ratio: float = ..., partner_ratio: float = ...
+) -> str: ...
+def plan_steps(
+    algorithm: int, rank: int, n: int, count: int, itemsize: int, phases: int = ..., mean: bool = ...,
+    source: bool = ..., root: int = ..., segment: int = ...,
+) -> list[tuple[int, int, int, int, int, int, int, int]]: ...
 
 class Mesh:
     connections: list[Connection | None]
     rank: int
     n: int
-    chain_bytes: int
-    bruck_bytes: int
+    latency_bytes: float
+    copy_ratio: float
+    partner_ratio: float
+    window_bytes: int
     connector: Callable[[int, float], Connection] | None
     def __init__(
-        self, connections: Sequence[Connection | None], rank: int, chain_bytes: int = ..., bruck_bytes: int = ...,
+        self, connections: Sequence[Connection | None], rank: int, latency_bytes: float = ..., copy_ratio: float = ...,
+        partner_ratio: float = ...,
         connector: Callable[[int, float], Connection] | None = ...,
     ) -> None: ...
     def attach(self, peer: int, conn: Connection) -> None: ...
+    def choose(self, op: str, nbytes: int) -> str: ...
     @property
     def near_peers(self) -> list[int]: ...
 
@@ -90,5 +117,6 @@ def all_to_all(
     recv_offsets: list[int],
     fingerprint: int,
     timeout: float,
+    even: bool = ...,
 ) -> None: ...
 def barrier(mesh: Mesh, timeout: float) -> None: ...

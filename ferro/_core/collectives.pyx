@@ -19,7 +19,7 @@ from libc.string cimport memcpy, memmove, memset
 from ferro._core.direct cimport READ_CLOCK, DirectCall
 from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
 from ferro._core.state cimport ferro_stat_slot
-from ferro._core.status cimport ST_OK
+from ferro._core.status cimport ST_ABORTED, ST_OK
 from ferro._core.transport cimport (
     ConnState,
     Connection,
@@ -27,11 +27,65 @@ from ferro._core.transport cimport (
     SendOp,
     monotonic_ns,
     raise_failure,
+    run_many,
     run_ops,
 )
-from ferro._core.posix cimport FERRO_HEADER_SIZE, ferro_pack_header
+from ferro._core.posix cimport FERRO_HEADER_SIZE, ferro_pack_header, pollfd
 
 from ferro.errors import InvalidBufferError
+
+
+cdef extern from "schedule.h" nogil:
+    enum:
+        FERRO_PLAN_RING
+        FERRO_PLAN_RECURSIVE_DOUBLING
+        FERRO_PLAN_HALVING_DOUBLING
+        FERRO_PLAN_BINOMIAL_TREE
+        FERRO_PLAN_CHAIN
+        FERRO_PLAN_BRUCK
+        FERRO_PLAN_PAIRWISE
+        FERRO_PLAN_BRUCK_ALL_TO_ALL
+        FERRO_PLAN_DISSEMINATION
+        FERRO_PHASE_REDUCE_SCATTER
+        FERRO_PHASE_ALL_GATHER
+        FERRO_STEP_REDUCE
+        FERRO_STEP_SEND_SOURCE
+        FERRO_STEP_RECV_BASE
+        FERRO_STEP_DIVIDE
+        FERRO_STEP_PACK
+    ctypedef struct ferro_step:
+        int send_peer
+        int recv_peer
+        size_t send_off
+        size_t send_len
+        size_t recv_off
+        size_t recv_len
+        unsigned flags
+        size_t divide_off
+        size_t divide_len
+        size_t pack_bit
+    ctypedef struct ferro_plan:
+        int n
+        int power
+        size_t block
+    void ferro_plan_init(ferro_plan* plan, int algorithm, int rank, int n, size_t count, size_t itemsize,
+                         const size_t* starts, const size_t* ends, size_t* bounds, int phases, int mean, int source)
+    void ferro_plan_init_broadcast(ferro_plan* plan, int algorithm, int rank, int n, int root, size_t nbytes,
+                                   size_t segment)
+    void ferro_plan_init_bruck(ferro_plan* plan, int rank, int n, size_t block)
+    void ferro_plan_init_all_to_all(ferro_plan* plan, int algorithm, int rank, int n, const size_t* send_bounds,
+                                    const size_t* recv_bounds, size_t block)
+    size_t ferro_plan_blocks_with_bit(int n, size_t bit)
+    int ferro_plan_next(ferro_plan* plan, ferro_step* step)
+    size_t ferro_chain_segment(size_t nbytes, int n, double latency_bytes, size_t smallest, size_t largest)
+    double ferro_cost_tree(size_t nbytes, int n, double latency_bytes, double partner_ratio)
+    double ferro_cost_chain(size_t nbytes, int n, double latency_bytes, size_t segment)
+    double ferro_cost_all_gather_ring(size_t total, int n, double latency_bytes)
+    double ferro_cost_all_gather_bruck(size_t total, int n, double latency_bytes, double copy_ratio,
+                                       double partner_ratio)
+    double ferro_cost_all_to_all_pairwise(size_t total, int n, double latency_bytes, double partner_ratio)
+    double ferro_cost_all_to_all_bruck(size_t total, int n, double latency_bytes, double copy_ratio,
+                                       double partner_ratio)
 
 cdef enum:
     RING = 0
@@ -46,15 +100,70 @@ ALGORITHMS = {"ring": RING, "recursive_doubling": RECURSIVE_DOUBLING, "halving_d
 # 1 MiB measured best on loopback (256 KiB: -25% at 64 MB; 4 MiB: -10%); fits in L2 for the reduce.
 cdef size_t SEGMENT_BYTES = 1024 * 1024
 DEFAULT_SEGMENT_BYTES = SEGMENT_BYTES
-# 64 KiB: below it a broadcast's log2(n) tree rounds cost less than the chain's n - 1 hops.
-DEFAULT_CHAIN_BYTES = 64 * 1024
-# An all_gather gathering at most this many bytes in all (4 ranks or more) takes Bruck's ceil(log2 n)
-# rounds instead of the ring's n - 1; at 8 ranks the two tie here (see DESIGN.md, "Choosing by size").
-DEFAULT_BRUCK_BYTES = 128 * 1024
+# The broadcast, all_gather and all_to_all choose among their plans by the closed forms of schedule.h, with two
+# numbers of the link (see Mesh): these defaults reproduce what loopback measured (DESIGN.md, "Choosing by size"):
+# the tree and the chain tie at 64 KiB among 4 ranks, Bruck's all_gather and the ring at 128 KiB among 8.
+DEFAULT_LATENCY_BYTES = 8192.0
+DEFAULT_COPY_RATIO = 0.125
+# The chain's segment stays within these (the frame header and a wake-up per frame below; pipelining above).
+cdef enum:
+    CHAIN_SMALLEST = 16 * 1024
+    CHAIN_LARGEST = 1024 * 1024
+CHAIN_SEGMENT_SMALLEST = CHAIN_SMALLEST
+CHAIN_SEGMENT_LARGEST = CHAIN_LARGEST
+
+
+def chain_segment(size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BYTES) -> int:
+    """The pipelined chain's segment for a broadcast of ``nbytes`` among ``n`` ranks (``schedule.h``)."""
+    return ferro_chain_segment(nbytes, n, latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
+
+
+cdef inline bint _prefer_chain(size_t nbytes, int n, double latency_bytes, double partner_ratio) noexcept nogil:
+    cdef size_t segment
+    if n <= 2:
+        return False
+    segment = ferro_chain_segment(nbytes, n, latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
+    return (ferro_cost_chain(nbytes, n, latency_bytes, segment)
+            < ferro_cost_tree(nbytes, n, latency_bytes, partner_ratio))
+
+
+cdef inline bint _prefer_bruck_all_gather(size_t total, int n, double latency_bytes, double copy_ratio,
+                                          double partner_ratio) noexcept nogil:
+    return n > 3 and (ferro_cost_all_gather_bruck(total, n, latency_bytes, copy_ratio, partner_ratio)
+                      < ferro_cost_all_gather_ring(total, n, latency_bytes))
+
+
+cdef inline bint _prefer_bruck_all_to_all(size_t total, int n, double latency_bytes, double copy_ratio,
+                                          double partner_ratio) noexcept nogil:
+    return n > 3 and (ferro_cost_all_to_all_bruck(total, n, latency_bytes, copy_ratio, partner_ratio)
+                      < ferro_cost_all_to_all_pairwise(total, n, latency_bytes, partner_ratio))
+
+
+def choose(str op, size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BYTES,
+           double copy_ratio=DEFAULT_COPY_RATIO, double partner_ratio=1.0) -> str:
+    """Name the plan a TCP group of ``n`` runs for ``op`` of ``nbytes``: what :class:`Mesh` chooses.
+
+    ``nbytes`` is the broadcast's message, the all_gather's output (every rank's part), the all_to_all's bytes
+    sent per rank (equal blocks; uneven ones always take the pairwise exchange).
+    """
+    if op == "broadcast":
+        return "pipelined chain" if _prefer_chain(nbytes, n, latency_bytes, partner_ratio) else "binomial tree"
+    if op == "all_gather":
+        return "bruck" if _prefer_bruck_all_gather(nbytes, n, latency_bytes, copy_ratio, partner_ratio) else "ring"
+    if op == "all_to_all":
+        return "bruck" if _prefer_bruck_all_to_all(nbytes, n, latency_bytes, copy_ratio, partner_ratio) else "pairwise"
+    raise ValueError(f"no plan is chosen by cost for {op!r}")
 # A reduce_scatter of at most this many bytes of input may take the direct path, which works in the
 # mesh's scratch (kept at the largest call's size); above it the front end's ~100 us are under 2 % of
 # the call at 1 Gbit, and the full path's scratch is the call's own.
 DIRECT_REDUCE_SCATTER_BYTES = 1024 * 1024
+# The pairwise all_to_all keeps up to this many of its steps in flight at once (one frame per block); blocks
+# smaller than the mesh's window_bytes no more than that many bytes each way (the first step always goes). At
+# 16x1@100mbit, 1 MiB (64 KiB blocks): 316-368 ms with 15 in flight, 111-124 with 128 KiB; but 4 MiB (256 KiB
+# blocks) 624-666 ms with 15, 671-787 one at a time: many small frames at once lose, few large ones win.
+cdef enum:
+    PAIRWISE_WINDOW = 16
+DEFAULT_WINDOW_BYTES = 128 * 1024
 
 cdef uint32_t KIND_BARRIER = 2
 cdef uint32_t KIND_COLLECTIVE = 3
@@ -139,11 +248,62 @@ cdef int _exchange_segments(SendOp* s, ConnState* to, const unsigned char* out, 
     return 0
 
 
+cdef int _exchange_packed(ConnState** conns, ferro_step* step, unsigned char* buf, size_t block, int n,
+                          unsigned char* scratch, size_t segment, uint64_t fingerprint, int64_t deadline,
+                          SendOp* s, RecvOp* r) except -1 nogil:
+    """A Bruck all_to_all round: the blocks ``j`` with ``j & pack_bit`` leave packed, and the arriving ones take
+    their places. ``scratch`` holds twice ``step.send_len`` bytes."""
+    cdef size_t j, at = 0, bit = step.pack_bit
+    cdef unsigned char* inbox = scratch + step.send_len
+    for j in range(<size_t>n):
+        if j & bit:
+            memcpy(scratch + at, buf + j * block, block)
+            at += block
+    if _exchange_segments(s, conns[step.send_peer], scratch, step.send_len, r, conns[step.recv_peer], inbox,
+                          step.recv_len, NULL, NULL, 1, segment, fingerprint, deadline):
+        return 1
+    at = 0
+    for j in range(<size_t>n):
+        if j & bit:
+            memcpy(buf + j * block, inbox + at, block)
+            at += block
+    return 0
+
+
+cdef int _run_plan(ConnState** conns, ferro_plan* plan, unsigned char* buf, const unsigned char* src,
+                   size_t itemsize, int dtype, ferro_reduce_fn kernel, unsigned char* scratch, size_t segment,
+                   double divisor, uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
+    """Run a schedule (``schedule.h``) on the mesh: each step's frames, reductions and MEAN's division.
+
+    Every step exchanges its ranges segment by segment (:func:`_exchange_segments`), each arriving segment of a
+    reducing step reduced at once while it is in cache. ``src`` is the read-only input of an out-of-place
+    reduce-scatter (NULL otherwise).
+    """
+    cdef ferro_step step
+    while ferro_plan_next(plan, &step):
+        if step.flags & FERRO_STEP_PACK:
+            if _exchange_packed(conns, &step, buf, plan.block, plan.n, scratch, segment, fingerprint, deadline, s, r):
+                return 1
+            continue
+        if step.send_peer >= 0 or step.recv_peer >= 0:
+            if _exchange_segments(s, conns[step.send_peer] if step.send_peer >= 0 else NULL,
+                                  (src if step.flags & FERRO_STEP_SEND_SOURCE else buf) + step.send_off,
+                                  step.send_len, r, conns[step.recv_peer] if step.recv_peer >= 0 else NULL,
+                                  buf + step.recv_off, step.recv_len,
+                                  kernel if step.flags & FERRO_STEP_REDUCE else NULL, scratch, itemsize, segment,
+                                  fingerprint, deadline,
+                                  src + step.recv_off if step.flags & FERRO_STEP_RECV_BASE else NULL):
+                return 1
+        if step.flags & FERRO_STEP_DIVIDE and divisor != 0:
+            ferro_divide(buf + step.divide_off, step.divide_len // itemsize, dtype, divisor)
+    return 0
+
+
 cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const size_t* starts, const size_t* ends,
                size_t itemsize, ferro_reduce_fn kernel, unsigned char* scratch, size_t segment, uint64_t fingerprint,
                int64_t deadline, SendOp* s, RecvOp* r, int phases, int dtype=-1, double divisor=0,
                const unsigned char* src=NULL) except -1 nogil:
-    """Segmented ring over chunks ``[starts[i], ends[i])`` (in elements) of ``buf``.
+    """Segmented ring over chunks ``[starts[i], ends[i])`` (in elements) of ``buf``: the ring's schedule, run.
 
     Chunks cut at bounds pass ``bounds, bounds + 1``; chunks with gaps between
     them (a piece of each host's block, in a pipelined hierarchical collective)
@@ -156,72 +316,23 @@ cdef int _ring(ConnState** conns, int rank, int n, unsigned char* buf, const siz
     here, each segment reduced as soon as it lands; all-gather
     (``PHASE_ALL_GATHER``) then passes every rank's chunk around. Both make an allreduce.
     """
-    cdef ConnState* nxt = conns[(rank + 1) % n]
-    cdef ConnState* prv = conns[(rank - 1 + n) % n]
-    cdef int step, send_idx, recv_idx
-    cdef size_t send_off, send_len, recv_off, recv_len
-    cdef int phase
-    for phase in range(2):
-        if phase == 1 and divisor != 0:
-            # MEAN: this rank scales only the chunk it completed (1/n of the data, still in
-            # cache); the all-gather then spreads the averaged values, identical everywhere.
-            ferro_divide(buf + starts[rank] * itemsize, ends[rank] - starts[rank], dtype, divisor)
-        if not phases & (PHASE_REDUCE_SCATTER if phase == 0 else PHASE_ALL_GATHER):
-            continue
-        for step in range(n - 1):
-            if phase == 0:  # reduce-scatter: afterwards chunk `rank` is complete here
-                send_idx = (rank - step - 1 + 2 * n) % n
-                recv_idx = (rank - step - 2 + 2 * n) % n
-            else:           # all-gather: pass the complete chunks around
-                send_idx = (rank - step + 2 * n) % n
-                recv_idx = (rank - step - 1 + 2 * n) % n
-            send_off = starts[send_idx] * itemsize
-            send_len = ends[send_idx] * itemsize - send_off
-            recv_off = starts[recv_idx] * itemsize
-            recv_len = ends[recv_idx] * itemsize - recv_off
-            if _exchange_segments(s, nxt, (src if phase == 0 and step == 0 and src != NULL else buf) + send_off,
-                                  send_len, r, prv, buf + recv_off, recv_len, kernel if phase == 0 else NULL, scratch,
-                                  itemsize, segment, fingerprint, deadline,
-                                  src + recv_off if phase == 0 and src != NULL else NULL):
-                return 1
-    return 0
+    cdef ferro_plan plan
+    ferro_plan_init(&plan, FERRO_PLAN_RING, rank, n, 0, itemsize, starts, ends, NULL, phases, divisor != 0,
+                    src != NULL)
+    return _run_plan(conns, &plan, buf, src, itemsize, dtype, kernel, scratch, segment, divisor, fingerprint,
+                     deadline, s, r)
 
 
-cdef int _recursive_doubling(ConnState** conns, int rank, int n, unsigned char* buf, size_t nbytes,
-                             size_t itemsize, ferro_reduce_fn kernel, unsigned char* scratch, uint64_t fingerprint,
-                             int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
-    """log2(n) whole-message exchanges; ranks beyond a power of two fold into a partner first."""
-    cdef int power = 1, extra, virtual, mask, partner_virtual, partner
-    while power * 2 <= n:
-        power *= 2
-    extra = n - power
-    if rank < 2 * extra:
-        if rank % 2 == 0:
-            if _exchange(s, conns[rank + 1], buf, nbytes, r, NULL, NULL, 0, fingerprint, deadline):
-                return 1
-            return _exchange(s, NULL, NULL, 0, r, conns[rank + 1], buf, nbytes, fingerprint, deadline)
-        if _exchange(s, NULL, NULL, 0, r, conns[rank - 1], scratch, nbytes, fingerprint, deadline):
-            return 1
-        kernel(buf, scratch, nbytes // itemsize)
-        virtual = rank // 2
-    else:
-        virtual = rank - extra
-    mask = 1
-    while mask < power:
-        partner_virtual = virtual ^ mask
-        partner = partner_virtual * 2 + 1 if partner_virtual < extra else partner_virtual + extra
-        if _exchange(s, conns[partner], buf, nbytes, r, conns[partner], scratch, nbytes, fingerprint, deadline):
-            return 1
-        kernel(buf, scratch, nbytes // itemsize)
-        mask <<= 1
-    if rank < 2 * extra:
-        return _exchange(s, conns[rank - 1], buf, nbytes, r, NULL, NULL, 0, fingerprint, deadline)
-    return 0
-
-
-cdef inline int _folded_partner(int virtual, int extra) noexcept nogil:
-    # The real rank of a virtual one, once the first 2 * extra ranks have folded in pairs.
-    return virtual * 2 + 1 if virtual < extra else virtual + extra
+cdef int _recursive_doubling(ConnState** conns, int rank, int n, unsigned char* buf, size_t count, size_t itemsize,
+                             int dtype, ferro_reduce_fn kernel, unsigned char* scratch, size_t segment,
+                             double divisor, uint64_t fingerprint, int64_t deadline, SendOp* s,
+                             RecvOp* r) except -1 nogil:
+    """log2(n) whole-message exchanges; ranks beyond a power of two fold into a partner first (``schedule.h``)."""
+    cdef ferro_plan plan
+    ferro_plan_init(&plan, FERRO_PLAN_RECURSIVE_DOUBLING, rank, n, count, itemsize, NULL, NULL, NULL, 0,
+                    divisor != 0, 0)
+    return _run_plan(conns, &plan, buf, NULL, itemsize, dtype, kernel, scratch, segment, divisor, fingerprint,
+                     deadline, s, r)
 
 
 cdef int _halving_doubling(ConnState** conns, int rank, int n, unsigned char* buf, size_t count, size_t itemsize,
@@ -233,64 +344,94 @@ cdef int _halving_doubling(ConnState** conns, int rank, int n, unsigned char* bu
     It moves what the ring moves (2(p-1)/p of the message per rank) in 2 log2(p) rounds
     instead of 2(p-1). Ranks beyond a power of two p fold into a partner first, as in
     recursive doubling. ``bounds`` must hold p + 1 entries (filled here); each round is
-    cut into ``segment``-byte frames, each reduced as soon as it lands.
+    cut into ``segment``-byte frames, each reduced as soon as it lands. The steps are ``schedule.h``'s.
     """
-    cdef int power = 1, extra, virtual, mask, partner, lo, hi, mid, keep_lo, keep_hi, send_lo, send_hi, width, i
-    cdef size_t nbytes = count * itemsize
-    while power * 2 <= n:
-        power *= 2
-    extra = n - power
-    if rank < 2 * extra:
-        if rank % 2 == 0:  # hand the data to rank + 1, then wait for the result
-            if _exchange_segments(s, conns[rank + 1], buf, nbytes, r, NULL, NULL, 0, NULL, NULL, itemsize, segment,
-                                  fingerprint, deadline):
-                return 1
-            return _exchange_segments(s, NULL, NULL, 0, r, conns[rank + 1], buf, nbytes, NULL, NULL, itemsize,
-                                      segment, fingerprint, deadline)
-        if _exchange_segments(s, NULL, NULL, 0, r, conns[rank - 1], buf, nbytes, kernel, scratch, itemsize, segment,
-                              fingerprint, deadline):
-            return 1
-        virtual = rank // 2
-    else:
-        virtual = rank - extra
-    for i in range(power + 1):
-        bounds[i] = _bound(count, power, i) * itemsize
-    # Halving: keep the half of the current range that the bit says, send the other; the range ends as chunk `virtual`.
-    lo, hi, mask = 0, power, power >> 1
-    while mask > 0:
-        partner = _folded_partner(virtual ^ mask, extra)
-        mid = lo + (hi - lo) // 2
-        if virtual & mask:
-            keep_lo, keep_hi, send_lo, send_hi = mid, hi, lo, mid
+    cdef ferro_plan plan
+    ferro_plan_init(&plan, FERRO_PLAN_HALVING_DOUBLING, rank, n, count, itemsize, NULL, NULL, bounds, 0,
+                    divisor != 0, 0)
+    return _run_plan(conns, &plan, buf, NULL, itemsize, dtype, kernel, scratch, segment, divisor, fingerprint,
+                     deadline, s, r)
+
+
+cdef inline int _folded_partner(int virtual, int extra) noexcept nogil:
+    # The real rank of a virtual one, once the first 2 * extra ranks have folded in pairs (as schedule.h folds).
+    return virtual * 2 + 1 if virtual < extra else virtual + extra
+
+
+def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t itemsize, int phases=3,
+               bint mean=False, bint source=False, int root=0, Py_ssize_t segment=DEFAULT_SEGMENT_BYTES):
+    """Return the steps ``rank`` of ``n`` runs for a collective of ``count`` elements: ``schedule.h``'s plan.
+
+    The same iterator the compiled executor runs, exposed for ``ferro bench --simulate`` and the tests. Each
+    step is ``(send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags, pack_bit)`` in bytes; a peer
+    of -1 means no message that way; ``flags`` holds ``STEP_REDUCE``, ``STEP_DIVIDE``, ``STEP_PACK`` (Bruck's
+    all_to_all: the blocks whose index has ``pack_bit`` set travel, packed), ... The ring's chunks are cut
+    as the allreduce cuts them (``numpy.array_split`` of ``count`` over ``n``).
+
+    Args:
+        algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING``, ``ALGORITHM_HALVING_DOUBLING``;
+            broadcast's ``ALGORITHM_BINOMIAL_TREE`` and ``ALGORITHM_CHAIN`` (``count`` elements from ``root``, the
+            chain in ``segment``-byte pieces); all_gather's ``ALGORITHM_BRUCK``; all_to_all's
+            ``ALGORITHM_PAIRWISE`` and ``ALGORITHM_BRUCK_ALL_TO_ALL``; the barrier's ``ALGORITHM_DISSEMINATION``.
+            For all_gather and all_to_all, ``count`` elements is each rank's block (to each peer).
+        rank: The rank whose steps to list.
+        n: The world size.
+        count: Elements.
+        itemsize: Bytes per element.
+        phases: The ring's: 1 reduce-scatter, 2 all-gather, 3 both (an allreduce).
+        mean: MEAN's division included.
+        source: An out-of-place reduce-scatter (the ring reads its input).
+    """
+    cdef ferro_plan plan
+    cdef ferro_step step
+    cdef size_t* bounds = <size_t*>malloc((n + 2) * sizeof(size_t))
+    cdef size_t block = <size_t>count * <size_t>itemsize
+    cdef int i
+    if bounds == NULL:
+        raise MemoryError()
+    if not 0 <= rank < n or count < 0 or itemsize <= 0:
+        free(bounds)
+        raise ValueError(f"no plan for rank {rank} of {n}, {count} elements of {itemsize} bytes")
+    steps = []
+    try:
+        for i in range(n + 1):
+            bounds[i] = _bound(count, n, i)
+        if algorithm == FERRO_PLAN_BINOMIAL_TREE or algorithm == FERRO_PLAN_CHAIN:
+            if not 0 <= root < n or segment <= 0:
+                raise ValueError(f"no broadcast plan from root {root} of {n} in {segment}-byte segments")
+            ferro_plan_init_broadcast(&plan, algorithm, rank, n, root, count * itemsize, segment)
+        elif algorithm == FERRO_PLAN_BRUCK:
+            ferro_plan_init_bruck(&plan, rank, n, block)
+        elif algorithm == FERRO_PLAN_PAIRWISE or algorithm == FERRO_PLAN_BRUCK_ALL_TO_ALL:
+            for i in range(n + 1):
+                bounds[i] = <size_t>i * block
+            ferro_plan_init_all_to_all(&plan, algorithm, rank, n, bounds, bounds, block)
+        elif algorithm == FERRO_PLAN_DISSEMINATION:
+            ferro_plan_init(&plan, algorithm, rank, n, 0, 1, NULL, NULL, NULL, 0, 0, 0)
+        elif algorithm == RING:
+            ferro_plan_init(&plan, FERRO_PLAN_RING, rank, n, count, itemsize, bounds, bounds + 1, NULL, phases,
+                            mean, source)
         else:
-            keep_lo, keep_hi, send_lo, send_hi = lo, mid, mid, hi
-        if _exchange_segments(s, conns[partner], buf + bounds[send_lo], bounds[send_hi] - bounds[send_lo],
-                              r, conns[partner], buf + bounds[keep_lo], bounds[keep_hi] - bounds[keep_lo],
-                              kernel, scratch, itemsize, segment, fingerprint, deadline):
-            return 1
-        lo, hi = keep_lo, keep_hi
-        mask >>= 1
-    if divisor != 0:  # MEAN: this rank's chunk is complete; divide it once, while it is in cache
-        ferro_divide(buf + bounds[lo], (bounds[hi] - bounds[lo]) // itemsize, dtype, divisor)
-    # Doubling: swap ranges with the partner whose range lies next to this one's, until all is here.
-    mask = 1
-    while mask < power:
-        partner = _folded_partner(virtual ^ mask, extra)
-        width = hi - lo
-        if virtual & mask:
-            send_lo, send_hi = lo - width, lo  # the partner's range, received
-        else:
-            send_lo, send_hi = hi, hi + width
-        if _exchange_segments(s, conns[partner], buf + bounds[lo], bounds[hi] - bounds[lo],
-                              r, conns[partner], buf + bounds[send_lo], bounds[send_hi] - bounds[send_lo],
-                              NULL, NULL, itemsize, segment, fingerprint, deadline):
-            return 1
-        lo, hi = min(lo, send_lo), max(hi, send_hi)
-        mask <<= 1
-    if rank < 2 * extra:  # hand the result back to the folded partner
-        return _exchange_segments(s, conns[rank - 1], buf, nbytes, r, NULL, NULL, 0, NULL, NULL, itemsize, segment,
-                                  fingerprint, deadline)
-    return 0
+            ferro_plan_init(&plan, algorithm, rank, n, count, itemsize, NULL, NULL, bounds, 0, mean, 0)
+        while ferro_plan_next(&plan, &step):
+            steps.append((step.send_peer, step.send_off, step.send_len, step.recv_peer, step.recv_off,
+                          step.recv_len, step.flags, step.pack_bit))
+    finally:
+        free(bounds)
+    return steps
+
+
+STEP_REDUCE = FERRO_STEP_REDUCE
+ALGORITHM_BINOMIAL_TREE = FERRO_PLAN_BINOMIAL_TREE
+ALGORITHM_CHAIN = FERRO_PLAN_CHAIN
+ALGORITHM_BRUCK = FERRO_PLAN_BRUCK
+ALGORITHM_PAIRWISE = FERRO_PLAN_PAIRWISE
+ALGORITHM_BRUCK_ALL_TO_ALL = FERRO_PLAN_BRUCK_ALL_TO_ALL
+ALGORITHM_DISSEMINATION = FERRO_PLAN_DISSEMINATION
+STEP_PACK = FERRO_STEP_PACK
+STEP_SEND_SOURCE = FERRO_STEP_SEND_SOURCE
+STEP_RECV_BASE = FERRO_STEP_RECV_BASE
+STEP_DIVIDE = FERRO_STEP_DIVIDE
 
 
 def _near_peers(int rank, int n):
@@ -336,12 +477,17 @@ cdef class Mesh:
         connections: One :class:`~ferro._core.transport.Connection` per rank, None at
             ``rank`` and at peers not connected yet.
         rank: This rank.
-        chain_bytes: Broadcasts above this size (to more than two ranks) take the pipelined
-            chain, where every link carries the message once, all at the same time; smaller
-            ones the binomial tree's log2(n) rounds.
-        bruck_bytes: All_gathers of at most this many bytes in all, among 4 ranks or more,
-            take Bruck's ceil(log2 n) rounds; larger ones (and any among 3 ranks, where
-            the rounds are as many) the ring's n - 1.
+        latency_bytes: A message's fixed cost in bytes of the link's time (alpha / beta).
+        copy_ratio: A byte copied in memory, in bytes of the link's time.
+        partner_ratio: A byte sent to a new partner each step, in bytes streamed to one (see ``schedule.h``).
+
+    ``window_bytes`` (default 128 KiB) caps the bytes of small blocks the pairwise all_to_all has in flight.
+
+    Which plan a broadcast, all_gather or all_to_all runs comes from the closed forms of their schedules with
+    those two numbers (:func:`choose`): the binomial tree's log2(n) rounds or the pipelined chain (its segment
+    from the same forms), Bruck's ceil(log2 n) rounds or the ring's (all_gather) and the pairwise exchange's
+    (all_to_all) n - 1 steps. The TCP backend sets them from the cost model
+    (:meth:`ferro.collective.cost_model.CostModel.link_numbers`); every rank must hold the same ones.
         connector: ``connector(peer, timeout) -> Connection``, called (with the GIL) for a
             peer not connected yet; None: every peer must be connected up front.
     """
@@ -359,18 +505,22 @@ cdef class Mesh:
     cdef unsigned char* scratch
     cdef size_t scratch_cap
     cdef size_t* bounds
-    cdef readonly size_t chain_bytes
-    cdef readonly size_t bruck_bytes
+    cdef public double latency_bytes
+    cdef public double copy_ratio
+    cdef public double partner_ratio
+    cdef public size_t window_bytes
     cdef public object connector
 
-    def __cinit__(self, connections, int rank, size_t chain_bytes=DEFAULT_CHAIN_BYTES,
-                  size_t bruck_bytes=DEFAULT_BRUCK_BYTES, connector=None):
+    def __cinit__(self, connections, int rank, double latency_bytes=DEFAULT_LATENCY_BYTES,
+                  double copy_ratio=DEFAULT_COPY_RATIO, double partner_ratio=1.0, connector=None):
         cdef int i
         self.connections = list(connections)
         self.rank = rank
         self.n = len(self.connections)
-        self.chain_bytes = chain_bytes
-        self.bruck_bytes = bruck_bytes
+        self.latency_bytes = latency_bytes
+        self.copy_ratio = copy_ratio
+        self.partner_ratio = partner_ratio
+        self.window_bytes = DEFAULT_WINDOW_BYTES
         self.connector = connector
         if not 0 <= rank < self.n:
             raise ValueError(f"rank {rank} is outside a mesh of {self.n}")
@@ -453,10 +603,14 @@ cdef class Mesh:
         self.locked = 0
 
     cdef inline bint chain(self, size_t nbytes) noexcept nogil:
-        return nbytes > self.chain_bytes and self.n > 2
+        return _prefer_chain(nbytes, self.n, self.latency_bytes, self.partner_ratio)
 
     cdef inline bint bruck(self, size_t total) noexcept nogil:
-        return total <= self.bruck_bytes and self.n > 3
+        return _prefer_bruck_all_gather(total, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio)
+
+    def choose(self, str op, size_t nbytes) -> str:
+        """Name the plan this mesh runs for ``op`` of ``nbytes`` (see the module's :func:`choose`)."""
+        return choose(op, nbytes, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio)
 
     cdef unsigned char* scratch_for(self, size_t nbytes) except NULL:
         """A scratch buffer of at least ``nbytes`` (while the locks are held)."""
@@ -490,11 +644,8 @@ cdef int _allreduce_locked(Mesh mesh, unsigned char* buf, size_t count, size_t i
     """The allreduce itself, once :meth:`Mesh.prepare_allreduce` ran and the locks are held."""
     cdef int rc
     if algorithm == RECURSIVE_DOUBLING:
-        rc = _recursive_doubling(mesh.states, mesh.rank, mesh.n, buf, count * itemsize, itemsize, kernel,
-                                 mesh.scratch, fingerprint, deadline, s, r)
-        if rc == 0 and divisor != 0:
-            ferro_divide(buf, count, dtype, divisor)
-        return rc
+        return _recursive_doubling(mesh.states, mesh.rank, mesh.n, buf, count, itemsize, dtype, kernel,
+                                   mesh.scratch, segment, divisor, fingerprint, deadline, s, r)
     if algorithm == HALVING_DOUBLING:
         return _halving_doubling(mesh.states, mesh.rank, mesh.n, buf, count, itemsize, dtype, kernel, mesh.scratch,
                                  segment, mesh.bounds, divisor, fingerprint, deadline, s, r)
@@ -709,21 +860,18 @@ def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
 cdef int _all_gather_bruck(ConnState** conns, int rank, int n, unsigned char* out, size_t nbytes,
                            unsigned char* blocks, uint64_t fingerprint, int64_t deadline, SendOp* s,
                            RecvOp* r) except -1 nogil:
-    """Bruck's all-gather of ``nbytes`` per rank into ``out``: ceil(log2 n) rounds, any n.
+    """Bruck's all-gather of ``nbytes`` per rank into ``out``: ceil(log2 n) rounds, any n (``schedule.h``).
 
     ``blocks`` (``n * nbytes``) holds the blocks in this rank's order: block ``j`` is
     rank ``rank + j``'s. Round ``k`` sends the first ``min(2^k, n - 2^k)`` blocks to
     rank ``rank - 2^k`` while as many arrive from rank ``rank + 2^k``; a rotation
     puts them in rank order at the end.
     """
-    cdef size_t have = 1, count
+    cdef ferro_plan plan
     memcpy(blocks, out + <size_t>rank * nbytes, nbytes)
-    while have < <size_t>n:
-        count = min(have, <size_t>n - have)
-        if _exchange(s, conns[(rank - <int>have + n) % n], blocks, count * nbytes,
-                     r, conns[(rank + <int>have) % n], blocks + have * nbytes, count * nbytes, fingerprint, deadline):
-            return 1
-        have += count
+    ferro_plan_init_bruck(&plan, rank, n, nbytes)
+    if _run_plan(conns, &plan, blocks, NULL, 1, -1, NULL, NULL, SEGMENT_BYTES, 0, fingerprint, deadline, s, r):
+        return 1
     memcpy(out + <size_t>rank * nbytes, blocks, <size_t>(n - rank) * nbytes)
     memcpy(out, blocks + <size_t>(n - rank) * nbytes, <size_t>rank * nbytes)
     return 0
@@ -779,60 +927,38 @@ def all_gather(Mesh mesh, buf, Py_ssize_t nbytes, uint64_t fingerprint, double t
 
 
 cdef int _broadcast_tree(ConnState** conns, int rank, int n, int root, unsigned char* buf, size_t nbytes,
-                         uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
-    """Binomial tree: receive once from the parent, then send to each child; log2(n) rounds."""
-    cdef int virtual = (rank - root + n) % n, mask = 1
-    while mask < n:
-        if virtual & mask:
-            if _exchange(s, NULL, NULL, 0, r, conns[(virtual - mask + root) % n], buf, nbytes, fingerprint, deadline):
-                return 1
-            break
-        mask <<= 1
-    mask >>= 1
-    while mask > 0:
-        if virtual + mask < n:
-            if _exchange(s, conns[(virtual + mask + root) % n], buf, nbytes, r, NULL, NULL, 0, fingerprint, deadline):
-                return 1
-        mask >>= 1
-    return 0
+                         size_t segment, uint64_t fingerprint, int64_t deadline, SendOp* s,
+                         RecvOp* r) except -1 nogil:
+    """Binomial tree: receive once from the parent, then send to each child; log2(n) rounds (``schedule.h``)."""
+    cdef ferro_plan plan
+    ferro_plan_init_broadcast(&plan, FERRO_PLAN_BINOMIAL_TREE, rank, n, root, nbytes, segment)
+    return _run_plan(conns, &plan, buf, NULL, 1, -1, NULL, NULL, segment, 0, fingerprint, deadline, s, r)
 
 
 cdef int _broadcast_chain(ConnState** conns, int rank, int n, int root, unsigned char* buf, size_t nbytes,
                           size_t segment, uint64_t fingerprint, int64_t deadline, SendOp* s,
                           RecvOp* r) except -1 nogil:
-    """Pipelined chain root -> root+1 -> ...: forward segment i-1 while segment i arrives."""
-    cdef int virtual = (rank - root + n) % n
-    cdef ConnState* nxt = conns[(rank + 1) % n] if virtual != n - 1 else NULL
-    cdef ConnState* prv = conns[(rank - 1 + n) % n] if virtual != 0 else NULL
-    cdef size_t count = (nbytes + segment - 1) // segment, i, start, length, prev_start = 0, prev_length = 0
-    cdef ConnState* to
-    for i in range(count + 1):
-        start = i * segment
-        length = min(segment, nbytes - start) if i < count else 0
-        if virtual == 0:
-            # The root sends segment i; it has nothing to receive.
-            if i < count and _exchange(s, nxt, buf + start, length, r, NULL, NULL, 0, fingerprint, deadline):
-                return 1
-            continue
-        # Others forward segment i-1 while segment i arrives.
-        to = nxt if i > 0 else NULL
-        if _exchange(s, to, buf + prev_start, prev_length, r, prv if i < count else NULL, buf + start, length,
-                     fingerprint, deadline):
-            return 1
-        prev_start, prev_length = start, length
-    return 0
+    """Pipelined chain root -> root+1 -> ...: forward segment i-1 while segment i arrives (``schedule.h``)."""
+    cdef ferro_plan plan
+    ferro_plan_init_broadcast(&plan, FERRO_PLAN_CHAIN, rank, n, root, nbytes, segment)
+    return _run_plan(conns, &plan, buf, NULL, 1, -1, NULL, NULL, segment, 0, fingerprint, deadline, s, r)
 
 
 cdef int _broadcast_locked(Mesh mesh, int root, unsigned char* buf, size_t nbytes, size_t segment,
                            uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
     if mesh.chain(nbytes):
-        return _broadcast_chain(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, segment, fingerprint, deadline, s, r)
-    return _broadcast_tree(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, fingerprint, deadline, s, r)
+        return _broadcast_chain(mesh.states, mesh.rank, mesh.n, root, buf, nbytes,
+                                ferro_chain_segment(nbytes, mesh.n, mesh.latency_bytes, CHAIN_SMALLEST,
+                                                    CHAIN_LARGEST), fingerprint, deadline, s, r)
+    return _broadcast_tree(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, segment, fingerprint, deadline, s, r)
 
 
 def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
               Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES) -> None:
-    """Broadcast ``buf`` (bytes) from ``root`` in place: binomial tree, or pipelined chain (see :class:`Mesh`)."""
+    """Broadcast ``buf`` (bytes) from ``root`` in place: binomial tree, or pipelined chain (see :class:`Mesh`).
+
+    The tree's frames are ``segment_bytes`` long; the chain's segment is :func:`chain_segment`'s.
+    """
     cdef _Call call = _Call()
     cdef SendOp s
     cdef RecvOp r
@@ -855,18 +981,79 @@ def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "broadcast", timeout)
 
 
-def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_offsets,
-               uint64_t fingerprint, double timeout) -> None:
-    """Pairwise exchange: bytes ``[send_offsets[j], send_offsets[j+1])`` go to rank ``j``.
+cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned char* out, unsigned char* into,
+                           SendOp* sends, RecvOp* recvs, pollfd* fds, size_t window_bytes, uint64_t fingerprint,
+                           int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
+    """Run the pairwise exchange's steps ``PAIRWISE_WINDOW`` at a time, each block one frame (``run_many``).
 
-    In step ``k`` rank ``r`` sends to ``r+k`` and receives from ``r-k``, both at once.
-    ``recv_offsets`` say where each source's block lands in ``recv_buf``.
+    Every step touches its own pair of peers, so the steps of a window share no connection's direction. On a
+    failure, ``s`` and ``r`` receive the ops that failed first (not the ones stopped because of them).
+    """
+    cdef ferro_step step
+    cdef int w, failed_send, failed_recv
+    cdef bint held = False   # a step taken from the plan that did not fit the last window
+    cdef size_t moving
+    while True:
+        w = 0
+        moving = 0
+        while w < PAIRWISE_WINDOW and (held or ferro_plan_next(plan, &step)):
+            held = False
+            if (w > 0 and max(step.send_len, step.recv_len) < window_bytes
+                    and moving + max(step.send_len, step.recv_len) > window_bytes):
+                held = True
+                break
+            moving += max(step.send_len, step.recv_len)
+            _prepare_send(&sends[w], conns[step.send_peer], out + step.send_off, step.send_len, fingerprint)
+            _prepare_recv(&recvs[w], conns[step.recv_peer], into + step.recv_off, step.recv_len, fingerprint)
+            w += 1
+        if w == 0:
+            return 0
+        if run_many(sends, w, recvs, w, fds, deadline) < 0:
+            return -1
+        failed_send = _first_failed(sends, NULL, w)
+        failed_recv = _first_failed(NULL, recvs, w)
+        if failed_send >= 0 or failed_recv >= 0:
+            if failed_send >= 0:
+                memcpy(s, &sends[failed_send], sizeof(SendOp))
+            if failed_recv >= 0:
+                memcpy(r, &recvs[failed_recv], sizeof(RecvOp))
+            return 1
+
+
+cdef int _first_failed(SendOp* sends, RecvOp* recvs, int count) noexcept nogil:
+    """The index of the op whose failure stopped the others (else of the first failed one), or -1."""
+    cdef int i, status, first = -1
+    for i in range(count):
+        status = sends[i].status if sends != NULL else recvs[i].status
+        if status != ST_OK and status != ST_ABORTED:
+            return i
+        if status != ST_OK and first < 0:
+            first = i
+    return first
+
+
+def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_offsets,
+               uint64_t fingerprint, double timeout, bint even=False) -> None:
+    """Exchange blocks: bytes ``[send_offsets[j], send_offsets[j+1])`` go to rank ``j``.
+
+    ``recv_offsets`` say where each source's block lands in ``recv_buf``. ``even`` (every
+    rank's blocks equal, as ``ferro.all_to_all`` guarantees: every rank must pass the same)
+    takes Bruck's ceil(log2 n) rounds where the mesh's cost forms say so (see :class:`Mesh`);
+    otherwise the pairwise exchange: in step ``k`` rank ``r``
+    sends to ``r+k`` and receives from ``r-k``, both at once (``schedule.h``).
     """
     cdef _Call call = _Call()
     cdef SendOp s
     cdef RecvOp r
-    cdef int rc = 0, n = mesh.n, rank = mesh.rank, step, dst, src, i
+    cdef int rc = 0, n = mesh.n, rank = mesh.rank, i
     cdef int64_t deadline
+    cdef size_t block
+    cdef bint uniform
+    cdef unsigned char* work = NULL
+    cdef ferro_plan plan
+    cdef SendOp* sends = NULL
+    cdef RecvOp* recvs = NULL
+    cdef pollfd* fds = NULL
     cdef size_t* send_at = NULL
     cdef size_t* recv_at = NULL
     cdef const unsigned char* out
@@ -880,7 +1067,10 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
         call.take_input(send_buf)
         send_at = <size_t*>malloc((n + 1) * sizeof(size_t))
         recv_at = <size_t*>malloc((n + 1) * sizeof(size_t))
-        if send_at == NULL or recv_at == NULL:
+        sends = <SendOp*>malloc(PAIRWISE_WINDOW * sizeof(SendOp))
+        recvs = <RecvOp*>malloc(PAIRWISE_WINDOW * sizeof(RecvOp))
+        fds = <pollfd*>malloc(2 * PAIRWISE_WINDOW * sizeof(pollfd))
+        if send_at == NULL or recv_at == NULL or sends == NULL or recvs == NULL or fds == NULL:
             raise MemoryError()
         for i in range(n + 1):
             send_at[i] = send_offsets[i]
@@ -891,20 +1081,38 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
             raise InvalidBufferError("all_to_all: the block a rank sends itself must match the one it receives")
         out = <const unsigned char*>call.input.buf
         into = <unsigned char*>call.view.buf
+        block = send_at[1] - send_at[0]
+        uniform = even and _prefer_bruck_all_to_all(<size_t>n * block, n, mesh.latency_bytes, mesh.copy_ratio,
+                                                    mesh.partner_ratio)
+        for i in range(n):
+            if not uniform:
+                break
+            uniform = (send_at[i + 1] - send_at[i] == block and recv_at[i + 1] - recv_at[i] == block
+                       and send_at[i] == i * block and recv_at[i] == i * block)
+        if uniform:  # Bruck: the rotated blocks, and room to pack half of them each way
+            work = mesh.scratch_for(<size_t>n * block + 2 * <size_t>((n + 1) // 2) * block)
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
-            memcpy(into + recv_at[rank], out + send_at[rank], send_at[rank + 1] - send_at[rank])
-            for step in range(1, n):
-                dst = (rank + step) % n
-                src = (rank - step + n) % n
-                if _exchange(&s, call.states[dst], out + send_at[dst], send_at[dst + 1] - send_at[dst],
-                             &r, call.states[src], into + recv_at[src], recv_at[src + 1] - recv_at[src],
-                             fingerprint, deadline):
-                    rc = 1
-                    break
+            if uniform:
+                for i in range(n):  # block i is bound for rank + i
+                    memcpy(work + <size_t>i * block, out + <size_t>((rank + i) % n) * block, block)
+                ferro_plan_init_all_to_all(&plan, FERRO_PLAN_BRUCK_ALL_TO_ALL, rank, n, NULL, NULL, block)
+                rc = _run_plan(call.states, &plan, work, NULL, 1, -1, NULL, work + <size_t>n * block,
+                               SEGMENT_BYTES, 0, fingerprint, deadline, &s, &r)
+                if rc == 0:
+                    for i in range(n):  # and block i came from rank - i
+                        memcpy(into + <size_t>((rank - i + n) % n) * block, work + <size_t>i * block, block)
+            else:
+                memcpy(into + recv_at[rank], out + send_at[rank], send_at[rank + 1] - send_at[rank])
+                ferro_plan_init_all_to_all(&plan, FERRO_PLAN_PAIRWISE, rank, n, send_at, recv_at, 0)
+                rc = _pairwise_windows(call.states, &plan, out, into, sends, recvs, fds, mesh.window_bytes,
+                                       fingerprint, deadline, &s, &r)
     finally:
         free(send_at)
         free(recv_at)
+        free(sends)
+        free(recvs)
+        free(fds)
         call.release()
     if rc:
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "all_to_all", timeout)
@@ -912,12 +1120,13 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
 
 cdef int _barrier_locked(Mesh mesh, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
     """Dissemination: in round k signal rank+2^k and wait for rank-2^k (empty barrier frames)."""
-    cdef int distance = 1, rank = mesh.rank, n = mesh.n
-    while distance < n:
-        if _exchange(s, mesh.states[(rank + distance) % n], NULL, 0,
-                     r, mesh.states[(rank - distance + n) % n], NULL, 0, 0, deadline, KIND_BARRIER):
+    cdef ferro_plan plan
+    cdef ferro_step step
+    ferro_plan_init(&plan, FERRO_PLAN_DISSEMINATION, mesh.rank, mesh.n, 0, 1, NULL, NULL, NULL, 0, 0, 0)
+    while ferro_plan_next(&plan, &step):
+        if _exchange(s, mesh.states[step.send_peer], NULL, 0, r, mesh.states[step.recv_peer], NULL, 0, 0, deadline,
+                     KIND_BARRIER):
             return 1
-        distance *= 2
     return 0
 
 

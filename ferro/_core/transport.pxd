@@ -4,6 +4,7 @@
 from cpython.pythread cimport PyThread_type_lock
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 
+from ferro._core.posix cimport pollfd
 from ferro._core.state cimport ferro_stats
 from ferro._core.status cimport SeenHeader
 
@@ -68,5 +69,7 @@ cdef int check_header(const unsigned char* h, uint32_t kind, uint64_t fingerprin
                       uint64_t capacity, bint exact, SeenHeader* seen) noexcept nogil
 cdef int signal_raised() noexcept with gil
 cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil
+cdef int run_many(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fds,
+                  int64_t deadline_ns) except -1 nogil
 cdef int raise_failure(SendOp* s, RecvOp* r, str op, double timeout) except -1
 cdef int acquire_buffer(object obj, Py_buffer* view, bint writable, str op) except -1

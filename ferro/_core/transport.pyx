@@ -440,6 +440,116 @@ cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil:
     return 0
 
 
+cdef int run_many(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fds,
+                  int64_t deadline_ns) except -1 nogil:
+    """Drive several sends and receives at once, each on its own connection, as :func:`run_ops` drives two.
+
+    ``fds`` holds room for ``nsend + nrecv`` entries. A fatal error in any op stops all the others (breaking the
+    connections they were mid-frame on); each op's ``status`` holds its outcome. What lets an all_to_all keep
+    every link busy: a window of its pairwise steps in flight together, as gloo and MPI post theirs, so one
+    peer's slow connection (a TCP window reopening after idle) does not stall the rest. Returns -1 only when a
+    signal handler raised.
+    """
+    cdef int i, rc, active = 0, n, timeout_ms
+    cdef bint progressed, failed = False, check_signals
+    cdef size_t before
+    cdef int phase_before
+    cdef int64_t now, wait_ns
+    for i in range(nsend):
+        if sends[i].conn.broken:
+            failed = True
+    for i in range(nrecv):
+        if recvs[i].conn.broken:
+            failed = True
+    if failed:
+        for i in range(nsend):
+            _finish_send(&sends[i], ST_BROKEN if sends[i].conn.broken else ST_ABORTED)
+        for i in range(nrecv):
+            _finish_recv(&recvs[i], ST_BROKEN if recvs[i].conn.broken else ST_ABORTED)
+        return 0
+    for i in range(nsend):
+        sends[i].status = ST_AGAIN
+    for i in range(nrecv):
+        recvs[i].status = ST_AGAIN
+    active = nsend + nrecv
+    while active > 0:
+        progressed = False
+        check_signals = False
+        for i in range(nsend):
+            if sends[i].status != ST_AGAIN:
+                continue
+            before = sends[i].done
+            rc = _send_step(&sends[i])
+            progressed = progressed or sends[i].done != before
+            if rc == ST_INTR:
+                check_signals = True
+            elif rc != ST_AGAIN:
+                _finish_send(&sends[i], rc)
+                active -= 1
+                failed = failed or rc != ST_OK
+        for i in range(nrecv):
+            if recvs[i].status != ST_AGAIN:
+                continue
+            before = recvs[i].done
+            phase_before = recvs[i].phase
+            rc = _recv_step(&recvs[i])
+            progressed = progressed or recvs[i].done != before or recvs[i].phase != phase_before
+            if rc == ST_INTR:
+                check_signals = True
+            elif rc != ST_AGAIN:
+                _finish_recv(&recvs[i], rc)
+                active -= 1
+                failed = failed or rc != ST_OK
+        if failed:
+            _stop_all(sends, nsend, recvs, nrecv, ST_ABORTED)
+            return 0
+        if active == 0 or progressed:
+            continue
+        now = monotonic_ns()
+        if deadline_ns >= 0 and now >= deadline_ns:
+            _stop_all(sends, nsend, recvs, nrecv, ST_TIMEOUT)
+            return 0
+        if not check_signals:
+            n = 0
+            for i in range(nsend):
+                if sends[i].status == ST_AGAIN:
+                    fds[n].fd = sends[i].conn.fd
+                    fds[n].events = POLLOUT
+                    fds[n].revents = 0
+                    n += 1
+            for i in range(nrecv):
+                if recvs[i].status == ST_AGAIN:
+                    fds[n].fd = recvs[i].conn.fd
+                    fds[n].events = POLLIN
+                    fds[n].revents = 0
+                    n += 1
+            wait_ns = POLL_SLICE_MS * 1000000
+            if deadline_ns >= 0 and deadline_ns - now < wait_ns:
+                wait_ns = deadline_ns - now
+            timeout_ms = <int>((wait_ns + 999999) // 1000000)
+            if poll(fds, n, timeout_ms) < 0:
+                if errno != EINTR:
+                    _stop_all(sends, nsend, recvs, nrecv, ST_OS_ERROR)
+                    return 0
+                check_signals = True
+            check_signals = check_signals or monotonic_ns() - now >= (POLL_SLICE_MS - 1) * 1000000
+        if check_signals and signal_raised() != 0:
+            _stop_all(sends, nsend, recvs, nrecv, ST_INTR)
+            return -1
+    return 0
+
+
+cdef void _stop_all(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, int status) noexcept nogil:
+    """Finish every op still running with ``status`` (mid-frame ones break their connections)."""
+    cdef int i
+    for i in range(nsend):
+        if sends[i].status == ST_AGAIN:
+            _finish_send(&sends[i], status)
+    for i in range(nrecv):
+        if recvs[i].status == ST_AGAIN:
+            _finish_recv(&recvs[i], status)
+
+
 cdef int acquire_buffer(object obj, Py_buffer* view, bint writable, str op) except -1:
     cdef int flags = PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0)
     try:

@@ -135,11 +135,12 @@ class NativeCollectives:
         return False
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
-                          fingerprint: int, timeout: float) -> bool:
+                          fingerprint: int, timeout: float, even: bool = False) -> bool:
         """Exchange byte blocks: ``send[send_offsets[j]:send_offsets[j+1]]`` goes to rank ``j``.
 
         Block ``i`` of ``recv`` (``recv_offsets``) receives rank ``i``'s block for
-        this rank; the caller checked that this rank's block to itself fits.
+        this rank; the caller checked that this rank's block to itself fits. ``even``: every rank's blocks are
+        equal (``ferro.all_to_all``), so a plan for equal blocks may run.
         """
         return False
 

@@ -163,6 +163,11 @@ class TcpBackend(StoreBackend, NativeCollectives):
                                     secret=self._secret, bind_addr=bind_addr, deadline=self._deadline)
         # Indexed by rank, for the native collectives and the direct paths; each connection made on first use.
         self._mesh = Mesh([None] * self._world_size, self._rank, connector=self._link)
+        from ferro.collective.cost_model import load_cost_model  # ferro.collective imports the backends
+
+        model = load_cost_model()  # $FERRO_COST_MODEL: the link's numbers choose the broadcast's plan, ...
+        if model is not None:
+            self._mesh.latency_bytes, self._mesh.copy_ratio, self._mesh.partner_ratio = model.link_numbers()
         try:
             self._peers.join(self._deadline, prefetch=self._mesh.near_peers)
         except BaseException:
@@ -307,10 +312,10 @@ class TcpBackend(StoreBackend, NativeCollectives):
         return True
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
-                          fingerprint: int, timeout: float) -> bool:
-        """Pairwise exchange of byte blocks."""
+                          fingerprint: int, timeout: float, even: bool = False) -> bool:
+        """Exchange byte blocks: Bruck's rounds for small equal ones, else the pairwise exchange."""
         self._usable("all_to_all")
-        native.all_to_all(self._mesh, send, send_offsets, recv, recv_offsets, fingerprint, timeout)
+        native.all_to_all(self._mesh, send, send_offsets, recv, recv_offsets, fingerprint, timeout, even)
         return True
 
     def cut_peer(self, peer: int) -> bool:

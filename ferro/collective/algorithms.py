@@ -20,7 +20,12 @@ import numpy as np
 from ferro._core.reduce import reduce_into
 from ferro._core.transport import KIND_COLLECTIVE
 from ferro.backend.base import Backend
-from ferro.collective.resolve import chunk_bounds
+from ferro.collective.resolve import (  # the choice rule is argument resolution; named here too
+    RECURSIVE_DOUBLING_BYTES,
+    RECURSIVE_DOUBLING_BYTES_MANY,
+    choose_allreduce,
+    chunk_bounds,
+)
 from ferro.types import DType
 
 __all__ = [
@@ -84,29 +89,7 @@ class Link:
 # Generic broadcasts up to this size use a binomial tree (latency-optimal); larger ones a
 # pipelined chain (bandwidth-optimal).
 SMALL_MESSAGE_BYTES = 64 * 1024
-# Recursive doubling moves the whole message log2(n) times, the ring and halving-doubling 2(n-1)/n
-# times, in 2(n-1) and 2 log2(n) rounds: below this many bytes x log2(n), fewer rounds win. Measured on
-# loopback (DESIGN.md, "Choosing the allreduce"): 1 MiB up to 3 ranks; from 4 ranks recursive doubling's
-# extra bytes already lose at 64-256 KiB, so 128 KiB there. Above, halving-doubling where the ranks are a
-# power of two (no fold: as fast as the ring for large messages, 1.1-1.7x faster for 64 KiB-1 MiB), else the ring.
-RECURSIVE_DOUBLING_BYTES = 1024 * 1024
-RECURSIVE_DOUBLING_BYTES_MANY = 128 * 1024
 BROADCAST_SEGMENT_BYTES = 1024 * 1024
-
-
-def choose_allreduce(nbytes: int, world_size: int) -> str:
-    """Name the allreduce algorithm for ``nbytes`` among ``world_size`` ranks (every rank chooses alike).
-
-    Recursive doubling while ``nbytes * ceil(log2(world_size))`` is within its limit;
-    above, halving-doubling on a power of two of 4 ranks or more, else the ring.
-    """
-    rounds = max(1, (world_size - 1).bit_length())
-    limit = RECURSIVE_DOUBLING_BYTES if world_size <= 3 else RECURSIVE_DOUBLING_BYTES_MANY
-    if nbytes * rounds <= limit:
-        return "recursive_doubling"
-    if world_size >= 4 and world_size & (world_size - 1) == 0:
-        return "halving_doubling"
-    return "ring"
 
 
 def allreduce(link: Link, flat: np.ndarray, dtype: DType, op_code: int, algorithm: str) -> None:

@@ -27,13 +27,13 @@ from ferro._core.collectives import (
     DirectMeshReduceScatter,
 )
 from ferro.backend.base import Backend
-from ferro.collective.algorithms import choose_allreduce
 from ferro.collective.execute import fail_together, make_link_fingerprint
 from ferro.collective.resolve import (
     OP_VALUES,
     chunk_bounds,
     element_count,
     gathered_shape,
+    resolve_allreduce_algorithm,
     resolve_op,
     resolve_root,
     resolve_tag,
@@ -83,10 +83,10 @@ def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, group: Backend
     if data is not None and parsed is not None:
         count = element_count(shape)
         divisor = float(group.world_size) if parsed is ReduceOp.MEAN else 0.0
-        algorithm = ALLREDUCE_ALGORITHMS[choose_allreduce(count * data.dtype.itemsize, group.world_size)]
+        algorithm = ALLREDUCE_ALGORITHMS[resolve_allreduce_algorithm(count * data.dtype.itemsize, group.world_size)]
         plan = (data.dtype.code, KERNEL_CODES[parsed],
-                make_link_fingerprint(group, "allreduce", data, OP_VALUES[parsed], 0, count, shape), divisor,
-                data.dtype.itemsize, algorithm)
+                make_link_fingerprint(group, "allreduce", data, OP_VALUES[parsed], algorithm + 1, count, shape),
+                divisor, data.dtype.itemsize, algorithm)
     return _remember(plans, key, plan)
 
 

@@ -44,8 +44,9 @@ def _describe_mismatch(exc: CollectiveMismatchError, group: Backend) -> str:
     if exc.expected is None or exc.actual is None:
         return str(exc)
     (my_kind, my_fp), (their_kind, their_fp) = exc.expected, exc.actual
-    mine = describe_fingerprint(my_fp) if my_kind == KIND_COLLECTIVE else kind_name(my_kind)
-    theirs = describe_fingerprint(their_fp) if their_kind == KIND_COLLECTIVE else f"a {kind_name(their_kind)} call"
+    mine = describe_fingerprint(my_fp, their_fp) if my_kind == KIND_COLLECTIVE else kind_name(my_kind)
+    theirs = (describe_fingerprint(their_fp, my_fp) if their_kind == KIND_COLLECTIVE
+              else f"a {kind_name(their_kind)} call")
     message = f"rank {group.rank} called {mine} but rank {exc.peer} called {theirs}: the ranks' calls differ"
     if my_kind == their_kind == KIND_COLLECTIVE and (my_fp ^ their_fp) & THREAD_TAG_BITS:
         message += (f"; they were issued by threads of different names (this rank's: "

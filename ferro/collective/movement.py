@@ -297,7 +297,7 @@ def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = 
         result = np.empty_like(data.array) if given is None else given.array
         block = data.array.nbytes // g.world_size
         offsets = [i * block for i in range(g.world_size + 1)]
-        _exchange_blocks(g, link, data.array, offsets, result, offsets)
+        _exchange_blocks(g, link, data.array, offsets, result, offsets, even=True)
         return wrap_like(result, data) if given is None else out
 
     return execute(g, "all_to_all", body, async_op, (x,) if given is None else (x, given.array), link)
@@ -364,15 +364,20 @@ def all_to_all_single_uneven(x: Any, send_counts: Sequence[int], recv_counts: Se
 
 
 def _exchange_blocks(group: Backend, link: algo.Link, send: np.ndarray, send_offsets: list[int], recv: np.ndarray,
-                     recv_offsets: list[int]) -> None:
-    """All-to-all of byte blocks: natively on backends that have it, else pairwise over tagged frames."""
+                     recv_offsets: list[int], even: bool = False) -> None:
+    """All-to-all of byte blocks: natively on backends that have it, else pairwise over tagged frames.
+
+    ``even``: ``ferro.all_to_all``'s equal blocks, the same on every rank (the call's fingerprint holds the
+    count), so the backend may take a plan for equal blocks; an uneven call's offsets may happen to be equal on
+    one rank and not another, so it never does.
+    """
     send_bytes, recv_bytes = send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8)
     if group.world_size == 1:
         recv_bytes[:] = send_bytes
         return
     native = group.native
     if native is not None and native.native_all_to_all(send_bytes, send_offsets, recv_bytes, recv_offsets,
-                                                       link.fingerprint, link.timeout):
+                                                       link.fingerprint, link.timeout, even=even):
         return
     n = group.world_size
     algo.all_to_all_pairwise(link, [send_bytes[send_offsets[i]:send_offsets[i + 1]] for i in range(n)],

@@ -30,6 +30,7 @@ from ferro.collective.resolve import (
     no_device_out,
     output,
     parse_op,
+    resolve_allreduce_algorithm,
     resolve_group,
     resolve_op,
     resolve_root,
@@ -108,17 +109,16 @@ def _allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: boo
         return routing.device_allreduce(g, x, parse_op(op, "allreduce"), timeout, async_op)
     data = operand(x, "allreduce", writable=True)
     reduce_op = resolve_op(op, data.dtype, "allreduce")
-    if algorithm not in (None, *ALLREDUCE_ALGORITHMS):
-        raise ValueError(f"allreduce: unknown algorithm {algorithm!r}; use one of {', '.join(ALLREDUCE_ALGORITHMS)}")
-    link = make_link(g, "allreduce", resolve_timeout(g, timeout), data, OP_VALUES[reduce_op], 0, data.array.size,
-                     data.array.shape)
+    chosen = resolve_allreduce_algorithm(data.array.nbytes, g.world_size, algorithm)
+    # The algorithm rides in the fingerprint's root field, so ranks that chose differently fail with a mismatch.
+    link = make_link(g, "allreduce", resolve_timeout(g, timeout), data, OP_VALUES[reduce_op],
+                     ALLREDUCE_ALGORITHMS[chosen] + 1, data.array.size, data.array.shape)
     kernel_code = KERNEL_CODES[reduce_op]
 
     def body() -> Any:
         flat = data.array.reshape(-1)
         if g.world_size > 1 and flat.size > 0:
             native = g.native
-            chosen = algorithm or algo.choose_allreduce(flat.nbytes, g.world_size)
             if native is not None and native.native_allreduce(flat, data.dtype, reduce_op, link.fingerprint,
                                                               link.timeout, chosen):
                 return x  # the backend finished MEAN itself

@@ -14,17 +14,20 @@ from typing import Any
 
 import numpy as np
 
+from ferro import environment
 from ferro._buffers import Operand, operand
 from ferro._core.reduce import has_kernel
 from ferro.backend.base import Backend
+from ferro.collective.cost_model import COST_MODEL_ENV, CostModel, load_cost_model
 from ferro.collective.process_group import get_default_group
 from ferro.errors import ConfigurationError, InvalidBufferError, InvalidRankError, SizeMismatchError
 from ferro.rendezvous.settings import default_timeout
 from ferro.types import MAX_TAG, DType, ReduceOp
 
-__all__ = ["OP_VALUES", "chunk_bounds", "element_count", "gathered_shape", "is_backend_type", "no_device_out",
-           "output", "parse_op", "resolve_group", "resolve_op", "resolve_root", "resolve_tag", "resolve_timeout",
-           "separate_output", "uneven_counts"]
+__all__ = ["ALGORITHM_ALLREDUCE_ENV", "ALLREDUCE_ALGORITHM_NAMES", "OP_VALUES", "RECURSIVE_DOUBLING_BYTES",
+           "RECURSIVE_DOUBLING_BYTES_MANY", "choose_allreduce", "chunk_bounds", "element_count", "gathered_shape",
+           "is_backend_type", "no_device_out", "output", "parse_op", "resolve_allreduce_algorithm", "resolve_group",
+           "resolve_op", "resolve_root", "resolve_tag", "resolve_timeout", "separate_output", "uneven_counts"]
 
 # Looked up on every call: plain dictionaries beat enum attribute access.
 OP_VALUES = {op: op.value for op in ReduceOp}
@@ -144,3 +147,62 @@ def chunk_bounds(total: int, parts: int) -> list[int]:
     for i in range(parts):
         bounds.append(bounds[-1] + base + (1 if i < extra else 0))
     return bounds
+
+
+# Recursive doubling moves the whole message log2(n) times, the ring and halving-doubling 2(n-1)/n
+# times, in 2(n-1) and 2 log2(n) rounds: below this many bytes x log2(n), fewer rounds win. Measured on
+# loopback (DESIGN.md, "Choosing the allreduce"): 1 MiB up to 3 ranks; from 4 ranks recursive doubling's
+# extra bytes already lose at 64-256 KiB, so 128 KiB there. Above, halving-doubling where the ranks are a
+# power of two (no fold: as fast as the ring for large messages, 1.1-1.7x faster for 64 KiB-1 MiB), else the ring.
+RECURSIVE_DOUBLING_BYTES = 1024 * 1024
+RECURSIVE_DOUBLING_BYTES_MANY = 128 * 1024
+
+
+def choose_allreduce(nbytes: int, world_size: int) -> str:
+    """Name the allreduce algorithm for ``nbytes`` among ``world_size`` ranks (every rank chooses alike).
+
+    Recursive doubling while ``nbytes * ceil(log2(world_size))`` is within its limit;
+    above, halving-doubling on a power of two of 4 ranks or more, else the ring.
+    """
+    rounds = max(1, (world_size - 1).bit_length())
+    limit = RECURSIVE_DOUBLING_BYTES if world_size <= 3 else RECURSIVE_DOUBLING_BYTES_MANY
+    if nbytes * rounds <= limit:
+        return "recursive_doubling"
+    if world_size >= 4 and world_size & (world_size - 1) == 0:
+        return "halving_doubling"
+    return "ring"
+
+
+#: The allreduce algorithms by name, in the order of their codes (``ferro._core.collectives.ALGORITHMS``), which
+#: the call's fingerprint carries: ranks that run different algorithms refuse each other's frames.
+ALLREDUCE_ALGORITHM_NAMES = ("ring", "recursive_doubling", "halving_doubling")
+#: Forces the allreduce algorithm of every call that does not pass ``algorithm=``.
+ALGORITHM_ALLREDUCE_ENV = "FERRO_ALGORITHM_ALLREDUCE"
+
+
+@functools.lru_cache(maxsize=8)
+def _cost_model(path: str) -> CostModel | None:
+    return load_cost_model(path)  # read once per file: the choice runs on every call
+
+
+def resolve_allreduce_algorithm(nbytes: int, world_size: int, forced: str | None = None) -> str:
+    """Return the allreduce algorithm a call runs.
+
+    ``forced``, else ``$FERRO_ALGORITHM_ALLREDUCE``, else the fastest by the cost model in ``$FERRO_COST_MODEL``
+    (``ferro bench --fit`` writes one), else the rule measured on loopback (:func:`choose_allreduce`).
+
+    Raises:
+        ValueError: ``forced`` or the variable names no algorithm.
+        ConfigurationError: ``$FERRO_COST_MODEL`` names no readable model.
+
+    """
+    source = "algorithm"
+    if forced is None:
+        forced, source = environment.get(ALGORITHM_ALLREDUCE_ENV) or None, ALGORITHM_ALLREDUCE_ENV
+    if forced is None:
+        model_path = environment.get(COST_MODEL_ENV)
+        model = _cost_model(model_path) if model_path else None
+        return model.choose_allreduce(nbytes, world_size) if model else choose_allreduce(nbytes, world_size)
+    if forced not in ALLREDUCE_ALGORITHM_NAMES:
+        raise ValueError(f"allreduce: unknown {source} {forced!r}; use one of {', '.join(ALLREDUCE_ALGORITHM_NAMES)}")
+    return forced

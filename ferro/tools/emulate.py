@@ -135,8 +135,14 @@ class EmulatedCluster:
         codes = [launcher.wait() for launcher in launchers]
         return next((code for code in codes if code), 0)
 
-    def mpirun_command(self, mpirun: str, ranks_per_host: int, argv: Sequence[str], workdir: str) -> list[str]:
-        """Return an Open MPI 5 ``mpirun`` command that runs ``argv`` as ``ranks_per_host`` ranks on every host.
+    def mpirun_command(self, mpirun: str, ranks_per_host: int, argv: Sequence[str], workdir: str,
+                       version: tuple[int, ...] | None = None, forward: Sequence[str] = ()) -> list[str]:
+        """Return an Open MPI ``mpirun`` command that runs ``argv`` as ``ranks_per_host`` ranks on every host.
+
+        ``version`` is the Open MPI's (``open_mpi_version``; default 5): Open MPI 5's runtime (PRRTE) takes its
+        launcher settings as ``--prtemca plm_ssh_agent``, Open MPI 4's (ORTE) as ``--mca plm_rsh_agent``, with
+        tree spawning off so that every daemon is started from the switch's namespace. ``forward`` names
+        environment variables the remote ranks need (``-x``), such as ``MPI4PY_LIBMPI``.
 
         ``mpirun`` itself runs in the switch's namespace (its bridge gets the
         address ``.254``, so the hosts' daemons can call back) and starts one
@@ -159,9 +165,15 @@ class EmulatedCluster:
         os.chmod(agent, 0o755)
         hosts = ",".join(f"{self.address(host)}:{ranks_per_host}" for host in range(self.hosts))
         subnet = f"{self.subnet}.0/24"
+        if version is not None and version[0] < 5:
+            runtime = ["--mca", "plm_rsh_agent", agent, "--mca", "plm_rsh_no_tree_spawn", "1",
+                       "--mca", "oob_tcp_if_include", subnet]
+        else:
+            runtime = ["--prtemca", "plm_ssh_agent", agent, "--prtemca", "oob_tcp_if_include", subnet]
+        exported = [item for name in forward for item in ("-x", name)]
         return ["ip", "netns", "exec", self.switch, mpirun, "--oversubscribe", "-n", str(self.hosts * ranks_per_host),
-                "--host", hosts, "--map-by", f"ppr:{ranks_per_host}:node", "--prtemca", "plm_ssh_agent", agent,
-                "--prtemca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet, *argv]
+                "--host", hosts, "--map-by", f"ppr:{ranks_per_host}:node", *runtime,
+                "--mca", "btl_tcp_if_include", subnet, *exported, *argv]
 
     def __enter__(self) -> EmulatedCluster:
         try:

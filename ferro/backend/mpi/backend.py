@@ -316,9 +316,12 @@ class MpiBackend(KeptIdentity, FramedBackend, MpiCollectives):
         calls: dict[int, list[int]] = {}
         for rank, value in enumerate(everyone.tolist()):
             calls.setdefault(value, []).append(rank)
-        described = "; ".join(f"rank(s) {ranks} called {describe_fingerprint(value + (1 << 63))}"
-                              for value, ranks in calls.items())
-        peer = next(ranks[0] for value, ranks in calls.items() if value != signed)
+        other = next(value for value in calls if value != signed)
+        described = "; ".join(
+            f"rank(s) {ranks} called "
+            f"{describe_fingerprint(value + (1 << 63), (other if value == signed else signed) + (1 << 63))}"
+            for value, ranks in calls.items())
+        peer = calls[other][0]
         raise CollectiveMismatchError(f"rank {self._rank}: the ranks' calls differ: {described}", peer)
 
     def _blocking(self, call: str, timeout: float, start: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

@@ -165,8 +165,8 @@ class MpiCollectives(NativeCollectives):
         return True
 
     def native_all_to_all(self, send: Any, send_offsets: list[int], recv: Any, recv_offsets: list[int],
-                          fingerprint: int, timeout: float) -> bool:
-        """``MPI_Alltoall`` for equal blocks, ``MPI_Alltoallv`` for others.
+                          fingerprint: int, timeout: float, even: bool = False) -> bool:
+        """``MPI_Alltoall`` for ``ferro.all_to_all``'s equal blocks, ``MPI_Alltoallv`` for uneven calls.
 
         When some rank's blocks or offsets exceed the count limit (uneven blocks
         first agree on it, one ``MPI_Allreduce``), this returns False: the
@@ -176,7 +176,9 @@ class MpiCollectives(NativeCollectives):
         n, byte = self._world_size, self._types.byte
         send_counts = [send_offsets[i + 1] - send_offsets[i] for i in range(n)]
         recv_counts = [recv_offsets[i + 1] - recv_offsets[i] for i in range(n)]
-        equal = len(set(send_counts)) == 1 and send_counts == recv_counts  # then so are every rank's
+        # Only the even call is equal on every rank: an uneven call's counts may happen to be equal on one rank
+        # and not on another, which would then run MPI_Alltoallv (and the Allreduce below) against its Alltoall.
+        equal = even
         largest = max(send_offsets[-1], recv_offsets[-1])
         if not equal:  # totals differ between ranks: all must take the same path
             agreed = np.array([largest], np.int64)

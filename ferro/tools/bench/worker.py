@@ -68,6 +68,10 @@ class _Adapter(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional: MPI needs no leaving
         """Leave the group."""
 
+    def algorithm(self, op: str, nbytes: int) -> str:
+        """Name the algorithm ``op`` of ``nbytes`` runs (a peer library chooses its own: its name says so)."""
+        return f"{self.name}'s"
+
     def synchronize(self) -> None:  # noqa: B027 - host libraries finish inside the call
         """Wait for work the calls left running (GPU streams)."""
 
@@ -96,6 +100,23 @@ class _Ferro(_Adapter):
 
     def barrier(self) -> None:
         self.ferro.barrier()
+
+    def algorithm(self, op: str, nbytes: int) -> str:
+        """Name the algorithm ferro runs: its TCP rules (``FERRO_ALGORITHM_ALLREDUCE`` included), else the engine."""
+        from ferro.collective.resolve import resolve_allreduce_algorithm
+
+        n = self.world_size
+        kind = type(self.group).__name__
+        if kind != "TcpBackend":
+            return {"ShmBackend": "shared-memory arena", "HierarchicalBackend": "hierarchical",
+                    "MpiBackend": "MPI's"}.get(kind, kind)
+        if op == "allreduce":
+            return resolve_allreduce_algorithm(nbytes, n)
+        native_calls = self.group.native
+        if op in ("all_gather", "broadcast", "all_to_all") and native_calls is not None:
+            return native_calls.direct_mesh.choose(op, nbytes)  # the mesh's own choice, by its cost forms
+        return {"reduce_scatter": "ring", "all_to_all": "pairwise", "barrier": "dissemination",
+                "reduce": "binomial tree", "gather": "direct", "scatter": "direct"}.get(op, "")
 
     def max_over_ranks(self, value: float) -> float:
         x = np.array([value])
@@ -390,6 +411,11 @@ def _count_for(op: str, nbytes: int, itemsize: int, n: int) -> tuple[int, int]:
     return count, count * itemsize
 
 
+def timed_calls(iters: int, size: int) -> int:
+    """How many calls a row of ``size`` bytes times back to back: ``iters``, fewer above 4 MB (same bytes)."""
+    return max(1, min(iters, int(iters * 4e6 / max(size, 4e6)))) if size else iters
+
+
 def _time(adapter: _Adapter, call: Callable[[], Any], iters: int, warmup: int) -> float:
     for _ in range(warmup):
         call()
@@ -418,13 +444,13 @@ def sweep(adapter: _Adapter, ops: list[str], sizes: list[int], dtype: np.dtype, 
                 show(f"# {op} with {dtype.name}/{redop} is not available in {adapter.name}; skipped")
                 break
             out_of_place, in_place, checker = plan
-            scaled = max(1, min(iters, int(iters * 4e6 / max(size, 4e6)))) if size else iters
+            scaled = timed_calls(iters, size)
             oop = _time(adapter, out_of_place, scaled, warmup)
             ip = _time(adapter, in_place, scaled, warmup) if in_place is not None else None
             wrong = int(adapter.max_over_ranks(float(checker()))) if check and checker is not None else None
             row = Row(adapter.name, op, size, count, dtype.name, redop if op in REDUCING else "none",
                       0 if op == "broadcast" else -1, adapter.world_size, oop, ip, wrong,
-                      wrong if ip is not None else None)
+                      wrong if ip is not None else None, adapter.algorithm(op, size))
             rows.append(row)
             show(format_row(row))
     show(footer(rows))

@@ -1,0 +1,237 @@
+"""Collectives on emulated clusters, measured beside their peers and beside the simulator's prediction.
+
+For each cluster (``HxR@RATE``, network namespaces behind a switch, see ``ferro bench --emulate``) this runs one
+``ferro bench`` sweep of the ops with its peers in the same run (``--compare``), then replays, for every row
+ferro measured, the schedule of the algorithm that row names (``ferro bench --simulate``'s model, with the
+cluster's rate) and prints measured and predicted side by side with the lower bound and the peers' times:
+
+    python bench/bench_scale_collectives.py --clusters 8x1@100mbit,16x1@100mbit --ops allreduce,broadcast \\
+        -b 4 -e 4M -f 16 --compare torch-gloo,mpi --json scale.json
+
+Needs root (network namespaces). ``--mpirun /usr/bin/mpirun`` compares Debian's Open MPI 4.1. With
+``FERRO_COST_MODEL`` set, ferro's ranks choose by that model and the simulator cuts the chain as they do. The
+simulator predicts one call; ``ferro bench`` times calls back to back, which for a pipelined chain overlaps
+successive broadcasts, so its chain rows are rates the single-call replay does not model.
+``--from-json`` re-predicts rows an earlier run wrote (``--json``) without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ferro._core import collectives as native
+from ferro.collective.cost_model import load_cost_model
+from ferro.tools.bench import simulate
+from ferro.tools.bench.table import read_json
+from ferro.tools.bench.worker import timed_calls
+
+#: What a TCP stream carries of an emulated link's rate: 1448 bytes of payload in each 1514-byte frame the
+#: token bucket counts (MTU 1500, TCP timestamps on).
+TCP_PAYLOAD_SHARE = 1448 / 1514
+
+
+def emulated_network(cluster: str) -> simulate.Network:
+    """The simulator's model of an emulated cluster: its links at the TCP payload rate, and, where a cost model is
+    loaded (``FERRO_COST_MODEL``, fitted on that cluster), its measured cost per message as the latency."""
+    network = simulate.parse_network(cluster)
+    model = load_cost_model()
+    latency = network.latency
+    if model is not None:
+        alpha = model.per_algorithm.get("ring", (model.alpha, model.beta))[0]
+        latency = max(alpha - network.overhead, 0.0)
+    return simulate.Network(network.hosts, network.ranks_per_host, network.rate * TCP_PAYLOAD_SHARE, latency=latency,
+                            overhead=network.overhead)
+
+
+def _predict(network: simulate.Network, op: str, algorithm: str, nbytes: int, itemsize: int,
+             calls: int = 1) -> float | None:
+    """The simulator's seconds per call for the plan a row names, ``calls`` of them back to back as ``ferro bench``
+    times them (None: a plan the simulator does not hold)."""
+    if algorithm not in simulate.OP_ALGORITHMS.get(op, {}):
+        return None
+    model = load_cost_model()
+    latency_bytes = model.link_numbers()[0] if model else native.DEFAULT_LATENCY_BYTES
+    return simulate.predict(network, algorithm, nbytes, itemsize, op=op, latency_bytes=latency_bytes, calls=calls)
+
+
+def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:
+    """Run one cluster's sweep and return its rows with predictions."""
+    network = emulated_network(cluster)
+    with tempfile.TemporaryDirectory(prefix="ferro-scale-") as tmp:
+        out = Path(tmp) / "rows.json"
+        command = [sys.executable, "-m", "ferro", "bench", *args.ops.split(","), "--emulate", cluster,
+                   "--backend", args.backend, "-b", args.minbytes, "-e", args.maxbytes, "-f", str(args.stepfactor),
+                   "--iters", str(args.iters), "--warmup", str(args.warmup), "--json", str(out)]
+        if args.compare:
+            command += ["--compare", args.compare]
+        if args.mpirun:
+            command += ["--mpirun", args.mpirun]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        if not out.exists():
+            raise SystemExit(f"{cluster}: ferro bench failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        if done.returncode != 0:  # a peer failed: what was measured stands, and the peer's rows are missing
+            print(f"# {cluster}: ferro bench exited {done.returncode}; keeping the rows it wrote:\n"
+                  + "\n".join(f"#   {line}" for line in done.stderr[-2000:].splitlines()), file=sys.stderr)
+        rows = read_json(str(out))
+    results = []
+    for row in rows:
+        if not row.library.startswith("ferro"):
+            continue
+        itemsize = max(1, row.size // max(1, row.count))
+        calls = timed_calls(args.iters, row.size)
+        predicted = _predict(network, row.op, row.algorithm, row.size, itemsize, calls)
+        peers = {r.library: r.time_us() for r in rows if r.op == row.op and r.size == row.size
+                 and not r.library.startswith("ferro")}
+        bound = simulate.lower_bound(network, row.size, row.op) if row.op in simulate.OP_ALGORITHMS else None
+        results.append({"cluster": cluster, "op": row.op, "size": row.size, "itemsize": itemsize, "calls": calls,
+                        "algorithm": row.algorithm,
+                        "measured_us": row.time_us(), "predicted_us": None if predicted is None else predicted * 1e6,
+                        "bound_us": None if bound is None else bound * 1e6, "peers_us": peers})
+    return results
+
+
+def predict_scale(ranks: list[int], links: list[str], sizes: list[int]) -> list[dict]:
+    """Predict the allreduce at ``ranks`` (one rank per host) on each link ``RATE,LATENCY``: ferro's choice by a
+    cost model of that link (what ``ferro bench --fit`` would measure there) and the ring alone, beside the bound.
+
+    The ring and, on powers of two, recursive doubling and halving-doubling are replayed from one host's plan
+    (:func:`simulate.replay_symmetric`, equal to the full replay at 1 rank per host: ``tests/test_schedule.py``).
+    """
+    from ferro.collective.cost_model import CostModel
+
+    rows = []
+    for link in links:
+        for n in ranks:
+            network = simulate.parse_network(f"{n}x1@{link}")
+            model = CostModel(network.latency + network.overhead, 1 / network.rate, 1 / network.reduce_rate)
+            for size in sizes:
+                chosen = model.choose_allreduce(size, n)
+                ring = simulate.predict(network, "ring", size)
+                best = ring if chosen == "ring" else simulate.predict(network, chosen, size)
+                rows.append({"link": link, "ranks": n, "size": size, "algorithm": chosen, "chosen_us": best * 1e6,
+                             "ring_us": ring * 1e6, "bound_us": simulate.lower_bound(network, size) * 1e6})
+                print(f"  {link:>14} {n:>6} {size:>10} {chosen:>18} {best * 1e6:>12.1f} {ring * 1e6:>12.1f} "
+                      f"{ring / best:>6.1f}x {rows[-1]['bound_us']:>11.1f}", flush=True)
+    return rows
+
+
+def _repredicted(row: dict) -> dict:
+    network = emulated_network(row["cluster"])
+    itemsize = row.get("itemsize", 4)
+    predicted = _predict(network, row["op"], row["algorithm"], row["size"], itemsize, row.get("calls", 1))
+    bound = simulate.lower_bound(network, row["size"], row["op"]) if row["op"] in simulate.OP_ALGORITHMS else None
+    return {"predicted_us": None if predicted is None else predicted * 1e6,
+            "bound_us": None if bound is None else bound * 1e6}
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def _cell(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _markdown_row(r: dict) -> str:
+    ours, peers = r["measured_us"], r["peers_us"]
+    predicted, stream = r["predicted_us"], peers.get("stream")
+
+    def ratio(peer: str) -> str:
+        return f"{peers[peer] / ours:.2f}x" if peers.get(peer) and ours else "-"
+
+    return (f"| {r['op']} | {_size(r['size'])} | {r['algorithm']} | {_cell(ours)} | {_cell(predicted)} | "
+            f"{_cell(predicted / ours if predicted and ours else None, 2)} | {_cell(stream)} | "
+            f"{_cell(stream / ours if stream and ours else None, 2)} | {_cell(peers.get('torch-gloo'))} | "
+            f"{ratio('torch-gloo')} | {_cell(peers.get('mpi'))} | {ratio('mpi')} |")
+
+
+def markdown(results: list[dict]) -> str:
+    """The rows as Markdown tables, one per cluster: ferro beside its prediction, the stream and the peers."""
+    lines: list[str] = []
+    for cluster in dict.fromkeys(r["cluster"] for r in results):
+        lines += [f"## {cluster}", "",
+                  "| op | size | ferro's plan | ferro (us) | predicted | pred / ferro | stream | of stream | gloo | "
+                  "ferro / gloo | Open MPI | ferro / MPI |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        seen = set()
+        for r in results:
+            if r["cluster"] != cluster or (r["op"], r["size"]) in seen:
+                continue  # ferro bench may give a size twice (its smallest count): the first row stands
+            seen.add((r["op"], r["size"]))
+            lines.append(_markdown_row(r))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def show(results: list[dict]) -> None:
+    """Print the side-by-side table."""
+    peers = sorted({name for r in results for name in r["peers_us"]})
+    print(f"# {'cluster':>14} {'op':>10} {'size':>10} {'algorithm':>18} {'measured':>11} {'predicted':>11} "
+          f"{'pred/meas':>9} {'bound':>11} " + " ".join(f"{p:>11}" for p in peers) + "   (us)")
+    for r in results:
+        predicted = r["predicted_us"]
+        ratio = f"{predicted / r['measured_us']:>9.2f}" if predicted and r["measured_us"] else f"{'-':>9}"
+        cells = " ".join(f"{r['peers_us'][p]:>11.1f}" if p in r["peers_us"] else f"{'-':>11}" for p in peers)
+        print(f"  {r['cluster']:>14} {r['op']:>10} {r['size']:>10} {r['algorithm']:>18} {r['measured_us']:>11.1f} "
+              f"{predicted if predicted is not None else float('nan'):>11.1f} {ratio} "
+              f"{r['bound_us'] if r['bound_us'] is not None else float('nan'):>11.1f} {cells}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clusters", default="8x1@100mbit", help="comma-separated HxR@RATE (default 8x1@100mbit)")
+    parser.add_argument("--ops", default="allreduce,broadcast", help="ferro bench ops (default allreduce,broadcast)")
+    parser.add_argument("-b", "--minbytes", default="4")
+    parser.add_argument("-e", "--maxbytes", default="4M")
+    parser.add_argument("-f", "--stepfactor", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--backend", default="tcp", help="ferro's backend (default tcp: the plans the simulator "
+                        "replays; auto takes the hierarchical backend where hosts hold several ranks)")
+    parser.add_argument("--compare", default="", help="ferro bench --compare peers, e.g. torch-gloo,mpi")
+    parser.add_argument("--mpirun", default=None, help="the mpirun of the mpi peer (Open MPI 4 or 5)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per cluster")
+    parser.add_argument("--json", default=None, help="write every row here")
+    parser.add_argument("--from-json", default=None,
+                        help="re-predict the rows of earlier --json files (comma-separated); run nothing")
+    parser.add_argument("--markdown", default=None, help="also write the rows as Markdown tables here")
+    parser.add_argument("--predict-scale", default=None, metavar="RANKS",
+                        help="comma-separated rank counts (e.g. 256,1024,4096,16384): predict the allreduce there "
+                             "on --links, run nothing")
+    parser.add_argument("--links", default="25gbit,2us,25gbit,10us,100gbit,2us,100gbit,10us",
+                        help="RATE,LATENCY pairs for --predict-scale")
+    parser.add_argument("--sizes", default="8,65536,1048576,67108864", help="bytes, for --predict-scale")
+    args = parser.parse_args()
+    if args.predict_scale:
+        parts = args.links.split(",")
+        print(f"# {'link':>14} {'ranks':>6} {'size':>10} {'ferro chooses':>18} {'its time':>12} {'ring alone':>12} "
+              f"{'gain':>7} {'bound':>11}   (us, predicted)")
+        rows = predict_scale([int(n) for n in args.predict_scale.split(",")],
+                             [f"{parts[i]},{parts[i + 1]}" for i in range(0, len(parts), 2)],
+                             [int(size) for size in args.sizes.split(",")])
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
+    if args.from_json:
+        results = [dict(r, **_repredicted(r)) for path in args.from_json.split(",")
+                   for r in json.loads(Path(path).read_text())]
+    else:
+        results = [row for cluster in args.clusters.split(",") for row in run_cluster(cluster, args)]
+    show(results)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

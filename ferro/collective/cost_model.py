@@ -1,0 +1,181 @@
+"""A latency-bandwidth cost model of the allreduce algorithms, fitted on the user's own network.
+
+Each algorithm's time is the closed form of its schedule (``_core/schedule.h``) under the alpha-beta-gamma model:
+``alpha`` seconds per message, ``beta`` seconds per byte moved, ``gamma`` seconds per byte reduced. For ``n`` ranks,
+``p`` the largest power of two not above ``n`` and ``m`` bytes:
+
+* ring: ``2 (n - 1) alpha + 2 (n - 1) / n m beta + (n - 1) / n m gamma``;
+* recursive doubling: ``log2 p (alpha + m beta + m gamma)``, plus ``2 (alpha + m beta) + m gamma`` to fold and
+  unfold the ranks beyond ``p``;
+* halving-doubling: ``2 log2 p alpha + 2 (p - 1) / p m beta + (p - 1) / p m gamma``, plus the same fold.
+
+The broadcast, all_gather and all_to_all choose by the closed forms in ``_core/schedule.h`` (tree or pipelined chain
+and the chain's segment, Bruck or ring, Bruck or pairwise), which need two numbers of the link:
+:meth:`CostModel.link_numbers` gives them to each TCP group's mesh.
+
+``tests/test_schedule.py`` holds these forms to the simulator, which replays the schedules themselves, so the two
+cannot drift apart. ``ferro bench --fit FILE`` times each algorithm at every size on the ranks it starts and fits
+``alpha`` and ``beta`` to each one's own form (``per_algorithm``: what the link costs that algorithm, which the
+shared costs do not always say), and writes them; ``FERRO_COST_MODEL=FILE`` makes every allreduce that is not
+forced choose the algorithm the model predicts fastest. Every rank must read the same file (a rank that chose
+otherwise fails with a mismatch that names both algorithms, see the call's fingerprint).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ferro import environment
+from ferro.errors import ConfigurationError
+
+__all__ = ["COPY_SECONDS_PER_BYTE", "COST_MODEL_ENV", "LINK_KINDS", "CostModel", "load_cost_model"]
+
+#: A JSON file written by ``ferro bench --fit``: allreduce algorithms are chosen from it.
+COST_MODEL_ENV = "FERRO_COST_MODEL"
+_ALGORITHMS = ("ring", "recursive_doubling", "halving_doubling")
+#: The kinds of link a model holds costs for: ranks of one host, and ranks of different hosts.
+LINK_KINDS = ("same_host", "between_hosts")
+#: Seconds a rank spends copying one byte in memory (Bruck's rotations and packing): memcpy at about 3 GB/s, the
+#: figure behind the mesh's default copy ratio (0.125 of a loopback link's 2.4 ns per byte).
+COPY_SECONDS_PER_BYTE = 0.3e-9
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The alpha-beta-gamma costs of one kind of link.
+
+    Attributes:
+        alpha: Seconds per message (latency and per-message overhead).
+        beta: Seconds per byte sent.
+        gamma: Seconds per byte reduced.
+        fitted_on: What the figures were measured on (ranks, backend, host), for people.
+        per_algorithm: ``{algorithm: (alpha, beta)}`` fitted to that algorithm's own runs, which replace the
+            shared costs in its closed form (gamma then folded into beta). What one link costs is not all an
+            algorithm pays: on an emulated 100 Mbit cluster halving-doubling, which sends and receives on one
+            connection per step, ran 1.4-1.7x slower than the ring that the shared costs say it ties.
+        world_size: The ranks ``measured`` was timed on (0: none).
+        measured: ``{algorithm: [(bytes, seconds), ...]}`` as ``ferro bench --fit`` timed them. At that world
+            size and between the smallest and largest size timed, the choice reads these (interpolated on log
+            scales) rather than the closed forms, which two costs cannot fit at every size; elsewhere the forms
+            extrapolate.
+        link: The kind of link ``alpha`` and ``beta`` were measured on (:data:`LINK_KINDS`).
+        links: ``{kind: (alpha, beta)}`` for every kind fitted so far (``ferro bench --fit`` keeps the other
+            kind's figures when it refits one).
+
+    """
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+    fitted_on: str = ""
+    per_algorithm: dict[str, tuple[float, float]] = field(default_factory=dict)
+    world_size: int = 0
+    measured: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    link: str = "same_host"
+    links: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def link_numbers(self) -> tuple[float, float, float]:
+        """Return ``(latency_bytes, copy_ratio, partner_ratio)`` for a TCP group's plans (``collectives.Mesh``).
+
+        A flat group's broadcast, all_gather and all_to_all are as slow as their slowest links, so the link
+        between hosts is taken when the model has one; else the one it has. ``latency_bytes`` is alpha / beta:
+        the bytes one message's fixed cost is worth; ``copy_ratio`` a byte copied in memory in the link's bytes;
+        ``partner_ratio`` what a byte costs in steps that each talk to a new partner against the ring's streaming
+        to one: halving-doubling's fitted beta over the ring's (1 when the model has not timed both).
+        """
+        alpha, beta = self.links.get("between_hosts") or self.links.get(self.link) or (self.alpha, self.beta)
+        partner_ratio = 1.0
+        if "ring" in self.per_algorithm and "halving_doubling" in self.per_algorithm:
+            ring_beta, changing_beta = self.per_algorithm["ring"][1], self.per_algorithm["halving_doubling"][1]
+            partner_ratio = max(1.0, changing_beta / ring_beta) if ring_beta > 0 else 1.0
+        if beta <= 0:
+            from ferro._core.collectives import DEFAULT_COPY_RATIO, DEFAULT_LATENCY_BYTES
+
+            return DEFAULT_LATENCY_BYTES, DEFAULT_COPY_RATIO, partner_ratio
+        return alpha / beta, COPY_SECONDS_PER_BYTE / beta, partner_ratio
+
+    def allreduce(self, algorithm: str, nbytes: int, world_size: int) -> float:
+        """Return the predicted seconds of an allreduce of ``nbytes`` over ``world_size`` ranks."""
+        n, m = world_size, float(nbytes)
+        if n < 2 or m == 0:
+            return 0.0
+        a, b, g = self.alpha, self.beta, self.gamma
+        if algorithm in self.per_algorithm:
+            (a, b), g = self.per_algorithm[algorithm], 0.0
+        power = 1 << (n.bit_length() - 1)
+        rounds = int(math.log2(power))
+        fold = (2 * (a + m * b) + m * g) if n > power else 0.0
+        if algorithm == "ring":
+            return 2 * (n - 1) * a + 2 * (n - 1) / n * m * b + (n - 1) / n * m * g
+        if algorithm == "recursive_doubling":
+            return rounds * (a + m * b + m * g) + fold
+        if algorithm == "halving_doubling":
+            return 2 * rounds * a + 2 * (power - 1) / power * m * b + (power - 1) / power * m * g + fold
+        raise ValueError(f"no cost for allreduce algorithm {algorithm!r}; use one of {', '.join(_ALGORITHMS)}")
+
+    def choose_allreduce(self, nbytes: int, world_size: int) -> str:
+        """Return the algorithm predicted fastest (the first of ring, recursive doubling, halving-doubling on a tie)."""
+        timed = self._interpolated(nbytes) if world_size == self.world_size else None
+        if timed:
+            return min(timed, key=lambda name: timed[name])
+        return min(_ALGORITHMS, key=lambda name: self.allreduce(name, nbytes, world_size))
+
+    def _interpolated(self, nbytes: int) -> dict[str, float] | None:
+        """Each timed algorithm's seconds at ``nbytes``, log-log interpolated; None outside the timed sizes."""
+        times: dict[str, float] = {}
+        for name, points in self.measured.items():
+            points = sorted(points)
+            if len(points) < 2 or not points[0][0] <= nbytes <= points[-1][0] or nbytes <= 0:
+                return None
+            for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+                if x0 <= nbytes <= x1:
+                    if x1 == x0 or min(x0, y0, y1) <= 0:
+                        times[name] = y0
+                    else:
+                        share = math.log(nbytes / x0) / math.log(x1 / x0)
+                        times[name] = math.exp(math.log(y0) + share * math.log(y1 / y0))
+                    break
+        return times or None
+
+    def save(self, path: str | Path) -> None:
+        """Write the model as JSON."""
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def load_cost_model(path: str | None = None) -> CostModel | None:
+    """Return the model in ``path`` (default ``$FERRO_COST_MODEL``), or None when there is none.
+
+    Raises:
+        ConfigurationError: The file cannot be read or is not a model ``ferro bench --fit`` wrote.
+
+    """
+    path = path or environment.get(COST_MODEL_ENV)
+    if not path:
+        return None
+    try:
+        fields = json.loads(Path(path).read_text())
+        per_algorithm = {str(name): (float(pair[0]), float(pair[1]))
+                         for name, pair in dict(fields.get("per_algorithm", {})).items()}
+        measured = {str(name): [(int(size), float(seconds)) for size, seconds in points]
+                    for name, points in dict(fields.get("measured", {})).items()}
+        links = {str(kind): (float(pair[0]), float(pair[1])) for kind, pair in dict(fields.get("links", {})).items()}
+        model = CostModel(float(fields["alpha"]), float(fields["beta"]), float(fields.get("gamma", 0.0)),
+                          str(fields.get("fitted_on", "")), per_algorithm, int(fields.get("world_size", 0)),
+                          measured, str(fields.get("link", "same_host")), links)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigurationError(f"{COST_MODEL_ENV}={path}: not a cost model written by ferro bench --fit ({exc})"
+                                 ) from None
+    unknown = sorted((set(model.per_algorithm) | set(model.measured)) - set(_ALGORITHMS))
+    if unknown:
+        raise ConfigurationError(f"{COST_MODEL_ENV}={path}: no allreduce algorithm named {unknown[0]!r}")
+    kinds = sorted({model.link, *model.links} - set(LINK_KINDS))
+    if kinds:
+        raise ConfigurationError(f"{COST_MODEL_ENV}={path}: no kind of link named {kinds[0]!r}; "
+                                 f"use {' or '.join(LINK_KINDS)}")
+    pairs = [*model.per_algorithm.values(), *model.links.values()]
+    if min(model.alpha, model.beta, model.gamma, *(c for pair in pairs for c in pair)) < 0:
+        raise ConfigurationError(f"{COST_MODEL_ENV}={path}: costs must not be negative: {model}")
+    return model

@@ -1,0 +1,299 @@
+"""``ferro bench --simulate HxR@RATE[,LATENCY]``: ferro's own schedules replayed on a model of the network.
+
+The steps are the ones the compiled executor runs (:func:`ferro._core.collectives.plan_steps`, the iterator of
+``_core/schedule.h``), cut into the same segments; nothing here describes an algorithm a second time. The model:
+
+* ``H`` hosts of ``R`` ranks each (rank ``r`` on host ``r // R``, as ``ferro run --nnodes`` places them), each
+  host with one link to a non-blocking switch, ``RATE`` bytes per second each way, shared by its ranks: a message
+  between hosts holds its sender's uplink and its receiver's downlink, first come first served;
+* every message pays ``LATENCY`` on the wire and a per-message CPU ``overhead`` at its sender; messages between
+  ranks of one host go through memory at ``local_rate``;
+* a rank runs its steps in order; a step sends and receives one segment each way at a time (as
+  ``_exchange_segments`` does), and a reducing step then reduces what arrived at ``reduce_rate``.
+
+It predicts the slowest rank's time, and gives the textbook lower bounds beside it (:func:`lower_bound`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ferro._core import collectives as native
+
+__all__ = ["ALGORITHMS", "BROADCAST_ALGORITHMS", "OP_ALGORITHMS", "Network", "lower_bound", "parse_network", "predict",
+           "replay"]
+
+#: The schedules the simulator replays, by the name ``ferro.allreduce(algorithm=...)`` takes.
+ALGORITHMS = {"ring": native.ALGORITHM_RING, "recursive_doubling": native.ALGORITHM_RECURSIVE_DOUBLING,
+              "halving_doubling": native.ALGORITHM_HALVING_DOUBLING}
+_RATE_UNITS = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8,
+               "gbps": 1e9 / 8, "kb": 1e3, "mb": 1e6, "gb": 1e9}
+_TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+@dataclass(frozen=True)
+class Network:
+    """A cluster as the simulator sees it.
+
+    Attributes:
+        hosts: Hosts.
+        ranks_per_host: Ranks on each host.
+        rate: Bytes per second each way on a host's link.
+        latency: Seconds a message spends on the wire beyond its bytes (one way).
+        overhead: Sender CPU seconds per message.
+        local_rate: Bytes per second between two ranks of one host.
+        local_latency: Seconds per message between two ranks of one host.
+        reduce_rate: Bytes per second a rank reduces.
+
+    """
+
+    hosts: int
+    ranks_per_host: int
+    rate: float
+    latency: float = 50e-6
+    overhead: float = 5e-6
+    local_rate: float = 4e9
+    local_latency: float = 5e-6
+    reduce_rate: float = 4e9
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of the whole cluster."""
+        return self.hosts * self.ranks_per_host
+
+
+def parse_network(text: str) -> Network:
+    """Parse ``HxR@RATE[,LATENCY]``: ``16x1@100mbit``, ``8x2@200mbit,100us``, ``256x8@25gbit,5us``.
+
+    Raises:
+        ValueError: The text is not of that form.
+
+    """
+    match = re.fullmatch(r"(\d+)x(\d+)@([\d.]+)([a-z]+)(?:,([\d.]+)([a-z]+))?", text.strip().lower())
+    if not match or match.group(4) not in _RATE_UNITS or (match.group(6) and match.group(6) not in _TIME_UNITS):
+        raise ValueError(f"--simulate {text!r}: expected HOSTSxRANKS@RATE[,LATENCY], e.g. 16x1@100mbit or "
+                         f"8x2@25gbit,5us (rates in kbit, mbit, gbit; latency in ns, us, ms, s)")
+    hosts, ranks = int(match.group(1)), int(match.group(2))
+    if hosts < 1 or ranks < 1:
+        raise ValueError(f"--simulate {text!r}: at least one host of one rank")
+    rate = float(match.group(3)) * _RATE_UNITS[match.group(4)]
+    network = Network(hosts, ranks, rate)
+    if match.group(5):
+        network = Network(hosts, ranks, rate, latency=float(match.group(5)) * _TIME_UNITS[match.group(6)])
+    return network
+
+
+Step = tuple[int, int, int, int, int, int, int, int]
+
+
+def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment: int) -> float:
+    """Return the seconds until the slowest rank has run every step ``steps_of(rank)`` gives, on ``network``.
+
+    Each step is cut into ``segment``-byte exchanges as the executor cuts it. A discrete-event replay: events
+    are taken in time order, so the links are granted in the order the messages reach them.
+    """
+    n, per_host = network.world_size, network.ranks_per_host
+    plans = [_exchanges(steps_of(rank), segment) for rank in range(n)]
+    position = [0] * n
+    up_free = [0.0] * network.hosts      # each host's link, each way
+    down_free = [0.0] * network.hosts
+    arrivals: dict[tuple[int, int], deque[float]] = defaultdict(deque)   # (src, dst) -> arrival times, in order
+    waiting: dict[tuple[int, int], tuple[int, float, float, int]] = {}   # (src, dst) -> the receiver's op
+    finished = [0.0] * n
+    events = [(0.0, rank) for rank in range(n)]  # (time a rank starts its next exchange, rank)
+    heapq.heapify(events)
+
+    def send(src: int, dst: int, nbytes: int, start: float) -> float:
+        """Put one message on its way; return when it has left the sender (its buffer is free)."""
+        at = start + network.overhead
+        if src // per_host == dst // per_host:
+            leaves = at + nbytes / network.local_rate
+            arrival = leaves + network.local_latency
+        else:
+            a, b = src // per_host, dst // per_host
+            begin = max(at, up_free[a], down_free[b])
+            leaves = begin + nbytes / network.rate
+            up_free[a] = down_free[b] = leaves
+            arrival = leaves + network.latency
+        key = (src, dst)
+        if key in waiting:  # the receiver is already in the exchange that takes this message
+            rank, sent_done, began, reduce_bytes = waiting.pop(key)
+            finish(rank, max(sent_done, arrival), reduce_bytes)
+        else:
+            arrivals[key].append(arrival)
+        return leaves
+
+    def finish(rank: int, done: float, reduce_bytes: int) -> None:
+        done += reduce_bytes / network.reduce_rate
+        position[rank] += 1
+        heapq.heappush(events, (done, rank))
+
+    while events:
+        now, rank = heapq.heappop(events)
+        if position[rank] >= len(plans[rank]):
+            finished[rank] = now
+            continue
+        dst, out_bytes, src, in_bytes, reduce_bytes = plans[rank][position[rank]]
+        sent_done = send(rank, dst, out_bytes, now) if dst >= 0 else now
+        if src < 0:
+            finish(rank, sent_done, 0)
+        elif arrivals[(src, rank)]:
+            finish(rank, max(sent_done, arrivals[(src, rank)].popleft()), reduce_bytes)
+        else:
+            waiting[(src, rank)] = (rank, sent_done, now, reduce_bytes)
+    if waiting:
+        raise RuntimeError(f"the schedules deadlock: {len(waiting)} receives never matched (ranks "
+                           f"{sorted(r for r, *_ in waiting.values())[:8]})")
+    return max(finished)
+
+
+def replay_symmetric(network: Network, steps_of: Callable[[int], Sequence[Step]], segment: int) -> float:
+    """Return :func:`replay`'s seconds for a plan every host runs alike, from the plans of host 0's ranks alone.
+
+    The ring, Bruck's plans, the pairwise exchange, the dissemination barrier, and recursive doubling and
+    halving-doubling on a power of two of hosts look the same from every host (rotated, or XORed): every rank
+    does its i-th exchange at the same moment, and each host's link carries in each direction what host 0's
+    ranks send off the host. So a step lasts as long as host 0's slowest rank needs for it, its link shared by
+    those of its ranks sending off the host. It costs R plans instead of H x R, which is what makes 16,384 ranks
+    predictable; ``tests/test_schedule.py`` holds it to the full replay where both run: equal at one rank per
+    host, an upper estimate within 2x with several (their lockstep and shared link cost more than the replay's
+    overlap).
+    """
+    per_host = network.ranks_per_host
+    plans = [_exchanges(steps_of(rank), segment) for rank in range(min(per_host, network.world_size))]
+    total = 0.0
+    for step in zip(*plans, strict=True):
+        off_host = [(dst, out, src, inn, red) for dst, out, src, inn, red in step
+                    if (dst >= 0 and dst // per_host != 0) or (src >= 0 and src // per_host != 0)]
+        uplink = sum(out for dst, out, *_ in off_host if dst >= 0 and dst // per_host != 0)
+        downlink = sum(inn for _, _, src, inn, _ in off_host if src >= 0 and src // per_host != 0)
+        slowest = 0.0
+        for dst, out, src, inn, red in step:
+            crosses = (dst >= 0 and dst // per_host != 0) or (src >= 0 and src // per_host != 0)
+            if crosses:
+                wire = max(uplink, downlink) / network.rate + network.latency
+            else:
+                wire = max(out, inn) / network.local_rate + network.local_latency
+            slowest = max(slowest, network.overhead + wire + red / network.reduce_rate)
+        total += slowest
+    return total
+
+
+#: The plans every host runs alike (see :func:`replay_symmetric`); recursive doubling and halving-doubling only
+#: on a power of two of ranks, where no rank folds.
+SYMMETRIC = {("allreduce", "ring"), ("all_gather", "ring"), ("all_gather", "bruck"), ("reduce_scatter", "ring"),
+             ("all_to_all", "pairwise"), ("all_to_all", "bruck"), ("barrier", "dissemination")}
+#: Above this many exchanges in all, :func:`predict` replays a symmetric plan from host 0's ranks alone.
+FULL_REPLAY_EXCHANGES = 2_000_000
+
+
+def _exchanges(steps: Sequence[Step], segment: int) -> list[tuple[int, int, int, int, int]]:
+    """Cut each step into the executor's one-segment-each-way exchanges: (dst, bytes out, src, bytes in, reduced)."""
+    out: list[tuple[int, int, int, int, int]] = []
+    for send_peer, _, send_len, recv_peer, _, recv_len, flags, _ in steps:
+        position = 0
+        while position < send_len or position < recv_len:
+            a = min(segment, max(0, send_len - position))
+            b = min(segment, max(0, recv_len - position))
+            if a or b:
+                out.append((send_peer if a else -1, a, recv_peer if b else -1, b,
+                            b if flags & native.STEP_REDUCE else 0))
+            position += segment
+    return out
+
+
+#: Every op's schedules, by the names ``ferro bench`` rows give them.
+OP_ALGORITHMS: dict[str, dict[str, int]] = {
+    "allreduce": ALGORITHMS,
+    "broadcast": {"binomial tree": native.ALGORITHM_BINOMIAL_TREE, "pipelined chain": native.ALGORITHM_CHAIN},
+    "all_gather": {"ring": native.ALGORITHM_RING, "bruck": native.ALGORITHM_BRUCK},
+    "reduce_scatter": {"ring": native.ALGORITHM_RING},
+    "all_to_all": {"pairwise": native.ALGORITHM_PAIRWISE, "bruck": native.ALGORITHM_BRUCK_ALL_TO_ALL},
+    "barrier": {"dissemination": native.ALGORITHM_DISSEMINATION},
+}
+#: Broadcast's schedules (``OP_ALGORITHMS["broadcast"]``).
+BROADCAST_ALGORITHMS = OP_ALGORITHMS["broadcast"]
+
+
+def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
+            segment: int = native.DEFAULT_SEGMENT_BYTES, op: str = "allreduce", root: int = 0,
+            latency_bytes: float = native.DEFAULT_LATENCY_BYTES, method: str = "auto", calls: int = 1) -> float:
+    """Return the predicted seconds of one call of ``op`` with ``algorithm`` on ``network``.
+
+    ``nbytes`` is the size a ``ferro bench`` row gives: the allreduce's and broadcast's message, the all_gather's
+    output, the reduce_scatter's input, the all_to_all's bytes sent per rank. A pipelined chain is cut as the
+    mesh cuts it for a link of ``latency_bytes`` (:func:`ferro._core.collectives.chain_segment`). ``method``:
+    ``"full"`` replays every rank (:func:`replay`), ``"symmetric"`` host 0's ranks (:func:`replay_symmetric`, for
+    the plans in :data:`SYMMETRIC`), ``"auto"`` the full replay unless it would take more than
+    :data:`FULL_REPLAY_EXCHANGES` exchanges and the plan is symmetric. ``calls``: replay that many calls back to
+    back, each rank starting its next call as soon as its own part of the last is done (as ``ferro bench`` times
+    them), and return the time per call: a pipelined chain's successive broadcasts overlap.
+
+    Raises:
+        ValueError: ``op`` or ``algorithm`` is not one the simulator replays, or a symmetric replay of a plan
+            that is not symmetric.
+
+    """
+    if op not in OP_ALGORITHMS or algorithm not in OP_ALGORITHMS[op]:
+        known = ", ".join(f"{o}: {'/'.join(a)}" for o, a in OP_ALGORITHMS.items())
+        raise ValueError(f"no schedule of {op} named {algorithm!r} to replay; the simulator has {known}")
+    n, code = network.world_size, OP_ALGORITHMS[op][algorithm]
+    count = max(nbytes // itemsize, 1)
+    steps_of: Callable[[int], Sequence[Step]]
+    if op == "allreduce":
+        steps_of = lambda rank: native.plan_steps(code, rank, n, count, itemsize)  # noqa: E731
+    elif op == "broadcast":
+        if algorithm == "pipelined chain":
+            segment = native.chain_segment(nbytes, n, latency_bytes)
+        steps_of = lambda rank: native.plan_steps(code, rank, n, nbytes, 1, root=root, segment=segment)  # noqa: E731
+    elif op == "reduce_scatter":
+        steps_of = lambda rank: native.plan_steps(code, rank, n, count, itemsize, phases=1, source=True)  # noqa: E731
+    elif op == "all_gather" and algorithm == "ring":
+        steps_of = lambda rank: native.plan_steps(code, rank, n, count, itemsize, phases=2)  # noqa: E731
+    else:  # all_gather's Bruck, all_to_all: each rank's block, or the block to each peer
+        block = max(count // n, 1)
+        steps_of = lambda rank: native.plan_steps(code, rank, n, block, itemsize)  # noqa: E731
+    if calls > 1:
+        one_call = steps_of
+        steps_of = lambda rank: list(one_call(rank)) * calls  # noqa: E731
+    symmetric = (op, algorithm) in SYMMETRIC or (algorithm in ("recursive_doubling", "halving_doubling")
+                                                 and n & (n - 1) == 0 and network.hosts & (network.hosts - 1) == 0)
+    if algorithm == "ring" and count < n:
+        symmetric = False  # chunks of nothing: the ranks holding one element do more steps than the others
+    if method == "symmetric" and not symmetric:
+        raise ValueError(f"{op}'s {algorithm} at {n} ranks is not the same from every host: replay it in full")
+    if method == "auto" and symmetric and n * len(_exchanges(steps_of(0), segment)) > FULL_REPLAY_EXCHANGES:
+        method = "symmetric"
+    seconds = replay_symmetric(network, steps_of, segment) if method == "symmetric" else replay(network, steps_of,
+                                                                                                 segment)
+    return seconds / max(calls, 1)
+
+
+def lower_bound(network: Network, nbytes: int, op: str = "allreduce") -> float:
+    """Return the textbook lower bound of ``op`` of ``nbytes`` (as :func:`predict` counts them).
+
+    Bandwidth: what each host's link must carry at the least (ranks of one host may combine first), at
+    ``rate``; inside one host at ``local_rate``. Latency: one message's. (The textbook's ceil(log2 n) rounds of
+    latency assume a rank sends one message per round; in this model a sender is busy only ``overhead`` per
+    message, so a root reaches four children in about one latency, and the round count is no bound.)
+
+    * allreduce: each host sends and receives 2 (H - 1) / H of the data;
+    * broadcast: the root's host sends the message once;
+    * all_gather, reduce_scatter: each host receives (sends) (H - 1) / H of the whole;
+    * all_to_all: each host sends what its R ranks send to the other hosts, R (H - 1) / H of a rank's bytes.
+    """
+    hosts, per_host, n = network.hosts, network.ranks_per_host, network.world_size
+    if n < 2:
+        return 0.0
+    share = {"allreduce": 2 * (hosts - 1) / hosts, "broadcast": 1.0 if hosts > 1 else 0.0,
+             "all_gather": (hosts - 1) / hosts, "reduce_scatter": (hosts - 1) / hosts,
+             "all_to_all": per_host * (hosts - 1) / hosts, "barrier": 0.0}[op]
+    local = {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0, "all_gather": (n - 1) / n,
+             "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n, "barrier": 0.0}[op]
+    bandwidth = share * nbytes / network.rate if hosts > 1 else local * nbytes / network.local_rate
+    latency = network.latency if hosts > 1 else network.local_latency
+    return max(bandwidth, latency)
