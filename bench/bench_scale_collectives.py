@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from ferro._core import collectives as native
-from ferro.collective.cost_model import load_cost_model
+from ferro.backend.cost_model import load_cost_model
 from ferro.tools.bench import simulate
 from ferro.tools.bench.table import read_json
 from ferro.tools.bench.worker import timed_calls
@@ -102,7 +102,7 @@ def predict_scale(ranks: list[int], links: list[str], sizes: list[int]) -> list[
     The ring and, on powers of two, recursive doubling and halving-doubling are replayed from one host's plan
     (:func:`simulate.replay_symmetric`, equal to the full replay at 1 rank per host: ``tests/test_schedule.py``).
     """
-    from ferro.collective.cost_model import CostModel
+    from ferro.backend.cost_model import CostModel
 
     rows = []
     for link in links:

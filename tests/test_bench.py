@@ -230,7 +230,7 @@ def test_rows_name_the_algorithm_the_variable_forces(tmp_path):
 
 
 def test_fit_writes_a_cost_model_from_ring_allreduces(tmp_path):
-    from ferro.collective.cost_model import load_cost_model
+    from ferro.backend.cost_model import load_cost_model
 
     model_path = tmp_path / "model.json"
     done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "2", "--backend", "tcp", "-b", "8", "-e", "1M",

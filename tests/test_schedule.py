@@ -257,7 +257,7 @@ def test_a_variable_that_names_no_algorithm_is_refused_with_its_name(monkeypatch
 # --- the cost model: closed forms of the same schedules, chosen from, fitted by ferro bench --fit ---
 
 def _model_and_network(n, rate, latency):
-    from ferro.collective.cost_model import CostModel
+    from ferro.backend.cost_model import CostModel
 
     network = simulate.Network(n, 1, rate, latency=latency, overhead=5e-6, reduce_rate=4e9)
     return CostModel(latency + 5e-6, 1 / rate, 1 / 4e9), network
@@ -284,8 +284,8 @@ def test_the_model_s_choice_costs_at_most_a_fifth_more_than_the_best_replayed_sc
 
 
 def test_the_cost_model_file_drives_the_choice_and_a_bad_one_is_refused(tmp_path, monkeypatch):
+    from ferro.backend.cost_model import CostModel, load_cost_model
     from ferro.collective import resolve
-    from ferro.collective.cost_model import CostModel, load_cost_model
     from ferro.errors import ConfigurationError
 
     slow_link = tmp_path / "slow.json"
@@ -428,7 +428,7 @@ def test_the_closed_forms_the_mesh_chooses_by_agree_with_the_replay():
 
 
 def test_a_fitted_model_chooses_by_its_timings_inside_their_range_and_by_its_forms_outside():
-    from ferro.collective.cost_model import CostModel
+    from ferro.backend.cost_model import CostModel
 
     # Timings as ferro bench --fit took them at 8 ranks on an emulated 100 Mbit cluster (us): recursive doubling
     # fastest at 4 KiB, halving-doubling at 16 KiB, the ring from 256 KiB.
@@ -520,7 +520,7 @@ def _mesh_numbers(rank, world_size):
 
 
 def test_a_fitted_model_gives_every_tcp_group_its_link_numbers(tmp_path):
-    from ferro.collective.cost_model import CostModel, load_cost_model
+    from ferro.backend.cost_model import CostModel, load_cost_model
     from ferro.testing import run_processes
 
     # Fitted on a 100 Mbit cluster between hosts: 100 us and 12.5 MB/s for the ring; halving-doubling (a new

@@ -487,7 +487,7 @@ cdef class Mesh:
     those two numbers (:func:`choose`): the binomial tree's log2(n) rounds or the pipelined chain (its segment
     from the same forms), Bruck's ceil(log2 n) rounds or the ring's (all_gather) and the pairwise exchange's
     (all_to_all) n - 1 steps. The TCP backend sets them from the cost model
-    (:meth:`ferro.collective.cost_model.CostModel.link_numbers`); every rank must hold the same ones.
+    (:meth:`ferro.backend.cost_model.CostModel.link_numbers`); every rank must hold the same ones.
         connector: ``connector(peer, timeout) -> Connection``, called (with the GIL) for a
             peer not connected yet; None: every peer must be connected up front.
     """

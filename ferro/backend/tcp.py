@@ -14,6 +14,7 @@ from ferro._core import collectives as native
 from ferro._core.collectives import Mesh
 from ferro._core.transport import KIND_ABORT, Connection, sendrecv
 from ferro.backend.base import Support, default_spin_us
+from ferro.backend.cost_model import load_cost_model
 from ferro.backend.joined import JoinSpec, StoreBackend
 from ferro.backend.native import NativeCollectives
 from ferro.errors import ConfigurationError, DistributedError, PeerLostError
@@ -163,8 +164,6 @@ class TcpBackend(StoreBackend, NativeCollectives):
                                     secret=self._secret, bind_addr=bind_addr, deadline=self._deadline)
         # Indexed by rank, for the native collectives and the direct paths; each connection made on first use.
         self._mesh = Mesh([None] * self._world_size, self._rank, connector=self._link)
-        from ferro.collective.cost_model import load_cost_model  # ferro.collective imports the backends
-
         model = load_cost_model()  # $FERRO_COST_MODEL: the link's numbers choose the broadcast's plan, ...
         if model is not None:
             self._mesh.latency_bytes, self._mesh.copy_ratio, self._mesh.partner_ratio = model.link_numbers()

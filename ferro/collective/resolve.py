@@ -18,7 +18,7 @@ from ferro import environment
 from ferro._buffers import Operand, operand
 from ferro._core.reduce import has_kernel
 from ferro.backend.base import Backend
-from ferro.collective.cost_model import COST_MODEL_ENV, CostModel, load_cost_model
+from ferro.backend.cost_model import COST_MODEL_ENV, CostModel, load_cost_model
 from ferro.collective.process_group import get_default_group
 from ferro.errors import ConfigurationError, InvalidBufferError, InvalidRankError, SizeMismatchError
 from ferro.rendezvous.settings import default_timeout

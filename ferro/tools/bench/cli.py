@@ -225,7 +225,7 @@ def _comparison(rows: list[Row], primary: str, peers: list[str], copy_us: dict[i
 def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
     """Print ``--simulate``'s tables: per size, ferro's choice and every plan of the op predicted, beside the bound."""
     from ferro._core import collectives as native
-    from ferro.collective.cost_model import load_cost_model
+    from ferro.backend.cost_model import load_cost_model
     from ferro.collective.resolve import resolve_allreduce_algorithm
     from ferro.errors import ConfigurationError
     from ferro.tools.bench import simulate
@@ -407,7 +407,7 @@ def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
     """Fit alpha and beta to each algorithm's rows (least squares weighted by 1/t), write the model, show it."""
     import numpy as np
 
-    from ferro.collective.cost_model import CostModel, load_cost_model
+    from ferro.backend.cost_model import CostModel, load_cost_model
     from ferro.collective.resolve import choose_allreduce
     from ferro.errors import ConfigurationError
 
