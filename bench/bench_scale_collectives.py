@@ -18,6 +18,7 @@ successive broadcasts, so its chain rows are rates the single-call replay does n
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -25,10 +26,16 @@ import tempfile
 from pathlib import Path
 
 from ferro._core import collectives as native
-from ferro.backend.cost_model import load_cost_model
+from ferro.backend.cost_model import CostModel, load_cost_model
 from ferro.tools.bench import simulate
 from ferro.tools.bench.table import read_json
 from ferro.tools.bench.worker import timed_calls
+
+
+@functools.cache
+def _cost_model() -> CostModel | None:
+    return load_cost_model()  # $FERRO_COST_MODEL, read once for every row
+
 
 #: What a TCP stream carries of an emulated link's rate: 1448 bytes of payload in each 1514-byte frame the
 #: token bucket counts (MTU 1500, TCP timestamps on).
@@ -39,7 +46,7 @@ def emulated_network(cluster: str) -> simulate.Network:
     """The simulator's model of an emulated cluster: its links at the TCP payload rate, and, where a cost model is
     loaded (``FERRO_COST_MODEL``, fitted on that cluster), its measured cost per message as the latency."""
     network = simulate.parse_network(cluster)
-    model = load_cost_model()
+    model = _cost_model()
     latency = network.latency
     if model is not None:
         alpha = model.per_algorithm.get("ring", (model.alpha, model.beta))[0]
@@ -54,7 +61,7 @@ def _predict(network: simulate.Network, op: str, algorithm: str, nbytes: int, it
     times them (None: a plan the simulator does not hold)."""
     if algorithm not in simulate.OP_ALGORITHMS.get(op, {}):
         return None
-    model = load_cost_model()
+    model = _cost_model()
     latency_bytes = model.link_numbers()[0] if model else native.DEFAULT_LATENCY_BYTES
     return simulate.predict(network, algorithm, nbytes, itemsize, op=op, latency_bytes=latency_bytes, calls=calls)
 

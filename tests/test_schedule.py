@@ -565,3 +565,28 @@ def test_every_forced_algorithm_every_dtype_and_op_on_real_ranks_matches_numpy(n
         np.testing.assert_allclose(np.frombuffer(got, dtype).astype(np.float64), expected.astype(np.float64),
                                    rtol=1e-3 if dtype == "float16" else 1e-12, err_msg=f"{algorithm} {dtype} {op}")
         assert all(r[algorithm, dtype, op] == got for r in results), (algorithm, dtype, op)  # bit for bit
+
+
+def _even_all_to_all_with_unequal_blocks(rank, world_size):
+    import ferro
+
+    with ferro.TcpBackend.from_env(timeout=30) as group:
+        send, recv = np.arange(12, dtype=np.uint8) + 100 * rank, np.zeros(12, np.uint8)
+        try:
+            group.native_all_to_all(send, [0, 4, 12], recv, [0, 4, 12], 1, 10.0, even=True)
+            refused = "no error"
+        except ValueError as exc:
+            refused = str(exc)
+        group.native_all_to_all(send, [0, 6, 12], recv, [0, 6, 12], 2, 10.0, even=True)  # the group still works
+        return refused, recv.tolist()
+
+
+def test_an_even_all_to_all_with_unequal_blocks_is_refused_before_any_rank_sends():
+    # The even flag lets a rank take Bruck's plan; a rank whose blocks differ would take the pairwise one and leave
+    # its peers waiting, so it is refused on the spot.
+    from ferro.testing import run_processes
+
+    results = run_processes(_even_all_to_all_with_unequal_blocks, 2, backend=None, timeout=60)
+    for rank, (refused, received) in enumerate(results):
+        assert "even=True needs 2 equal blocks" in refused
+        assert received == [v + 100 * src for src in range(2) for v in range(6 * rank, 6 * rank + 6)]

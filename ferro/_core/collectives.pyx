@@ -76,6 +76,8 @@ cdef extern from "schedule.h" nogil:
     void ferro_plan_init_all_to_all(ferro_plan* plan, int algorithm, int rank, int n, const size_t* send_bounds,
                                     const size_t* recv_bounds, size_t block)
     size_t ferro_plan_blocks_with_bit(int n, size_t bit)
+    size_t ferro_plan_bound(size_t total, int parts, int i)
+    int ferro_plan_folded_partner(int virtual_rank, int extra)
     int ferro_plan_next(ferro_plan* plan, ferro_step* step)
     size_t ferro_chain_segment(size_t nbytes, int n, double latency_bytes, size_t smallest, size_t largest)
     double ferro_cost_tree(size_t nbytes, int n, double latency_bytes, double partner_ratio)
@@ -188,12 +190,6 @@ cdef inline void _prepare_recv(RecvOp* r, ConnState* st, unsigned char* data, si
     r.exact = 1
     r.kind = kind
     r.fingerprint = fingerprint
-
-
-cdef inline size_t _bound(size_t total, int parts, int i) noexcept nogil:
-    # Chunk i starts here when total elements split as numpy.array_split does.
-    cdef size_t base = total // parts, extra = total % parts
-    return i * base + (<size_t>i if <size_t>i < extra else extra)
 
 
 cdef enum:
@@ -353,11 +349,6 @@ cdef int _halving_doubling(ConnState** conns, int rank, int n, unsigned char* bu
                      deadline, s, r)
 
 
-cdef inline int _folded_partner(int virtual, int extra) noexcept nogil:
-    # The real rank of a virtual one, once the first 2 * extra ranks have folded in pairs (as schedule.h folds).
-    return virtual * 2 + 1 if virtual < extra else virtual + extra
-
-
 def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t itemsize, int phases=3,
                bint mean=False, bint source=False, int root=0, Py_ssize_t segment=DEFAULT_SEGMENT_BYTES):
     """Return the steps ``rank`` of ``n`` runs for a collective of ``count`` elements: ``schedule.h``'s plan.
@@ -395,7 +386,7 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
     steps = []
     try:
         for i in range(n + 1):
-            bounds[i] = _bound(count, n, i)
+            bounds[i] = ferro_plan_bound(count, n, i)
         if algorithm == FERRO_PLAN_BINOMIAL_TREE or algorithm == FERRO_PLAN_CHAIN:
             if not 0 <= root < n or segment <= 0:
                 raise ValueError(f"no broadcast plan from root {root} of {n} in {segment}-byte segments")
@@ -452,7 +443,7 @@ def _near_peers(int rank, int n):
         mask = 1
         while mask < power:
             partner_virtual = virtual ^ mask
-            peers.add(_folded_partner(partner_virtual, extra))
+            peers.add(ferro_plan_folded_partner(partner_virtual, extra))
             mask <<= 1
     peers.discard(rank)
     return peers
@@ -480,16 +471,15 @@ cdef class Mesh:
         latency_bytes: A message's fixed cost in bytes of the link's time (alpha / beta).
         copy_ratio: A byte copied in memory, in bytes of the link's time.
         partner_ratio: A byte sent to a new partner each step, in bytes streamed to one (see ``schedule.h``).
-
-    ``window_bytes`` (default 128 KiB) caps the bytes of small blocks the pairwise all_to_all has in flight.
+        connector: ``connector(peer, timeout) -> Connection``, called (with the GIL) for a
+            peer not connected yet; None: every peer must be connected up front.
 
     Which plan a broadcast, all_gather or all_to_all runs comes from the closed forms of their schedules with
-    those two numbers (:func:`choose`): the binomial tree's log2(n) rounds or the pipelined chain (its segment
+    those three numbers (:func:`choose`): the binomial tree's log2(n) rounds or the pipelined chain (its segment
     from the same forms), Bruck's ceil(log2 n) rounds or the ring's (all_gather) and the pairwise exchange's
     (all_to_all) n - 1 steps. The TCP backend sets them from the cost model
     (:meth:`ferro.backend.cost_model.CostModel.link_numbers`); every rank must hold the same ones.
-        connector: ``connector(peer, timeout) -> Connection``, called (with the GIL) for a
-            peer not connected yet; None: every peer must be connected up front.
+    ``window_bytes`` (default 128 KiB) caps the bytes of small blocks the pairwise all_to_all has in flight.
     """
 
     cdef readonly list connections
@@ -633,7 +623,7 @@ cdef class Mesh:
             self.scratch_for(min(segment, count * itemsize))  # bounds: filled by the algorithm (n + 1 >= p + 1)
         else:
             for i in range(self.n + 1):
-                self.bounds[i] = _bound(count, self.n, i)
+                self.bounds[i] = ferro_plan_bound(count, self.n, i)
             self.scratch_for(min(segment, count * itemsize))
         return 0
 
@@ -992,17 +982,16 @@ cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned c
     cdef ferro_step step
     cdef int w, failed_send, failed_recv
     cdef bint held = False   # a step taken from the plan that did not fit the last window
-    cdef size_t moving
+    cdef size_t moving, size
     while True:
         w = 0
         moving = 0
         while w < PAIRWISE_WINDOW and (held or ferro_plan_next(plan, &step)):
-            held = False
-            if (w > 0 and max(step.send_len, step.recv_len) < window_bytes
-                    and moving + max(step.send_len, step.recv_len) > window_bytes):
-                held = True
+            size = max(step.send_len, step.recv_len)
+            held = w > 0 and size < window_bytes and moving + size > window_bytes
+            if held:
                 break
-            moving += max(step.send_len, step.recv_len)
+            moving += size
             _prepare_send(&sends[w], conns[step.send_peer], out + step.send_off, step.send_len, fingerprint)
             _prepare_recv(&recvs[w], conns[step.recv_peer], into + step.recv_off, step.recv_len, fingerprint)
             w += 1
@@ -1082,13 +1071,11 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
         out = <const unsigned char*>call.input.buf
         into = <unsigned char*>call.view.buf
         block = send_at[1] - send_at[0]
+        for i in range(n + 1):  # every rank must take the same plan: an even call's blocks are equal everywhere
+            if even and (send_at[i] != i * block or recv_at[i] != i * block):
+                raise ValueError(f"all_to_all: even=True needs {n} equal blocks on each side; offsets differ at {i}")
         uniform = even and _prefer_bruck_all_to_all(<size_t>n * block, n, mesh.latency_bytes, mesh.copy_ratio,
                                                     mesh.partner_ratio)
-        for i in range(n):
-            if not uniform:
-                break
-            uniform = (send_at[i + 1] - send_at[i] == block and recv_at[i + 1] - recv_at[i] == block
-                       and send_at[i] == i * block and recv_at[i] == i * block)
         if uniform:  # Bruck: the rotated blocks, and room to pack half of them each way
             work = mesh.scratch_for(<size_t>n * block + 2 * <size_t>((n + 1) // 2) * block)
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)

@@ -447,13 +447,11 @@ cdef int run_many(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fd
     ``fds`` holds room for ``nsend + nrecv`` entries. A fatal error in any op stops all the others (breaking the
     connections they were mid-frame on); each op's ``status`` holds its outcome. What lets an all_to_all keep
     every link busy: a window of its pairwise steps in flight together, as gloo and MPI post theirs, so one
-    peer's slow connection (a TCP window reopening after idle) does not stall the rest. Returns -1 only when a
+    peer's slow connection does not stall the rest. Returns -1 only when a
     signal handler raised.
     """
     cdef int i, rc, active = 0, n, timeout_ms
     cdef bint progressed, failed = False, check_signals
-    cdef size_t before
-    cdef int phase_before
     cdef int64_t now, wait_ns
     for i in range(nsend):
         if sends[i].conn.broken:
@@ -476,30 +474,19 @@ cdef int run_many(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fd
         progressed = False
         check_signals = False
         for i in range(nsend):
-            if sends[i].status != ST_AGAIN:
-                continue
-            before = sends[i].done
-            rc = _send_step(&sends[i])
-            progressed = progressed or sends[i].done != before
-            if rc == ST_INTR:
-                check_signals = True
-            elif rc != ST_AGAIN:
-                _finish_send(&sends[i], rc)
-                active -= 1
-                failed = failed or rc != ST_OK
+            if sends[i].status == ST_AGAIN:
+                rc = _advance_send(&sends[i], &progressed, &check_signals)
+                if rc != ST_AGAIN:
+                    _finish_send(&sends[i], rc)
+                    active -= 1
+                    failed = failed or rc != ST_OK
         for i in range(nrecv):
-            if recvs[i].status != ST_AGAIN:
-                continue
-            before = recvs[i].done
-            phase_before = recvs[i].phase
-            rc = _recv_step(&recvs[i])
-            progressed = progressed or recvs[i].done != before or recvs[i].phase != phase_before
-            if rc == ST_INTR:
-                check_signals = True
-            elif rc != ST_AGAIN:
-                _finish_recv(&recvs[i], rc)
-                active -= 1
-                failed = failed or rc != ST_OK
+            if recvs[i].status == ST_AGAIN:
+                rc = _advance_recv(&recvs[i], &progressed, &check_signals)
+                if rc != ST_AGAIN:
+                    _finish_recv(&recvs[i], rc)
+                    active -= 1
+                    failed = failed or rc != ST_OK
         if failed:
             _stop_all(sends, nsend, recvs, nrecv, ST_ABORTED)
             return 0
@@ -537,6 +524,31 @@ cdef int run_many(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fd
             _stop_all(sends, nsend, recvs, nrecv, ST_INTR)
             return -1
     return 0
+
+
+cdef inline int _advance_send(SendOp* s, bint* progressed, bint* check_signals) noexcept nogil:
+    """One non-blocking step of a running send: its outcome once it has one, else ST_AGAIN (EINTR included)."""
+    cdef size_t before = s.done
+    cdef int rc = _send_step(s)
+    if s.done != before:
+        progressed[0] = True
+    if rc == ST_INTR:
+        check_signals[0] = True
+        return ST_AGAIN
+    return rc
+
+
+cdef inline int _advance_recv(RecvOp* r, bint* progressed, bint* check_signals) noexcept nogil:
+    """One non-blocking step of a running receive, as :func:`_advance_send`."""
+    cdef size_t before = r.done
+    cdef int phase_before = r.phase
+    cdef int rc = _recv_step(r)
+    if r.done != before or r.phase != phase_before:
+        progressed[0] = True
+    if rc == ST_INTR:
+        check_signals[0] = True
+        return ST_AGAIN
+    return rc
 
 
 cdef void _stop_all(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, int status) noexcept nogil:

@@ -166,15 +166,16 @@ def replay_symmetric(network: Network, steps_of: Callable[[int], Sequence[Step]]
     per_host = network.ranks_per_host
     plans = [_exchanges(steps_of(rank), segment) for rank in range(min(per_host, network.world_size))]
     total = 0.0
+    def leaves(peer: int) -> bool:  # a message to or from this peer crosses host 0's link
+        return peer >= 0 and peer // per_host != 0
+
     for step in zip(*plans, strict=True):
-        off_host = [(dst, out, src, inn, red) for dst, out, src, inn, red in step
-                    if (dst >= 0 and dst // per_host != 0) or (src >= 0 and src // per_host != 0)]
-        uplink = sum(out for dst, out, *_ in off_host if dst >= 0 and dst // per_host != 0)
-        downlink = sum(inn for _, _, src, inn, _ in off_host if src >= 0 and src // per_host != 0)
+        # Each direction of host 0's link carries what its ranks send off the host (and, alike, receive).
+        uplink = sum(out for dst, out, *_ in step if leaves(dst))
+        downlink = sum(inn for _, _, src, inn, _ in step if leaves(src))
         slowest = 0.0
         for dst, out, src, inn, red in step:
-            crosses = (dst >= 0 and dst // per_host != 0) or (src >= 0 and src // per_host != 0)
-            if crosses:
+            if leaves(dst) or leaves(src):
                 wire = max(uplink, downlink) / network.rate + network.latency
             else:
                 wire = max(out, inn) / network.local_rate + network.local_latency
