@@ -423,3 +423,21 @@ def test_a_round_that_finds_an_awaited_rank_exited_is_the_job_ending_not_a_hang(
     gone = {**gone, "process_state": "process 1 has exited"}
     gone.pop("activity")
     assert _watchdog_round(tmp_path, monkeypatch, {**waiting, 2: gone}) is None
+
+
+def test_nodes_sharing_a_dump_folder_each_clear_only_their_own_ranks_earlier_files(tmp_path):
+    """Seen in CI: two emulated hosts' launchers share /tmp; the later one deleted the other's fresh files."""
+    from ferro.launch.hang import HangWatchdog
+
+    earlier = time.time() - 3600
+    stale = ["hello-0.json", "hello-3.json", "rank-2.json", "suspect-1.json", "request.json", "verdict.txt"]
+    for name in stale:
+        (tmp_path / name).write_text("{}")
+        os.utime(tmp_path / name, (earlier, earlier))
+    HangWatchdog(3.0, str(tmp_path), 4, [0, 1], port=1)  # the node of ranks 0 and 1 starts first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hello-3.json", "rank-2.json"]
+    (tmp_path / "hello-0.json").write_text("{}")  # its rank 0 says hello before the other node starts
+    time.sleep(0.01)
+    HangWatchdog(3.0, str(tmp_path), 4, [2, 3], port=1)
+    # The other node clears its own ranks' stale files and leaves rank 0's fresh one.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hello-0.json"]

@@ -50,6 +50,15 @@ class HangVerdict:
     pids: dict[int, int] = field(default_factory=dict)
 
 
+def _rank_of_file(name: str) -> int | None:
+    """Return the rank a per-rank file of the dump folder belongs to (``hello-3.json``: 3), None for job-wide ones."""
+    stem, _, suffix = name.rpartition(".")
+    prefix, _, number = stem.rpartition("-")
+    if suffix == "json" and prefix in ("hello", "suspect", "rank") and number.isdigit():
+        return int(number)
+    return None
+
+
 class HangWatchdog:
     """One node's watchdog.
 
@@ -84,9 +93,26 @@ class HangWatchdog:
         self.next_check = 0.0
         self.recheck_at: float | None = None  # when to look again at ranks found working
         self.folder.mkdir(parents=True, exist_ok=True)
-        for old in self.folder.iterdir():  # an earlier job's files (the folder is named by the port)
-            if old.is_file() and old.stat().st_mtime < self.started:
-                old.unlink(missing_ok=True)
+        self._clear_earlier_jobs_files()
+
+    def _clear_earlier_jobs_files(self) -> None:
+        """Delete what an earlier job left in the folder (it is named by the port, so a later job reuses it).
+
+        Several nodes may share the folder (one file system, or emulated hosts on one machine), and they
+        start at different moments: a node clears only its own ranks' files, and the node of rank 0 the
+        job-wide ones. Clearing by age alone deleted another node's fresh ``hello`` files, and two nodes
+        clearing at once raced (CI: one node's ``stat`` found a file the other had just deleted).
+        """
+        every_rank = len(self.local_ranks) >= self.world_size
+        for old in list(self.folder.iterdir()):
+            owner = _rank_of_file(old.name)
+            if not every_rank and (owner not in self.local_ranks if owner is not None else 0 not in self.local_ranks):
+                continue
+            try:
+                if old.is_file() and old.stat().st_mtime < self.started:
+                    old.unlink(missing_ok=True)
+            except FileNotFoundError:
+                pass  # another launcher of the job cleared it first
 
     def environment(self) -> dict[str, str]:
         """Return what the ranks need: where dumps go, the timeout, and that the launcher collects."""
