@@ -141,8 +141,9 @@ def fingerprint(collective: str, dtype_code: int = -1, op_code: int = 0, root: i
                 shape: tuple[int, ...] = (), thread: int = 0) -> int:
     """Pack a collective call into the 64-bit frame fingerprint.
 
-    Layout (high to low): collective id (6 bits), dtype code + 1 (5), op (3),
-    root (10), element count modulo 2**20 (20), the issuing thread's tag (12, see
+    Layout (high to low): collective id (6 bits), dtype code + 1 (5), op (3; in a
+    broadcast, all_gather or all_to_all the TCP mesh puts its plan there), root
+    (10), element count modulo 2**20 (20), the issuing thread's tag (12, see
     :func:`thread_tag`), a hash of the shape (8). Two ranks whose calls differ in
     any of these refuse each other's frames.
     """
@@ -188,6 +189,11 @@ def describe_fingerprint(value: int, against: int | None = None) -> str:
         where = f"algorithm {_ALLREDUCE_ALGORITHMS[root - 1]}, " if shown else ""
     else:
         where = f"root {root}, " if collective in _ROOTED else (f"tag {root}, " if root else "")
+    # A broadcast, all_gather or all_to_all on TCP carries the plan its mesh chose in the op field (code + 1),
+    # shown beside a call that chose another (ferro._core.collectives._with_plan).
+    plan, plans = (value >> 50) & 0x7, _PLANS.get(collective, ())
+    if against is not None and 0 < plan <= len(plans) and (against >> 50) & 0x7 != plan:
+        where += f"plan {plans[plan - 1]}, "
     # Only a reduction has an op; the field is 0 (SUM) in every other call's fingerprint.
     how = f"{op}, " if collective in _REDUCING else ""
     return f"{collective}({dtype}, {how}{where}{count} elements, shape hash {value & 0xFF:02x}{issued})"
@@ -196,6 +202,9 @@ def describe_fingerprint(value: int, against: int | None = None) -> str:
 _REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
 # The allreduce algorithms by code (ferro._core.collectives.ALGORITHMS), for describe_fingerprint.
 _ALLREDUCE_ALGORITHMS = ("ring", "recursive_doubling", "halving_doubling")
+# The plans of the collectives that choose one by cost, by code (ferro._core.collectives.choose's names).
+_PLANS = {"broadcast": ("binomial tree", "pipelined chain"), "all_gather": ("ring", "bruck"),
+          "all_to_all": ("pairwise", "bruck"), "all_to_all_single_uneven": ("pairwise",)}
 _ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter", "broadcast_object", "p2p"})
 
 #: Tags of :func:`ferro.all_gather` and :func:`ferro.reduce_scatter` travel in the root field: 10 bits.

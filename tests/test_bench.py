@@ -40,12 +40,12 @@ def test_table_parses_check_finds_nothing_wrong_and_files_are_written(tmp_path):
     assert done.returncode == 0, done.stderr
     rows = parse_rows(done.stdout)
     sizes = [8, 128, 2048, 32768]
-    assert len(rows) == 6 * len(sizes) + 1  # six ops over the sizes, plus one barrier row
+    assert len(rows) == 7 * len(sizes) + 1  # seven ops over the sizes, plus one barrier row
     assert all(row["algorithm"] for row in rows), "every row names the algorithm that ran"
     for row in rows:
         assert row["oop_wrong"] in ("0", "N/A") and row["ip_wrong"] in ("0", "N/A")
         assert float(row["oop_time"]) > 0
-    assert sum(row["oop_wrong"] == "0" for row in rows) >= 6 * len(sizes)  # checked everywhere but the barrier
+    assert sum(row["oop_wrong"] == "0" for row in rows) >= 7 * len(sizes)  # checked everywhere but the barrier
     assert re.search(r"# Avg bus bandwidth\s+:\s+\d+\.\d+", done.stdout)
     assert "# Out of bounds values : 0 OK" in done.stdout
     with open(csv_path) as f:
@@ -112,7 +112,7 @@ def test_under_load_every_op_stays_exact_and_the_compute_threads_ran(tmp_path, b
     assert done.returncode == 0, done.stderr
     rows = parse_rows("\n".join(line for line in done.stdout.splitlines() if not re.match(r"^\s+[a-z_]+\s+\d+\s",
                                                                                           line)))
-    assert len(rows) == 2 * (6 * 3 + 1)  # two libraries: six ops over 8, 256 and 8K bytes, plus a barrier
+    assert len(rows) == 2 * (7 * 3 + 1)  # two libraries: seven ops over 8, 256 and 8K bytes, plus a barrier
     assert all(row["oop_wrong"] in ("0", "N/A") and row["ip_wrong"] in ("0", "N/A") for row in rows)
     assert done.stdout.count("# beside 2 compute thread(s) per rank (numpy matmuls)") == 2
     rates = [float(m) for m in re.findall(r"the compute threads of rank 0 ran at (\d+\.\d+) GFLOP/s", done.stdout)]

@@ -590,3 +590,138 @@ def test_an_even_all_to_all_with_unequal_blocks_is_refused_before_any_rank_sends
     for rank, (refused, received) in enumerate(results):
         assert "even=True needs 2 equal blocks" in refused
         assert received == [v + 100 * src for src in range(2) for v in range(6 * rank, 6 * rank + 6)]
+
+
+# --- reduce's schedules: the binomial tree, and the ring's reduce-scatter with a gather to the root ---
+
+REDUCE_ALGORITHMS = sorted(simulate.OP_ALGORITHMS["reduce"])
+
+
+def run_reduce(inputs, algorithm, root, reduce=np.add, mean=False):
+    n, itemsize, count = len(inputs), inputs[0].itemsize, inputs[0].size
+    buffers = [x.copy().view(np.uint8) for x in inputs]
+    plans = [deque(native.plan_steps(simulate.OP_ALGORITHMS["reduce"][algorithm], r, n, count, itemsize, mean=mean,
+                                     root=root)) for r in range(n)]
+    execute(plans, buffers, inputs[0].dtype, reduce=reduce)
+    return [b.view(inputs[0].dtype) for b in buffers], plans
+
+
+@pytest.mark.parametrize("algorithm", REDUCE_ALGORITHMS)
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_reduce_plans_leave_numpy_s_reduction_on_the_root(algorithm, n):
+    rng = np.random.default_rng(n)
+    for count in (1, 7, 1001):
+        inputs = [rng.integers(-1000, 1000, count).astype(np.int64) for _ in range(n)]
+        for root in sorted({0, n // 2, n - 1}):
+            for reduce, reference in ((np.add, np.sum), (np.maximum, np.max)):
+                buffers, _ = run_reduce(inputs, algorithm, root, reduce)
+                np.testing.assert_array_equal(buffers[root], reference(inputs, axis=0),
+                                              err_msg=f"{algorithm}, {n} ranks, root {root}, {count} elements")
+
+
+@pytest.mark.parametrize("algorithm", REDUCE_ALGORITHMS)
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 9])
+def test_reduce_s_mean_divides_each_element_of_the_root_s_result_once(algorithm, n):
+    count = 40
+    divided = np.zeros(count * 8, dtype=int)
+    for rank in range(n):
+        for step in native.plan_steps(simulate.OP_ALGORITHMS["reduce"][algorithm], rank, n, count, 8, mean=True,
+                                      root=1 % n):
+            if step[6] & native.STEP_DIVIDE:
+                offset, length = _divided_range(step, count * 8)
+                divided[offset:offset + length] += 1
+    # The tree: the root divides its whole result. The ring: each rank its completed chunk, before the gather.
+    assert (divided == 1).all(), divided
+
+
+def test_reduce_plans_move_what_their_closed_forms_say():
+    # The tree sends the whole message once from every rank but the root; the ring and gather 2 (n - 1) chunks
+    # from each rank but the root's n - 1: the choice between them (ferro_cost_reduce_ring_gather) counts these.
+    n, count = 9, 9 * 1000
+    codes = simulate.OP_ALGORITHMS["reduce"]
+    for rank in range(n):
+        tree = native.plan_steps(codes["binomial tree"], rank, n, count, 1, root=0)
+        ring = native.plan_steps(codes["ring and gather"], rank, n, count, 1, root=0)
+        assert sum(s[2] for s in tree) == (0 if rank == 0 else count)
+        assert sum(s[2] for s in ring) == (n - 1) * 1000 + (0 if rank == 0 else 1000)
+    assert native.choose("reduce", 64, n) == "binomial tree"
+    assert native.choose("reduce", 64 << 20, n) == "ring and gather"
+    network = simulate.parse_network("16x1@100mbit")
+    for nbytes in (1 << 10, 16 << 20):
+        times = {name: simulate.predict(network, name, nbytes, op="reduce") for name in codes}
+        best = min(times, key=times.get)
+        assert native.choose("reduce", nbytes, 16, (network.latency + network.overhead) * network.rate) == best
+        assert min(times.values()) >= simulate.lower_bound(network, nbytes, "reduce")
+
+
+def _reduce_every_dtype_op_and_plan(rank, world_size):
+    import ferro
+    from ferro.types import KERNEL_CODES, dtype_by_name
+
+    with ferro.TcpBackend.from_env(timeout=60) as group:
+        out = {}
+        for dtype in ("float64", "float32", "int32", "int64"):
+            for op in ("SUM", "PRODUCT", "MIN", "MAX", "MEAN"):
+                if op == "MEAN" and not dtype.startswith("float"):
+                    continue
+                x = ((np.arange(50) % 7 - 3) * (rank + 1)).astype(dtype)
+                for root in range(world_size):
+                    y = x.copy()
+                    ferro.reduce(y, dst=root, op=getattr(ferro.ReduceOp, op), group=group)
+                    out["chosen", dtype, op, root] = y.tobytes()
+                    for plan in ("binomial tree", "ring and gather"):  # each plan forced on the compiled call
+                        y = x.copy()
+                        reduce_op = getattr(ferro.ReduceOp, op)
+                        native.reduce(group.direct_mesh, y, root, dtype_by_name(dtype).code, KERNEL_CODES[reduce_op],
+                                      y.itemsize, 0, 30.0, float(world_size) if op == "MEAN" else 0.0,
+                                      simulate.OP_ALGORITHMS["reduce"][plan])
+                        out[plan, dtype, op, root] = y.tobytes() if rank == root else None
+        return out
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_reduce_on_real_ranks_gives_the_root_numpy_s_answer_by_either_plan_and_leaves_the_others_alone(n):
+    from ferro.testing import run_processes
+
+    results = run_processes(_reduce_every_dtype_op_and_plan, n, backend=None, timeout=180)
+    references = {"SUM": np.sum, "PRODUCT": np.prod, "MIN": np.min, "MAX": np.max, "MEAN": np.mean}
+    for plan, dtype, op, root in results[0]:
+        inputs = np.array([((np.arange(50) % 7 - 3) * (r + 1)).astype(np.float64) for r in range(n)])
+        expected = references[op](inputs, axis=0)
+        for rank, by_call in enumerate(results):
+            value = by_call[plan, dtype, op, root]
+            if plan != "chosen" and rank != root:
+                continue
+            mine = np.frombuffer(value, dtype).astype(np.float64)
+            want = expected.astype(dtype).astype(np.float64) if rank == root else inputs[rank]
+            np.testing.assert_allclose(mine, want, rtol=1e-6 if dtype == "float32" else 1e-12,
+                                       err_msg=f"{plan} {dtype} {op}, root {root}, rank {rank}")
+
+
+def _plans_chosen_differently(rank, world_size, op):
+    import ferro
+
+    with ferro.TcpBackend.from_env(timeout=20) as group:
+        mesh = group.direct_mesh
+        if rank == 0:  # this rank's link numbers say another plan (as another FERRO_COST_MODEL would)
+            mesh.latency_bytes = 1e12 if op == "broadcast" else 0.0
+        size = {"broadcast": 4 << 20, "all_to_all": 4 * 64}[op]
+        try:
+            if op == "broadcast":
+                ferro.broadcast(np.zeros(size, np.uint8), root=0, group=group)
+            else:
+                ferro.all_to_all(np.zeros(size, np.uint8), group=group)
+        except ferro.DistributedError as exc:
+            return mesh.choose(op, size), str(exc)
+        return mesh.choose(op, size), "no error"
+
+
+@pytest.mark.parametrize("op", ["broadcast", "all_to_all"])
+def test_ranks_whose_meshes_choose_different_plans_fail_with_a_mismatch_naming_both(op):
+    from ferro.testing import run_processes
+
+    results = run_processes(_plans_chosen_differently, 4, args=(op,), backend=None, timeout=60)
+    chosen = {plan for plan, _ in results}
+    assert len(chosen) == 2, results  # the premise: rank 0 chose one plan, the others another
+    assert any("the ranks' calls differ" in message and all(f"plan {plan}" in message for plan in chosen)
+               for _, message in results), results

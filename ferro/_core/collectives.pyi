@@ -19,6 +19,8 @@ ALGORITHM_BRUCK: int
 ALGORITHM_PAIRWISE: int
 ALGORITHM_BRUCK_ALL_TO_ALL: int
 ALGORITHM_DISSEMINATION: int
+ALGORITHM_REDUCE_TREE: int
+ALGORITHM_REDUCE_RING_GATHER: int
 STEP_PACK: int
 DEFAULT_LATENCY_BYTES: float
 DEFAULT_COPY_RATIO: float
@@ -109,6 +111,18 @@ def broadcast(
     segment_bytes: int = ...,
 ) -> None: ...
 def all_gather(mesh: Mesh, buf: Any, nbytes: int, fingerprint: int, timeout: float) -> None: ...
+def reduce(
+    mesh: Mesh,
+    buf: Any,
+    root: int,
+    dtype: int,
+    op: int,
+    itemsize: int,
+    fingerprint: int,
+    timeout: float,
+    divisor: float = ...,
+    algorithm: int = ...,
+) -> None: ...
 def all_to_all(
     mesh: Mesh,
     send_buf: Any,

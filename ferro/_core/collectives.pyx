@@ -46,6 +46,8 @@ cdef extern from "schedule.h" nogil:
         FERRO_PLAN_PAIRWISE
         FERRO_PLAN_BRUCK_ALL_TO_ALL
         FERRO_PLAN_DISSEMINATION
+        FERRO_PLAN_REDUCE_TREE
+        FERRO_PLAN_REDUCE_RING_GATHER
         FERRO_PHASE_REDUCE_SCATTER
         FERRO_PHASE_ALL_GATHER
         FERRO_STEP_REDUCE
@@ -73,6 +75,8 @@ cdef extern from "schedule.h" nogil:
     void ferro_plan_init_broadcast(ferro_plan* plan, int algorithm, int rank, int n, int root, size_t nbytes,
                                    size_t segment)
     void ferro_plan_init_bruck(ferro_plan* plan, int rank, int n, size_t block)
+    void ferro_plan_init_reduce(ferro_plan* plan, int algorithm, int rank, int n, int root, size_t count,
+                                size_t itemsize, const size_t* starts, const size_t* ends, int mean)
     void ferro_plan_init_all_to_all(ferro_plan* plan, int algorithm, int rank, int n, const size_t* send_bounds,
                                     const size_t* recv_bounds, size_t block)
     size_t ferro_plan_blocks_with_bit(int n, size_t bit)
@@ -82,6 +86,7 @@ cdef extern from "schedule.h" nogil:
     size_t ferro_chain_segment(size_t nbytes, int n, double latency_bytes, size_t smallest, size_t largest)
     double ferro_cost_tree(size_t nbytes, int n, double latency_bytes, double partner_ratio)
     double ferro_cost_chain(size_t nbytes, int n, double latency_bytes, size_t segment)
+    double ferro_cost_reduce_ring_gather(size_t nbytes, int n, double latency_bytes)
     double ferro_cost_all_gather_ring(size_t total, int n, double latency_bytes)
     double ferro_cost_all_gather_bruck(size_t total, int n, double latency_bytes, double copy_ratio,
                                        double partner_ratio)
@@ -141,6 +146,24 @@ cdef inline bint _prefer_bruck_all_to_all(size_t total, int n, double latency_by
                       < ferro_cost_all_to_all_pairwise(total, n, latency_bytes, partner_ratio))
 
 
+# The plan a broadcast, all_gather or all_to_all chose rides in its fingerprint's op field (0 in a call that reduces
+# nothing, ferro.types.fingerprint): 1 for the tree, the ring or the pairwise exchange, 2 for the chain or Bruck's.
+# Ranks whose meshes choose differently (another FERRO_COST_MODEL) then refuse each other's first frame and the
+# error names both plans (ferro.types.describe_fingerprint), where they would have waited on each other.
+cdef enum:
+    PLAN_FIELD_SHIFT = 50
+
+
+cdef inline uint64_t _with_plan(uint64_t fingerprint, bint second) noexcept nogil:
+    return ((fingerprint & ~(<uint64_t>7 << PLAN_FIELD_SHIFT))
+            | (<uint64_t>(2 if second else 1) << PLAN_FIELD_SHIFT))
+
+
+cdef inline bint _prefer_ring_gather(size_t nbytes, int n, double latency_bytes, double partner_ratio) noexcept nogil:
+    return n > 2 and (ferro_cost_reduce_ring_gather(nbytes, n, latency_bytes)
+                      < ferro_cost_tree(nbytes, n, latency_bytes, partner_ratio))
+
+
 def choose(str op, size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BYTES,
            double copy_ratio=DEFAULT_COPY_RATIO, double partner_ratio=1.0) -> str:
     """Name the plan a TCP group of ``n`` runs for ``op`` of ``nbytes``: what :class:`Mesh` chooses.
@@ -154,6 +177,8 @@ def choose(str op, size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BY
         return "bruck" if _prefer_bruck_all_gather(nbytes, n, latency_bytes, copy_ratio, partner_ratio) else "ring"
     if op == "all_to_all":
         return "bruck" if _prefer_bruck_all_to_all(nbytes, n, latency_bytes, copy_ratio, partner_ratio) else "pairwise"
+    if op == "reduce":
+        return "ring and gather" if _prefer_ring_gather(nbytes, n, latency_bytes, partner_ratio) else "binomial tree"
     raise ValueError(f"no plan is chosen by cost for {op!r}")
 # A reduce_scatter of at most this many bytes of input may take the direct path, which works in the
 # mesh's scratch (kept at the largest call's size); above it the front end's ~100 us are under 2 % of
@@ -363,7 +388,8 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
         algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING``, ``ALGORITHM_HALVING_DOUBLING``;
             broadcast's ``ALGORITHM_BINOMIAL_TREE`` and ``ALGORITHM_CHAIN`` (``count`` elements from ``root``, the
             chain in ``segment``-byte pieces); all_gather's ``ALGORITHM_BRUCK``; all_to_all's
-            ``ALGORITHM_PAIRWISE`` and ``ALGORITHM_BRUCK_ALL_TO_ALL``; the barrier's ``ALGORITHM_DISSEMINATION``.
+            ``ALGORITHM_PAIRWISE`` and ``ALGORITHM_BRUCK_ALL_TO_ALL``; the barrier's ``ALGORITHM_DISSEMINATION``;
+            reduce's ``ALGORITHM_REDUCE_TREE`` and ``ALGORITHM_REDUCE_RING_GATHER`` (to ``root``).
             For all_gather and all_to_all, ``count`` elements is each rank's block (to each peer).
         rank: The rank whose steps to list.
         n: The world size.
@@ -399,6 +425,10 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
             ferro_plan_init_all_to_all(&plan, algorithm, rank, n, bounds, bounds, block)
         elif algorithm == FERRO_PLAN_DISSEMINATION:
             ferro_plan_init(&plan, algorithm, rank, n, 0, 1, NULL, NULL, NULL, 0, 0, 0)
+        elif algorithm == FERRO_PLAN_REDUCE_TREE or algorithm == FERRO_PLAN_REDUCE_RING_GATHER:
+            if not 0 <= root < n:
+                raise ValueError(f"no reduce plan to root {root} of {n}")
+            ferro_plan_init_reduce(&plan, algorithm, rank, n, root, count, itemsize, bounds, bounds + 1, mean)
         elif algorithm == RING:
             ferro_plan_init(&plan, FERRO_PLAN_RING, rank, n, count, itemsize, bounds, bounds + 1, NULL, phases,
                             mean, source)
@@ -419,6 +449,8 @@ ALGORITHM_BRUCK = FERRO_PLAN_BRUCK
 ALGORITHM_PAIRWISE = FERRO_PLAN_PAIRWISE
 ALGORITHM_BRUCK_ALL_TO_ALL = FERRO_PLAN_BRUCK_ALL_TO_ALL
 ALGORITHM_DISSEMINATION = FERRO_PLAN_DISSEMINATION
+ALGORITHM_REDUCE_TREE = FERRO_PLAN_REDUCE_TREE
+ALGORITHM_REDUCE_RING_GATHER = FERRO_PLAN_REDUCE_RING_GATHER
 STEP_PACK = FERRO_STEP_PACK
 STEP_SEND_SOURCE = FERRO_STEP_SEND_SOURCE
 STEP_RECV_BASE = FERRO_STEP_RECV_BASE
@@ -876,7 +908,9 @@ cdef int _all_gather_locked(Mesh mesh, unsigned char* out, size_t nbytes, uint64
     cdef int rc, i
     cdef unsigned char* blocks
     cdef int64_t deadline
-    if mesh.bruck(nbytes * <size_t>mesh.n):
+    cdef bint bruck = mesh.bruck(nbytes * <size_t>mesh.n)
+    fingerprint = _with_plan(fingerprint, bruck)
+    if bruck:
         blocks = mesh.scratch_for(nbytes * <size_t>mesh.n)
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
@@ -939,8 +973,9 @@ cdef int _broadcast_locked(Mesh mesh, int root, unsigned char* buf, size_t nbyte
     if mesh.chain(nbytes):
         return _broadcast_chain(mesh.states, mesh.rank, mesh.n, root, buf, nbytes,
                                 ferro_chain_segment(nbytes, mesh.n, mesh.latency_bytes, CHAIN_SMALLEST,
-                                                    CHAIN_LARGEST), fingerprint, deadline, s, r)
-    return _broadcast_tree(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, segment, fingerprint, deadline, s, r)
+                                                    CHAIN_LARGEST), _with_plan(fingerprint, True), deadline, s, r)
+    return _broadcast_tree(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, segment, _with_plan(fingerprint, False),
+                           deadline, s, r)
 
 
 def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
@@ -969,6 +1004,75 @@ def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
         call.release()
     if rc:
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "broadcast", timeout)
+
+
+def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uint64_t fingerprint, double timeout,
+           double divisor=0, int algorithm=-1) -> None:
+    """Reduce every rank's ``buf`` into ``buf`` on ``root``; the others' ``buf`` is scratch (left partly reduced).
+
+    The binomial tree (log2(n) rounds of the whole message) for small messages, the ring's reduce-scatter and a
+    gather of its chunks to the root for large ones: the mesh's cost forms choose (:func:`choose`), or
+    ``algorithm`` (``ALGORITHM_REDUCE_TREE`` or ``ALGORITHM_REDUCE_RING_GATHER``) when not -1. The reduction
+    order is fixed, so the root's result is the same bits on every run.
+
+    Args:
+        mesh: The group's mesh.
+        buf: A writable C-contiguous buffer of ``itemsize``-byte elements.
+        root: The rank that ends with the result.
+        dtype: The dtype code (``reduce_kernels.h``).
+        op: The kernel's op code.
+        itemsize: Bytes per element.
+        fingerprint: The call's fingerprint, carried by every frame.
+        timeout: Seconds for the whole collective.
+        divisor: When not 0, the root's result is divided by it (MEAN), each element once.
+        algorithm: Force a plan (every rank must force the same), or -1.
+
+    Raises:
+        The transport's errors, InvalidBufferError for a bad buffer, ValueError for a bad root or algorithm.
+    """
+    cdef _Call call = _Call()
+    cdef SendOp s
+    cdef RecvOp r
+    cdef ferro_reduce_fn kernel = ferro_reduce_kernel(dtype, op)
+    cdef size_t count, nbytes
+    cdef int64_t deadline
+    cdef int rc = 0
+    cdef ferro_plan plan
+    if kernel == NULL:
+        raise ValueError(f"no reduction kernel for dtype code {dtype} and op code {op}")
+    if not 0 <= root < mesh.n:
+        raise ValueError(f"reduce: root {root} is not a rank of a group of {mesh.n}")
+    if algorithm not in (-1, FERRO_PLAN_REDUCE_TREE, FERRO_PLAN_REDUCE_RING_GATHER):
+        raise ValueError(f"reduce: no plan with code {algorithm}")
+    memset(&s, 0, sizeof(SendOp))
+    memset(&r, 0, sizeof(RecvOp))
+    try:
+        call.take(mesh, buf, timeout, "reduce")
+        nbytes = <size_t>call.view.len
+        if nbytes % itemsize:
+            raise InvalidBufferError(f"reduce: {nbytes} bytes is not a whole number of {itemsize}-byte elements")
+        count = nbytes // itemsize
+        if mesh.n < 2 or count == 0:
+            return
+        if algorithm == -1:
+            algorithm = (FERRO_PLAN_REDUCE_RING_GATHER
+                         if _prefer_ring_gather(nbytes, mesh.n, mesh.latency_bytes, mesh.partner_ratio)
+                         else FERRO_PLAN_REDUCE_TREE)
+        if algorithm == FERRO_PLAN_REDUCE_TREE:
+            mesh.scratch_for(min(<size_t>SEGMENT_BYTES - SEGMENT_BYTES % itemsize, nbytes))
+        else:
+            mesh.prepare_allreduce(count, itemsize, RING, SEGMENT_BYTES - SEGMENT_BYTES % itemsize)
+        ferro_plan_init_reduce(&plan, algorithm, mesh.rank, mesh.n, root, count, itemsize, mesh.bounds,
+                               mesh.bounds + 1, divisor != 0)
+        deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
+        with nogil:
+            rc = _run_plan(mesh.states, &plan, <unsigned char*>call.view.buf, NULL, itemsize, dtype, kernel,
+                           mesh.scratch, SEGMENT_BYTES - SEGMENT_BYTES % itemsize, divisor, fingerprint, deadline,
+                           &s, &r)
+    finally:
+        call.release()
+    if rc:
+        raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "reduce", timeout)
 
 
 cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned char* out, unsigned char* into,
@@ -1076,6 +1180,7 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
                 raise ValueError(f"all_to_all: even=True needs {n} equal blocks on each side; offsets differ at {i}")
         uniform = even and _prefer_bruck_all_to_all(<size_t>n * block, n, mesh.latency_bytes, mesh.copy_ratio,
                                                     mesh.partner_ratio)
+        fingerprint = _with_plan(fingerprint, uniform)
         if uniform:  # Bruck: the rotated blocks, and room to pack half of them each way
             work = mesh.scratch_for(<size_t>n * block + 2 * <size_t>((n + 1) // 2) * block)
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)

@@ -31,6 +31,8 @@ enum {
     FERRO_PLAN_PAIRWISE = 6,        /* all_to_all: n - 1 steps, step k to rank + k while rank - k's arrives */
     FERRO_PLAN_BRUCK_ALL_TO_ALL = 7,/* all_to_all of equal blocks: ceil(log2 n) rounds of packed blocks */
     FERRO_PLAN_DISSEMINATION = 8,   /* barrier: round k signals rank + 2^k and waits for rank - 2^k */
+    FERRO_PLAN_REDUCE_TREE = 9,     /* reduce: each child's partial result reduced in, then sent to the parent */
+    FERRO_PLAN_REDUCE_RING_GATHER = 10, /* reduce: the ring's reduce-scatter, then each rank's chunk to the root */
 };
 
 enum {
@@ -368,6 +370,73 @@ static int ferro_plan_next_chain(ferro_plan *p, ferro_step *step) {
     }
 }
 
+/* Start a reduce of `count` elements into `root`. The binomial tree mirrors the broadcast's: a rank reduces its
+ * children's partial results into its own (nearest child first, so the order is fixed), then sends the sum to its
+ * parent; log2(n) rounds of the whole message. The ring-and-gather form (Rabenseifner's reduce, with the ring
+ * where he halves) runs the ring's reduce-scatter over chunks `starts`/`ends` (elements), after which each rank's
+ * chunk is complete, and sends every chunk to the root: 2(n - 1)/n of the message through each link where the
+ * tree moves log2(n) whole ones. MEAN divides the root's whole result (the tree) or each chunk (the ring) once. */
+static inline void ferro_plan_init_reduce(ferro_plan *plan, int algorithm, int rank, int n, int root, size_t count,
+                                          size_t itemsize, const size_t *starts, const size_t *ends, int mean) {
+    ferro_plan_init(plan, algorithm, rank, n, count, itemsize, starts, ends, NULL, FERRO_PHASE_REDUCE_SCATTER, mean,
+                    0);
+    plan->root = root;
+    plan->virtual_rank = (rank - root + n) % n;
+    plan->mask = 1;
+}
+
+static int ferro_plan_next_reduce_tree(ferro_plan *p, ferro_step *step) {
+    int v = p->virtual_rank, n = p->n, mask;
+    while (p->stage == 0 && p->mask < n) {
+        mask = p->mask;
+        p->mask <<= 1;
+        ferro_plan_clear(step);
+        if (v & mask) {        /* the partial result goes to the parent, and this rank is done */
+            p->stage = 2;
+            step->send_peer = (v - mask + p->root) % n;
+            step->send_len = p->nbytes;
+            return 1;
+        }
+        if (v + mask < n) {    /* a child's partial result, reduced in */
+            step->recv_peer = (v + mask + p->root) % n;
+            step->recv_len = p->nbytes;
+            step->flags = FERRO_STEP_REDUCE;
+            return 1;
+        }
+    }
+    if (p->stage == 0) {       /* the root, with every child reduced in */
+        p->stage = 2;
+        if (p->mean)
+            return ferro_plan_divide_all(p, step);
+    }
+    return 0;
+}
+
+static int ferro_plan_next_reduce_ring_gather(ferro_plan *p, ferro_step *step) {
+    int n = p->n, j;
+    if (p->stage < 2) {        /* the ring's stages: 0 reduce-scatter, 1 (skipped) all-gather, 2 done */
+        if (ferro_plan_next_ring(p, step))
+            return 1;
+        p->stage = 3;
+        p->index = 1;
+    }
+    if (p->index >= n)
+        return 0;
+    ferro_plan_clear(step);
+    if (p->rank != p->root) {  /* this rank's complete chunk, to the root */
+        p->index = n;
+        step->send_peer = p->root;
+        step->send_off = p->starts[p->rank] * p->itemsize;
+        step->send_len = (p->ends[p->rank] - p->starts[p->rank]) * p->itemsize;
+        return 1;
+    }
+    j = (p->root + p->index++) % n;  /* the root takes them in turn, from root + 1 on */
+    step->recv_peer = j;
+    step->recv_off = p->starts[j] * p->itemsize;
+    step->recv_len = (p->ends[j] - p->starts[j]) * p->itemsize;
+    return 1;
+}
+
 /* Start Bruck's all_gather of `block` bytes per rank. The working buffer holds the n blocks in this rank's order
  * (block j is rank + j's): the executor puts this rank's own first and rotates them into rank order at the end. */
 static inline void ferro_plan_init_bruck(ferro_plan *plan, int rank, int n, size_t block) {
@@ -470,6 +539,10 @@ static inline int ferro_plan_next(ferro_plan *plan, ferro_step *step) {
         return ferro_plan_next_all_to_all(plan, step);
     if (plan->algorithm == FERRO_PLAN_DISSEMINATION)
         return ferro_plan_next_dissemination(plan, step);
+    if (plan->algorithm == FERRO_PLAN_REDUCE_TREE)
+        return ferro_plan_next_reduce_tree(plan, step);
+    if (plan->algorithm == FERRO_PLAN_REDUCE_RING_GATHER)
+        return ferro_plan_next_reduce_ring_gather(plan, step);
     return ferro_plan_next_doubling(plan, step);
 }
 
@@ -512,6 +585,12 @@ static inline double ferro_cost_chain(size_t nbytes, int n, double latency_bytes
     double pieces = (double)((nbytes + segment - 1) / segment);
     double piece = (double)(nbytes < segment ? nbytes : segment);
     return ((double)(n - 2) + pieces) * (latency_bytes + piece);
+}
+
+/* Reduce of `nbytes`: the tree moves the whole message log2(n) times, in turn (its cost is the broadcast tree's,
+ * ferro_cost_tree); the ring and the gather move 2(n - 1) chunks of m / n, each a message. */
+static inline double ferro_cost_reduce_ring_gather(size_t nbytes, int n, double latency_bytes) {
+    return 2.0 * (double)(n - 1) * (latency_bytes + (double)nbytes / n);
 }
 
 /* All_gather of `total` bytes in all: the ring's n - 1 steps of a block, or Bruck's ceil(log2 n) rounds that move

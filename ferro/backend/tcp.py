@@ -264,6 +264,14 @@ class TcpBackend(StoreBackend, NativeCollectives):
                          fingerprint, timeout, code, native.DEFAULT_SEGMENT_BYTES, _divisor(op, self._world_size))
         return True
 
+    def native_reduce(self, flat: Any, root: int, dtype: DType, op: ReduceOp, fingerprint: int,
+                      timeout: float) -> bool:
+        """Run the binomial tree (small) or the ring's reduce-scatter and a gather (large); MEAN divides inside."""
+        self._usable("reduce")
+        native.reduce(self._mesh, flat, root, dtype.code, op.kernel_code, dtype.itemsize, fingerprint, timeout,
+                      _divisor(op, self._world_size))
+        return True
+
     def native_reduce_scatter(self, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp, fingerprint: int,
                               timeout: float) -> bool:
         """Run the ring's reduce-scatter half in place (the ring given ``flat`` as its own source)."""

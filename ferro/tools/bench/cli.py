@@ -258,16 +258,16 @@ def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
             nbytes = max(itemsize, size - size % itemsize) if op != "barrier" else 0
             if op == "allreduce":
                 chosen = resolve_allreduce_algorithm(nbytes, n)
-            elif op in ("broadcast", "all_gather", "all_to_all"):
+            elif op in ("broadcast", "all_gather", "all_to_all", "reduce"):
                 chosen = native.choose(op, nbytes, n, latency_bytes, copy_ratio, partner_ratio)
             else:
                 chosen = names[0]
             times = {name: simulate.predict(network, name, nbytes, itemsize, op=op, latency_bytes=latency_bytes)
                      for name in names}
             bound = simulate.lower_bound(network, nbytes, op)
-            factor = {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(op, (n - 1) / n)
-            redop = args.op if op in ("allreduce", "reduce_scatter") else "none"
-            root = 0 if op == "broadcast" else -1
+            factor = {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}.get(op, (n - 1) / n)
+            redop = args.op if op in ("allreduce", "reduce_scatter", "reduce") else "none"
+            root = 0 if op in ("broadcast", "reduce") else -1
             busbw = nbytes / times[chosen] / 1e9 * factor if times[chosen] > 0 and n > 1 else 0.0
             print(f"  {nbytes:>10} {nbytes // itemsize:>12} {args.dtype:>8} {redop:>6} {root:>5} {chosen:>18} "
                   f"{times[chosen] * 1e6:>11.1f} {busbw:>8.3f} "

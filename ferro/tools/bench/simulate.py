@@ -215,6 +215,7 @@ OP_ALGORITHMS: dict[str, dict[str, int]] = {
     "reduce_scatter": {"ring": native.ALGORITHM_RING},
     "all_to_all": {"pairwise": native.ALGORITHM_PAIRWISE, "bruck": native.ALGORITHM_BRUCK_ALL_TO_ALL},
     "barrier": {"dissemination": native.ALGORITHM_DISSEMINATION},
+    "reduce": {"binomial tree": native.ALGORITHM_REDUCE_TREE, "ring and gather": native.ALGORITHM_REDUCE_RING_GATHER},
 }
 #: Broadcast's schedules (``OP_ALGORITHMS["broadcast"]``).
 BROADCAST_ALGORITHMS = OP_ALGORITHMS["broadcast"]
@@ -251,6 +252,8 @@ def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
         if algorithm == "pipelined chain":
             segment = native.chain_segment(nbytes, n, latency_bytes)
         steps_of = lambda rank: native.plan_steps(code, rank, n, nbytes, 1, root=root, segment=segment)  # noqa: E731
+    elif op == "reduce":
+        steps_of = lambda rank: native.plan_steps(code, rank, n, count, itemsize, root=root)  # noqa: E731
     elif op == "reduce_scatter":
         steps_of = lambda rank: native.plan_steps(code, rank, n, count, itemsize, phases=1, source=True)  # noqa: E731
     elif op == "all_gather" and algorithm == "ring":
@@ -283,7 +286,8 @@ def lower_bound(network: Network, nbytes: int, op: str = "allreduce") -> float:
     message, so a root reaches four children in about one latency, and the round count is no bound.)
 
     * allreduce: each host sends and receives 2 (H - 1) / H of the data;
-    * broadcast: the root's host sends the message once;
+    * broadcast: the root's host sends the message once; reduce: the root's host receives it once (every
+      element of the result depends on the other hosts' data);
     * all_gather, reduce_scatter: each host receives (sends) (H - 1) / H of the whole;
     * all_to_all: each host sends what its R ranks send to the other hosts, R (H - 1) / H of a rank's bytes.
     """
@@ -291,9 +295,10 @@ def lower_bound(network: Network, nbytes: int, op: str = "allreduce") -> float:
     if n < 2:
         return 0.0
     share = {"allreduce": 2 * (hosts - 1) / hosts, "broadcast": 1.0 if hosts > 1 else 0.0,
+             "reduce": 1.0 if hosts > 1 else 0.0,
              "all_gather": (hosts - 1) / hosts, "reduce_scatter": (hosts - 1) / hosts,
              "all_to_all": per_host * (hosts - 1) / hosts, "barrier": 0.0}[op]
-    local = {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0, "all_gather": (n - 1) / n,
+    local = {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0, "reduce": 1.0, "all_gather": (n - 1) / n,
              "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n, "barrier": 0.0}[op]
     bandwidth = share * nbytes / network.rate if hosts > 1 else local * nbytes / network.local_rate
     latency = network.latency if hosts > 1 else network.local_latency

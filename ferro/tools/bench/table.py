@@ -4,7 +4,7 @@ Columns follow nccl-tests: ``size count type redop root`` then, for out-of-place
 and in-place, ``time(us) algbw busbw #wrong``. GB = 1e9 bytes. ``algbw`` is
 size / time; ``busbw`` scales it by the factor that makes it comparable with
 the link's bandwidth: 2(n-1)/n for allreduce, (n-1)/n for all_gather,
-reduce_scatter and all_to_all, 1 for broadcast and sendrecv.
+reduce_scatter and all_to_all, 1 for broadcast, reduce and sendrecv.
 """
 
 from __future__ import annotations

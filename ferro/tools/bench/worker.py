@@ -23,8 +23,8 @@ from ferro.tools.bench.table import HEADER, Row, footer, format_row, write_json
 
 __all__ = ["OPS", "main", "sizes_from"]
 
-OPS = ["allreduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "sendrecv", "barrier"]
-REDUCING = {"allreduce", "reduce_scatter"}
+OPS = ["allreduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "sendrecv", "barrier"]
+REDUCING = {"allreduce", "reduce_scatter", "reduce"}
 # (out-of-place call, in-place call or None, check) -- each returns the array to check
 Plan = tuple[Callable[[], Any], Callable[[], Any] | None, Callable[[], int] | None]
 
@@ -113,7 +113,7 @@ class _Ferro(_Adapter):
         if op == "allreduce":
             return resolve_allreduce_algorithm(nbytes, n)
         native_calls = self.group.native
-        if op in ("all_gather", "broadcast", "all_to_all") and native_calls is not None:
+        if op in ("all_gather", "broadcast", "all_to_all", "reduce") and native_calls is not None:
             return native_calls.direct_mesh.choose(op, nbytes)  # the mesh's own choice, by its cost forms
         return {"reduce_scatter": "ring", "all_to_all": "pairwise", "barrier": "dissemination",
                 "reduce": "binomial tree", "gather": "direct", "scatter": "direct"}.get(op, "")
@@ -155,6 +155,14 @@ class _Ferro(_Adapter):
                 f.broadcast(y, root=0)
                 return int(np.count_nonzero(y.astype(np.float64) != 1))
             return (lambda: f.broadcast(mine.copy(), root=0), lambda: f.broadcast(buf, root=0), check)
+        if op == "reduce":
+            expected = _expected(redop, n)
+
+            def check() -> int:  # the root holds the result; the others' buffers are untouched
+                y = mine.copy()
+                f.reduce(y, dst=0, op=reduce_op)
+                return int(np.count_nonzero(y.astype(np.float64) != (expected if r == 0 else r + 1)))
+            return (lambda: f.reduce(mine.copy(), dst=0, op=reduce_op), None, check)
         if op == "all_to_all":
             if count % n:
                 return None
@@ -217,6 +225,8 @@ class _Gloo(_Adapter):
         if op == "broadcast":
             buf = mine.clone()
             return (lambda: dist.broadcast(mine.clone(), src=0), lambda: dist.broadcast(buf, src=0), None)
+        if op == "reduce" and red is not None:
+            return (lambda: dist.reduce(mine.clone(), dst=0, op=red), None, None)
         if op == "all_to_all" and count % n == 0:
             out = torch.empty_like(mine)
             return (lambda: dist.all_to_all_single(out, mine), None, None)
@@ -271,6 +281,9 @@ class _Mpi(_Adapter):
         if op == "broadcast":
             buf = mine.copy()
             return (lambda: comm.Bcast(mine.copy(), root=0), lambda: comm.Bcast(buf, root=0), None)
+        if op == "reduce" and red is not None:
+            out = np.empty_like(mine)
+            return (lambda: comm.Reduce(mine, out, op=red, root=0), None, None)
         if op == "all_to_all" and count % n == 0:
             out = np.empty_like(mine)
             return (lambda: comm.Alltoall(mine, out), None, None)
@@ -449,7 +462,7 @@ def sweep(adapter: _Adapter, ops: list[str], sizes: list[int], dtype: np.dtype, 
             ip = _time(adapter, in_place, scaled, warmup) if in_place is not None else None
             wrong = int(adapter.max_over_ranks(float(checker()))) if check and checker is not None else None
             row = Row(adapter.name, op, size, count, dtype.name, redop if op in REDUCING else "none",
-                      0 if op == "broadcast" else -1, adapter.world_size, oop, ip, wrong,
+                      0 if op in ("broadcast", "reduce") else -1, adapter.world_size, oop, ip, wrong,
                       wrong if ip is not None else None, adapter.algorithm(op, size))
             rows.append(row)
             show(format_row(row))
