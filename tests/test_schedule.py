@@ -597,11 +597,11 @@ def test_an_even_all_to_all_with_unequal_blocks_is_refused_before_any_rank_sends
 REDUCE_ALGORITHMS = sorted(simulate.OP_ALGORITHMS["reduce"])
 
 
-def run_reduce(inputs, algorithm, root, reduce=np.add, mean=False):
+def run_reduce(inputs, algorithm, root, reduce=np.add, segment=24):
     n, itemsize, count = len(inputs), inputs[0].itemsize, inputs[0].size
     buffers = [x.copy().view(np.uint8) for x in inputs]
-    plans = [deque(native.plan_steps(simulate.OP_ALGORITHMS["reduce"][algorithm], r, n, count, itemsize, mean=mean,
-                                     root=root)) for r in range(n)]
+    plans = [deque(native.plan_steps(simulate.OP_ALGORITHMS["reduce"][algorithm], r, n, count, itemsize, root=root,
+                                     segment=segment)) for r in range(n)]
     execute(plans, buffers, inputs[0].dtype, reduce=reduce)
     return [b.view(inputs[0].dtype) for b in buffers], plans
 
@@ -614,7 +614,7 @@ def test_reduce_plans_leave_numpy_s_reduction_on_the_root(algorithm, n):
         inputs = [rng.integers(-1000, 1000, count).astype(np.int64) for _ in range(n)]
         for root in sorted({0, n // 2, n - 1}):
             for reduce, reference in ((np.add, np.sum), (np.maximum, np.max)):
-                buffers, _ = run_reduce(inputs, algorithm, root, reduce)
+                buffers, _ = run_reduce(inputs, algorithm, root, reduce)  # the chain: 3 elements a segment
                 np.testing.assert_array_equal(buffers[root], reference(inputs, axis=0),
                                               err_msg=f"{algorithm}, {n} ranks, root {root}, {count} elements")
 
@@ -626,31 +626,37 @@ def test_reduce_s_mean_divides_each_element_of_the_root_s_result_once(algorithm,
     divided = np.zeros(count * 8, dtype=int)
     for rank in range(n):
         for step in native.plan_steps(simulate.OP_ALGORITHMS["reduce"][algorithm], rank, n, count, 8, mean=True,
-                                      root=1 % n):
+                                      root=1 % n, segment=48):
             if step[6] & native.STEP_DIVIDE:
                 offset, length = _divided_range(step, count * 8)
                 divided[offset:offset + length] += 1
-    # The tree: the root divides its whole result. The ring: each rank its completed chunk, before the gather.
+    # The tree and the chain: the root divides its whole result. The ring: each rank its completed chunk, before
+    # the gather.
     assert (divided == 1).all(), divided
 
 
 def test_reduce_plans_move_what_their_closed_forms_say():
-    # The tree sends the whole message once from every rank but the root; the ring and gather 2 (n - 1) chunks
-    # from each rank but the root's n - 1: the choice between them (ferro_cost_reduce_ring_gather) counts these.
+    # The tree and the chain send the whole message once from every rank but the root (the chain in segments);
+    # the ring and gather 2 (n - 1) chunks from each rank but the root's n - 1: the closed forms count these.
     n, count = 9, 9 * 1000
     codes = simulate.OP_ALGORITHMS["reduce"]
     for rank in range(n):
         tree = native.plan_steps(codes["binomial tree"], rank, n, count, 1, root=0)
         ring = native.plan_steps(codes["ring and gather"], rank, n, count, 1, root=0)
+        chain = native.plan_steps(codes["pipelined chain"], rank, n, count, 1, root=0, segment=1000)
         assert sum(s[2] for s in tree) == (0 if rank == 0 else count)
+        assert sum(s[2] for s in chain) == (0 if rank == 0 else count)
+        assert len([s for s in chain if s[0] >= 0]) == (0 if rank == 0 else 9)  # nine segments, each one frame
         assert sum(s[2] for s in ring) == (n - 1) * 1000 + (0 if rank == 0 else 1000)
     assert native.choose("reduce", 64, n) == "binomial tree"
-    assert native.choose("reduce", 64 << 20, n) == "ring and gather"
+    assert native.choose("reduce", 64 << 20, n) != "binomial tree"
     network = simulate.parse_network("16x1@100mbit")
-    for nbytes in (1 << 10, 16 << 20):
-        times = {name: simulate.predict(network, name, nbytes, op="reduce") for name in codes}
-        best = min(times, key=times.get)
-        assert native.choose("reduce", nbytes, 16, (network.latency + network.overhead) * network.rate) == best
+    for nbytes in (1 << 10, 256 << 10, 16 << 20):
+        latency_bytes = (network.latency + network.overhead) * network.rate
+        times = {name: simulate.predict(network, name, nbytes, op="reduce", latency_bytes=latency_bytes)
+                 for name in codes}
+        chosen = native.choose("reduce", nbytes, 16, latency_bytes)
+        assert times[chosen] <= 1.1 * min(times.values()), (nbytes, chosen, times)  # the best, or a near tie
         assert min(times.values()) >= simulate.lower_bound(network, nbytes, "reduce")
 
 
@@ -669,13 +675,19 @@ def _reduce_every_dtype_op_and_plan(rank, world_size):
                     y = x.copy()
                     ferro.reduce(y, dst=root, op=getattr(ferro.ReduceOp, op), group=group)
                     out["chosen", dtype, op, root] = y.tobytes()
-                    for plan in ("binomial tree", "ring and gather"):  # each plan forced on the compiled call
+                    for plan in native.REDUCE_PLANS:  # each plan forced on the compiled call
                         y = x.copy()
                         reduce_op = getattr(ferro.ReduceOp, op)
                         native.reduce(group.direct_mesh, y, root, dtype_by_name(dtype).code, KERNEL_CODES[reduce_op],
                                       y.itemsize, 0, 30.0, float(world_size) if op == "MEAN" else 0.0,
                                       simulate.OP_ALGORITHMS["reduce"][plan])
                         out[plan, dtype, op, root] = y.tobytes() if rank == root else None
+        big = np.arange(300_000, dtype=np.float64) * (rank + 1)  # 2.4 MB: the chain in some 24 segments
+        for plan, code in native.REDUCE_PLANS.items():
+            y = big.copy()
+            native.reduce(group.direct_mesh, y, 0, dtype_by_name("float64").code, KERNEL_CODES[ferro.ReduceOp.SUM],
+                          8, 0, 30.0, 0.0, code)
+            out["big", plan] = bool((y == np.arange(300_000) * (world_size * (world_size + 1) // 2)).all())
         return out
 
 
@@ -684,6 +696,7 @@ def test_reduce_on_real_ranks_gives_the_root_numpy_s_answer_by_either_plan_and_l
     from ferro.testing import run_processes
 
     results = run_processes(_reduce_every_dtype_op_and_plan, n, backend=None, timeout=180)
+    assert all(results[0].pop(("big", plan)) for plan in native.REDUCE_PLANS)  # the root's sum of 2.4 MB, exact
     references = {"SUM": np.sum, "PRODUCT": np.prod, "MIN": np.min, "MAX": np.max, "MEAN": np.mean}
     for plan, dtype, op, root in results[0]:
         inputs = np.array([((np.arange(50) % 7 - 3) * (r + 1)).astype(np.float64) for r in range(n)])

@@ -48,6 +48,7 @@ cdef extern from "schedule.h" nogil:
         FERRO_PLAN_DISSEMINATION
         FERRO_PLAN_REDUCE_TREE
         FERRO_PLAN_REDUCE_RING_GATHER
+        FERRO_PLAN_REDUCE_CHAIN
         FERRO_PHASE_REDUCE_SCATTER
         FERRO_PHASE_ALL_GATHER
         FERRO_STEP_REDUCE
@@ -76,7 +77,7 @@ cdef extern from "schedule.h" nogil:
                                    size_t segment)
     void ferro_plan_init_bruck(ferro_plan* plan, int rank, int n, size_t block)
     void ferro_plan_init_reduce(ferro_plan* plan, int algorithm, int rank, int n, int root, size_t count,
-                                size_t itemsize, const size_t* starts, const size_t* ends, int mean)
+                                size_t itemsize, const size_t* starts, const size_t* ends, int mean, size_t segment)
     void ferro_plan_init_all_to_all(ferro_plan* plan, int algorithm, int rank, int n, const size_t* send_bounds,
                                     const size_t* recv_bounds, size_t block)
     size_t ferro_plan_blocks_with_bit(int n, size_t bit)
@@ -159,9 +160,25 @@ cdef inline uint64_t _with_plan(uint64_t fingerprint, bint second) noexcept nogi
             | (<uint64_t>(2 if second else 1) << PLAN_FIELD_SHIFT))
 
 
-cdef inline bint _prefer_ring_gather(size_t nbytes, int n, double latency_bytes, double partner_ratio) noexcept nogil:
-    return n > 2 and (ferro_cost_reduce_ring_gather(nbytes, n, latency_bytes)
-                      < ferro_cost_tree(nbytes, n, latency_bytes, partner_ratio))
+cdef int _reduce_plan(size_t nbytes, int n, double latency_bytes, double partner_ratio) noexcept nogil:
+    """The reduce's plan of least cost: the binomial tree, the ring and a gather, or the pipelined chain."""
+    cdef double tree = ferro_cost_tree(nbytes, n, latency_bytes, partner_ratio)
+    cdef double ring = ferro_cost_reduce_ring_gather(nbytes, n, latency_bytes)
+    cdef double chain = tree
+    if n > 2:
+        chain = ferro_cost_chain(nbytes, n, latency_bytes,
+                                 ferro_chain_segment(nbytes, n, latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST))
+    if chain < tree and chain <= ring:
+        return FERRO_PLAN_REDUCE_CHAIN
+    if n > 2 and ring < tree:
+        return FERRO_PLAN_REDUCE_RING_GATHER
+    return FERRO_PLAN_REDUCE_TREE
+
+
+#: The reduce's plans by the names :func:`choose` gives them.
+REDUCE_PLANS = {"binomial tree": FERRO_PLAN_REDUCE_TREE, "ring and gather": FERRO_PLAN_REDUCE_RING_GATHER,
+                "pipelined chain": FERRO_PLAN_REDUCE_CHAIN}
+_REDUCE_PLAN_NAMES = {code: name for name, code in REDUCE_PLANS.items()}
 
 
 def choose(str op, size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BYTES,
@@ -178,7 +195,7 @@ def choose(str op, size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BY
     if op == "all_to_all":
         return "bruck" if _prefer_bruck_all_to_all(nbytes, n, latency_bytes, copy_ratio, partner_ratio) else "pairwise"
     if op == "reduce":
-        return "ring and gather" if _prefer_ring_gather(nbytes, n, latency_bytes, partner_ratio) else "binomial tree"
+        return _REDUCE_PLAN_NAMES[_reduce_plan(nbytes, n, latency_bytes, partner_ratio)]
     raise ValueError(f"no plan is chosen by cost for {op!r}")
 # A reduce_scatter of at most this many bytes of input may take the direct path, which works in the
 # mesh's scratch (kept at the largest call's size); above it the front end's ~100 us are under 2 % of
@@ -389,7 +406,8 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
             broadcast's ``ALGORITHM_BINOMIAL_TREE`` and ``ALGORITHM_CHAIN`` (``count`` elements from ``root``, the
             chain in ``segment``-byte pieces); all_gather's ``ALGORITHM_BRUCK``; all_to_all's
             ``ALGORITHM_PAIRWISE`` and ``ALGORITHM_BRUCK_ALL_TO_ALL``; the barrier's ``ALGORITHM_DISSEMINATION``;
-            reduce's ``ALGORITHM_REDUCE_TREE`` and ``ALGORITHM_REDUCE_RING_GATHER`` (to ``root``).
+            reduce's ``ALGORITHM_REDUCE_TREE``, ``ALGORITHM_REDUCE_RING_GATHER`` and ``ALGORITHM_REDUCE_CHAIN``
+            (to ``root``; the chain in ``segment``-byte pieces).
             For all_gather and all_to_all, ``count`` elements is each rank's block (to each peer).
         rank: The rank whose steps to list.
         n: The world size.
@@ -425,10 +443,11 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
             ferro_plan_init_all_to_all(&plan, algorithm, rank, n, bounds, bounds, block)
         elif algorithm == FERRO_PLAN_DISSEMINATION:
             ferro_plan_init(&plan, algorithm, rank, n, 0, 1, NULL, NULL, NULL, 0, 0, 0)
-        elif algorithm == FERRO_PLAN_REDUCE_TREE or algorithm == FERRO_PLAN_REDUCE_RING_GATHER:
-            if not 0 <= root < n:
-                raise ValueError(f"no reduce plan to root {root} of {n}")
-            ferro_plan_init_reduce(&plan, algorithm, rank, n, root, count, itemsize, bounds, bounds + 1, mean)
+        elif algorithm in (FERRO_PLAN_REDUCE_TREE, FERRO_PLAN_REDUCE_RING_GATHER, FERRO_PLAN_REDUCE_CHAIN):
+            if not 0 <= root < n or segment < itemsize:
+                raise ValueError(f"no reduce plan to root {root} of {n} in {segment}-byte segments")
+            ferro_plan_init_reduce(&plan, algorithm, rank, n, root, count, itemsize, bounds, bounds + 1, mean,
+                                   <size_t>(segment - segment % itemsize))
         elif algorithm == RING:
             ferro_plan_init(&plan, FERRO_PLAN_RING, rank, n, count, itemsize, bounds, bounds + 1, NULL, phases,
                             mean, source)
@@ -451,6 +470,7 @@ ALGORITHM_BRUCK_ALL_TO_ALL = FERRO_PLAN_BRUCK_ALL_TO_ALL
 ALGORITHM_DISSEMINATION = FERRO_PLAN_DISSEMINATION
 ALGORITHM_REDUCE_TREE = FERRO_PLAN_REDUCE_TREE
 ALGORITHM_REDUCE_RING_GATHER = FERRO_PLAN_REDUCE_RING_GATHER
+ALGORITHM_REDUCE_CHAIN = FERRO_PLAN_REDUCE_CHAIN
 STEP_PACK = FERRO_STEP_PACK
 STEP_SEND_SOURCE = FERRO_STEP_SEND_SOURCE
 STEP_RECV_BASE = FERRO_STEP_RECV_BASE
@@ -1010,10 +1030,10 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
            double divisor=0, int algorithm=-1) -> None:
     """Reduce every rank's ``buf`` into ``buf`` on ``root``; the others' ``buf`` is scratch (left partly reduced).
 
-    The binomial tree (log2(n) rounds of the whole message) for small messages, the ring's reduce-scatter and a
-    gather of its chunks to the root for large ones: the mesh's cost forms choose (:func:`choose`), or
-    ``algorithm`` (``ALGORITHM_REDUCE_TREE`` or ``ALGORITHM_REDUCE_RING_GATHER``) when not -1. The reduction
-    order is fixed, so the root's result is the same bits on every run.
+    The binomial tree (log2(n) rounds of the whole message) for small messages; for large ones the pipelined
+    chain (each link carries the message once) or the ring's reduce-scatter and a gather of its chunks to the
+    root: the mesh's cost forms choose (:func:`choose`), or ``algorithm`` (one of :data:`REDUCE_PLANS`) when not
+    -1. The reduction order is fixed, so the root's result is the same bits on every run.
 
     Args:
         mesh: The group's mesh.
@@ -1034,7 +1054,7 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
     cdef SendOp s
     cdef RecvOp r
     cdef ferro_reduce_fn kernel = ferro_reduce_kernel(dtype, op)
-    cdef size_t count, nbytes
+    cdef size_t count, nbytes, segment
     cdef int64_t deadline
     cdef int rc = 0
     cdef ferro_plan plan
@@ -1042,7 +1062,7 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
         raise ValueError(f"no reduction kernel for dtype code {dtype} and op code {op}")
     if not 0 <= root < mesh.n:
         raise ValueError(f"reduce: root {root} is not a rank of a group of {mesh.n}")
-    if algorithm not in (-1, FERRO_PLAN_REDUCE_TREE, FERRO_PLAN_REDUCE_RING_GATHER):
+    if algorithm != -1 and algorithm not in _REDUCE_PLAN_NAMES:
         raise ValueError(f"reduce: no plan with code {algorithm}")
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
@@ -1055,20 +1075,21 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
         if mesh.n < 2 or count == 0:
             return
         if algorithm == -1:
-            algorithm = (FERRO_PLAN_REDUCE_RING_GATHER
-                         if _prefer_ring_gather(nbytes, mesh.n, mesh.latency_bytes, mesh.partner_ratio)
-                         else FERRO_PLAN_REDUCE_TREE)
-        if algorithm == FERRO_PLAN_REDUCE_TREE:
-            mesh.scratch_for(min(<size_t>SEGMENT_BYTES - SEGMENT_BYTES % itemsize, nbytes))
+            algorithm = _reduce_plan(nbytes, mesh.n, mesh.latency_bytes, mesh.partner_ratio)
+        segment = SEGMENT_BYTES
+        if algorithm == FERRO_PLAN_REDUCE_CHAIN:  # one frame per step, as the chain's form counts
+            segment = ferro_chain_segment(nbytes, mesh.n, mesh.latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
+        segment = max(segment - segment % <size_t>itemsize, <size_t>itemsize)
+        if algorithm == FERRO_PLAN_REDUCE_RING_GATHER:
+            mesh.prepare_allreduce(count, itemsize, RING, segment)
         else:
-            mesh.prepare_allreduce(count, itemsize, RING, SEGMENT_BYTES - SEGMENT_BYTES % itemsize)
+            mesh.scratch_for(min(segment, nbytes))
         ferro_plan_init_reduce(&plan, algorithm, mesh.rank, mesh.n, root, count, itemsize, mesh.bounds,
-                               mesh.bounds + 1, divisor != 0)
+                               mesh.bounds + 1, divisor != 0, segment)
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
             rc = _run_plan(mesh.states, &plan, <unsigned char*>call.view.buf, NULL, itemsize, dtype, kernel,
-                           mesh.scratch, SEGMENT_BYTES - SEGMENT_BYTES % itemsize, divisor, fingerprint, deadline,
-                           &s, &r)
+                           mesh.scratch, segment, divisor, fingerprint, deadline, &s, &r)
     finally:
         call.release()
     if rc:

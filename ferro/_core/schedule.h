@@ -33,6 +33,7 @@ enum {
     FERRO_PLAN_DISSEMINATION = 8,   /* barrier: round k signals rank + 2^k and waits for rank - 2^k */
     FERRO_PLAN_REDUCE_TREE = 9,     /* reduce: each child's partial result reduced in, then sent to the parent */
     FERRO_PLAN_REDUCE_RING_GATHER = 10, /* reduce: the ring's reduce-scatter, then each rank's chunk to the root */
+    FERRO_PLAN_REDUCE_CHAIN = 11,   /* reduce: root <- root + 1 <- ..., segment i - 1 reduced and passed on as i arrives */
 };
 
 enum {
@@ -375,12 +376,19 @@ static int ferro_plan_next_chain(ferro_plan *p, ferro_step *step) {
  * parent; log2(n) rounds of the whole message. The ring-and-gather form (Rabenseifner's reduce, with the ring
  * where he halves) runs the ring's reduce-scatter over chunks `starts`/`ends` (elements), after which each rank's
  * chunk is complete, and sends every chunk to the root: 2(n - 1)/n of the message through each link where the
- * tree moves log2(n) whole ones. MEAN divides the root's whole result (the tree) or each chunk (the ring) once. */
+ * tree moves log2(n) whole ones. The pipelined chain is the broadcast's chain run backwards: the rank farthest
+ * from the root sends its segments, each rank reduces every arriving segment into its own and passes it on while
+ * the next arrives, so each link carries the message once and the root's link is busy from the first segment to
+ * the last: m + (n - 2) s bytes' time, against the ring's 2(n - 1)/n m. `segment` (the chain's, a whole number of
+ * elements) is what ferro_chain_segment gives. MEAN divides the root's whole result (the tree, the chain) or each
+ * chunk (the ring) once. */
 static inline void ferro_plan_init_reduce(ferro_plan *plan, int algorithm, int rank, int n, int root, size_t count,
-                                          size_t itemsize, const size_t *starts, const size_t *ends, int mean) {
+                                          size_t itemsize, const size_t *starts, const size_t *ends, int mean,
+                                          size_t segment) {
     ferro_plan_init(plan, algorithm, rank, n, count, itemsize, starts, ends, NULL, FERRO_PHASE_REDUCE_SCATTER, mean,
                     0);
     plan->root = root;
+    plan->segment = segment ? segment : 1;
     plan->virtual_rank = (rank - root + n) % n;
     plan->mask = 1;
 }
@@ -410,6 +418,46 @@ static int ferro_plan_next_reduce_tree(ferro_plan *p, ferro_step *step) {
             return ferro_plan_divide_all(p, step);
     }
     return 0;
+}
+
+static int ferro_plan_next_reduce_chain(ferro_plan *p, ferro_step *step) {
+    int v = p->virtual_rank, n = p->n;
+    size_t count = (p->nbytes + p->segment - 1) / p->segment, i, start;
+    for (;;) {
+        i = (size_t)p->index;
+        if (i > count) {
+            if (v == 0 && p->mean && p->stage == 0) {  /* the root's result, divided once */
+                p->stage = 1;
+                return ferro_plan_divide_all(p, step);
+            }
+            return 0;
+        }
+        p->index++;
+        ferro_plan_clear(step);
+        start = i * p->segment;
+        if (v == n - 1) {          /* the chain's far end sends its own segment i; nothing arrives */
+            if (i < count) {
+                step->send_peer = (p->rank - 1 + n) % n;
+                step->send_off = start;
+                step->send_len = p->nbytes - start < p->segment ? p->nbytes - start : p->segment;
+                return 1;
+            }
+            continue;
+        }
+        if (i > 0 && v != 0) {     /* pass segment i - 1 on, reduced ... */
+            step->send_peer = (p->rank - 1 + n) % n;
+            step->send_off = (i - 1) * p->segment;
+            step->send_len = p->nbytes - step->send_off < p->segment ? p->nbytes - step->send_off : p->segment;
+        }
+        if (i < count) {           /* ... while segment i arrives and is reduced into this rank's */
+            step->recv_peer = (p->rank + 1) % n;
+            step->recv_off = start;
+            step->recv_len = p->nbytes - start < p->segment ? p->nbytes - start : p->segment;
+            step->flags = FERRO_STEP_REDUCE;
+        }
+        if (step->send_peer >= 0 || step->recv_peer >= 0)
+            return 1;
+    }
 }
 
 static int ferro_plan_next_reduce_ring_gather(ferro_plan *p, ferro_step *step) {
@@ -543,6 +591,8 @@ static inline int ferro_plan_next(ferro_plan *plan, ferro_step *step) {
         return ferro_plan_next_reduce_tree(plan, step);
     if (plan->algorithm == FERRO_PLAN_REDUCE_RING_GATHER)
         return ferro_plan_next_reduce_ring_gather(plan, step);
+    if (plan->algorithm == FERRO_PLAN_REDUCE_CHAIN)
+        return ferro_plan_next_reduce_chain(plan, step);
     return ferro_plan_next_doubling(plan, step);
 }
 

@@ -313,6 +313,29 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
             self._local.native_broadcast(flat, 0, fingerprint, timeout)
         return True
 
+    def native_reduce(self, flat: Any, root: int, dtype: DType, op: ReduceOp, fingerprint: int,
+                      timeout: float) -> bool:
+        """Reduce inside every host onto its leader, among the leaders onto the root's host, then to the root.
+
+        The leaders' reduce is the TCP mesh's (a binomial tree or the ring and a gather, by its cost forms), so
+        each host's link carries one partial result instead of one per rank. When the root is not its host's
+        leader, the leader hands the result over in shared memory (a broadcast inside that host). Not pipelined:
+        the three steps run in turn.
+        """
+        self._world._usable("reduce")
+        combine = ReduceOp.SUM if op is ReduceOp.MEAN else op
+        root_host, mine = self._host_of[root], self._host_of[self._world.rank]
+        deadline = time.monotonic() + timeout
+        if self._local is not None:
+            self._local.native_reduce(flat, 0, dtype, combine, fingerprint, _left(deadline))
+        if self._leaders is not None:
+            self._leaders.native_reduce(flat, root_host, dtype, combine, fingerprint, _left(deadline))
+        if mine == root_host and self._local is not None and root != self._members[0]:
+            self._local.native_broadcast(flat.view(np.uint8), 0, fingerprint, _left(deadline))
+        if op is ReduceOp.MEAN and self._world.rank == root:
+            divide(flat, dtype.code, float(self.world_size), dtype.itemsize)
+        return True
+
     def _host_blocks(self, bounds: list[int]) -> list[int] | None:
         """Offsets of each host's block of parts (from ``bounds``), or None when hosts do not hold equal runs."""
         if not self._equal_runs:

@@ -215,7 +215,7 @@ OP_ALGORITHMS: dict[str, dict[str, int]] = {
     "reduce_scatter": {"ring": native.ALGORITHM_RING},
     "all_to_all": {"pairwise": native.ALGORITHM_PAIRWISE, "bruck": native.ALGORITHM_BRUCK_ALL_TO_ALL},
     "barrier": {"dissemination": native.ALGORITHM_DISSEMINATION},
-    "reduce": {"binomial tree": native.ALGORITHM_REDUCE_TREE, "ring and gather": native.ALGORITHM_REDUCE_RING_GATHER},
+    "reduce": native.REDUCE_PLANS,
 }
 #: Broadcast's schedules (``OP_ALGORITHMS["broadcast"]``).
 BROADCAST_ALGORITHMS = OP_ALGORITHMS["broadcast"]
@@ -253,7 +253,10 @@ def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
             segment = native.chain_segment(nbytes, n, latency_bytes)
         steps_of = lambda rank: native.plan_steps(code, rank, n, nbytes, 1, root=root, segment=segment)  # noqa: E731
     elif op == "reduce":
-        steps_of = lambda rank: native.plan_steps(code, rank, n, count, itemsize, root=root)  # noqa: E731
+        if algorithm == "pipelined chain":
+            segment = native.chain_segment(nbytes, n, latency_bytes)
+        steps_of = lambda rank: native.plan_steps(code, rank, n, count, itemsize, root=root,  # noqa: E731
+                                                  segment=segment)
     elif op == "reduce_scatter":
         steps_of = lambda rank: native.plan_steps(code, rank, n, count, itemsize, phases=1, source=True)  # noqa: E731
     elif op == "all_gather" and algorithm == "ring":
