@@ -126,13 +126,18 @@ def test_the_line_rate_reference_counts_each_op_s_bytes_on_a_host_s_link():
     assert link_bytes("allreduce", 1000, 2) == 1000  # 2 (H-1)/H
     assert link_bytes("allreduce", 1000, 4) == 1500
     assert link_bytes("all_gather", 1000, 4) == 750 and link_bytes("reduce_scatter", 1000, 2) == 500
-    assert link_bytes("broadcast", 1000, 2) is None and link_bytes("allreduce", 1000, 1) is None
+    assert link_bytes("broadcast", 1000, 4) == link_bytes("reduce", 1000, 4) == 1000  # the root's host, once
+    assert link_bytes("all_to_all", 1000, 4) == 750 and link_bytes("all_to_all", 1000, 4, ranks_per_host=2) == 1500
+    assert link_bytes("sendrecv", 1000, 2) is None and link_bytes("allreduce", 1000, 1) is None
     template = [Row("ferro-hierarchical", "allreduce", 1 << 20, 1 << 18, "float32", "sum", -1, 4, 1.0, 1.0, None,
-                    None), Row("ferro-hierarchical", "broadcast", 1 << 20, 1 << 18, "float32", "none", 0, 4, 1.0,
-                               1.0, None, None)]
-    (row,) = stream_rows(125e6, template, hosts=2)  # broadcast is not modelled
-    assert row.library == "stream" and row.op == "allreduce" and row.world_size == 4
-    assert row.oop_time_us == row.ip_time_us == pytest.approx((1 << 20) / 125e6 * 1e6)
+                    None), Row("ferro-hierarchical", "all_to_all", 1 << 20, 1 << 18, "float32", "none", -1, 4, 1.0,
+                               None, None, None), Row("ferro-hierarchical", "sendrecv", 1 << 20, 1 << 18, "float32",
+                                                      "none", -1, 4, 1.0, None, None, None)]
+    allreduce, all_to_all = stream_rows(125e6, template, hosts=2)  # sendrecv is not modelled
+    assert allreduce.library == "stream" and allreduce.op == "allreduce" and allreduce.world_size == 4
+    assert allreduce.oop_time_us == allreduce.ip_time_us == pytest.approx((1 << 20) / 125e6 * 1e6)
+    # Two ranks a host each send half their megabyte to the other host: a megabyte on the link.
+    assert all_to_all.oop_time_us == pytest.approx((1 << 20) / 125e6 * 1e6) and all_to_all.ip_time_us is None
 
 
 def test_mpirun_under_emulation_takes_open_mpi_4_and_5_launcher_settings(tmp_path):

@@ -728,6 +728,13 @@ cdef class _Call:
         self.holds = True
         return 0
 
+    cdef Py_ssize_t take_elements(self, Mesh mesh, buf, double timeout, str op, Py_ssize_t itemsize) except -1:
+        """:meth:`take`, then the buffer's length in whole ``itemsize``-byte elements (else InvalidBufferError)."""
+        self.take(mesh, buf, timeout, op)
+        if self.view.len % itemsize:
+            raise InvalidBufferError(f"{op}: {self.view.len} bytes is not a whole number of {itemsize}-byte elements")
+        return self.view.len // itemsize
+
     cdef int take_input(self, buf) except -1:
         PyObject_GetBuffer(buf, &self.input, PyBUF_C_CONTIGUOUS)
         self.has_input = True
@@ -803,11 +810,8 @@ def allreduce(Mesh mesh, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t f
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     try:
-        call.take(mesh, buf, timeout, "allreduce")
-        nbytes = <size_t>call.view.len
-        if nbytes % itemsize:
-            raise InvalidBufferError(f"allreduce: {nbytes} bytes is not a whole number of {itemsize}-byte elements")
-        count = nbytes // itemsize
+        count = <size_t>call.take_elements(mesh, buf, timeout, "allreduce", itemsize)
+        nbytes = count * <size_t>itemsize
         if mesh.n < 2 or count == 0:
             return
         mesh.prepare_allreduce(count, itemsize, algorithm, segment)
@@ -1067,11 +1071,8 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     try:
-        call.take(mesh, buf, timeout, "reduce")
-        nbytes = <size_t>call.view.len
-        if nbytes % itemsize:
-            raise InvalidBufferError(f"reduce: {nbytes} bytes is not a whole number of {itemsize}-byte elements")
-        count = nbytes // itemsize
+        count = <size_t>call.take_elements(mesh, buf, timeout, "reduce", itemsize)
+        nbytes = count * <size_t>itemsize
         if mesh.n < 2 or count == 0:
             return
         if algorithm == -1:

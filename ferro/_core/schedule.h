@@ -575,25 +575,19 @@ static int ferro_plan_next_dissemination(ferro_plan *p, ferro_step *step) {
 static inline int ferro_plan_next(ferro_plan *plan, ferro_step *step) {
     if (plan->n < 2)
         return 0;
-    if (plan->algorithm == FERRO_PLAN_RING)
-        return ferro_plan_next_ring(plan, step);
-    if (plan->algorithm == FERRO_PLAN_BINOMIAL_TREE)
-        return ferro_plan_next_tree(plan, step);
-    if (plan->algorithm == FERRO_PLAN_CHAIN)
-        return ferro_plan_next_chain(plan, step);
-    if (plan->algorithm == FERRO_PLAN_BRUCK)
-        return ferro_plan_next_bruck(plan, step);
-    if (plan->algorithm == FERRO_PLAN_PAIRWISE || plan->algorithm == FERRO_PLAN_BRUCK_ALL_TO_ALL)
-        return ferro_plan_next_all_to_all(plan, step);
-    if (plan->algorithm == FERRO_PLAN_DISSEMINATION)
-        return ferro_plan_next_dissemination(plan, step);
-    if (plan->algorithm == FERRO_PLAN_REDUCE_TREE)
-        return ferro_plan_next_reduce_tree(plan, step);
-    if (plan->algorithm == FERRO_PLAN_REDUCE_RING_GATHER)
-        return ferro_plan_next_reduce_ring_gather(plan, step);
-    if (plan->algorithm == FERRO_PLAN_REDUCE_CHAIN)
-        return ferro_plan_next_reduce_chain(plan, step);
-    return ferro_plan_next_doubling(plan, step);
+    switch (plan->algorithm) {
+    case FERRO_PLAN_RING: return ferro_plan_next_ring(plan, step);
+    case FERRO_PLAN_BINOMIAL_TREE: return ferro_plan_next_tree(plan, step);
+    case FERRO_PLAN_CHAIN: return ferro_plan_next_chain(plan, step);
+    case FERRO_PLAN_BRUCK: return ferro_plan_next_bruck(plan, step);
+    case FERRO_PLAN_PAIRWISE:
+    case FERRO_PLAN_BRUCK_ALL_TO_ALL: return ferro_plan_next_all_to_all(plan, step);
+    case FERRO_PLAN_DISSEMINATION: return ferro_plan_next_dissemination(plan, step);
+    case FERRO_PLAN_REDUCE_TREE: return ferro_plan_next_reduce_tree(plan, step);
+    case FERRO_PLAN_REDUCE_RING_GATHER: return ferro_plan_next_reduce_ring_gather(plan, step);
+    case FERRO_PLAN_REDUCE_CHAIN: return ferro_plan_next_reduce_chain(plan, step);
+    default: return ferro_plan_next_doubling(plan, step);  /* recursive doubling, halving-doubling */
+    }
 }
 
 /* --- Choosing among the plans ------------------------------------------------------------------------------

@@ -30,24 +30,28 @@ WARMUP_SECONDS = 0.5  # slow start, and the token bucket's first burst, are not 
 CONNECT_SECONDS = 20.0  # how long a host waits for its neighbours' streams to begin
 
 
-def link_bytes(op: str, size: int, hosts: int) -> float | None:
+def link_bytes(op: str, size: int, hosts: int, ranks_per_host: int = 1) -> float | None:
     """Bytes one host's link must carry each way for ``op`` on ``size`` bytes over ``hosts`` hosts (None: not modelled).
 
     allreduce: ``2 (H-1)/H`` of the buffer (a ring over hosts, after reducing
     within each); all_gather: the ``(H-1)/H`` of the result held elsewhere;
-    reduce_scatter: the ``(H-1)/H`` of the input reduced elsewhere.
+    reduce_scatter: the ``(H-1)/H`` of the input reduced elsewhere; broadcast
+    and reduce: the message once, out of (into) the root's host; all_to_all
+    (``size`` sent by each rank): what the host's ``ranks_per_host`` ranks send
+    to the other hosts, ``R (H-1)/H`` of it.
     """
     if hosts < 2:
         return None
     share = (hosts - 1) / hosts
-    return {"allreduce": 2 * share * size, "all_gather": share * size, "reduce_scatter": share * size}.get(op)
+    return {"allreduce": 2 * share * size, "all_gather": share * size, "reduce_scatter": share * size,
+            "broadcast": float(size), "reduce": float(size), "all_to_all": ranks_per_host * share * size}.get(op)
 
 
 def stream_rows(rate_bytes_per_s: float, template: list[Row], hosts: int) -> list[Row]:
     """Return a ``stream`` row for each of ``template``'s (op, size): the link-limited time per call."""
     rows, seen = [], set()
     for row in template:
-        needed = link_bytes(row.op, row.size, hosts)
+        needed = link_bytes(row.op, row.size, hosts, max(1, row.world_size // hosts))
         if needed is None or (row.op, row.size, row.world_size) in seen:
             continue
         seen.add((row.op, row.size, row.world_size))
