@@ -203,7 +203,7 @@ _REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
 # The allreduce algorithms by code (ferro._core.collectives.ALGORITHMS), for describe_fingerprint.
 _ALLREDUCE_ALGORITHMS = ("ring", "recursive_doubling", "halving_doubling")
 # The plans of the collectives that choose one by cost, by code (ferro._core.collectives.choose's names).
-_PLANS = {"broadcast": ("binomial tree", "pipelined chain"), "all_gather": ("ring", "bruck"),
+_PLANS = {"broadcast": ("binomial tree", "pipelined chain", "scatter and all-gather"), "all_gather": ("ring", "bruck"),
           "all_to_all": ("pairwise", "bruck"), "all_to_all_single_uneven": ("pairwise",)}
 _ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter", "broadcast_object", "p2p"})
 

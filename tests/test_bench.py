@@ -262,13 +262,13 @@ def test_simulate_prints_every_op_s_choice_beside_every_plan_and_the_bound():
     from ferro._core import collectives as native
     from ferro.tools.bench import simulate
 
-    ops = ["allreduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"]
+    ops = ["allreduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all"]
     code, out, _ = _simulated([*ops, "--simulate", "16x1@100mbit", "-b", "4K", "-e", "4M", "-f", "32"])
     assert code == 0
     sections = out.split("#\n# ")[1:]
     assert [section.splitlines()[0] for section in sections] == ops
     network = simulate.parse_network("16x1@100mbit")
-    row_form = re.compile(r"^\s*(\d+)\s+\d+\s+\w+\s+\w+\s+-?\d+\s+([a-z_ ]+?)\s+([\d.]+)\s+[\d.]+\s+(.*)$")
+    row_form = re.compile(r"^\s*(\d+)\s+\d+\s+\w+\s+\w+\s+-?\d+\s+([a-z_ -]+?)\s+([\d.]+)\s+[\d.]+\s+(.*)$")
     for op, section in zip(ops, sections, strict=True):
         names = sorted(simulate.OP_ALGORITHMS[op])
         rows = [row_form.match(line) for line in section.splitlines()[2:]]
@@ -277,7 +277,7 @@ def test_simulate_prints_every_op_s_choice_beside_every_plan_and_the_bound():
             size, chosen, time_us = int(row.group(1)), row.group(2), float(row.group(3))
             *predicted, bound = (float(value) for value in row.group(4).split())
             assert len(predicted) == len(names) and chosen in names, (op, row.group(0))
-            if op in ("broadcast", "all_gather", "all_to_all"):  # the mesh's own forms, with its defaults
+            if op in ("broadcast", "reduce", "all_gather", "all_to_all"):  # the mesh's own forms, its defaults
                 assert chosen == native.choose(op, size, 16), (op, size)
             assert bound == pytest.approx(simulate.lower_bound(network, size, op) * 1e6, rel=1e-3)
             assert min(predicted) >= bound * 0.999, (op, row.group(0))

@@ -416,12 +416,12 @@ def test_the_closed_forms_the_mesh_chooses_by_agree_with_the_replay():
     network = simulate.parse_network("16x1@100mbit,100us")
     latency_bytes = (network.latency + network.overhead) * network.rate
     agree, total = 0, 0
-    for op, names in (("broadcast", ("binomial tree", "pipelined chain")), ("all_gather", ("ring", "bruck")),
-                      ("all_to_all", ("pairwise", "bruck"))):
+    for op, names in (("broadcast", tuple(native.BROADCAST_PLANS)), ("all_gather", ("ring", "bruck")),
+                      ("all_to_all", ("pairwise", "bruck")), ("reduce", tuple(native.REDUCE_PLANS))):
         for nbytes in (1024, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20):
             replayed = {name: simulate.predict(network, name, nbytes, op=op, latency_bytes=latency_bytes)
                         for name in names}
-            chosen = native.choose(op, nbytes, 16, latency_bytes, 0.0)
+            chosen = native.choose(op, nbytes, 16, latency_bytes, 0.0, measured=True)  # a fitted network's numbers
             total += 1
             agree += chosen == min(replayed, key=replayed.get) or replayed[chosen] < 1.1 * min(replayed.values())
     assert agree == total
@@ -738,3 +738,34 @@ def test_ranks_whose_meshes_choose_different_plans_fail_with_a_mismatch_naming_b
     assert len(chosen) == 2, results  # the premise: rank 0 chose one plan, the others another
     assert any("the ranks' calls differ" in message and all(f"plan {plan}" in message for plan in chosen)
                for _, message in results), results
+
+
+def _every_root_and_plan_at_six_ranks(rank, world_size):
+    import ferro
+    from ferro.types import KERNEL_CODES, dtype_by_name
+
+    with ferro.TcpBackend.from_env(timeout=60) as group:
+        mesh, out = group.direct_mesh, {}
+        x = (np.arange(40_000, dtype=np.float64) + 1) * (rank + 1)
+        for root in range(world_size):
+            for plan, code in native.REDUCE_PLANS.items():
+                y = x.copy()
+                native.reduce(mesh, y, root, dtype_by_name("float64").code, KERNEL_CODES[ferro.ReduceOp.SUM], 8, 0,
+                              30.0, 0.0, code)
+                if rank == root:
+                    out["reduce", plan, root] = bool((y == (np.arange(40_000) + 1) * 21).all())
+            for plan, code in native.BROADCAST_PLANS.items():
+                y = x.copy() if rank == root else np.zeros_like(x)
+                native.broadcast(mesh, y.view(np.uint8), root, 0, 30.0, algorithm=code)
+                out["broadcast", plan, root] = bool((y == (np.arange(40_000) + 1) * (root + 1)).all())
+        return out
+
+
+def test_every_reduce_and_broadcast_plan_from_every_root_on_six_real_ranks():
+    # Six ranks: the ring-and-gather reduce's gather reaches a root three ranks away, a peer no ring, tree or
+    # doubling partner is (the call must connect and lock it); 320 KB in every plan, the chain in segments.
+    from ferro.testing import run_processes
+
+    results = run_processes(_every_root_and_plan_at_six_ranks, 6, backend=None, timeout=180)
+    assert sum(len(r) for r in results) == 6 * 3 * 6 + 6 * 3  # every rank's broadcasts, and each root's reduces
+    assert all(all(r.values()) for r in results), [k for r in results for k, ok in r.items() if not ok]

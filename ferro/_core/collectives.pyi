@@ -22,6 +22,8 @@ ALGORITHM_DISSEMINATION: int
 ALGORITHM_REDUCE_TREE: int
 ALGORITHM_REDUCE_RING_GATHER: int
 ALGORITHM_REDUCE_CHAIN: int
+ALGORITHM_SCATTER_ALL_GATHER: int
+BROADCAST_PLANS: dict[str, int]
 REDUCE_PLANS: dict[str, int]
 STEP_PACK: int
 DEFAULT_LATENCY_BYTES: float
@@ -35,7 +37,8 @@ STEP_DIVIDE: int
 
 def chain_segment(nbytes: int, n: int, latency_bytes: float = ...) -> int: ...
 def choose(
-    op: str, nbytes: int, n: int, latency_bytes: float = ..., copy_ratio: float = ..., partner_ratio: float = ...
+    op: str, nbytes: int, n: int, latency_bytes: float = ..., copy_ratio: float = ..., partner_ratio: float = ...,
+    measured: bool = ...,
 ) -> str: ...
 def plan_steps(
     algorithm: int, rank: int, n: int, count: int, itemsize: int, phases: int = ..., mean: bool = ...,
@@ -50,6 +53,7 @@ class Mesh:
     copy_ratio: float
     partner_ratio: float
     window_bytes: int
+    measured: bool
     connector: Callable[[int, float], Connection] | None
     def __init__(
         self, connections: Sequence[Connection | None], rank: int, latency_bytes: float = ..., copy_ratio: float = ...,
@@ -111,6 +115,7 @@ def broadcast(
     fingerprint: int,
     timeout: float,
     segment_bytes: int = ...,
+    algorithm: int = ...,
 ) -> None: ...
 def all_gather(mesh: Mesh, buf: Any, nbytes: int, fingerprint: int, timeout: float) -> None: ...
 def reduce(

@@ -49,6 +49,7 @@ cdef extern from "schedule.h" nogil:
         FERRO_PLAN_REDUCE_TREE
         FERRO_PLAN_REDUCE_RING_GATHER
         FERRO_PLAN_REDUCE_CHAIN
+        FERRO_PLAN_SCATTER_ALL_GATHER
         FERRO_PHASE_REDUCE_SCATTER
         FERRO_PHASE_ALL_GATHER
         FERRO_STEP_REDUCE
@@ -68,6 +69,7 @@ cdef extern from "schedule.h" nogil:
         size_t divide_len
         size_t pack_bit
     ctypedef struct ferro_plan:
+        int algorithm
         int n
         int power
         size_t block
@@ -76,6 +78,8 @@ cdef extern from "schedule.h" nogil:
     void ferro_plan_init_broadcast(ferro_plan* plan, int algorithm, int rank, int n, int root, size_t nbytes,
                                    size_t segment)
     void ferro_plan_init_bruck(ferro_plan* plan, int rank, int n, size_t block)
+    void ferro_plan_init_scatter_all_gather(ferro_plan* plan, int rank, int n, int root, size_t nbytes,
+                                            size_t* starts, size_t* ends)
     void ferro_plan_init_reduce(ferro_plan* plan, int algorithm, int rank, int n, int root, size_t count,
                                 size_t itemsize, const size_t* starts, const size_t* ends, int mean, size_t segment)
     void ferro_plan_init_all_to_all(ferro_plan* plan, int algorithm, int rank, int n, const size_t* send_bounds,
@@ -87,6 +91,7 @@ cdef extern from "schedule.h" nogil:
     size_t ferro_chain_segment(size_t nbytes, int n, double latency_bytes, size_t smallest, size_t largest)
     double ferro_cost_tree(size_t nbytes, int n, double latency_bytes, double partner_ratio)
     double ferro_cost_chain(size_t nbytes, int n, double latency_bytes, size_t segment)
+    double ferro_cost_scatter_all_gather(size_t nbytes, int n, double latency_bytes, double partner_ratio)
     double ferro_cost_reduce_ring_gather(size_t nbytes, int n, double latency_bytes)
     double ferro_cost_all_gather_ring(size_t total, int n, double latency_bytes)
     double ferro_cost_all_gather_bruck(size_t total, int n, double latency_bytes, double copy_ratio,
@@ -126,13 +131,32 @@ def chain_segment(size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BYT
     return ferro_chain_segment(nbytes, n, latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
 
 
-cdef inline bint _prefer_chain(size_t nbytes, int n, double latency_bytes, double partner_ratio) noexcept nogil:
-    cdef size_t segment
+cdef int _broadcast_plan(size_t nbytes, int n, double latency_bytes, double partner_ratio,
+                         bint measured) noexcept nogil:
+    """The broadcast's plan of least cost: the binomial tree, the pipelined chain, or a scatter and all-gather.
+
+    The scatter and all-gather only on a measured link (a fitted cost model): on loopback its log2(n) + n - 1
+    messages took 2.6-3.7x the tree's time at 64 KiB among 4 and 8 ranks, a per-message cost the defaults (set by
+    the tree and the chain) do not carry; on the emulated 100 Mbit clusters it beat the tree 2x at 16-64 KiB.
+    """
+    cdef double tree = ferro_cost_tree(nbytes, n, latency_bytes, partner_ratio), chain, scatter = tree
     if n <= 2:
-        return False
-    segment = ferro_chain_segment(nbytes, n, latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
-    return (ferro_cost_chain(nbytes, n, latency_bytes, segment)
-            < ferro_cost_tree(nbytes, n, latency_bytes, partner_ratio))
+        return FERRO_PLAN_BINOMIAL_TREE
+    chain = ferro_cost_chain(nbytes, n, latency_bytes,
+                             ferro_chain_segment(nbytes, n, latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST))
+    if measured:
+        scatter = ferro_cost_scatter_all_gather(nbytes, n, latency_bytes, partner_ratio)
+    if chain < tree and chain <= scatter:
+        return FERRO_PLAN_CHAIN
+    if scatter < tree:
+        return FERRO_PLAN_SCATTER_ALL_GATHER
+    return FERRO_PLAN_BINOMIAL_TREE
+
+
+#: The broadcast's plans by the names :func:`choose` gives them.
+BROADCAST_PLANS = {"binomial tree": FERRO_PLAN_BINOMIAL_TREE, "pipelined chain": FERRO_PLAN_CHAIN,
+                   "scatter and all-gather": FERRO_PLAN_SCATTER_ALL_GATHER}
+_BROADCAST_PLAN_NAMES = {code: name for name, code in BROADCAST_PLANS.items()}
 
 
 cdef inline bint _prefer_bruck_all_gather(size_t total, int n, double latency_bytes, double copy_ratio,
@@ -148,16 +172,16 @@ cdef inline bint _prefer_bruck_all_to_all(size_t total, int n, double latency_by
 
 
 # The plan a broadcast, all_gather or all_to_all chose rides in its fingerprint's op field (0 in a call that reduces
-# nothing, ferro.types.fingerprint): 1 for the tree, the ring or the pairwise exchange, 2 for the chain or Bruck's.
+# nothing, ferro.types.fingerprint): 1 for the tree, the ring or the pairwise exchange, 2 for the chain or Bruck's,
+# 3 for the broadcast's scatter and all-gather.
 # Ranks whose meshes choose differently (another FERRO_COST_MODEL) then refuse each other's first frame and the
 # error names both plans (ferro.types.describe_fingerprint), where they would have waited on each other.
 cdef enum:
     PLAN_FIELD_SHIFT = 50
 
 
-cdef inline uint64_t _with_plan(uint64_t fingerprint, bint second) noexcept nogil:
-    return ((fingerprint & ~(<uint64_t>7 << PLAN_FIELD_SHIFT))
-            | (<uint64_t>(2 if second else 1) << PLAN_FIELD_SHIFT))
+cdef inline uint64_t _with_plan(uint64_t fingerprint, int code) noexcept nogil:
+    return (fingerprint & ~(<uint64_t>7 << PLAN_FIELD_SHIFT)) | (<uint64_t>code << PLAN_FIELD_SHIFT)
 
 
 cdef int _reduce_plan(size_t nbytes, int n, double latency_bytes, double partner_ratio) noexcept nogil:
@@ -182,14 +206,15 @@ _REDUCE_PLAN_NAMES = {code: name for name, code in REDUCE_PLANS.items()}
 
 
 def choose(str op, size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BYTES,
-           double copy_ratio=DEFAULT_COPY_RATIO, double partner_ratio=1.0) -> str:
+           double copy_ratio=DEFAULT_COPY_RATIO, double partner_ratio=1.0, bint measured=False) -> str:
     """Name the plan a TCP group of ``n`` runs for ``op`` of ``nbytes``: what :class:`Mesh` chooses.
 
     ``nbytes`` is the broadcast's message, the all_gather's output (every rank's part), the all_to_all's bytes
-    sent per rank (equal blocks; uneven ones always take the pairwise exchange).
+    sent per rank (equal blocks; uneven ones always take the pairwise exchange). ``measured``: the numbers come
+    from a fitted cost model (the mesh's ``measured``), which lets the broadcast take a scatter and all-gather.
     """
     if op == "broadcast":
-        return "pipelined chain" if _prefer_chain(nbytes, n, latency_bytes, partner_ratio) else "binomial tree"
+        return _BROADCAST_PLAN_NAMES[_broadcast_plan(nbytes, n, latency_bytes, partner_ratio, measured)]
     if op == "all_gather":
         return "bruck" if _prefer_bruck_all_gather(nbytes, n, latency_bytes, copy_ratio, partner_ratio) else "ring"
     if op == "all_to_all":
@@ -319,6 +344,11 @@ cdef int _run_plan(ConnState** conns, ferro_plan* plan, unsigned char* buf, cons
     """
     cdef ferro_step step
     while ferro_plan_next(plan, &step):
+        if (step.send_peer >= 0 and conns[step.send_peer] == NULL) or (
+                step.recv_peer >= 0 and conns[step.recv_peer] == NULL):
+            with gil:  # a plan that reaches a peer its call did not connect (Mesh.acquire): a bug, never a skip
+                raise RuntimeError(f"ferro: plan {plan.algorithm} step to rank {step.send_peer} / from rank "
+                                   f"{step.recv_peer}: no connection was taken for that peer")
         if step.flags & FERRO_STEP_PACK:
             if _exchange_packed(conns, &step, buf, plan.block, plan.n, scratch, segment, fingerprint, deadline, s, r):
                 return 1
@@ -403,8 +433,8 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
 
     Args:
         algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING``, ``ALGORITHM_HALVING_DOUBLING``;
-            broadcast's ``ALGORITHM_BINOMIAL_TREE`` and ``ALGORITHM_CHAIN`` (``count`` elements from ``root``, the
-            chain in ``segment``-byte pieces); all_gather's ``ALGORITHM_BRUCK``; all_to_all's
+            broadcast's ``ALGORITHM_BINOMIAL_TREE``, ``ALGORITHM_CHAIN`` and ``ALGORITHM_SCATTER_ALL_GATHER``
+            (``count`` elements from ``root``, the chain in ``segment``-byte pieces); all_gather's ``ALGORITHM_BRUCK``; all_to_all's
             ``ALGORITHM_PAIRWISE`` and ``ALGORITHM_BRUCK_ALL_TO_ALL``; the barrier's ``ALGORITHM_DISSEMINATION``;
             reduce's ``ALGORITHM_REDUCE_TREE``, ``ALGORITHM_REDUCE_RING_GATHER`` and ``ALGORITHM_REDUCE_CHAIN``
             (to ``root``; the chain in ``segment``-byte pieces).
@@ -420,21 +450,28 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
     cdef ferro_plan plan
     cdef ferro_step step
     cdef size_t* bounds = <size_t*>malloc((n + 2) * sizeof(size_t))
+    cdef size_t* parts = <size_t*>malloc((2 * n + 1) * sizeof(size_t))
     cdef size_t block = <size_t>count * <size_t>itemsize
     cdef int i
-    if bounds == NULL:
+    if bounds == NULL or parts == NULL:
+        free(bounds)
+        free(parts)
         raise MemoryError()
     if not 0 <= rank < n or count < 0 or itemsize <= 0:
         free(bounds)
+        free(parts)
         raise ValueError(f"no plan for rank {rank} of {n}, {count} elements of {itemsize} bytes")
     steps = []
     try:
         for i in range(n + 1):
             bounds[i] = ferro_plan_bound(count, n, i)
-        if algorithm == FERRO_PLAN_BINOMIAL_TREE or algorithm == FERRO_PLAN_CHAIN:
+        if algorithm in (FERRO_PLAN_BINOMIAL_TREE, FERRO_PLAN_CHAIN, FERRO_PLAN_SCATTER_ALL_GATHER):
             if not 0 <= root < n or segment <= 0:
                 raise ValueError(f"no broadcast plan from root {root} of {n} in {segment}-byte segments")
-            ferro_plan_init_broadcast(&plan, algorithm, rank, n, root, count * itemsize, segment)
+            if algorithm == FERRO_PLAN_SCATTER_ALL_GATHER:
+                ferro_plan_init_scatter_all_gather(&plan, rank, n, root, count * itemsize, parts, parts + n)
+            else:
+                ferro_plan_init_broadcast(&plan, algorithm, rank, n, root, count * itemsize, segment)
         elif algorithm == FERRO_PLAN_BRUCK:
             ferro_plan_init_bruck(&plan, rank, n, block)
         elif algorithm == FERRO_PLAN_PAIRWISE or algorithm == FERRO_PLAN_BRUCK_ALL_TO_ALL:
@@ -458,6 +495,7 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
                           step.recv_len, step.flags, step.pack_bit))
     finally:
         free(bounds)
+        free(parts)
     return steps
 
 
@@ -471,6 +509,7 @@ ALGORITHM_DISSEMINATION = FERRO_PLAN_DISSEMINATION
 ALGORITHM_REDUCE_TREE = FERRO_PLAN_REDUCE_TREE
 ALGORITHM_REDUCE_RING_GATHER = FERRO_PLAN_REDUCE_RING_GATHER
 ALGORITHM_REDUCE_CHAIN = FERRO_PLAN_REDUCE_CHAIN
+ALGORITHM_SCATTER_ALL_GATHER = FERRO_PLAN_SCATTER_ALL_GATHER
 STEP_PACK = FERRO_STEP_PACK
 STEP_SEND_SOURCE = FERRO_STEP_SEND_SOURCE
 STEP_RECV_BASE = FERRO_STEP_RECV_BASE
@@ -532,6 +571,8 @@ cdef class Mesh:
     (all_to_all) n - 1 steps. The TCP backend sets them from the cost model
     (:meth:`ferro.backend.cost_model.CostModel.link_numbers`); every rank must hold the same ones.
     ``window_bytes`` (default 128 KiB) caps the bytes of small blocks the pairwise all_to_all has in flight.
+    ``measured`` says the three numbers come from a fitted model (the TCP backend sets it with them); only then may
+    the broadcast take a scatter and all-gather.
     """
 
     cdef readonly list connections
@@ -541,7 +582,8 @@ cdef class Mesh:
     cdef int* near            # the peers every collective but all_to_all may touch, ascending
     cdef int near_count
     cdef int* others          # every peer, ascending (all_to_all)
-    cdef int* held            # the running collective's peers: near or others
+    cdef int* with_extra      # near and one more peer, ascending (a reduce's root, for its gather)
+    cdef int* held            # the running collective's peers: near, with_extra or others
     cdef int npeers           # how many peers are held
     cdef int locked           # how many locks are taken: held's send locks, then their receive locks
     cdef unsigned char* scratch
@@ -551,6 +593,7 @@ cdef class Mesh:
     cdef public double copy_ratio
     cdef public double partner_ratio
     cdef public size_t window_bytes
+    cdef public bint measured
     cdef public object connector
 
     def __cinit__(self, connections, int rank, double latency_bytes=DEFAULT_LATENCY_BYTES,
@@ -563,6 +606,7 @@ cdef class Mesh:
         self.copy_ratio = copy_ratio
         self.partner_ratio = partner_ratio
         self.window_bytes = DEFAULT_WINDOW_BYTES
+        self.measured = False
         self.connector = connector
         if not 0 <= rank < self.n:
             raise ValueError(f"rank {rank} is outside a mesh of {self.n}")
@@ -570,7 +614,9 @@ cdef class Mesh:
         self.bounds = <size_t*>malloc((self.n + 1) * sizeof(size_t))
         self.near = <int*>malloc(self.n * sizeof(int))
         self.others = <int*>malloc(self.n * sizeof(int))
-        if self.states == NULL or self.bounds == NULL or self.near == NULL or self.others == NULL:
+        self.with_extra = <int*>malloc(self.n * sizeof(int))
+        if (self.states == NULL or self.bounds == NULL or self.near == NULL or self.others == NULL
+                or self.with_extra == NULL):
             raise MemoryError()
         for i in range(self.n):
             self.states[i] = NULL
@@ -588,6 +634,7 @@ cdef class Mesh:
         free(self.bounds)
         free(self.near)
         free(self.others)
+        free(self.with_extra)
         free(self.scratch)
 
     def attach(self, int peer, Connection conn):
@@ -608,18 +655,33 @@ cdef class Mesh:
         self.attach(peer, self.connector(peer, timeout))  # idempotent: the connector may have attached it
         return 0
 
-    cdef int acquire(self, double timeout, str op) except -1:
+    cdef int acquire(self, double timeout, str op, int extra=-1) except -1:
         """Connect the peers ``op`` may touch, check them and take their locks: sends, then receives, by rank.
 
-        One order everywhere, so no other thread's operation can deadlock against
-        this one. On an error, whatever was taken is released again.
+        ``extra``: one more peer this call touches (a gather's root, which every rank sends to); on the root
+        itself, every peer (it receives from each). One order everywhere, so no other thread's operation can
+        deadlock against this one. On an error, whatever was taken is released again.
         """
-        cdef int j, which
+        cdef int j, which, k = 0
+        cdef bint placed = False
         cdef Connection conn
-        if op == "all_to_all":
+        if op == "all_to_all" or extra == self.rank:
             self.held, self.npeers = self.others, self.n - 1
         else:
             self.held, self.npeers = self.near, self.near_count
+            for j in range(self.near_count):
+                placed = placed or self.near[j] == extra
+            if 0 <= extra < self.n and extra != self.rank and not placed:
+                for j in range(self.near_count):
+                    if not placed and extra < self.near[j]:
+                        self.with_extra[k] = extra
+                        k += 1
+                        placed = True
+                    self.with_extra[k] = self.near[j]
+                    k += 1
+                if not placed:
+                    self.with_extra[k] = extra
+                self.held, self.npeers = self.with_extra, self.near_count + 1
         for j in range(self.npeers):  # connecting may wait for the peer: before any lock is taken
             if self.states[self.held[j]] == NULL:
                 self._connect(self.held[j], timeout)
@@ -644,15 +706,15 @@ cdef class Mesh:
             PyThread_release_lock(conn.send_lock if t < self.npeers else conn.recv_lock)
         self.locked = 0
 
-    cdef inline bint chain(self, size_t nbytes) noexcept nogil:
-        return _prefer_chain(nbytes, self.n, self.latency_bytes, self.partner_ratio)
+    cdef inline int broadcast_plan(self, size_t nbytes) noexcept nogil:
+        return _broadcast_plan(nbytes, self.n, self.latency_bytes, self.partner_ratio, self.measured)
 
     cdef inline bint bruck(self, size_t total) noexcept nogil:
         return _prefer_bruck_all_gather(total, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio)
 
     def choose(self, str op, size_t nbytes) -> str:
         """Name the plan this mesh runs for ``op`` of ``nbytes`` (see the module's :func:`choose`)."""
-        return choose(op, nbytes, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio)
+        return choose(op, nbytes, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio, self.measured)
 
     cdef unsigned char* scratch_for(self, size_t nbytes) except NULL:
         """A scratch buffer of at least ``nbytes`` (while the locks are held)."""
@@ -717,20 +779,21 @@ cdef class _Call:
         self.scratch = NULL
         self.bounds = NULL
 
-    cdef int take(self, Mesh mesh, buf, double timeout, str op) except -1:
+    cdef int take(self, Mesh mesh, buf, double timeout, str op, int extra=-1) except -1:
         self.mesh = mesh
         self.states = mesh.states
         self.rank = mesh.rank
         self.n = mesh.n
         PyObject_GetBuffer(buf, &self.view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
         self.has_view = True
-        mesh.acquire(timeout, op)
+        mesh.acquire(timeout, op, extra)
         self.holds = True
         return 0
 
-    cdef Py_ssize_t take_elements(self, Mesh mesh, buf, double timeout, str op, Py_ssize_t itemsize) except -1:
+    cdef Py_ssize_t take_elements(self, Mesh mesh, buf, double timeout, str op, Py_ssize_t itemsize,
+                                  int extra=-1) except -1:
         """:meth:`take`, then the buffer's length in whole ``itemsize``-byte elements (else InvalidBufferError)."""
-        self.take(mesh, buf, timeout, op)
+        self.take(mesh, buf, timeout, op, extra)
         if self.view.len % itemsize:
             raise InvalidBufferError(f"{op}: {self.view.len} bytes is not a whole number of {itemsize}-byte elements")
         return self.view.len // itemsize
@@ -933,7 +996,7 @@ cdef int _all_gather_locked(Mesh mesh, unsigned char* out, size_t nbytes, uint64
     cdef unsigned char* blocks
     cdef int64_t deadline
     cdef bint bruck = mesh.bruck(nbytes * <size_t>mesh.n)
-    fingerprint = _with_plan(fingerprint, bruck)
+    fingerprint = _with_plan(fingerprint, 2 if bruck else 1)
     if bruck:
         blocks = mesh.scratch_for(nbytes * <size_t>mesh.n)
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
@@ -992,19 +1055,40 @@ cdef int _broadcast_chain(ConnState** conns, int rank, int n, int root, unsigned
     return _run_plan(conns, &plan, buf, NULL, 1, -1, NULL, NULL, segment, 0, fingerprint, deadline, s, r)
 
 
+cdef int _broadcast_scatter_all_gather(Mesh mesh, int root, unsigned char* buf, size_t nbytes, size_t segment,
+                                       uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
+    """A binomial scatter of the message's n parts, then the ring's all-gather of them (``schedule.h``)."""
+    cdef ferro_plan plan
+    cdef size_t* parts = <size_t*>malloc(2 * <size_t>mesh.n * sizeof(size_t))
+    cdef int rc
+    if parts == NULL:
+        with gil:
+            raise MemoryError()
+    ferro_plan_init_scatter_all_gather(&plan, mesh.rank, mesh.n, root, nbytes, parts, parts + mesh.n)
+    rc = _run_plan(mesh.states, &plan, buf, NULL, 1, -1, NULL, NULL, segment, 0, fingerprint, deadline, s, r)
+    free(parts)
+    return rc
+
+
 cdef int _broadcast_locked(Mesh mesh, int root, unsigned char* buf, size_t nbytes, size_t segment,
-                           uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1 nogil:
-    if mesh.chain(nbytes):
+                           uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r, int plan=-1) except -1 nogil:
+    if plan < 0:
+        plan = mesh.broadcast_plan(nbytes)
+    if plan == FERRO_PLAN_CHAIN:
         return _broadcast_chain(mesh.states, mesh.rank, mesh.n, root, buf, nbytes,
                                 ferro_chain_segment(nbytes, mesh.n, mesh.latency_bytes, CHAIN_SMALLEST,
-                                                    CHAIN_LARGEST), _with_plan(fingerprint, True), deadline, s, r)
-    return _broadcast_tree(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, segment, _with_plan(fingerprint, False),
+                                                    CHAIN_LARGEST), _with_plan(fingerprint, 2), deadline, s, r)
+    if plan == FERRO_PLAN_SCATTER_ALL_GATHER:
+        return _broadcast_scatter_all_gather(mesh, root, buf, nbytes, segment, _with_plan(fingerprint, 3), deadline,
+                                             s, r)
+    return _broadcast_tree(mesh.states, mesh.rank, mesh.n, root, buf, nbytes, segment, _with_plan(fingerprint, 1),
                            deadline, s, r)
 
 
 def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
-              Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES) -> None:
-    """Broadcast ``buf`` (bytes) from ``root`` in place: binomial tree, or pipelined chain (see :class:`Mesh`).
+              Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES, int algorithm=-1) -> None:
+    """Broadcast ``buf`` (bytes) from ``root`` in place: binomial tree, pipelined chain, or a scatter and all-gather
+    (see :class:`Mesh`), or ``algorithm`` (one of :data:`BROADCAST_PLANS`, the same on every rank) when not -1.
 
     The tree's frames are ``segment_bytes`` long; the chain's segment is :func:`chain_segment`'s.
     """
@@ -1014,6 +1098,8 @@ def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
     cdef int rc = 0
     cdef int64_t deadline
     cdef size_t segment = _segment_size(segment_bytes, 1)
+    if algorithm != -1 and algorithm not in _BROADCAST_PLAN_NAMES:
+        raise ValueError(f"broadcast: no plan with code {algorithm}")
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     try:
@@ -1023,7 +1109,7 @@ def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
             rc = _broadcast_locked(mesh, root, <unsigned char*>call.view.buf, <size_t>call.view.len, segment,
-                                   fingerprint, deadline, &s, &r)
+                                   fingerprint, deadline, &s, &r, algorithm)
     finally:
         call.release()
     if rc:
@@ -1071,12 +1157,13 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     try:
-        count = <size_t>call.take_elements(mesh, buf, timeout, "reduce", itemsize)
+        if algorithm == -1:
+            algorithm = _reduce_plan(memoryview(buf).nbytes, mesh.n, mesh.latency_bytes, mesh.partner_ratio)
+        count = <size_t>call.take_elements(mesh, buf, timeout, "reduce", itemsize,
+                                           root if algorithm == FERRO_PLAN_REDUCE_RING_GATHER else -1)
         nbytes = count * <size_t>itemsize
         if mesh.n < 2 or count == 0:
             return
-        if algorithm == -1:
-            algorithm = _reduce_plan(nbytes, mesh.n, mesh.latency_bytes, mesh.partner_ratio)
         segment = SEGMENT_BYTES
         if algorithm == FERRO_PLAN_REDUCE_CHAIN:  # one frame per step, as the chain's form counts
             segment = ferro_chain_segment(nbytes, mesh.n, mesh.latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
@@ -1202,7 +1289,7 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
                 raise ValueError(f"all_to_all: even=True needs {n} equal blocks on each side; offsets differ at {i}")
         uniform = even and _prefer_bruck_all_to_all(<size_t>n * block, n, mesh.latency_bytes, mesh.copy_ratio,
                                                     mesh.partner_ratio)
-        fingerprint = _with_plan(fingerprint, uniform)
+        fingerprint = _with_plan(fingerprint, 2 if uniform else 1)
         if uniform:  # Bruck: the rotated blocks, and room to pack half of them each way
             work = mesh.scratch_for(<size_t>n * block + 2 * <size_t>((n + 1) // 2) * block)
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)

@@ -34,6 +34,7 @@ enum {
     FERRO_PLAN_REDUCE_TREE = 9,     /* reduce: each child's partial result reduced in, then sent to the parent */
     FERRO_PLAN_REDUCE_RING_GATHER = 10, /* reduce: the ring's reduce-scatter, then each rank's chunk to the root */
     FERRO_PLAN_REDUCE_CHAIN = 11,   /* reduce: root <- root + 1 <- ..., segment i - 1 reduced and passed on as i arrives */
+    FERRO_PLAN_SCATTER_ALL_GATHER = 12, /* broadcast: a binomial scatter of n parts, then the ring's all-gather */
 };
 
 enum {
@@ -72,6 +73,7 @@ typedef struct {
     size_t segment;         /* the chain's segment */
     size_t block;           /* Bruck's: bytes per rank's block */
     const size_t *send_bounds, *recv_bounds;  /* pairwise all_to_all: rank j's block, n + 1 byte offsets each */
+    int part;               /* a plan of two: 0 its first (the scatter), 1 its second (the ring) */
     /* progress */
     int stage, index;
     int power, extra, virtual_rank, mask, lo, hi;
@@ -121,6 +123,7 @@ static inline void ferro_plan_init(ferro_plan *plan, int algorithm, int rank, in
     plan->send_bounds = plan->recv_bounds = NULL;
     plan->stage = 0;
     plan->index = 0;
+    plan->part = 0;
     plan->power = 1;
     while (plan->power * 2 <= n)
         plan->power *= 2;
@@ -485,6 +488,67 @@ static int ferro_plan_next_reduce_ring_gather(ferro_plan *p, ferro_step *step) {
     return 1;
 }
 
+/* Start a broadcast as a scatter and an all-gather (van de Geijn's; MPICH's for medium messages): the message is cut
+ * into n parts, part v for the rank v places after the root (numpy.array_split's cut of the bytes). A binomial
+ * scatter hands every rank its part (the root sends each subtree its parts, the larger half first), then the
+ * ring's all-gather passes the parts around: 2 (n - 1)/n of the message through each link in log2(n) + n - 1
+ * messages, where the tree sends the whole message log2(n) times. `starts` and `ends` (n entries each, filled
+ * here) hold the parts' byte ranges by the rank that owns them, for the ring. */
+static inline void ferro_plan_init_scatter_all_gather(ferro_plan *plan, int rank, int n, int root, size_t nbytes,
+                                                      size_t *starts, size_t *ends) {
+    int r, v;
+    ferro_plan_init(plan, FERRO_PLAN_SCATTER_ALL_GATHER, rank, n, nbytes, 1, starts, ends, NULL,
+                    FERRO_PHASE_ALL_GATHER, 0, 0);
+    for (r = 0; r < n; r++) {
+        v = (r - root + n) % n;
+        starts[r] = ferro_plan_bound(nbytes, n, v);
+        ends[r] = ferro_plan_bound(nbytes, n, v + 1);
+    }
+    plan->root = root;
+    plan->virtual_rank = (rank - root + n) % n;
+    plan->mask = 1;
+}
+
+static int ferro_plan_next_scatter_all_gather(ferro_plan *p, ferro_step *step) {
+    int v = p->virtual_rank, n = p->n, child, last;
+    if (p->part == 0) {
+        ferro_plan_clear(step);
+        if (p->stage == 0) {  /* the parent (the lowest set bit of v) sends this rank's subtree's parts */
+            p->stage = 1;
+            while (p->mask < n && !(v & p->mask))
+                p->mask <<= 1;
+            if (v) {
+                last = v + p->mask < n ? v + p->mask : n;
+                step->recv_peer = (v - p->mask + p->root) % n;
+                step->recv_off = ferro_plan_bound(p->nbytes, n, v);
+                step->recv_len = ferro_plan_bound(p->nbytes, n, last) - step->recv_off;
+                p->mask >>= 1;
+                if (step->recv_len)
+                    return 1;
+            } else {
+                p->mask >>= 1;
+            }
+        }
+        while (p->mask > 0) {  /* each child its subtree's parts, the farthest (largest) first */
+            ferro_plan_clear(step);
+            child = v + p->mask;
+            last = child + p->mask < n ? child + p->mask : n;
+            p->mask >>= 1;
+            if (child < n) {
+                step->send_peer = (child + p->root) % n;
+                step->send_off = ferro_plan_bound(p->nbytes, n, child);
+                step->send_len = ferro_plan_bound(p->nbytes, n, last) - step->send_off;
+                if (step->send_len)
+                    return 1;
+            }
+        }
+        p->part = 1;  /* the ring's all-gather, over the parts by owner */
+        p->stage = 0;
+        p->index = 0;
+    }
+    return ferro_plan_next_ring(p, step);
+}
+
 /* Start Bruck's all_gather of `block` bytes per rank. The working buffer holds the n blocks in this rank's order
  * (block j is rank + j's): the executor puts this rank's own first and rotates them into rank order at the end. */
 static inline void ferro_plan_init_bruck(ferro_plan *plan, int rank, int n, size_t block) {
@@ -586,6 +650,7 @@ static inline int ferro_plan_next(ferro_plan *plan, ferro_step *step) {
     case FERRO_PLAN_REDUCE_TREE: return ferro_plan_next_reduce_tree(plan, step);
     case FERRO_PLAN_REDUCE_RING_GATHER: return ferro_plan_next_reduce_ring_gather(plan, step);
     case FERRO_PLAN_REDUCE_CHAIN: return ferro_plan_next_reduce_chain(plan, step);
+    case FERRO_PLAN_SCATTER_ALL_GATHER: return ferro_plan_next_scatter_all_gather(plan, step);
     default: return ferro_plan_next_doubling(plan, step);  /* recursive doubling, halving-doubling */
     }
 }
@@ -623,6 +688,12 @@ static inline size_t ferro_chain_segment(size_t nbytes, int n, double latency_by
 
 static inline double ferro_cost_tree(size_t nbytes, int n, double latency_bytes, double partner_ratio) {
     return ferro_log2_rounds(n) * (latency_bytes + partner_ratio * (double)nbytes);
+}
+
+/* The scatter's log2(n) rounds from the root, each to a new partner, then the ring's n - 1 steps of a part. */
+static inline double ferro_cost_scatter_all_gather(size_t nbytes, int n, double latency_bytes, double partner_ratio) {
+    return ferro_log2_rounds(n) * latency_bytes + partner_ratio * (double)nbytes * (n - 1) / n
+           + (double)(n - 1) * (latency_bytes + (double)nbytes / n);
 }
 
 static inline double ferro_cost_chain(size_t nbytes, int n, double latency_bytes, size_t segment) {

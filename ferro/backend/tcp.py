@@ -167,6 +167,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
         model = load_cost_model()  # $FERRO_COST_MODEL: the link's numbers choose the broadcast's plan, ...
         if model is not None:
             self._mesh.latency_bytes, self._mesh.copy_ratio, self._mesh.partner_ratio = model.link_numbers()
+            self._mesh.measured = True
         try:
             self._peers.join(self._deadline, prefetch=self._mesh.near_peers)
         except BaseException:

@@ -259,7 +259,7 @@ def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
             if op == "allreduce":
                 chosen = resolve_allreduce_algorithm(nbytes, n)
             elif op in ("broadcast", "all_gather", "all_to_all", "reduce"):
-                chosen = native.choose(op, nbytes, n, latency_bytes, copy_ratio, partner_ratio)
+                chosen = native.choose(op, nbytes, n, latency_bytes, copy_ratio, partner_ratio, model is not None)
             else:
                 chosen = names[0]
             times = {name: simulate.predict(network, name, nbytes, itemsize, op=op, latency_bytes=latency_bytes)

@@ -210,7 +210,7 @@ def _exchanges(steps: Sequence[Step], segment: int) -> list[tuple[int, int, int,
 #: Every op's schedules, by the names ``ferro bench`` rows give them.
 OP_ALGORITHMS: dict[str, dict[str, int]] = {
     "allreduce": ALGORITHMS,
-    "broadcast": {"binomial tree": native.ALGORITHM_BINOMIAL_TREE, "pipelined chain": native.ALGORITHM_CHAIN},
+    "broadcast": native.BROADCAST_PLANS,
     "all_gather": {"ring": native.ALGORITHM_RING, "bruck": native.ALGORITHM_BRUCK},
     "reduce_scatter": {"ring": native.ALGORITHM_RING},
     "all_to_all": {"pairwise": native.ALGORITHM_PAIRWISE, "bruck": native.ALGORITHM_BRUCK_ALL_TO_ALL},
