@@ -405,11 +405,11 @@ def test_backend_page_reads_each_backends_declaration_and_engine(site):
         if entry.backend_class:
             cls = entry.backend_class()
             assert cls.SUPPORT.devices in text
-    # The engine column is read from the class: TCP runs allreduce and reduce natively, the hierarchical backend
-    # allreduce natively and reduce generically.
-    assert {"allreduce", "reduce"} <= set(reference.own_engine(ferro.TcpBackend))
-    assert "allreduce" in reference.own_engine(ferro.HierarchicalBackend) and "reduce" not in reference.own_engine(
-        ferro.HierarchicalBackend)
+    # The engine column is read from the class: TCP runs allreduce, reduce and all_to_all natively, shared memory
+    # allreduce natively and all_to_all generically.
+    assert {"allreduce", "reduce", "all_to_all"} <= set(reference.own_engine(ferro.TcpBackend))
+    assert "allreduce" in reference.own_engine(ferro.ShmBackend) and "all_to_all" not in reference.own_engine(
+        ferro.ShmBackend)
     assert reference.own_engine(ferro.SimulatedBackend) == []
 
 
