@@ -119,6 +119,24 @@ def test_bench_runs_ferro_and_gloo_on_an_emulated_cluster(tmp_path):
     assert all(r["oop_wrong"] == 0 and r["ip_wrong"] == 0 for r in rows if r["library"] == "ferro-tcp")
 
 
+@needs_cluster
+def test_a_stream_reference_that_fails_costs_its_rows_not_the_libraries(tmp_path, monkeypatch, capsys):
+    # Seen at 32x1: one host's stream carried nothing in its window, and the division by its rate of 0 lost the
+    # whole sweep's rows.
+    from ferro.tools.bench import cli
+
+    def nothing_received(cluster):
+        raise RuntimeError("host 3 received nothing in 3 s")
+
+    monkeypatch.setattr(cli, "measure_stream", nothing_received)
+    out = tmp_path / "rows.json"
+    code = cli.main(["--emulate", "2x1@1gbit", "-b", "4K", "-e", "4K", "--iters", "2", "--warmup", "1", "--compare",
+                     "stream", "--json", str(out), "allreduce"])
+    assert code == 0
+    assert "# stream: not measured (host 3 received nothing in 3 s); no stream rows" in capsys.readouterr().out
+    assert {r["library"] for r in json.loads(out.read_text())} == {"ferro-tcp"}
+
+
 def test_the_line_rate_reference_counts_each_op_s_bytes_on_a_host_s_link():
     from ferro.tools.bench.stream import link_bytes, stream_rows
     from ferro.tools.bench.table import Row

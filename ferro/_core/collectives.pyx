@@ -434,8 +434,9 @@ def plan_steps(int algorithm, int rank, int n, Py_ssize_t count, Py_ssize_t item
     Args:
         algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING``, ``ALGORITHM_HALVING_DOUBLING``;
             broadcast's ``ALGORITHM_BINOMIAL_TREE``, ``ALGORITHM_CHAIN`` and ``ALGORITHM_SCATTER_ALL_GATHER``
-            (``count`` elements from ``root``, the chain in ``segment``-byte pieces); all_gather's ``ALGORITHM_BRUCK``; all_to_all's
-            ``ALGORITHM_PAIRWISE`` and ``ALGORITHM_BRUCK_ALL_TO_ALL``; the barrier's ``ALGORITHM_DISSEMINATION``;
+            (``count`` elements from ``root``, the chain in ``segment``-byte pieces); all_gather's
+            ``ALGORITHM_BRUCK``; all_to_all's ``ALGORITHM_PAIRWISE`` and ``ALGORITHM_BRUCK_ALL_TO_ALL``; the
+            barrier's ``ALGORITHM_DISSEMINATION``;
             reduce's ``ALGORITHM_REDUCE_TREE``, ``ALGORITHM_REDUCE_RING_GATHER`` and ``ALGORITHM_REDUCE_CHAIN``
             (to ``root``; the chain in ``segment``-byte pieces).
             For all_gather and all_to_all, ``count`` elements is each rank's block (to each peer).

@@ -33,7 +33,7 @@ enum {
     FERRO_PLAN_DISSEMINATION = 8,   /* barrier: round k signals rank + 2^k and waits for rank - 2^k */
     FERRO_PLAN_REDUCE_TREE = 9,     /* reduce: each child's partial result reduced in, then sent to the parent */
     FERRO_PLAN_REDUCE_RING_GATHER = 10, /* reduce: the ring's reduce-scatter, then each rank's chunk to the root */
-    FERRO_PLAN_REDUCE_CHAIN = 11,   /* reduce: root <- root + 1 <- ..., segment i - 1 reduced and passed on as i arrives */
+    FERRO_PLAN_REDUCE_CHAIN = 11,   /* reduce: root <- root + 1 <- ..., segment i - 1 reduced, passed on as i arrives */
     FERRO_PLAN_SCATTER_ALL_GATHER = 12, /* broadcast: a binomial scatter of n parts, then the ring's all-gather */
 };
 
