@@ -129,6 +129,7 @@ def test_a_stream_reference_that_fails_costs_its_rows_not_the_libraries(tmp_path
         raise RuntimeError("host 3 received nothing in 3 s")
 
     monkeypatch.setattr(cli, "measure_stream", nothing_received)
+    monkeypatch.chdir(tmp_path)  # the ranks' python -m must find the installed ferro, not the source tree
     out = tmp_path / "rows.json"
     code = cli.main(["--emulate", "2x1@1gbit", "-b", "4K", "-e", "4K", "--iters", "2", "--warmup", "1", "--compare",
                      "stream", "--json", str(out), "allreduce"])
@@ -184,8 +185,10 @@ def test_both_open_mpi_versions_run_one_rank_per_emulated_host_on_their_own_libr
     candidates = [m for m in (find_mpirun(), _SYSTEM_MPIRUN) if m and open_mpi_version(m)]
     if not candidates:
         pytest.skip("no Open MPI mpirun here")
-    script = ("from mpi4py import MPI; import socket; "
-              "print(MPI.COMM_WORLD.Get_rank(), socket.gethostname(), MPI.Get_library_version().split(',')[0])")
+    # One write per rank (print writes each field apart, and once mpirun's forwarding interleaved two ranks'
+    # fields on one line in CI).
+    script = ("from mpi4py import MPI; import socket, sys; sys.stdout.write(f'{MPI.COMM_WORLD.Get_rank()} "
+              "{socket.gethostname()} {MPI.Get_library_version().split(\",\")[0]}\\n'); sys.stdout.flush()")
     for mpirun in dict.fromkeys(candidates):
         env = mpirun_environment(mpirun=mpirun)
         version = open_mpi_version(mpirun)
