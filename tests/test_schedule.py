@@ -769,3 +769,14 @@ def test_every_reduce_and_broadcast_plan_from_every_root_on_six_real_ranks():
     results = run_processes(_every_root_and_plan_at_six_ranks, 6, backend=None, timeout=180)
     assert sum(len(r) for r in results) == 6 * 3 * 6 + 6 * 3  # every rank's broadcasts, and each root's reduces
     assert all(all(r.values()) for r in results), [k for r in results for k, ok in r.items() if not ok]
+
+
+def test_the_names_a_mismatch_gives_plans_are_the_mesh_s_names_in_the_fingerprint_s_code_order():
+    # ferro.types (which imports nothing of ferro) names the plan code a TCP mesh puts in a broadcast's,
+    # all_gather's or all_to_all's fingerprint (collectives._with_plan: 1 the first plan, 2 the second, ...); the
+    # mesh's own tables must list them in the same order, or a mismatch would name the wrong plans.
+    from ferro.types import _PLANS
+
+    assert _PLANS["broadcast"] == tuple(native.BROADCAST_PLANS)
+    assert _PLANS["all_gather"] == ("ring", "bruck") == tuple(simulate.OP_ALGORITHMS["all_gather"])
+    assert _PLANS["all_to_all"] == ("pairwise", "bruck") == tuple(simulate.OP_ALGORITHMS["all_to_all"])

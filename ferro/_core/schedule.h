@@ -522,12 +522,10 @@ static int ferro_plan_next_scatter_all_gather(ferro_plan *p, ferro_step *step) {
                 step->recv_peer = (v - p->mask + p->root) % n;
                 step->recv_off = ferro_plan_bound(p->nbytes, n, v);
                 step->recv_len = ferro_plan_bound(p->nbytes, n, last) - step->recv_off;
-                p->mask >>= 1;
-                if (step->recv_len)
-                    return 1;
-            } else {
-                p->mask >>= 1;
             }
+            p->mask >>= 1;  /* the children sit below the parent's bit (the root's: below n) */
+            if (step->recv_len)
+                return 1;
         }
         while (p->mask > 0) {  /* each child its subtree's parts, the farthest (largest) first */
             ferro_plan_clear(step);

@@ -106,7 +106,8 @@ class HangWatchdog:
         every_rank = len(self.local_ranks) >= self.world_size
         for old in list(self.folder.iterdir()):
             owner = _rank_of_file(old.name)
-            if not every_rank and (owner not in self.local_ranks if owner is not None else 0 not in self.local_ranks):
+            ours = (owner if owner is not None else 0) in self.local_ranks  # job-wide files: rank 0's node's
+            if not (every_rank or ours):
                 continue
             try:
                 if old.is_file() and old.stat().st_mtime < self.started:
