@@ -92,7 +92,7 @@ def describe(x: Any, call: str, writable: bool) -> DeviceArray:
 def _torch(tensor: Any, call: str, writable: bool) -> DeviceArray:
     import torch
 
-    if tensor.device.type != "cuda":
+    if not tensor.is_cuda:
         raise InvalidBufferError(f"{call}: the tensor lives on {tensor.device}; NCCL moves CUDA memory only")
     if tensor.layout is not torch.strided:
         raise InvalidBufferError(f"{call}: the tensor is not dense; pass tensor.to_dense()")
@@ -100,9 +100,22 @@ def _torch(tensor: Any, call: str, writable: bool) -> DeviceArray:
         raise InvalidBufferError(f"{call}: the tensor is not contiguous; pass tensor.contiguous()")
     if writable:
         before_writing(tensor, call)
-    stream = torch.cuda.current_stream(tensor.device).cuda_stream
+    index = tensor.get_device()
     return DeviceArray(tensor, tensor.data_ptr(), tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."),
-                       tensor.element_size(), tensor.device.index, int(stream))
+                       tensor.element_size(), index, _current_stream(torch, index))
+
+
+def _current_stream(torch: Any, device: int) -> int:
+    """Return the handle of PyTorch's current stream on ``device``.
+
+    The raw getter (what torch's own compiled kernels launch with) skips building a
+    ``torch.cuda.Stream`` object, several microseconds of every call; builds without
+    it take the public route.
+    """
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

@@ -121,11 +121,14 @@ class DeviceWork:
         self._event, self._caller_stream, self._result = event, caller_stream, result
         self._keep: tuple[Any, ...] | None = keep
         self.deadline = deadline
-        self._done = threading.Event()
+        # A flag, and an event only for a host that waits (synchronize): an event per operation would cost
+        # every call microseconds that almost no caller uses.
+        self._done = False
+        self._waiter: threading.Event | None = None
 
     def is_completed(self) -> bool:
         """Whether the GPU finished it (or the communicator failed)."""
-        return self._done.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
         """Order the caller's stream after this operation and return its result; the host does not wait.
@@ -142,7 +145,7 @@ class DeviceWork:
 
         """
         self._comm.raise_if_failed(self.name, self)
-        if not self._done.is_set():
+        if not self._done:
             self._comm.order_after(self._caller_stream, self._event)
         return self._result
 
@@ -157,24 +160,28 @@ class DeviceWork:
         """
         deadline = self.deadline if timeout is None else time.monotonic() + timeout
         delay = _FIRST_POLL_SECONDS
-        while not self._done.is_set():
+        if self._waiter is None:
+            self._waiter = threading.Event()  # made before the flag is read again: _finish sets one or the other
+        while not self._done:
             self._comm.poll()
-            if self._done.is_set():
+            if self._done:
                 break
             if time.monotonic() >= deadline:
                 self._comm.time_out(self)
                 break
-            self._done.wait(delay)
+            self._waiter.wait(delay)
             delay = min(delay * 2, _LONGEST_POLL_SECONDS)
         self._comm.raise_if_failed(self.name, self)
         return self._result
 
     def _finish(self) -> None:
         self._keep = None  # NCCL no longer uses the memory
-        self._done.set()
+        self._done = True
+        if self._waiter is not None:  # read after the flag is set: a waiter made before is woken
+            self._waiter.set()
 
     def __repr__(self) -> str:
-        return f"<DeviceWork #{self.seq} {self.name} {'done' if self._done.is_set() else 'pending'}>"
+        return f"<DeviceWork #{self.seq} {self.name} {'done' if self._done else 'pending'}>"
 
 
 class Communicator:
@@ -363,7 +370,9 @@ class Communicator:
             work = DeviceWork(self, self._issued, name, event, caller, result, tuple(a.obj for a in arrays),
                               time.monotonic() + seconds)
             self._pending.append(work)
-        self.watchdog.wake()
+            first = len(self._pending) == 1
+        if first:  # the watchdog polls often while work is pending; it needs waking only from its idle wait
+            self.watchdog.wake()
         return work
 
     def settle(self, result: int, call: str) -> None:
