@@ -128,6 +128,8 @@ class DeviceWork:
 
     def is_completed(self) -> bool:
         """Whether the GPU finished it (or the communicator failed)."""
+        if not self._done:
+            self._comm.poll()  # retires whatever the GPU finished, without waiting for the watchdog's next look
         return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -367,12 +369,11 @@ class Communicator:
             driver.record(event, stream)
             self._issued += 1
             self._last = name
-            work = DeviceWork(self, self._issued, name, event, caller, result, tuple(a.obj for a in arrays),
+            work = DeviceWork(self, self._issued, name, event, caller, result, tuple([a.obj for a in arrays]),
                               time.monotonic() + seconds)
             self._pending.append(work)
-            first = len(self._pending) == 1
-        if first:  # the watchdog polls often while work is pending; it needs waking only from its idle wait
-            self.watchdog.wake()
+        # The watchdog is not woken: it finds new work within its idle wait (0.1 s), far inside any timeout, and
+        # waking it on every call cost the caller more than the launch (its poll contends for the GIL and lock).
         return work
 
     def settle(self, result: int, call: str) -> None:
@@ -426,7 +427,7 @@ class Communicator:
     def time_out(self, work: DeviceWork) -> None:
         """Fail the communicator because ``work`` outlived its deadline, naming the ranks to blame."""
         with self._lock:
-            if self._failure is not None or work.is_completed():
+            if self._failure is not None or work._done:
                 return
             self.publish_progress()
             culprits = blame(self._watch_store, self._prefix, self.rank, self.world_size, work.seq, work.name,
