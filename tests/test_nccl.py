@@ -260,6 +260,23 @@ def test_world_size_one_group_runs_every_call_on_the_callers_stream(stubbed):
     assert read_log(stubbed)[-2:] == ["ncclCommFinalize", "ncclCommDestroy"]
 
 
+def test_a_finished_operation_reads_completed_without_the_watchdog(stubbed, monkeypatch):
+    """Launches do not wake the watchdog (each wake cost the caller its poll), so is_completed() retires work itself."""
+    from ferro.backend.nccl import watchdog
+
+    monkeypatch.setattr(watchdog, "POLL_IDLE_SECONDS", 120.0)  # the watchdog, once idle, does not look again
+    group = ferro.NcclBackend(0, 1, master_port=_port(), timeout=20)
+    try:
+        time.sleep(0.2)  # past the watchdog's first look, into its idle wait
+        x = np.arange(6, dtype=np.float32)
+        work = ferro.allreduce(FakeGpuArray(x), group=group, async_op=True)
+        assert work.is_completed()  # the stub's events are done at once
+        assert "done" in repr(work)
+        assert not group.device_collectives.busy
+    finally:
+        group.close()
+
+
 def test_nccl_group_refuses_host_memory_and_stays_usable(stubbed):
     group = ferro.NcclBackend(0, 1, master_port=_port(), timeout=20)
     try:
