@@ -84,10 +84,22 @@ _VARIABLES = (
     Variable("FERRO_ALGORITHM_ALLREDUCE", "Transports", "unset (chosen by message size and world size)",
              "Forces the allreduce algorithm of every call without `algorithm=`: `ring`, `recursive_doubling` or "
              "`halving_doubling`. Every rank must set the same; ranks that differ fail with a mismatch."),
+    Variable("FERRO_ALGORITHM_BROADCAST", "Transports", "unset (chosen by the cost forms)",
+             "Forces a TCP group's broadcast plan: `binomial_tree`, `pipelined_chain` or `scatter_all_gather`. Read "
+             "when the group is made; every rank must set the same (checked at rendezvous)."),
+    Variable("FERRO_ALGORITHM_REDUCE", "Transports", "unset (chosen by the cost forms)",
+             "Forces a TCP group's reduce plan: `binomial_tree`, `ring_gather` (the ring's reduce-scatter and a "
+             "gather to the root) or `pipelined_chain`. Read when the group is made; every rank must set the same."),
+    Variable("FERRO_ALGORITHM_ALL_GATHER", "Transports", "unset (chosen by the cost forms)",
+             "Forces a TCP group's all_gather plan: `ring` or `bruck`. Read when the group is made; every rank must "
+             "set the same."),
+    Variable("FERRO_ALGORITHM_ALL_TO_ALL", "Transports", "unset (chosen by the cost forms)",
+             "Forces a TCP group's all_to_all plan for equal blocks: `pairwise` or `bruck` (uneven blocks always "
+             "take the pairwise exchange). Read when the group is made; every rank must set the same."),
     Variable("FERRO_COST_MODEL", "Transports", "unset (the rule measured on loopback)",
              "A cost model written by `ferro bench --fit`: allreduce algorithms are chosen by its predicted times, "
              "and the broadcast's, all_gather's and all_to_all's plans by its link figures. Every rank must read "
-             "the same file."),
+             "the same file (checked at rendezvous)."),
     # Launcher
     Variable("FERRO_RUN_ID", "Launcher", "torchrun's, Slurm's or Open MPI's job id, else the parent's pid",
              "Names the job in flight-recorder dumps and their folder."),

@@ -780,3 +780,99 @@ def test_the_names_a_mismatch_gives_plans_are_the_mesh_s_names_in_the_fingerprin
     assert _PLANS["broadcast"] == tuple(native.BROADCAST_PLANS)
     assert _PLANS["all_gather"] == ("ring", "bruck") == tuple(simulate.OP_ALGORITHMS["all_gather"])
     assert _PLANS["all_to_all"] == ("pairwise", "bruck") == tuple(simulate.OP_ALGORITHMS["all_to_all"])
+
+
+# --- forcing a plan of broadcast, reduce, all_gather and all_to_all (FERRO_ALGORITHM_<OP>) ---
+
+# Three rounds force every plan of each op once (all_gather and all_to_all have two: the third round repeats one).
+FORCED_ROUNDS = [
+    {"broadcast": "binomial_tree", "reduce": "pipelined_chain", "all_gather": "bruck", "all_to_all": "bruck"},
+    {"broadcast": "pipelined_chain", "reduce": "ring_gather", "all_gather": "ring", "all_to_all": "pairwise"},
+    {"broadcast": "scatter_all_gather", "reduce": "binomial_tree", "all_gather": "bruck", "all_to_all": "pairwise"},
+]
+
+
+def _forced_plans(rank, world_size, root, count):
+    import ferro
+
+    with ferro.TcpBackend.from_env(timeout=30) as group:
+        base = np.arange(count, dtype=np.float64) + 1
+        b = base * (root + 1) if rank == root else np.zeros(count)
+        ferro.broadcast(b, root=root, group=group)
+        r = base * (rank + 1)
+        ferro.reduce(r, dst=root, group=group)
+        gathered = np.zeros(count * world_size)
+        ferro.all_gather(base * (rank + 1), out=gathered, group=group)
+        blocks = np.concatenate([np.full(count, 100.0 * rank + peer) for peer in range(world_size)])
+        exchanged = ferro.all_to_all(blocks, group=group)
+        sent = {op: entry["bytes_sent"] for op, entry in group.stats().items()}
+        return group.direct_mesh.forced(), b, r, gathered, np.asarray(exchanged), sent
+
+
+@pytest.mark.parametrize("plans", FORCED_ROUNDS, ids=lambda plans: "+".join(plans.values()))
+def test_the_variables_force_each_op_s_plan_and_every_rank_gets_numpy_s_answer(plans):
+    # 4 ranks from root 1, 3,000 doubles (24 KB): sizes where the cost forms choose the tree, Bruck's or the ring
+    # and gather, so forcing the others shows; the bytes each rank sent are those of the forced plans' steps.
+    from ferro.testing import run_processes
+
+    n, root, count = 4, 1, 3000
+    env = {f"FERRO_ALGORITHM_{op.upper()}": name for op, name in plans.items()}
+    results = run_processes(_forced_plans, n, args=(root, count), backend=None, timeout=120, env=env)
+    base = np.arange(count, dtype=np.float64) + 1
+    codes = dict(native.FORCEABLE_PLANS["broadcast"])
+    to_all = {"pairwise": native.ALGORITHM_PAIRWISE, "bruck": native.ALGORITHM_BRUCK_ALL_TO_ALL}
+    for rank, (forced, b, r, gathered, exchanged, sent) in enumerate(results):
+        assert forced == plans
+        np.testing.assert_array_equal(b, base * (root + 1))
+        np.testing.assert_array_equal(r, base * (sum(range(1, n + 1)) if rank == root else rank + 1))
+        np.testing.assert_array_equal(gathered, np.concatenate([base * (k + 1) for k in range(n)]))
+        np.testing.assert_array_equal(exchanged, np.concatenate([np.full(count, 100.0 * k + rank) for k in range(n)]))
+        expected = {
+            "broadcast": native.plan_steps(codes[plans["broadcast"]], rank, n, count, 8, root=root),
+            "reduce": native.plan_steps(native.FORCEABLE_PLANS["reduce"][plans["reduce"]], rank, n, count, 8,
+                                        root=root),
+            "all_to_all": native.plan_steps(to_all[plans["all_to_all"]], rank, n, count, 8),
+        }
+        for op, steps in expected.items():
+            assert sent[op] == sum(step[2] for step in steps), (op, rank, sent[op])
+
+
+def _settings_differ(rank, world_size):
+    import os
+
+    import ferro
+
+    if rank == 1:  # this rank alone forces a plan, as one host's environment might
+        os.environ["FERRO_ALGORITHM_REDUCE"] = "pipelined_chain"
+    with ferro.TcpBackend.from_env(timeout=15):
+        return "joined"
+
+
+def test_a_rank_that_forces_other_plans_is_refused_at_rendezvous_naming_both_settings():
+    from ferro.errors import RankFailedError
+    from ferro.testing import run_processes
+
+    with pytest.raises(RankFailedError) as caught:
+        run_processes(_settings_differ, 2, backend=None, timeout=60)
+    text = str(caught.value)
+    assert "rank 1" in text and "ConfigurationError" in text, text
+    assert "rank 0 has link numbers" in text and "forced plans none" in text, text
+    assert "forced plans reduce=pipelined_chain" in text, text
+
+
+def test_a_variable_that_names_no_plan_is_refused_with_the_plans_it_takes(monkeypatch):
+    from ferro.backend.cost_model import force_plans
+    from ferro.errors import ConfigurationError
+
+    mesh = native.Mesh([None, None], 0)
+    monkeypatch.setenv("FERRO_ALGORITHM_BROADCAST", "fastest")
+    with pytest.raises(ConfigurationError, match="rank 0: FERRO_ALGORITHM_BROADCAST=fastest: broadcast has no plan "
+                                                 "'fastest'; use one of binomial_tree, pipelined_chain, "
+                                                 "scatter_all_gather"):
+        force_plans(mesh, 0)
+    monkeypatch.setenv("FERRO_ALGORITHM_BROADCAST", "pipelined_chain")
+    monkeypatch.setenv("FERRO_ALGORITHM_ALL_TO_ALL", "bruck")
+    force_plans(mesh, 0)
+    assert mesh.forced() == {"broadcast": "pipelined_chain", "all_to_all": "bruck"}
+    assert mesh.choose("broadcast", 8) == "pipelined chain" and mesh.choose("all_to_all", 1 << 24) == "bruck"
+    assert "forced plans all_to_all=bruck,broadcast=pipelined_chain" in mesh.plan_settings()

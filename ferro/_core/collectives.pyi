@@ -25,6 +25,7 @@ ALGORITHM_REDUCE_CHAIN: int
 ALGORITHM_SCATTER_ALL_GATHER: int
 BROADCAST_PLANS: dict[str, int]
 REDUCE_PLANS: dict[str, int]
+FORCEABLE_PLANS: dict[str, dict[str, int]]
 STEP_PACK: int
 DEFAULT_LATENCY_BYTES: float
 DEFAULT_COPY_RATIO: float
@@ -55,6 +56,10 @@ class Mesh:
     window_bytes: int
     measured: bool
     connector: Callable[[int, float], Connection] | None
+    forced_broadcast: int
+    forced_all_gather: int
+    forced_all_to_all: int
+    forced_reduce: int
     def __init__(
         self, connections: Sequence[Connection | None], rank: int, latency_bytes: float = ..., copy_ratio: float = ...,
         partner_ratio: float = ...,
@@ -62,6 +67,9 @@ class Mesh:
     ) -> None: ...
     def attach(self, peer: int, conn: Connection) -> None: ...
     def choose(self, op: str, nbytes: int) -> str: ...
+    def force(self, op: str, name: str | None) -> None: ...
+    def forced(self) -> dict[str, str]: ...
+    def plan_settings(self) -> str: ...
     @property
     def near_peers(self) -> list[int]: ...
 

@@ -204,6 +204,20 @@ REDUCE_PLANS = {"binomial tree": FERRO_PLAN_REDUCE_TREE, "ring and gather": FERR
                 "pipelined chain": FERRO_PLAN_REDUCE_CHAIN}
 _REDUCE_PLAN_NAMES = {code: name for name, code in REDUCE_PLANS.items()}
 
+#: The plans a group can be told to run instead of its choice (``FERRO_ALGORITHM_<OP>``, :meth:`Mesh.force`), by op
+#: and the name the variable takes. all_gather's and all_to_all's codes are their fingerprint codes (1, 2).
+FORCEABLE_PLANS = {
+    "broadcast": {"binomial_tree": FERRO_PLAN_BINOMIAL_TREE, "pipelined_chain": FERRO_PLAN_CHAIN,
+                  "scatter_all_gather": FERRO_PLAN_SCATTER_ALL_GATHER},
+    "all_gather": {"ring": 1, "bruck": 2},
+    "all_to_all": {"pairwise": 1, "bruck": 2},
+    "reduce": {"binomial_tree": FERRO_PLAN_REDUCE_TREE, "ring_gather": FERRO_PLAN_REDUCE_RING_GATHER,
+               "pipelined_chain": FERRO_PLAN_REDUCE_CHAIN},
+}
+# What choose() calls a forced plan.
+_FORCED_NAMES = {"broadcast": _BROADCAST_PLAN_NAMES, "all_gather": {1: "ring", 2: "bruck"},
+                 "all_to_all": {1: "pairwise", 2: "bruck"}, "reduce": _REDUCE_PLAN_NAMES}
+
 
 def choose(str op, size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BYTES,
            double copy_ratio=DEFAULT_COPY_RATIO, double partner_ratio=1.0, bint measured=False) -> str:
@@ -596,6 +610,8 @@ cdef class Mesh:
     cdef public size_t window_bytes
     cdef public bint measured
     cdef public object connector
+    # Plans forced by force() (-1: chosen by the cost forms): codes of FORCEABLE_PLANS.
+    cdef readonly int forced_broadcast, forced_all_gather, forced_all_to_all, forced_reduce
 
     def __cinit__(self, connections, int rank, double latency_bytes=DEFAULT_LATENCY_BYTES,
                   double copy_ratio=DEFAULT_COPY_RATIO, double partner_ratio=1.0, connector=None):
@@ -609,6 +625,7 @@ cdef class Mesh:
         self.window_bytes = DEFAULT_WINDOW_BYTES
         self.measured = False
         self.connector = connector
+        self.forced_broadcast = self.forced_all_gather = self.forced_all_to_all = self.forced_reduce = -1
         if not 0 <= rank < self.n:
             raise ValueError(f"rank {rank} is outside a mesh of {self.n}")
         self.states = <ConnState**>malloc(self.n * sizeof(ConnState*))
@@ -708,13 +725,69 @@ cdef class Mesh:
         self.locked = 0
 
     cdef inline int broadcast_plan(self, size_t nbytes) noexcept nogil:
+        if self.forced_broadcast >= 0:
+            return self.forced_broadcast
         return _broadcast_plan(nbytes, self.n, self.latency_bytes, self.partner_ratio, self.measured)
 
     cdef inline bint bruck(self, size_t total) noexcept nogil:
+        if self.forced_all_gather >= 0:
+            return self.forced_all_gather == 2
         return _prefer_bruck_all_gather(total, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio)
 
+    cdef inline bint bruck_all_to_all(self, size_t total) noexcept nogil:
+        if self.forced_all_to_all >= 0:
+            return self.forced_all_to_all == 2
+        return _prefer_bruck_all_to_all(total, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio)
+
+    cdef inline int reduce_plan(self, size_t nbytes) noexcept nogil:
+        if self.forced_reduce >= 0:
+            return self.forced_reduce
+        return _reduce_plan(nbytes, self.n, self.latency_bytes, self.partner_ratio)
+
+    def force(self, str op, name) -> None:
+        """Run plan ``name`` (one of :data:`FORCEABLE_PLANS`' for ``op``) for every ``op`` call; None: choose again.
+
+        Every rank of the group must force the same (the TCP backend checks at rendezvous, see
+        :meth:`plan_settings`). all_to_all's Bruck applies to calls of equal blocks; uneven ones stay pairwise.
+
+        Raises:
+            ValueError: Not an op with plans to force, or not one of its plans.
+        """
+        if op not in FORCEABLE_PLANS:
+            raise ValueError(f"no plan can be forced for {op!r}; these ops have plans: {', '.join(FORCEABLE_PLANS)}")
+        plans = FORCEABLE_PLANS[op]
+        if name is not None and name not in plans:
+            raise ValueError(f"{op} has no plan {name!r}; use one of {', '.join(plans)}")
+        code = -1 if name is None else plans[name]
+        if op == "broadcast":
+            self.forced_broadcast = code
+        elif op == "all_gather":
+            self.forced_all_gather = code
+        elif op == "all_to_all":
+            self.forced_all_to_all = code
+        else:
+            self.forced_reduce = code
+
+    def forced(self) -> dict:
+        """The plans :meth:`force` set, by op: ``{"broadcast": "pipelined_chain"}``."""
+        codes = {"broadcast": self.forced_broadcast, "all_gather": self.forced_all_gather,
+                 "all_to_all": self.forced_all_to_all, "reduce": self.forced_reduce}
+        return {op: next(name for name, c in FORCEABLE_PLANS[op].items() if c == code)
+                for op, code in codes.items() if code >= 0}
+
+    def plan_settings(self) -> str:
+        """What decides this mesh's plans, as text equal on ranks that decide alike: the link's numbers, whether
+        they were measured, and the forced plans."""
+        forced = ",".join(f"{op}={name}" for op, name in sorted(self.forced().items())) or "none"
+        return (f"link numbers {self.latency_bytes!r}/{self.copy_ratio!r}/{self.partner_ratio!r}"
+                f"{' (measured)' if self.measured else ''}, forced plans {forced}")
+
     def choose(self, str op, size_t nbytes) -> str:
-        """Name the plan this mesh runs for ``op`` of ``nbytes`` (see the module's :func:`choose`)."""
+        """Name the plan this mesh runs for ``op`` of ``nbytes``: the forced one, else the module's :func:`choose`."""
+        code = {"broadcast": self.forced_broadcast, "all_gather": self.forced_all_gather,
+                "all_to_all": self.forced_all_to_all, "reduce": self.forced_reduce}.get(op, -1)
+        if code >= 0:
+            return _FORCED_NAMES[op][code]
         return choose(op, nbytes, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio, self.measured)
 
     cdef unsigned char* scratch_for(self, size_t nbytes) except NULL:
@@ -1159,7 +1232,7 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
     memset(&r, 0, sizeof(RecvOp))
     try:
         if algorithm == -1:
-            algorithm = _reduce_plan(memoryview(buf).nbytes, mesh.n, mesh.latency_bytes, mesh.partner_ratio)
+            algorithm = mesh.reduce_plan(memoryview(buf).nbytes)
         count = <size_t>call.take_elements(mesh, buf, timeout, "reduce", itemsize,
                                            root if algorithm == FERRO_PLAN_REDUCE_RING_GATHER else -1)
         nbytes = count * <size_t>itemsize
@@ -1288,8 +1361,7 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
         for i in range(n + 1):  # every rank must take the same plan: an even call's blocks are equal everywhere
             if even and (send_at[i] != i * block or recv_at[i] != i * block):
                 raise ValueError(f"all_to_all: even=True needs {n} equal blocks on each side; offsets differ at {i}")
-        uniform = even and _prefer_bruck_all_to_all(<size_t>n * block, n, mesh.latency_bytes, mesh.copy_ratio,
-                                                    mesh.partner_ratio)
+        uniform = even and mesh.bruck_all_to_all(<size_t>n * block)
         fingerprint = _with_plan(fingerprint, 2 if uniform else 1)
         if uniform:  # Bruck: the rotated blocks, and room to pack half of them each way
             work = mesh.scratch_for(<size_t>n * block + 2 * <size_t>((n + 1) // 2) * block)

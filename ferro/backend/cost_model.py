@@ -27,15 +27,20 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ferro import environment
 from ferro.errors import ConfigurationError
 
-__all__ = ["COPY_SECONDS_PER_BYTE", "COST_MODEL_ENV", "LINK_KINDS", "CostModel", "load_cost_model"]
+__all__ = ["COPY_SECONDS_PER_BYTE", "COST_MODEL_ENV", "FORCED_PLAN_ENVS", "LINK_KINDS", "CostModel", "force_plans",
+           "load_cost_model"]
 
 #: A JSON file written by ``ferro bench --fit``: allreduce algorithms are chosen from it.
 COST_MODEL_ENV = "FERRO_COST_MODEL"
 _ALGORITHMS = ("ring", "recursive_doubling", "halving_doubling")
+#: The variables that force a TCP group's plan for an op (read when the group is made), by op.
+FORCED_PLAN_ENVS = {"broadcast": "FERRO_ALGORITHM_BROADCAST", "reduce": "FERRO_ALGORITHM_REDUCE",
+                    "all_gather": "FERRO_ALGORITHM_ALL_GATHER", "all_to_all": "FERRO_ALGORITHM_ALL_TO_ALL"}
 #: The kinds of link a model holds costs for: ranks of one host, and ranks of different hosts.
 LINK_KINDS = ("same_host", "between_hosts")
 #: Seconds a rank spends copying one byte in memory (Bruck's rotations and packing): memcpy at about 3 GB/s, the
@@ -179,3 +184,19 @@ def load_cost_model(path: str | None = None) -> CostModel | None:
     if min(model.alpha, model.beta, model.gamma, *(c for pair in pairs for c in pair)) < 0:
         raise ConfigurationError(f"{COST_MODEL_ENV}={path}: costs must not be negative: {model}")
     return model
+
+
+def force_plans(mesh: Any, rank: int) -> None:
+    """Make ``mesh`` run the plans ``$FERRO_ALGORITHM_BROADCAST``, ``_REDUCE``, ``_ALL_GATHER``, ``_ALL_TO_ALL`` name.
+
+    Raises:
+        ConfigurationError: A variable names no plan of its op (the message lists the plans).
+
+    """
+    for op, variable in FORCED_PLAN_ENVS.items():
+        name = environment.get(variable)
+        if name:
+            try:
+                mesh.force(op, name)
+            except ValueError as exc:
+                raise ConfigurationError(f"rank {rank}: {variable}={name}: {exc}") from None

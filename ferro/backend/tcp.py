@@ -14,7 +14,7 @@ from ferro._core import collectives as native
 from ferro._core.collectives import Mesh
 from ferro._core.transport import KIND_ABORT, Connection, sendrecv
 from ferro.backend.base import Support, default_spin_us
-from ferro.backend.cost_model import load_cost_model
+from ferro.backend.cost_model import force_plans, load_cost_model
 from ferro.backend.joined import JoinSpec, StoreBackend
 from ferro.backend.native import NativeCollectives
 from ferro.errors import ConfigurationError, DistributedError, PeerLostError
@@ -169,7 +169,8 @@ class TcpBackend(StoreBackend, NativeCollectives):
             self._mesh.latency_bytes, self._mesh.copy_ratio, self._mesh.partner_ratio = model.link_numbers()
             self._mesh.measured = True
         try:
-            self._peers.join(self._deadline, prefetch=self._mesh.near_peers)
+            force_plans(self._mesh, self._rank)  # $FERRO_ALGORITHM_BROADCAST and the like
+            self._peers.join(self._deadline, prefetch=self._mesh.near_peers, settings=self._mesh.plan_settings())
         except BaseException:
             self._peers.close()
             raise

@@ -87,26 +87,36 @@ class PeerConnector:
             self.close()
             raise
 
-    def join(self, deadline: float, prefetch: Iterable[int] = ()) -> None:
+    def join(self, deadline: float, prefetch: Iterable[int] = (), settings: str = "") -> None:
         """Return once every rank of the group has published its address: a counter and one flag in the store.
 
-        Rank 0 publishes the world size, which every other rank checks. The
-        addresses of ``prefetch`` (the lower peers the first collective will dial)
-        are read in the same breath, in one request.
+        Rank 0 publishes the world size and ``settings`` (what decides the
+        collectives' plans), which every other rank checks against its own in the
+        same read. The addresses of ``prefetch`` (the lower peers the first
+        collective will dial) are read in the same breath, in one request.
 
         Raises:
             DistributedTimeoutError: Naming the ranks that never published their address.
             InvalidWorldSizeError: Rank 0 was started with another world size.
+            ConfigurationError: Rank 0's ``settings`` differ from this rank's.
 
         """
         store, rank, prefix = self._store, self._rank, self._prefix
+        mine = f"{self._world_size}|{settings}"
         if rank == 0:
-            store.set(f"{prefix}/size", str(self._world_size), timeout=time_left(deadline, rank, "publishing the size"))
+            store.set(f"{prefix}/size", mine, timeout=time_left(deadline, rank, "publishing the size"))
         else:
             theirs = store.get(f"{prefix}/size", timeout=time_left(deadline, rank, "waiting for rank 0")).decode()
-            if theirs != str(self._world_size):
+            size, _, their_settings = theirs.partition("|")
+            if size != str(self._world_size):
                 raise InvalidWorldSizeError(
-                    f"rank {rank}: rank 0 was started with world_size={theirs}, this rank with {self._world_size}")
+                    f"rank {rank}: rank 0 was started with world_size={size}, this rank with {self._world_size}")
+            if their_settings != settings:
+                raise ConfigurationError(
+                    f"rank {rank}: its collectives would choose their plans otherwise than rank 0's, and ranks that "
+                    f"run different plans wait on each other: rank 0 has {their_settings}, this rank {settings}; "
+                    f"give every rank the same FERRO_COST_MODEL and forced plans (FERRO_ALGORITHM_BROADCAST and "
+                    f"the like)")
         if store.add(f"{prefix}/joined", 1, timeout=time_left(deadline, rank, "counting in")) == self._world_size:
             store.set(f"{prefix}/all-joined", "1", timeout=time_left(deadline, rank, "saying all joined"))
         seconds = time_left(deadline, rank, "waiting for every rank to publish its address")
