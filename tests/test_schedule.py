@@ -876,3 +876,69 @@ def test_a_variable_that_names_no_plan_is_refused_with_the_plans_it_takes(monkey
     assert mesh.forced() == {"broadcast": "pipelined_chain", "all_to_all": "bruck"}
     assert mesh.choose("broadcast", 8) == "pipelined chain" and mesh.choose("all_to_all", 1 << 24) == "bruck"
     assert "forced plans all_to_all=bruck,broadcast=pipelined_chain" in mesh.plan_settings()
+
+
+# --- the frame size on a fitted link (CostModel.segment_bytes -> Mesh.segment_bytes) ---
+
+def test_a_fitted_link_s_frames_last_about_ten_milliseconds_within_64_kib_and_1_mib():
+    from ferro.backend.cost_model import CostModel
+
+    def segment(bits_per_second):
+        return CostModel(1e-4, 8 / bits_per_second, 0.0, "test").segment_bytes()
+
+    assert segment(100e6) == 128 * 1024  # 125 KB in 10 ms
+    assert segment(200e6) == 256 * 1024
+    assert segment(10e6) == 64 * 1024  # the floor
+    assert segment(1e9) == segment(10e9) == 1024 * 1024  # loopback's 1 MiB, the ceiling
+    assert CostModel(1e-4, 0.0, 0.0, "test").segment_bytes() == 1024 * 1024
+
+
+def _slow_link_frames(rank, world_size, count):
+    import os
+
+    import ferro
+
+    with ferro.TcpBackend.from_env(timeout=60) as group:
+        segment = group.direct_mesh.segment_bytes
+        out = {}
+        for extra, algorithm in enumerate(("ring", "halving_doubling", "recursive_doubling")):
+            # Even ranks take the full path (algorithm=), odd ones the compiled direct path, which reads the
+            # variable: the two must cut the same frames. Another count per algorithm: the direct path keeps
+            # its choice per call shape.
+            os.environ["FERRO_ALGORITHM_ALLREDUCE"] = algorithm
+            x = (np.arange(count + extra, dtype=np.float64) % 97) * (rank + 1)
+            ferro.allreduce(x, group=group, algorithm=algorithm if rank % 2 == 0 else None)
+            out[algorithm] = x
+        base = (np.arange(count, dtype=np.float64) % 97) * (rank + 1)
+        gathered = np.zeros(count * world_size)
+        ferro.all_gather(base, out=gathered, group=group)
+        out["all_gather"] = gathered
+        out["reduce_scatter"] = np.asarray(ferro.reduce_scatter(base.copy(), group=group))
+        y = base.copy()
+        ferro.reduce(y, dst=1, group=group)
+        out["reduce"] = y
+        return segment, out
+
+
+def test_ranks_on_a_fitted_slow_link_cut_128_kib_frames_and_every_collective_matches_numpy(tmp_path):
+    # A model of a 100 Mbit link: frames of 128 KiB, so 1.2 MB (150,000 doubles) travels in several per step.
+    from ferro.backend.cost_model import CostModel
+    from ferro.testing import run_processes
+
+    model = tmp_path / "slow.json"
+    CostModel(1e-4, 8e-8, 0.0, "test").save(model)
+    n, count = 4, 150_000
+    results = run_processes(_slow_link_frames, n, args=(count,), backend=None, timeout=120,
+                            env={"FERRO_COST_MODEL": str(model)})
+
+    def inputs(size):
+        return [(np.arange(size, dtype=np.float64) % 97) * (r + 1) for r in range(n)]
+
+    total = sum(inputs(count))
+    for rank, (segment, out) in enumerate(results):
+        assert segment == 128 * 1024
+        for extra, name in enumerate(("ring", "halving_doubling", "recursive_doubling")):
+            np.testing.assert_array_equal(out[name], sum(inputs(count + extra)), err_msg=name)
+        np.testing.assert_array_equal(out["all_gather"], np.concatenate(inputs(count)))
+        np.testing.assert_array_equal(out["reduce_scatter"], np.array_split(total, n)[rank])
+        np.testing.assert_array_equal(out["reduce"], total if rank == 1 else inputs(count)[rank])

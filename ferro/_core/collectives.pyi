@@ -54,6 +54,7 @@ class Mesh:
     copy_ratio: float
     partner_ratio: float
     window_bytes: int
+    segment_bytes: int
     measured: bool
     connector: Callable[[int, float], Connection] | None
     forced_broadcast: int

@@ -587,7 +587,8 @@ cdef class Mesh:
     (:meth:`ferro.backend.cost_model.CostModel.link_numbers`); every rank must hold the same ones.
     ``window_bytes`` (default 128 KiB) caps the bytes of small blocks the pairwise all_to_all has in flight.
     ``measured`` says the three numbers come from a fitted model (the TCP backend sets it with them); only then may
-    the broadcast take a scatter and all-gather.
+    the broadcast take a scatter and all-gather. ``segment_bytes`` (default 1 MiB, loopback's best) is the largest
+    frame the ring, halving-doubling, the reduce and the tree cut their messages into; every rank must hold the same.
     """
 
     cdef readonly list connections
@@ -608,6 +609,7 @@ cdef class Mesh:
     cdef public double copy_ratio
     cdef public double partner_ratio
     cdef public size_t window_bytes
+    cdef public size_t segment_bytes
     cdef public bint measured
     cdef public object connector
     # Plans forced by force() (-1: chosen by the cost forms): codes of FORCEABLE_PLANS.
@@ -623,6 +625,7 @@ cdef class Mesh:
         self.copy_ratio = copy_ratio
         self.partner_ratio = partner_ratio
         self.window_bytes = DEFAULT_WINDOW_BYTES
+        self.segment_bytes = SEGMENT_BYTES
         self.measured = False
         self.connector = connector
         self.forced_broadcast = self.forced_all_gather = self.forced_all_to_all = self.forced_reduce = -1
@@ -776,11 +779,12 @@ cdef class Mesh:
                 for op, code in codes.items() if code >= 0}
 
     def plan_settings(self) -> str:
-        """What decides this mesh's plans, as text equal on ranks that decide alike: the link's numbers, whether
-        they were measured, and the forced plans."""
+        """What decides this mesh's plans and frames, as text equal on ranks that decide alike: the link's numbers,
+        whether they were measured, the segment, and the forced plans."""
         forced = ",".join(f"{op}={name}" for op, name in sorted(self.forced().items())) or "none"
         return (f"link numbers {self.latency_bytes!r}/{self.copy_ratio!r}/{self.partner_ratio!r}"
-                f"{' (measured)' if self.measured else ''}, forced plans {forced}")
+                f"{' (measured)' if self.measured else ''}, segments of {self.segment_bytes} bytes, forced plans "
+                f"{forced}")
 
     def choose(self, str op, size_t nbytes) -> str:
         """Name the plan this mesh runs for ``op`` of ``nbytes``: the forced one, else the module's :func:`choose`."""
@@ -915,7 +919,7 @@ cdef size_t _segment_size(Py_ssize_t segment_bytes, Py_ssize_t itemsize) except 
 
 
 def allreduce(Mesh mesh, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t fingerprint, double timeout,
-              int algorithm, Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES, double divisor=0) -> None:
+              int algorithm, Py_ssize_t segment_bytes=0, double divisor=0) -> None:
     """Allreduce ``buf`` in place over the mesh.
 
     Args:
@@ -927,7 +931,7 @@ def allreduce(Mesh mesh, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t f
         fingerprint: The call's fingerprint, carried by every frame.
         timeout: Seconds for the whole collective.
         algorithm: ``ALGORITHM_RING``, ``ALGORITHM_RECURSIVE_DOUBLING`` or ``ALGORITHM_HALVING_DOUBLING``.
-        segment_bytes: Ring segment size; every rank must use the same.
+        segment_bytes: Ring segment size (0: the mesh's ``segment_bytes``); every rank must use the same.
         divisor: When not 0, divide the result by it (MEAN) inside the collective:
             the ring divides each chunk once, between its two phases.
 
@@ -939,7 +943,7 @@ def allreduce(Mesh mesh, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t f
     cdef SendOp s
     cdef RecvOp r
     cdef ferro_reduce_fn kernel = ferro_reduce_kernel(dtype, op)
-    cdef size_t segment = _segment_size(segment_bytes, itemsize), count, nbytes
+    cdef size_t segment = _segment_size(segment_bytes or <Py_ssize_t>mesh.segment_bytes, itemsize), count, nbytes
     cdef int64_t deadline
     cdef int rc = 0
     if kernel == NULL:
@@ -964,7 +968,7 @@ def allreduce(Mesh mesh, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t f
 
 def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
          uint64_t fingerprint, double timeout, bint reduce_scatter, bint all_gather,
-         Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES, double divisor=0, object ends=None,
+         Py_ssize_t segment_bytes=0, double divisor=0, object ends=None,
          object source=None) -> None:
     """Run a ring reduce-scatter and/or all-gather in place on ``buf``.
 
@@ -980,7 +984,7 @@ def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
         timeout: Seconds for the whole collective.
         reduce_scatter: Reduce so that chunk ``rank`` ends complete here.
         all_gather: Then (or only) circulate every rank's chunk ``i`` to all.
-        segment_bytes: Segment size; every rank must use the same.
+        segment_bytes: Segment size (0: the mesh's ``segment_bytes``); every rank must use the same.
         divisor: When not 0 (MEAN), divide chunk ``rank`` by it once it is reduced.
         ends: ``n`` element offsets where the chunks end, for chunks with gaps
             between them (None: each chunk ends where the next begins).
@@ -991,7 +995,7 @@ def ring(Mesh mesh, buf, object bounds, int dtype, int op, Py_ssize_t itemsize,
     cdef SendOp s
     cdef RecvOp r
     cdef ferro_reduce_fn kernel = NULL
-    cdef size_t segment = _segment_size(segment_bytes, itemsize), largest = 0
+    cdef size_t segment = _segment_size(segment_bytes or <Py_ssize_t>mesh.segment_bytes, itemsize), largest = 0
     cdef size_t* chunk_ends
     cdef int64_t deadline
     cdef int rc = 0, n = mesh.n, i
@@ -1081,7 +1085,8 @@ cdef int _all_gather_locked(Mesh mesh, unsigned char* out, size_t nbytes, uint64
         mesh.bounds[i] = i * nbytes
     deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
     with nogil:
-        rc = _ring(mesh.states, mesh.rank, mesh.n, out, mesh.bounds, mesh.bounds + 1, 1, NULL, NULL, SEGMENT_BYTES, fingerprint,
+        rc = _ring(mesh.states, mesh.rank, mesh.n, out, mesh.bounds, mesh.bounds + 1, 1, NULL, NULL, mesh.segment_bytes,
+                   fingerprint,
                    deadline, s, r, PHASE_ALL_GATHER)
     return rc
 
@@ -1160,7 +1165,7 @@ cdef int _broadcast_locked(Mesh mesh, int root, unsigned char* buf, size_t nbyte
 
 
 def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
-              Py_ssize_t segment_bytes=DEFAULT_SEGMENT_BYTES, int algorithm=-1) -> None:
+              Py_ssize_t segment_bytes=0, int algorithm=-1) -> None:
     """Broadcast ``buf`` (bytes) from ``root`` in place: binomial tree, pipelined chain, or a scatter and all-gather
     (see :class:`Mesh`), or ``algorithm`` (one of :data:`BROADCAST_PLANS`, the same on every rank) when not -1.
 
@@ -1171,7 +1176,7 @@ def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
     cdef RecvOp r
     cdef int rc = 0
     cdef int64_t deadline
-    cdef size_t segment = _segment_size(segment_bytes, 1)
+    cdef size_t segment = _segment_size(segment_bytes or <Py_ssize_t>mesh.segment_bytes, 1)
     if algorithm != -1 and algorithm not in _BROADCAST_PLAN_NAMES:
         raise ValueError(f"broadcast: no plan with code {algorithm}")
     memset(&s, 0, sizeof(SendOp))
@@ -1238,7 +1243,7 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
         nbytes = count * <size_t>itemsize
         if mesh.n < 2 or count == 0:
             return
-        segment = SEGMENT_BYTES
+        segment = mesh.segment_bytes
         if algorithm == FERRO_PLAN_REDUCE_CHAIN:  # one frame per step, as the chain's form counts
             segment = ferro_chain_segment(nbytes, mesh.n, mesh.latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
         segment = max(segment - segment % <size_t>itemsize, <size_t>itemsize)
@@ -1372,7 +1377,7 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
                     memcpy(work + <size_t>i * block, out + <size_t>((rank + i) % n) * block, block)
                 ferro_plan_init_all_to_all(&plan, FERRO_PLAN_BRUCK_ALL_TO_ALL, rank, n, NULL, NULL, block)
                 rc = _run_plan(call.states, &plan, work, NULL, 1, -1, NULL, work + <size_t>n * block,
-                               SEGMENT_BYTES, 0, fingerprint, deadline, &s, &r)
+                               mesh.segment_bytes, 0, fingerprint, deadline, &s, &r)
                 if rc == 0:
                     for i in range(n):  # and block i came from rank - i
                         memcpy(into + <size_t>((rank - i + n) % n) * block, work + <size_t>i * block, block)
@@ -1473,7 +1478,7 @@ cdef class DirectMeshAllreduce(_MeshCall):
         cdef Mesh mesh = self.mesh
         cdef ferro_reduce_fn kernel
         cdef double seconds, divisor
-        cdef size_t itemsize, count, segment = SEGMENT_BYTES
+        cdef size_t itemsize, count, segment = 0
         cdef uint64_t fingerprint
         cdef int rc = 0, dtype, algorithm
         cdef int64_t deadline
@@ -1494,7 +1499,7 @@ cdef class DirectMeshAllreduce(_MeshCall):
             kernel = ferro_reduce_kernel(dtype, plan[1])
             algorithm = plan[5]
             count = <size_t>view.len // itemsize
-            segment -= segment % itemsize
+            segment = mesh.segment_bytes - mesh.segment_bytes % itemsize
             memset(&s, 0, sizeof(SendOp))
             memset(&r, 0, sizeof(RecvOp))
             self.begin(fingerprint, <uint64_t>view.len, READ_CLOCK)
@@ -1563,7 +1568,7 @@ cdef class DirectMeshBroadcast(_MeshCall):
                         deadline = monotonic_ns() + <int64_t>(seconds * 1e9)
                         with nogil:
                             rc = _broadcast_locked(mesh, root_rank, <unsigned char*>view.buf, <size_t>view.len,
-                                                   SEGMENT_BYTES, fingerprint, deadline, &s, &r)
+                                                   mesh.segment_bytes, fingerprint, deadline, &s, &r)
                     finally:
                         mesh.release()
                     if rc:
@@ -1663,7 +1668,7 @@ cdef class DirectMeshReduceScatter(_MeshCall):
         cdef Mesh mesh = self.mesh
         cdef ferro_reduce_fn kernel
         cdef double seconds, divisor
-        cdef size_t itemsize, nbytes, largest = 0, segment = SEGMENT_BYTES, first, last
+        cdef size_t itemsize, nbytes, largest = 0, segment = 0, first, last
         cdef uint64_t fingerprint
         cdef unsigned char* work
         cdef int rc = 0, dtype, i
@@ -1690,7 +1695,7 @@ cdef class DirectMeshReduceScatter(_MeshCall):
                 return None
             kernel = ferro_reduce_kernel(dtype, plan[1])
             nbytes = <size_t>view.len
-            segment -= segment % itemsize
+            segment = mesh.segment_bytes - mesh.segment_bytes % itemsize
             first = <size_t>bounds[mesh.rank] * itemsize
             last = <size_t>bounds[mesh.rank + 1] * itemsize
             memset(&s, 0, sizeof(SendOp))

@@ -167,6 +167,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
         model = load_cost_model()  # $FERRO_COST_MODEL: the link's numbers choose the broadcast's plan, ...
         if model is not None:
             self._mesh.latency_bytes, self._mesh.copy_ratio, self._mesh.partner_ratio = model.link_numbers()
+            self._mesh.segment_bytes = model.segment_bytes()
             self._mesh.measured = True
         try:
             force_plans(self._mesh, self._rank)  # $FERRO_ALGORITHM_BROADCAST and the like
@@ -263,7 +264,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
         self._usable("allreduce")
         code = native.ALGORITHMS[algorithm]
         native.allreduce(self._mesh, flat, dtype.code, op.kernel_code, dtype.itemsize,
-                         fingerprint, timeout, code, native.DEFAULT_SEGMENT_BYTES, _divisor(op, self._world_size))
+                         fingerprint, timeout, code, 0, _divisor(op, self._world_size))
         return True
 
     def native_reduce(self, flat: Any, root: int, dtype: DType, op: ReduceOp, fingerprint: int,
@@ -289,7 +290,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
         """
         self._usable("reduce_scatter")
         native.ring(self._mesh, flat, bounds, dtype.code, op.kernel_code, dtype.itemsize,
-                    fingerprint, timeout, True, False, native.DEFAULT_SEGMENT_BYTES, _divisor(op, self._world_size),
+                    fingerprint, timeout, True, False, 0, _divisor(op, self._world_size),
                     source=source)
         return True
 
@@ -303,7 +304,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
         """
         self._usable("reduce_scatter" if op is not None else "all_gather")
         native.ring(self._mesh, flat, list(starts), dtype.code, 0 if op is None else op.kernel_code, dtype.itemsize,
-                    fingerprint, timeout, op is not None, op is None, native.DEFAULT_SEGMENT_BYTES, 0.0, list(ends))
+                    fingerprint, timeout, op is not None, op is None, 0, 0.0, list(ends))
 
     def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
         """Gather equal byte parts: Bruck's log2(n) rounds when small, else the ring's all-gather half.
