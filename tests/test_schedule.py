@@ -942,3 +942,41 @@ def test_ranks_on_a_fitted_slow_link_cut_128_kib_frames_and_every_collective_mat
         np.testing.assert_array_equal(out["all_gather"], np.concatenate(inputs(count)))
         np.testing.assert_array_equal(out["reduce_scatter"], np.array_split(total, n)[rank])
         np.testing.assert_array_equal(out["reduce"], total if rank == 1 else inputs(count)[rank])
+
+
+# --- pacing the all_to_all's large blocks on a fitted link (CostModel.pace_bytes -> Mesh.pace_bytes) ---
+
+def _paced_all_to_all(rank, world_size, count):
+    import socket
+
+    import ferro
+
+    with ferro.TcpBackend.from_env(timeout=60) as group:
+        mesh = group.direct_mesh
+        blocks = np.concatenate([np.full(count, 1000.0 * rank + peer) for peer in range(world_size)])
+        got = np.asarray(ferro.all_to_all(blocks, group=group))
+        rates = []
+        for conn in mesh.connections:
+            if conn is not None:  # after the call no connection stays paced (~0: no limit)
+                with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    rates.append(int.from_bytes(sock.getsockopt(socket.SOL_SOCKET, 47, 8), "little"))
+        return mesh.pace_bytes, mesh.choose("all_to_all", count * 8 * world_size), got, rates
+
+
+def test_a_fitted_link_paces_the_all_to_all_s_large_blocks_and_lifts_the_pace_after(tmp_path):
+    # 160 KiB blocks (more than the 128 KiB window of small ones): all three steps in flight at once, paced.
+    # SO_MAX_PACING_RATE is option 47 on Linux (asm-generic/socket.h).
+    from ferro.backend.cost_model import CostModel
+    from ferro.testing import run_processes
+
+    model = tmp_path / "slow.json"
+    CostModel(1e-4, 8e-8, 0.0, "test").save(model)
+    n, count = 4, 20_480
+    results = run_processes(_paced_all_to_all, n, args=(count,), backend=None, timeout=120,
+                            env={"FERRO_COST_MODEL": str(model), "LOCAL_WORLD_SIZE": "2"})
+    assert CostModel(1e-4, 0.0, 0.0, "test").pace_bytes() == 0.0  # no rate, no pacing
+    for rank, (pace, plan, got, rates) in enumerate(results):
+        assert pace == pytest.approx(0.95 / 8e-8 / 2)  # two ranks share each host's link
+        assert plan == "pairwise"
+        np.testing.assert_array_equal(got, np.concatenate([np.full(count, 1000.0 * k + rank) for k in range(n)]))
+        assert rates and all(rate in (2**64 - 1, 2**32 - 1) for rate in rates), rates

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -168,6 +169,8 @@ class TcpBackend(StoreBackend, NativeCollectives):
         if model is not None:
             self._mesh.latency_bytes, self._mesh.copy_ratio, self._mesh.partner_ratio = model.link_numbers()
             self._mesh.segment_bytes = model.segment_bytes()
+            # The ranks a launcher started on this host share its link (ferro run and torchrun say how many).
+            self._mesh.pace_bytes = model.pace_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
             self._mesh.measured = True
         try:
             force_plans(self._mesh, self._rank)  # $FERRO_ALGORITHM_BROADCAST and the like
