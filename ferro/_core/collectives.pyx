@@ -16,7 +16,13 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memmove, memset
 
-cdef extern from "<sys/socket.h>" nogil:
+cdef extern from * nogil:
+    """
+    #include <sys/socket.h>
+    #ifndef SO_MAX_PACING_RATE
+    #define SO_MAX_PACING_RATE 47  /* Linux's (asm-generic/socket.h), for headers older than 3.13's */
+    #endif
+    """
     int setsockopt(int fd, int level, int name, const void* value, unsigned int length)
     enum:
         SOL_SOCKET
