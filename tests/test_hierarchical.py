@@ -333,3 +333,31 @@ def test_all_to_all_of_equal_blocks_goes_in_two_levels_where_hosts_hold_many_ran
             counts = [block + (rank + src) % 3 for src in range(n)]
             assert uneven == np.concatenate([np.full(c, 1000.0 * src + rank) for src, c in enumerate(counts)]
                                             ).tolist(), (rank, block)
+
+
+def _paces_on_declared_hosts(rank, world_size):
+    os.environ["FERRO_HOST_ID"] = f"declared-host-{rank // 2}"
+    group = ferro.init_process_group(timeout=60)
+    try:
+        leaders = group.leader_group
+        blocks = np.concatenate([np.full(3, 10.0 * rank + peer) for peer in range(world_size)])
+        got = np.asarray(ferro.all_to_all(blocks, group=group))
+        return (group._world.direct_mesh.pace_bytes, None if leaders is None else leaders.direct_mesh.pace_bytes,
+                got)
+    finally:
+        ferro.destroy_process_group()
+
+
+def test_the_leaders_pace_their_all_to_all_to_the_whole_link_the_flat_group_to_a_host_s_share(tmp_path):
+    # Two declared hosts of two ranks, a model of a 100 Mbit link: the flat group's ranks share their host's link
+    # (LOCAL_WORLD_SIZE=2), the leaders' group has one rank per host.
+    from ferro.backend.cost_model import CostModel
+
+    model = CostModel(1e-4, 8e-8, 0.0, "test")
+    model.save(tmp_path / "slow.json")
+    results = run_processes(_paces_on_declared_hosts, 4, backend=None, timeout=120,
+                            env={"FERRO_COST_MODEL": str(tmp_path / "slow.json"), "LOCAL_WORLD_SIZE": "2"})
+    for rank, (flat, leaders, got) in enumerate(results):
+        assert flat == pytest.approx(model.pace_bytes(2))
+        assert leaders == (pytest.approx(model.pace_bytes(1)) if rank % 2 == 0 else None)
+        np.testing.assert_array_equal(got, np.concatenate([np.full(3, 10.0 * k + rank) for k in range(4)]))

@@ -114,6 +114,7 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
                 self._local = ShmBackend.split_from(self._world, self._members, spin_us=spin)
             if len(self._leader_ranks) > 1 and rank in self._leader_ranks:
                 self._leaders = self._world.split(self._leader_ranks)
+                self._leaders.share_link(1)  # one rank per host sends between hosts: it has the whole link
         except BaseException:
             self.close()
             raise

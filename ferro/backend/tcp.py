@@ -165,12 +165,12 @@ class TcpBackend(StoreBackend, NativeCollectives):
                                     secret=self._secret, bind_addr=bind_addr, deadline=self._deadline)
         # Indexed by rank, for the native collectives and the direct paths; each connection made on first use.
         self._mesh = Mesh([None] * self._world_size, self._rank, connector=self._link)
-        model = load_cost_model()  # $FERRO_COST_MODEL: the link's numbers choose the broadcast's plan, ...
+        model = self._model = load_cost_model()  # $FERRO_COST_MODEL: the link's numbers choose the plans, ...
         if model is not None:
             self._mesh.latency_bytes, self._mesh.copy_ratio, self._mesh.partner_ratio = model.link_numbers()
             self._mesh.segment_bytes = model.segment_bytes()
             # The ranks a launcher started on this host share its link (ferro run and torchrun say how many).
-            self._mesh.pace_bytes = model.pace_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+            self.share_link(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
             self._mesh.measured = True
         try:
             force_plans(self._mesh, self._rank)  # $FERRO_ALGORITHM_BROADCAST and the like
@@ -358,6 +358,15 @@ class TcpBackend(StoreBackend, NativeCollectives):
         """Block until every rank has entered the barrier (dissemination algorithm)."""
         self._usable("barrier")
         native.barrier(self._mesh, self._seconds(timeout))
+
+    def share_link(self, ranks_per_host: int) -> None:
+        """Pace this group's all_to_all as one of ``ranks_per_host`` ranks sending off each host at once.
+
+        Only on a link a cost model describes (``FERRO_COST_MODEL``); the default is ``$LOCAL_WORLD_SIZE``. A
+        group of one rank per host (the hierarchical backend's leaders) has the whole link.
+        """
+        if self._model is not None:
+            self._mesh.pace_bytes = self._model.pace_bytes(ranks_per_host)
 
     def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> TcpBackend:
         """Connect a new mesh among ``ranks`` through this group's store (see :meth:`Backend.split`)."""
