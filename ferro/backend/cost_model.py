@@ -93,7 +93,7 @@ class CostModel:
         ``partner_ratio`` what a byte costs in steps that each talk to a new partner against the ring's streaming
         to one: halving-doubling's fitted beta over the ring's (1 when the model has not timed both).
         """
-        alpha, beta = self.links.get("between_hosts") or self.links.get(self.link) or (self.alpha, self.beta)
+        alpha, beta = self._slowest_link()
         partner_ratio = 1.0
         if "ring" in self.per_algorithm and "halving_doubling" in self.per_algorithm:
             ring_beta, changing_beta = self.per_algorithm["ring"][1], self.per_algorithm["halving_doubling"][1]
@@ -104,6 +104,13 @@ class CostModel:
             return DEFAULT_LATENCY_BYTES, DEFAULT_COPY_RATIO, partner_ratio
         return alpha / beta, COPY_SECONDS_PER_BYTE / beta, partner_ratio
 
+    def _slowest_link(self) -> tuple[float, float]:
+        """Return ``(alpha, beta)`` of the link a flat group's large collectives wait on.
+
+        The link between hosts when the model has it, else the one it has.
+        """
+        return self.links.get("between_hosts") or self.links.get(self.link) or (self.alpha, self.beta)
+
     def segment_bytes(self) -> int:
         """Return the largest frame a TCP group cuts its large messages into on this model's link.
 
@@ -113,7 +120,7 @@ class CostModel:
         128 KiB). So a frame is kept to about 10 ms of the link: the power of two nearest that, between 64 KiB
         and loopback's 1 MiB (which a link of about 800 Mbit and up keeps).
         """
-        beta = (self.links.get("between_hosts") or self.links.get(self.link) or (self.alpha, self.beta))[1]
+        beta = self._slowest_link()[1]
         if beta <= 0:
             return _LARGEST_SEGMENT
         within = 0.01 / beta
@@ -126,7 +133,7 @@ class CostModel:
         fit can put the rate a little above the line (13.2 MB/s on the emulated 100 Mbit links, 12.5 on the
         wire) and a pace above it would fill the receiver's queue anyway. 0 (no pacing) without a rate.
         """
-        beta = (self.links.get("between_hosts") or self.links.get(self.link) or (self.alpha, self.beta))[1]
+        beta = self._slowest_link()[1]
         return 0.95 / beta / max(1, ranks_per_host) if beta > 0 else 0.0
 
     def allreduce(self, algorithm: str, nbytes: int, world_size: int) -> float:

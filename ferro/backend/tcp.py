@@ -170,7 +170,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
             self._mesh.latency_bytes, self._mesh.copy_ratio, self._mesh.partner_ratio = model.link_numbers()
             self._mesh.segment_bytes = model.segment_bytes()
             # The ranks a launcher started on this host share its link (ferro run and torchrun say how many).
-            self.share_link(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+            self.share_link(_ranks_on_this_host())
             self._mesh.measured = True
         try:
             force_plans(self._mesh, self._rank)  # $FERRO_ALGORITHM_BROADCAST and the like
@@ -390,3 +390,11 @@ class TcpBackend(StoreBackend, NativeCollectives):
         for conn in self._links.values():
             conn.close()
         self._peers.close()
+
+
+def _ranks_on_this_host() -> int:
+    """Return how many ranks a launcher started on this host (``$LOCAL_WORLD_SIZE``: ferro run, torchrun), else 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    except ValueError:
+        return 1
