@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import secrets
 import statistics
 import time
 from collections.abc import Callable
@@ -52,7 +53,8 @@ def main() -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(0)
-    group = ferro.NcclBackend(0, 1, master_port=free_port(), timeout=60)
+    # One rank of its own: a secret of its own (ferro's groups refuse to start without one).
+    group = ferro.NcclBackend(0, 1, master_port=free_port(), timeout=60, secret=secrets.token_hex(16))
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     x = torch.ones(256, device="cuda")
     calls: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
