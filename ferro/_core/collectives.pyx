@@ -788,12 +788,14 @@ cdef class Mesh:
         else:
             self.forced_reduce = code
 
+    def _forced_codes(self) -> dict:
+        return {"broadcast": self.forced_broadcast, "all_gather": self.forced_all_gather,
+                "all_to_all": self.forced_all_to_all, "reduce": self.forced_reduce}
+
     def forced(self) -> dict:
         """The plans :meth:`force` set, by op: ``{"broadcast": "pipelined_chain"}``."""
-        codes = {"broadcast": self.forced_broadcast, "all_gather": self.forced_all_gather,
-                 "all_to_all": self.forced_all_to_all, "reduce": self.forced_reduce}
         return {op: next(name for name, c in FORCEABLE_PLANS[op].items() if c == code)
-                for op, code in codes.items() if code >= 0}
+                for op, code in self._forced_codes().items() if code >= 0}
 
     def plan_settings(self) -> str:
         """What decides this mesh's plans and frames, as text equal on ranks that decide alike: the link's numbers,
@@ -805,8 +807,7 @@ cdef class Mesh:
 
     def choose(self, str op, size_t nbytes) -> str:
         """Name the plan this mesh runs for ``op`` of ``nbytes``: the forced one, else the module's :func:`choose`."""
-        code = {"broadcast": self.forced_broadcast, "all_gather": self.forced_all_gather,
-                "all_to_all": self.forced_all_to_all, "reduce": self.forced_reduce}.get(op, -1)
+        code = self._forced_codes().get(op, -1)
         if code >= 0:
             return _FORCED_NAMES[op][code]
         return choose(op, nbytes, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio, self.measured)
@@ -875,20 +876,27 @@ cdef class _Call:
         self.bounds = NULL
 
     cdef int take(self, Mesh mesh, buf, double timeout, str op, int extra=-1) except -1:
+        self.take_view(mesh, buf)
+        return self.hold(timeout, op, extra)
+
+    cdef int take_view(self, Mesh mesh, buf) except -1:
+        """The call's writable buffer, before its peers are held (a plan may depend on the buffer's size)."""
         self.mesh = mesh
         self.states = mesh.states
         self.rank = mesh.rank
         self.n = mesh.n
         PyObject_GetBuffer(buf, &self.view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
         self.has_view = True
-        mesh.acquire(timeout, op, extra)
+        return 0
+
+    cdef int hold(self, double timeout, str op, int extra=-1) except -1:
+        """Connect and lock the peers ``op`` touches, ``extra`` too (see :meth:`Mesh.acquire`)."""
+        self.mesh.acquire(timeout, op, extra)
         self.holds = True
         return 0
 
-    cdef Py_ssize_t take_elements(self, Mesh mesh, buf, double timeout, str op, Py_ssize_t itemsize,
-                                  int extra=-1) except -1:
-        """:meth:`take`, then the buffer's length in whole ``itemsize``-byte elements (else InvalidBufferError)."""
-        self.take(mesh, buf, timeout, op, extra)
+    cdef Py_ssize_t elements(self, str op, Py_ssize_t itemsize) except -1:
+        """The buffer's length in whole ``itemsize``-byte elements (else InvalidBufferError)."""
         if self.view.len % itemsize:
             raise InvalidBufferError(f"{op}: {self.view.len} bytes is not a whole number of {itemsize}-byte elements")
         return self.view.len // itemsize
@@ -968,7 +976,8 @@ def allreduce(Mesh mesh, buf, int dtype, int op, Py_ssize_t itemsize, uint64_t f
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     try:
-        count = <size_t>call.take_elements(mesh, buf, timeout, "allreduce", itemsize)
+        call.take(mesh, buf, timeout, "allreduce")
+        count = <size_t>call.elements("allreduce", itemsize)
         nbytes = count * <size_t>itemsize
         if mesh.n < 2 or count == 0:
             return
@@ -1160,9 +1169,11 @@ cdef int _broadcast_scatter_all_gather(Mesh mesh, int root, unsigned char* buf, 
     if parts == NULL:
         with gil:
             raise MemoryError()
-    ferro_plan_init_scatter_all_gather(&plan, mesh.rank, mesh.n, root, nbytes, parts, parts + mesh.n)
-    rc = _run_plan(mesh.states, &plan, buf, NULL, 1, -1, NULL, NULL, segment, 0, fingerprint, deadline, s, r)
-    free(parts)
+    try:
+        ferro_plan_init_scatter_all_gather(&plan, mesh.rank, mesh.n, root, nbytes, parts, parts + mesh.n)
+        rc = _run_plan(mesh.states, &plan, buf, NULL, 1, -1, NULL, NULL, segment, 0, fingerprint, deadline, s, r)
+    finally:
+        free(parts)  # _run_plan raises for a peer the call did not connect
     return rc
 
 
@@ -1253,10 +1264,12 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     try:
+        call.take_view(mesh, buf)
         if algorithm == -1:
-            algorithm = mesh.reduce_plan(memoryview(buf).nbytes)
-        count = <size_t>call.take_elements(mesh, buf, timeout, "reduce", itemsize,
-                                           root if algorithm == FERRO_PLAN_REDUCE_RING_GATHER else -1)
+            algorithm = mesh.reduce_plan(<size_t>call.view.len)
+        # The ring-and-gather's gather reaches the root from every rank: it is held too.
+        call.hold(timeout, "reduce", root if algorithm == FERRO_PLAN_REDUCE_RING_GATHER else -1)
+        count = <size_t>call.elements("reduce", itemsize)
         nbytes = count * <size_t>itemsize
         if mesh.n < 2 or count == 0:
             return
