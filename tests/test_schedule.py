@@ -451,12 +451,18 @@ def _all_to_all_both_plans(rank, world_size):
     with ferro.TcpBackend.from_env(timeout=30) as group:
         n, mesh = world_size, group.native.direct_mesh
         results = {}
-        uneven = [1 + (rank + dst) % 3 for dst in range(n)]  # the pairwise exchange in windows of 40 bytes at most
+        uneven = [1 + (rank + dst) % 3 for dst in range(n)]  # the pairwise exchange sliding 40 bytes at most
         mesh.window_bytes = 40
         got = ferro.all_to_all_single_uneven(np.concatenate([np.full(c, 100.0 * rank + d) for d, c in
                                                              enumerate(uneven)]), uneven,
                                              [1 + (src + rank) % 3 for src in range(n)], group=group)
         results["uneven"] = got.tolist()
+        # Empty, small (slide within the window) and large blocks (in a batch of their own) in one exchange.
+        mixed = [(rank + dst) % 4 * 3 for dst in range(n)]  # 0, 24, 48 or 72 bytes
+        got = ferro.all_to_all_single_uneven(np.concatenate([np.full(c, 100.0 * rank + d) for d, c in
+                                                             enumerate(mixed)]), mixed,
+                                             [(src + rank) % 4 * 3 for src in range(n)], group=group)
+        results["mixed"] = got.tolist()
         mesh.window_bytes = native.DEFAULT_WINDOW_BYTES
         for block in (1, 3, 20000):  # float64s to each peer: small totals take Bruck at these sizes, large pairwise
             x = np.concatenate([np.arange(block, dtype=np.float64) + 100 * rank + dst for dst in range(n)])
@@ -478,6 +484,9 @@ def test_all_to_all_on_real_ranks_takes_the_chosen_plan_and_matches_numpy(n):
         counts = [1 + (src + rank) % 3 for src in range(n)]
         assert by_block.pop("uneven") == np.concatenate([np.full(c, 100.0 * src + rank) for src, c in
                                                           enumerate(counts)]).tolist()
+        mixed = [(src + rank) % 4 * 3 for src in range(n)]
+        assert by_block.pop("mixed") == np.concatenate([np.full(c, 100.0 * src + rank) for src, c in
+                                                         enumerate(mixed)]).tolist()
         for block, (got, peers, algorithm) in by_block.items():
             expected = np.concatenate([np.arange(block, dtype=np.float64) + 100 * src + rank for src in range(n)])
             np.testing.assert_array_equal(got, expected, err_msg=f"rank {rank}, block {block}, {algorithm}")

@@ -60,25 +60,32 @@ def test_rank_killed_mid_ring_exchange():
     assert results[2] == RankExit(None, "SIGKILL")
 
 
-def rank_killed_in_all_to_all(group):
-    # rank 2 dies as the others start a pairwise all_to_all (its steps in flight together): every survivor
-    # exchanges with rank 2 in that window, so each must name it, none may hang.
+def rank_killed_in_all_to_all(group, block):
+    # rank 2 dies as the others start a pairwise all_to_all: every survivor exchanges with rank 2 in that call,
+    # so each must name it, none may hang. 2 MiB blocks go in a batch, all steps at once; 8 KiB blocks slide
+    # (a step starts as one ends), and an uneven exchange never takes Bruck's rounds.
     n, r = group.world_size, group.rank
-    blocks = np.ones(n * (1 << 18))  # 2 MiB to each peer: the pairwise exchange, not Bruck's
-    ferro.all_to_all(blocks, group=group)  # every connection made
+    counts = [block // 8] * n
+    blocks = np.ones(n * (block // 8))
+
+    def exchange(timeout=None):
+        ferro.all_to_all_single_uneven(blocks, counts, counts, group=group, timeout=timeout)
+
+    exchange()  # every connection made
     group.barrier()
     if r == 2:
         os.kill(os.getpid(), signal.SIGKILL)
     try:
         for _ in range(20):
-            ferro.all_to_all(blocks, group=group, timeout=60)
+            exchange(timeout=60)
         return "finished"
     except (ferro.PeerLostError, ferro.ConnectionBrokenError) as exc:
         return type(exc).__name__, "rank 2" in str(exc)
 
 
-def test_rank_killed_in_a_windowed_all_to_all_is_named_by_every_survivor():
-    results = run_processes(rank_killed_in_all_to_all, 4, allow_exit={0, 1, 2, 3}, timeout=60)
+@pytest.mark.parametrize("block", [2 << 20, 8 << 10])
+def test_rank_killed_in_a_windowed_all_to_all_is_named_by_every_survivor(block):
+    results = run_processes(rank_killed_in_all_to_all, 4, args=(block,), allow_exit={0, 1, 2, 3}, timeout=60)
     assert results[2] == RankExit(None, "SIGKILL")
     for r in (0, 1, 3):
         assert results[r] in (("PeerLostError", True), ("ConnectionBrokenError", True)), (r, results[r])

@@ -31,7 +31,7 @@ cdef extern from * nogil:
 from ferro._core.direct cimport READ_CLOCK, DirectCall
 from ferro._core.reduce cimport ferro_divide, ferro_reduce_fn, ferro_reduce_kernel
 from ferro._core.state cimport ferro_stat_slot
-from ferro._core.status cimport ST_ABORTED, ST_OK
+from ferro._core.status cimport ST_ABORTED, ST_AGAIN, ST_OK
 from ferro._core.transport cimport (
     ConnState,
     Connection,
@@ -41,6 +41,7 @@ from ferro._core.transport cimport (
     raise_failure,
     run_many,
     run_ops,
+    run_until,
 )
 from ferro._core.posix cimport FERRO_HEADER_SIZE, ferro_pack_header, pollfd
 
@@ -253,9 +254,11 @@ def choose(str op, size_t nbytes, int n, double latency_bytes=DEFAULT_LATENCY_BY
 # the call at 1 Gbit, and the full path's scratch is the call's own.
 DIRECT_REDUCE_SCATTER_BYTES = 1024 * 1024
 # The pairwise all_to_all keeps up to this many of its steps in flight at once (one frame per block); blocks
-# smaller than the mesh's window_bytes no more than that many bytes each way (the first step always goes). At
-# 16x1@100mbit, 1 MiB (64 KiB blocks): 316-368 ms with 15 in flight, 111-124 with 128 KiB; but 4 MiB (256 KiB
-# blocks) 624-666 ms with 15, 671-787 one at a time: many small frames at once lose, few large ones win.
+# smaller than the mesh's window_bytes no more than that many bytes each way (the first step always goes), a
+# step starting as soon as the ones in flight leave it room. At 16x1@100mbit, 1 MiB (64 KiB blocks): 316-368 ms
+# with 15 in flight, 111-124 with 128 KiB in batches, 98-108 sliding (8x2@200mbit: 125-132 batched, 97-98
+# sliding; 64 or 256 KiB windows no better); but 4 MiB (256 KiB blocks) 624-666 ms with 15, 671-787 one at a
+# time: many small frames at once lose, few large ones win.
 cdef enum:
     PAIRWISE_WINDOW = 16
 DEFAULT_WINDOW_BYTES = 128 * 1024
@@ -1296,37 +1299,79 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
 cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned char* out, unsigned char* into,
                            SendOp* sends, RecvOp* recvs, pollfd* fds, size_t window_bytes, uint64_t fingerprint,
                            int64_t deadline, SendOp* s, RecvOp* r, double pace) except -1 nogil:
-    """Run the pairwise exchange's steps ``PAIRWISE_WINDOW`` at a time, each block one frame (``run_many``).
+    """Run the pairwise exchange's steps, up to ``PAIRWISE_WINDOW`` at a time, each block one frame.
 
-    Every step touches its own pair of peers, so the steps of a window share no connection's direction. On a
-    failure, ``s`` and ``r`` receive the ops that failed first (not the ones stopped because of them).
+    Every step touches its own pair of peers, so the steps in flight share no connection's direction. ``sends``
+    and ``recvs`` hold ``PAIRWISE_WINDOW`` slots each, a step in the same slot of both. Two regimes:
 
-    With ``pace`` (bytes per second, the mesh's ``pace_bytes``), a window of large blocks (more bytes than
-    ``window_bytes``) sends each of its flows at ``pace / w``: every rank's ``w`` flows converge on ``w``
-    receivers at once, and unpaced they overflow a slow link's queue (see :class:`Mesh`). Each flow's pacing
-    is lifted when its window ends, so other collectives on the connection run unpaced.
+    * Small blocks (fewer bytes than ``window_bytes``) slide: a step starts as soon as the steps in flight leave
+      room for its bytes within ``window_bytes`` (one always may), so a link never waits for the slowest flow
+      of a batch before its next block goes out.
+    * Large blocks go in batches of up to ``PAIRWISE_WINDOW`` (``run_many``). With ``pace`` (bytes per second,
+      the mesh's ``pace_bytes``), each of a batch's ``w`` flows is sent at ``pace / w``: every rank's ``w`` flows
+      converge on ``w`` receivers at once, and unpaced they overflow a slow link's queue (see :class:`Mesh`).
+      The pacing is lifted when the batch ends, so other collectives on those connections run unpaced.
+
+    On a failure, ``s`` and ``r`` receive the ops that failed first (not the ones stopped because of them).
     """
     cdef ferro_step step
-    cdef int w, failed_send, failed_recv, i, rc
+    cdef int w, i, rc, running = 0
     cdef uint64_t rate
-    cdef bint paced
-    cdef bint held = False   # a step taken from the plan that did not fit the last window
-    cdef size_t moving, size
+    cdef bint paced, have = False   # have: ``step`` came from the plan and has not started
+    cdef size_t moving = 0, size = 0
+    cdef bint busy[PAIRWISE_WINDOW]
+    cdef size_t slot_bytes[PAIRWISE_WINDOW]
+    for i in range(PAIRWISE_WINDOW):
+        sends[i].status = ST_OK
+        recvs[i].status = ST_OK
+        busy[i] = False
     while True:
+        if not have:
+            have = ferro_plan_next(plan, &step)
+            if have:
+                size = max(step.send_len, step.recv_len)
+        if have and size < window_bytes and running < PAIRWISE_WINDOW and (running == 0 or
+                                                                          moving + size <= window_bytes):
+            i = 0
+            while busy[i]:
+                i += 1
+            _prepare_send(&sends[i], conns[step.send_peer], out + step.send_off, step.send_len, fingerprint)
+            _prepare_recv(&recvs[i], conns[step.recv_peer], into + step.recv_off, step.recv_len, fingerprint)
+            sends[i].status = ST_AGAIN
+            recvs[i].status = ST_AGAIN
+            busy[i] = True
+            slot_bytes[i] = size
+            moving += size
+            running += 1
+            have = False
+            continue
+        if running > 0:
+            # Wait for room (a small step waits for one), or for all (before a batch of large ones, and at the end).
+            if run_until(sends, PAIRWISE_WINDOW, recvs, PAIRWISE_WINDOW, fds, deadline,
+                         have and size < window_bytes) < 0:
+                return -1
+            if _window_failed(sends, recvs, PAIRWISE_WINDOW, s, r):
+                return 1
+            for i in range(PAIRWISE_WINDOW):
+                if busy[i] and sends[i].status != ST_AGAIN and recvs[i].status != ST_AGAIN:
+                    busy[i] = False
+                    moving -= slot_bytes[i]
+                    running -= 1
+            continue
+        if not have:
+            return 0
+        # A batch of large blocks, nothing else in flight.
         w = 0
         moving = 0
-        while w < PAIRWISE_WINDOW and (held or ferro_plan_next(plan, &step)):
-            size = max(step.send_len, step.recv_len)
-            held = w > 0 and size < window_bytes and moving + size > window_bytes
-            if held:
-                break
-            moving += size
+        while have and size >= window_bytes and w < PAIRWISE_WINDOW:
             _prepare_send(&sends[w], conns[step.send_peer], out + step.send_off, step.send_len, fingerprint)
             _prepare_recv(&recvs[w], conns[step.recv_peer], into + step.recv_off, step.recv_len, fingerprint)
+            moving += size
             w += 1
-        if w == 0:
-            return 0
-        paced = pace > 0 and w > 1 and moving > window_bytes
+            have = ferro_plan_next(plan, &step)
+            if have:
+                size = max(step.send_len, step.recv_len)
+        paced = pace > 0 and w > 1
         if paced:
             rate = <uint64_t>(pace / w)
             for i in range(w):
@@ -1336,26 +1381,37 @@ cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned c
             rate = 0xFFFFFFFFFFFFFFFF  # ~0: no limit
             for i in range(w):
                 setsockopt(sends[i].conn.fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(uint64_t))
+        moving = 0
         if rc < 0:
             return -1
-        failed_send = _first_failed(sends, NULL, w)
-        failed_recv = _first_failed(NULL, recvs, w)
-        if failed_send >= 0 or failed_recv >= 0:
-            if failed_send >= 0:
-                memcpy(s, &sends[failed_send], sizeof(SendOp))
-            if failed_recv >= 0:
-                memcpy(r, &recvs[failed_recv], sizeof(RecvOp))
+        if _window_failed(sends, recvs, w, s, r):
             return 1
 
 
+cdef bint _window_failed(SendOp* sends, RecvOp* recvs, int count, SendOp* s, RecvOp* r) noexcept nogil:
+    """Whether any of these ops failed; if so ``s`` and ``r`` receive the first failures (see :func:`_first_failed`)."""
+    cdef int failed_send = _first_failed(sends, NULL, count)
+    cdef int failed_recv = _first_failed(NULL, recvs, count)
+    if failed_send >= 0:
+        memcpy(s, &sends[failed_send], sizeof(SendOp))
+    if failed_recv >= 0:
+        memcpy(r, &recvs[failed_recv], sizeof(RecvOp))
+    return failed_send >= 0 or failed_recv >= 0
+
+
 cdef int _first_failed(SendOp* sends, RecvOp* recvs, int count) noexcept nogil:
-    """The index of the op whose failure stopped the others (else of the first failed one), or -1."""
+    """The index of the op whose failure stopped the others (else of the first failed one), or -1.
+
+    An op still running (``ST_AGAIN``, in a sliding window) has not failed.
+    """
     cdef int i, status, first = -1
     for i in range(count):
         status = sends[i].status if sends != NULL else recvs[i].status
-        if status != ST_OK and status != ST_ABORTED:
+        if status == ST_OK or status == ST_AGAIN:
+            continue
+        if status != ST_ABORTED:
             return i
-        if status != ST_OK and first < 0:
+        if first < 0:
             first = i
     return first
 

@@ -71,5 +71,7 @@ cdef int signal_raised() noexcept with gil
 cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil
 cdef int run_many(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fds,
                   int64_t deadline_ns) except -1 nogil
+cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fds, int64_t deadline_ns,
+                   bint first_only) except -1 nogil
 cdef int raise_failure(SendOp* s, RecvOp* r, str op, double timeout) except -1
 cdef int acquire_buffer(object obj, Py_buffer* view, bint writable, str op) except -1

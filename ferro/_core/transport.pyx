@@ -450,26 +450,45 @@ cdef int run_many(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fd
     peer's slow connection does not stall the rest. Returns -1 only when a
     signal handler raised.
     """
-    cdef int i, rc, active = 0, n, timeout_ms
-    cdef bint progressed, failed = False, check_signals
-    cdef int64_t now, wait_ns
-    for i in range(nsend):
-        if sends[i].conn.broken:
-            failed = True
-    for i in range(nrecv):
-        if recvs[i].conn.broken:
-            failed = True
-    if failed:
-        for i in range(nsend):
-            _finish_send(&sends[i], ST_BROKEN if sends[i].conn.broken else ST_ABORTED)
-        for i in range(nrecv):
-            _finish_recv(&recvs[i], ST_BROKEN if recvs[i].conn.broken else ST_ABORTED)
-        return 0
+    cdef int i
     for i in range(nsend):
         sends[i].status = ST_AGAIN
     for i in range(nrecv):
         recvs[i].status = ST_AGAIN
-    active = nsend + nrecv
+    return run_until(sends, nsend, recvs, nrecv, fds, deadline_ns, False)
+
+
+cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fds, int64_t deadline_ns,
+                   bint first_only) except -1 nogil:
+    """Drive the ops among these whose ``status`` is ``ST_AGAIN``, as :func:`run_many` does, skipping the others.
+
+    With ``first_only`` it returns as soon as one of them has finished, the rest still running (their progress
+    kept in the ops), so that a caller can put new ops in the finished ones' places and call again: the sliding
+    window of the pairwise all_to_all. A failure still stops every running op. Returns -1 only when a signal
+    handler raised.
+    """
+    cdef int i, rc, active = 0, started, n, timeout_ms
+    cdef bint progressed, failed = False, check_signals
+    cdef int64_t now, wait_ns
+    for i in range(nsend):
+        if sends[i].status == ST_AGAIN and sends[i].conn.broken:
+            failed = True
+    for i in range(nrecv):
+        if recvs[i].status == ST_AGAIN and recvs[i].conn.broken:
+            failed = True
+    if failed:
+        for i in range(nsend):
+            if sends[i].status == ST_AGAIN:
+                _finish_send(&sends[i], ST_BROKEN if sends[i].conn.broken else ST_ABORTED)
+        for i in range(nrecv):
+            if recvs[i].status == ST_AGAIN:
+                _finish_recv(&recvs[i], ST_BROKEN if recvs[i].conn.broken else ST_ABORTED)
+        return 0
+    for i in range(nsend):
+        active += sends[i].status == ST_AGAIN
+    for i in range(nrecv):
+        active += recvs[i].status == ST_AGAIN
+    started = active
     while active > 0:
         progressed = False
         check_signals = False
@@ -489,6 +508,8 @@ cdef int run_many(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fd
                     failed = failed or rc != ST_OK
         if failed:
             _stop_all(sends, nsend, recvs, nrecv, ST_ABORTED)
+            return 0
+        if first_only and active < started:
             return 0
         if active == 0 or progressed:
             continue
