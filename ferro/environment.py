@@ -72,7 +72,7 @@ _VARIABLES = (
     Variable("FERRO_RPC_PORT", "Process groups", "`MASTER_PORT`",
              "The port rank 0 of `ferro.rpc.init_rpc` serves its store on."),
     # Transports
-    Variable("FERRO_SPIN_US", "Transports", "50, or 0 when ranks outnumber the host's cores",
+    Variable("FERRO_SPIN_US", "Transports", "50, or 0 when the host's ranks (`LOCAL_WORLD_SIZE`) outnumber its cores",
              "Microseconds a waiting rank spins before it naps or polls (shared memory and TCP)."),
     Variable("FERRO_SOCKET_BUFFER_BYTES", "Transports", "4194304 (4 MiB)",
              "`SO_SNDBUF` and `SO_RCVBUF` of every TCP connection between ranks; 0 leaves the kernel's "

@@ -281,6 +281,46 @@ def test_barrier_at_other_world_sizes(run, world_size):
         [p for p in range(world_size) if p != r] for r in range(world_size)]
 
 
+def _tcp_spin_with(rank, world_size, local):
+    import os
+
+    from ferro.backend import base
+
+    base.usable_cpus = lambda: 1  # this host: one core
+    os.environ.pop(base.SPIN_ENV, None)
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    if local is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local)
+    with ferro.TcpBackend.from_env(timeout=30) as group:
+        group.barrier()  # connections made
+        return [conn.spin_us for conn in group.direct_mesh.connections if conn is not None]
+
+
+@pytest.mark.parametrize(("local", "spins"), [(1, True), (None, False), (2, False)])
+def test_a_tcp_rank_spins_while_the_ranks_a_launcher_started_on_its_host_each_have_a_core(local, spins):
+    # Two ranks on hosts of one core each: a launcher's $LOCAL_WORLD_SIZE of 1 says each is alone on its host,
+    # so it spins; without it the group's size is the guess (both here: no spin), as with 2 on this host.
+    from ferro.backend import base
+    from ferro.testing import run_processes
+
+    results = run_processes(_tcp_spin_with, 2, args=(local,), backend=None, timeout=60)
+    assert results == [[base.DEFAULT_SPIN_US if spins else 0.0]] * 2
+
+
+def test_emulated_hosts_that_outnumber_the_machine_s_cores_tell_their_ranks_not_to_spin(monkeypatch):
+    # Each emulated host's launcher sees only its own ranks; together they share this machine's cores.
+    from ferro.backend import base
+    from ferro.tools import emulate
+
+    cluster = emulate.EmulatedCluster.__new__(emulate.EmulatedCluster)  # its environment only: no namespaces
+    cluster.hosts, cluster.subnet = 4, "10.9.9"
+    monkeypatch.setattr(emulate, "usable_cpus", lambda: 4)
+    env = cluster.host_environment(2, 2, {"PATH": "/bin"}, "s3cret")
+    assert env[base.SPIN_ENV] == "0" and env["FERRO_HOST_ID"] == "host2" and env["FERRO_BIND_ADDR"] == "10.9.9.3"
+    assert base.SPIN_ENV not in cluster.host_environment(2, 1, {}, "s3cret")  # 4 ranks, 4 cores
+    assert cluster.host_environment(0, 2, {base.SPIN_ENV: "25"}, "s3cret")[base.SPIN_ENV] == "25"  # the user's
+
+
 def test_ranks_confined_to_fewer_cores_than_ranks_do_not_spin(monkeypatch):
     # Two ranks that taskset, a cgroup cpuset or mpirun's binding confine to one core count one core, not the
     # machine's: spinning there steals the core the peer needs to answer.

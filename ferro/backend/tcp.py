@@ -87,7 +87,8 @@ class TcpBackend(StoreBackend, NativeCollectives):
         store: An existing store client to rendezvous through (a launcher's);
             it is not closed with the group.
         spin_us: Microseconds to spin on a quiet socket before sleeping (default
-            ``$FERRO_SPIN_US``, else 50, or 0 when ranks outnumber this host's cores).
+            ``$FERRO_SPIN_US``, else 50, or 0 when this host's ranks outnumber its cores: the
+            ranks a launcher started here, ``$LOCAL_WORLD_SIZE``, else the whole group).
         close_store: Close a given ``store`` with the group (it becomes the group's own).
 
     Raises:
@@ -127,7 +128,8 @@ class TcpBackend(StoreBackend, NativeCollectives):
     ) -> None:
         validate_rank_and_size(rank, world_size)  # before anything uses them
         bind = bind_addr or environment.get(BIND_ADDR_ENV) or local_address_towards(master_addr)
-        spin = default_spin_us(spin_us, world_size)
+        # Spinning pays while this host's ranks each have a core; the launcher says how many it started here.
+        spin = default_spin_us(spin_us, _ranks_on_this_host(default=world_size))
         self._join(rank, world_size, master_addr, master_port, timeout, secret, store, close_store,
                    lambda: self._connect(bind, spin))
 
@@ -392,9 +394,14 @@ class TcpBackend(StoreBackend, NativeCollectives):
         self._peers.close()
 
 
-def _ranks_on_this_host() -> int:
-    """Return how many ranks a launcher started on this host (``$LOCAL_WORLD_SIZE``: ferro run, torchrun), else 1."""
+def _ranks_on_this_host(default: int = 1) -> int:
+    """Return how many ranks a launcher started on this host (``$LOCAL_WORLD_SIZE``: ferro run, torchrun).
+
+    Without one (unset, or not a positive count) ``default``: 1 where the count splits the link (a rank alone
+    has all of it), the group's size where it decides spinning (the cautious guess: all on this host).
+    """
     try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        count = int(os.environ.get("LOCAL_WORLD_SIZE", "") or 0)
     except ValueError:
-        return 1
+        count = 0
+    return count if count > 0 else default

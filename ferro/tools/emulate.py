@@ -25,10 +25,11 @@ import secrets
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from ferro import environment
+from ferro.backend.base import SPIN_ENV, usable_cpus
 from ferro.errors import ConfigurationError
 from ferro.rendezvous.settings import free_port
 
@@ -125,8 +126,7 @@ class EmulatedCluster:
         port = str(free_port())
         launchers = []
         for host in range(self.hosts):
-            host_env = dict(os.environ if env is None else env, FERRO_SECRET=secret, FERRO_HOST_ID=f"host{host}",
-                            FERRO_BIND_ADDR=self.address(host), GLOO_SOCKET_IFNAME="eth0")
+            host_env = self.host_environment(host, ranks_per_host, os.environ if env is None else env, secret)
             command = self.command(host, [sys.executable, "-m", "ferro", "run", "--nnodes", str(self.hosts),
                                           "--node-rank", str(host), "--nproc-per-node", str(ranks_per_host),
                                           "--master-addr", self.address(0), "--master-port", port, "--no-prefix",
@@ -134,6 +134,20 @@ class EmulatedCluster:
             launchers.append(subprocess.Popen(command, env=host_env))
         codes = [launcher.wait() for launcher in launchers]
         return next((code for code in codes if code), 0)
+
+    def host_environment(self, host: int, ranks_per_host: int, env: Mapping[str, str], secret: str) -> dict[str, str]:
+        """Return ``env`` with what ``host``'s launcher needs: the job's secret, the host's name and address.
+
+        The emulated hosts share this machine's cores, which each rank's launcher cannot see (it counts only its
+        own host's ranks). Where all of them outnumber the cores, the ranks are told not to spin
+        (``FERRO_SPIN_US=0``, unless it is set): sixteen ranks spinning on two cores starve the ones that
+        have work, which no real host of one rank would do.
+        """
+        host_env = dict(env, FERRO_SECRET=secret, FERRO_HOST_ID=f"host{host}", FERRO_BIND_ADDR=self.address(host),
+                        GLOO_SOCKET_IFNAME="eth0")
+        if self.hosts * ranks_per_host > usable_cpus():
+            host_env = {SPIN_ENV: "0", **host_env}  # what the caller set wins
+        return host_env
 
     def mpirun_command(self, mpirun: str, ranks_per_host: int, argv: Sequence[str], workdir: str,
                        version: tuple[int, ...] | None = None, forward: Sequence[str] = ()) -> list[str]:
