@@ -74,6 +74,9 @@ _VARIABLES = (
     # Transports
     Variable("FERRO_SPIN_US", "Transports", "50, or 0 when the host's ranks (`LOCAL_WORLD_SIZE`) outnumber its cores",
              "Microseconds a waiting rank spins before it naps or polls (shared memory and TCP)."),
+    Variable("FERRO_YIELD_US", "Transports", "200, or 0 past four of the host's ranks a core",
+             "Microseconds a TCP rank that does not spin keeps trying between `sched_yield()` calls before it "
+             "sleeps in `poll`."),
     Variable("FERRO_SOCKET_BUFFER_BYTES", "Transports", "4194304 (4 MiB)",
              "`SO_SNDBUF` and `SO_RCVBUF` of every TCP connection between ranks; 0 leaves the kernel's "
              "autotuning."),

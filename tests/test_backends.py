@@ -288,37 +288,58 @@ def _tcp_spin_with(rank, world_size, local):
 
     base.usable_cpus = lambda: 1  # this host: one core
     os.environ.pop(base.SPIN_ENV, None)
+    os.environ.pop(base.YIELD_ENV, None)
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     if local is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(local)
     with ferro.TcpBackend.from_env(timeout=30) as group:
         group.barrier()  # connections made
-        return [conn.spin_us for conn in group.direct_mesh.connections if conn is not None]
+        return [(conn.spin_us, conn.yield_us) for conn in group.direct_mesh.connections if conn is not None]
 
 
-@pytest.mark.parametrize(("local", "spins"), [(1, True), (None, False), (2, False)])
-def test_a_tcp_rank_spins_while_the_ranks_a_launcher_started_on_its_host_each_have_a_core(local, spins):
+@pytest.mark.parametrize(("local", "spin", "yielding"), [(1, 50.0, 200.0), (None, 0.0, 200.0), (2, 0.0, 200.0),
+                                                          (5, 0.0, 0.0)])
+def test_a_tcp_rank_spins_while_the_ranks_a_launcher_started_on_its_host_each_have_a_core(local, spin, yielding):
     # Two ranks on hosts of one core each: a launcher's $LOCAL_WORLD_SIZE of 1 says each is alone on its host,
     # so it spins; without it the group's size is the guess (both here: no spin), as with 2 on this host.
-    from ferro.backend import base
+    # Past four ranks a core, a rank that does not spin does not yield either.
     from ferro.testing import run_processes
 
     results = run_processes(_tcp_spin_with, 2, args=(local,), backend=None, timeout=60)
-    assert results == [[base.DEFAULT_SPIN_US if spins else 0.0]] * 2
+    assert results == [[(spin, yielding)]] * 2
 
 
-def test_emulated_hosts_that_outnumber_the_machine_s_cores_tell_their_ranks_not_to_spin(monkeypatch):
+def test_emulated_hosts_tell_their_ranks_how_to_wait_for_all_of_them_on_the_machine_s_cores(monkeypatch):
     # Each emulated host's launcher sees only its own ranks; together they share this machine's cores.
     from ferro.backend import base
     from ferro.tools import emulate
 
+    monkeypatch.delenv(base.SPIN_ENV, raising=False)
+    monkeypatch.delenv(base.YIELD_ENV, raising=False)
     cluster = emulate.EmulatedCluster.__new__(emulate.EmulatedCluster)  # its environment only: no namespaces
     cluster.hosts, cluster.subnet = 4, "10.9.9"
-    monkeypatch.setattr(emulate, "usable_cpus", lambda: 4)
-    env = cluster.host_environment(2, 2, {"PATH": "/bin"}, "s3cret")
-    assert env[base.SPIN_ENV] == "0" and env["FERRO_HOST_ID"] == "host2" and env["FERRO_BIND_ADDR"] == "10.9.9.3"
-    assert base.SPIN_ENV not in cluster.host_environment(2, 1, {}, "s3cret")  # 4 ranks, 4 cores
+    monkeypatch.setattr(base, "usable_cpus", lambda: 4)
+    env = cluster.host_environment(2, 2, {"PATH": "/bin"}, "s3cret")  # 8 ranks on 4 cores: yield, no spin
+    assert (env[base.SPIN_ENV], env[base.YIELD_ENV]) == ("0.0", "200.0")
+    assert env["FERRO_HOST_ID"] == "host2" and env["FERRO_BIND_ADDR"] == "10.9.9.3" and env["PATH"] == "/bin"
+    assert cluster.host_environment(2, 1, {}, "s3cret")[base.SPIN_ENV] == "50.0"  # 4 ranks, 4 cores: spin
+    monkeypatch.setattr(base, "usable_cpus", lambda: 1)  # 8 ranks on 1 core: neither
+    assert cluster.host_environment(2, 2, {}, "s3cret")[base.YIELD_ENV] == "0.0"
     assert cluster.host_environment(0, 2, {base.SPIN_ENV: "25"}, "s3cret")[base.SPIN_ENV] == "25"  # the user's
+
+
+def test_ranks_stop_yielding_past_four_a_core(monkeypatch):
+    from ferro.backend import base
+
+    monkeypatch.delenv(base.YIELD_ENV, raising=False)
+    monkeypatch.setattr(base, "usable_cpus", lambda: 2)
+    assert [base.default_yield_us(None, n) for n in (1, 8, 9, 32)] == [base.DEFAULT_YIELD_US] * 2 + [0.0] * 2
+    assert base.default_yield_us(30.0, 32) == 30.0
+    monkeypatch.setenv(base.YIELD_ENV, "75")
+    assert base.default_yield_us(None, 32) == 75.0
+    monkeypatch.setenv(base.YIELD_ENV, "soon")
+    with pytest.raises(ferro.ConfigurationError, match="FERRO_YIELD_US='soon'"):
+        base.default_yield_us(None, 32)
 
 
 def test_ranks_confined_to_fewer_cores_than_ranks_do_not_spin(monkeypatch):

@@ -22,6 +22,7 @@ cdef struct ConnState:
     int broken             # 0, or the Status that left the stream unusable
     int closing            # close() was called, possibly while another thread waits here
     int64_t spin_ns        # how long to spin on a quiet socket before sleeping in poll
+    int64_t yield_ns       # without a spin, how long to try between sched_yield()s before poll
     ferro_stats* stats     # the group's counters (its GroupState's), or NULL
 
 

@@ -122,14 +122,12 @@ PROTOCOL_VERSION = FERRO_PROTOCOL_VERSION
 
 # Longest sleep in poll before the loop looks at the deadline and at signals again.
 cdef int POLL_SLICE_MS = 100
-# Ranks that outnumber the cores (spin_ns == 0) keep trying between sched_yield()s this long before
-# they sleep in poll. Measured (2-core VM, 4 B allreduce): with 4 ranks on 2 cores, 47-55 us against
-# 82-85 us for going straight to poll (50, 200 and 1000 us windows alike); with 8 ranks 160-174 us
-# against 198 us (200 us best). A rank with a core of its own never yields: beside compute threads
-# (a training job's normal state) a yield hands the core to one of them for a whole time slice.
-# Measured with 2 ranks and one or two matmul threads per rank: a 50 us spin, a 200 us yield window
-# and poll averaged 32-519 us per call; the spin straight to poll 14-23 us (Open MPI over TCP 75-201).
-cdef int64_t YIELD_NS = 200000
+# Ranks that outnumber the cores (spin_ns == 0) keep trying between sched_yield()s for the connection's
+# yield_ns (the backend's default_yield_us: 200 us, none past four ranks a core) before they sleep in poll.
+# A rank with a core of its own never yields: beside compute threads (a training job's normal state) a
+# yield hands the core to one of them for a whole time slice. Measured with 2 ranks and one or two
+# matmul threads per rank: a 50 us spin, a 200 us yield window and poll averaged 32-519 us per call;
+# the spin straight to poll 14-23 us (Open MPI over TCP 75-201).
 # A rank with a core of its own naps 20 us between attempts for a quiet millisecond after its spin,
 # then sleeps in poll. Under load a wake-up from poll took 70-270 us here (gVisor's netstack must
 # run first), a nap 20-100 us. Measured (2 ranks, 4 B allreduce, 4 sittings, median): one matmul
@@ -348,16 +346,19 @@ cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil:
     cdef bint progressed, check_signals
     cdef size_t before_s, before_r
     cdef int rc, phase_before
-    cdef int64_t now, spin_ns = 0, spin_until, wait_ns
+    cdef int64_t now, spin_ns = 0, yield_ns = 0, spin_until, wait_ns
     cdef int timeout_ms
     if s_active:
         spin_ns = s.conn.spin_ns
+        yield_ns = s.conn.yield_ns
         if s.conn.broken:
             _finish_send(s, ST_BROKEN)
             s_active = False
     if r_active:
         if r.conn.spin_ns > spin_ns:
             spin_ns = r.conn.spin_ns
+        if r.conn.yield_ns > yield_ns:
+            yield_ns = r.conn.yield_ns
         if r.conn.broken:
             _finish_recv(r, ST_BROKEN)
             r_active = False
@@ -411,7 +412,7 @@ cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil:
             break
         if not check_signals and now < spin_until:
             continue
-        if not check_signals and spin_ns == 0 and now < spin_until + YIELD_NS:
+        if not check_signals and spin_ns == 0 and now < spin_until + yield_ns:
             sched_yield()
             continue
         if not check_signals and spin_ns > 0 and now < spin_until + NAP_WINDOW_NS:
@@ -620,14 +621,16 @@ cdef class Connection:
         local_rank: This process's rank, used in error messages.
         peer_rank: The rank at the other end, used in error messages.
         spin_us: Microseconds to spin on a quiet socket before sleeping in
-            ``poll``; 0 sleeps at once (best when ranks outnumber cores).
+            ``poll``; 0 does not spin (best when ranks outnumber cores).
+        yield_us: Without a spin, microseconds to keep trying between
+            ``sched_yield()`` calls before sleeping in ``poll`` (0: sleep at once).
         stage_bytes: Size of the receive staging buffer for headers.
         group_state: The group's :class:`~ferro._core.state.GroupState`, whose counters
             this connection adds the payload bytes of its frames to (none counted without one).
     """
 
     def __cinit__(self, sock, int local_rank, int peer_rank, double spin_us=50.0,
-                  size_t stage_bytes=DEFAULT_STAGE_BYTES, GroupState group_state=None):
+                  size_t stage_bytes=DEFAULT_STAGE_BYTES, GroupState group_state=None, double yield_us=200.0):
         self.st.stage = NULL
         self.send_lock = PyThread_allocate_lock()
         self.recv_lock = PyThread_allocate_lock()
@@ -637,6 +640,8 @@ cdef class Connection:
             raise ValueError(f"stage_bytes must be at least {FERRO_HEADER_SIZE}")
         if spin_us < 0:
             raise ValueError("spin_us must be >= 0")
+        if yield_us < 0:
+            raise ValueError("yield_us must be >= 0")
         self.sock = sock
         self.st.fd = sock.fileno()
         self.st.local_rank = local_rank
@@ -652,6 +657,7 @@ cdef class Connection:
         self.st.broken = 0
         self.st.closing = 0
         self.st.spin_ns = <int64_t>(spin_us * 1000.0)
+        self.st.yield_ns = <int64_t>(yield_us * 1000.0)
         self.group_state = group_state
         self.st.stats = &group_state.stats if group_state is not None else NULL
         self.broken_reason = None
@@ -700,6 +706,11 @@ cdef class Connection:
     def spin_us(self) -> float:
         """Microseconds spent spinning before sleeping in poll."""
         return self.st.spin_ns / 1000.0
+
+    @property
+    def yield_us(self) -> float:
+        """Without a spin, microseconds spent trying between ``sched_yield()`` calls before sleeping in poll."""
+        return self.st.yield_ns / 1000.0
 
     def fileno(self) -> int:
         """The socket's file descriptor (-1 once closed)."""

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ferro._core.reduce import divide
-from ferro.backend.base import FramedBackend, Support, add_counters, default_spin_us
+from ferro.backend.base import FramedBackend, Support, add_counters, default_spin_us, default_yield_us
 from ferro.backend.joined import JoinSpec
 from ferro.backend.native import NativeCollectives
 from ferro.backend.shm import ShmBackend
@@ -98,10 +98,11 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
             # Spinning pays only while the ranks on this machine each have a core. Count the machine's
             # ranks, not the host's: namespaces or declared hosts may share one machine's cores.
             machine = identities[rank][1]
-            spin = default_spin_us(None, sum(1 for _, other in identities if other == machine))
+            here = sum(1 for _, other in identities if other == machine)
+            spin = default_spin_us(None, here)
             self._world = TcpBackend(rank, world_size, master_addr, master_port, timeout=seconds,
                                      secret=config.secret, store=store, bind_addr=bind_addr, spin_us=spin,
-                                     close_store=close_store)
+                                     close_store=close_store, yield_us=default_yield_us(None, here))
         except BaseException:
             if close_store:
                 store.close()  # idempotent: the TCP group may have closed it already

@@ -14,7 +14,7 @@ from ferro._buffers import as_buffer
 from ferro._core import collectives as native
 from ferro._core.collectives import Mesh
 from ferro._core.transport import KIND_ABORT, Connection, sendrecv
-from ferro.backend.base import Support, default_spin_us
+from ferro.backend.base import Support, default_spin_us, default_yield_us
 from ferro.backend.cost_model import force_plans, load_cost_model
 from ferro.backend.joined import JoinSpec, StoreBackend
 from ferro.backend.native import NativeCollectives
@@ -90,6 +90,8 @@ class TcpBackend(StoreBackend, NativeCollectives):
             ``$FERRO_SPIN_US``, else 50, or 0 when this host's ranks outnumber its cores: the
             ranks a launcher started here, ``$LOCAL_WORLD_SIZE``, else the whole group).
         close_store: Close a given ``store`` with the group (it becomes the group's own).
+        yield_us: Without a spin, microseconds to keep trying between ``sched_yield()`` calls before
+            sleeping (default ``$FERRO_YIELD_US``, else 200, or 0 past four of this host's ranks a core).
 
     Raises:
         ConfigurationError: No secret, or an address that cannot be used.
@@ -125,13 +127,15 @@ class TcpBackend(StoreBackend, NativeCollectives):
         store: Store | None = None,
         spin_us: float | None = None,
         close_store: bool = False,
+        yield_us: float | None = None,
     ) -> None:
         validate_rank_and_size(rank, world_size)  # before anything uses them
         bind = bind_addr or environment.get(BIND_ADDR_ENV) or local_address_towards(master_addr)
         # Spinning pays while this host's ranks each have a core; the launcher says how many it started here.
-        spin = default_spin_us(spin_us, _ranks_on_this_host(default=world_size))
+        here = _ranks_on_this_host(default=world_size)
+        spin, yielding = default_spin_us(spin_us, here), default_yield_us(yield_us, here)
         self._join(rank, world_size, master_addr, master_port, timeout, secret, store, close_store,
-                   lambda: self._connect(bind, spin))
+                   lambda: self._connect(bind, spin, yielding))
 
     @classmethod
     def join(cls, spec: JoinSpec) -> TcpBackend:
@@ -156,10 +160,11 @@ class TcpBackend(StoreBackend, NativeCollectives):
         return cls(config.rank, config.world_size, config.master_addr, config.master_port, secret=config.secret,
                    **kwargs)
 
-    def _connect(self, bind_addr: str, spin_us: float) -> None:
+    def _connect(self, bind_addr: str, spin_us: float, yield_us: float) -> None:
         raise_descriptor_limit()  # the soft limit is often 1,024; a big job's ranks may need more
         self._bind_addr = bind_addr
         self._spin_us = spin_us
+        self._yield_us = yield_us
         self._aborted = False
         self._links = _Links(self._link)
         self._link_lock = threading.Lock()
@@ -192,7 +197,8 @@ class TcpBackend(StoreBackend, NativeCollectives):
                                                           f"peers of a group of {self._world_size}")
             sock = self._peers.connect(peer, self._seconds(timeout))
             _size_socket_buffers(sock)
-            link = Connection(sock, self._rank, peer, spin_us=self._spin_us, group_state=self.state)
+            link = Connection(sock, self._rank, peer, spin_us=self._spin_us, group_state=self.state,
+                              yield_us=self._yield_us)
             dict.__setitem__(self._links, peer, link)
             self._mesh.attach(peer, link)
             return link
@@ -377,7 +383,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
         child = type(self).__new__(type(self))  # a subclass (the hybrid group) splits into its own kind
         child._init_state(members.index(self._rank), len(members), self._store, False, self._split_prefix(members),
                           self._secret, self._timeout if timeout is None else default_timeout(timeout))
-        child._connect(self._bind_addr, self._spin_us)
+        child._connect(self._bind_addr, self._spin_us, self._yield_us)
         return child
 
     def _release(self) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from ferro import environment
-from ferro.backend.base import SPIN_ENV, usable_cpus
+from ferro.backend.base import SPIN_ENV, YIELD_ENV, default_spin_us, default_yield_us
 from ferro.errors import ConfigurationError
 from ferro.rendezvous.settings import free_port
 
@@ -139,15 +139,15 @@ class EmulatedCluster:
         """Return ``env`` with what ``host``'s launcher needs: the job's secret, the host's name and address.
 
         The emulated hosts share this machine's cores, which each rank's launcher cannot see (it counts only its
-        own host's ranks). Where all of them outnumber the cores, the ranks are told not to spin
-        (``FERRO_SPIN_US=0``, unless it is set): sixteen ranks spinning on two cores starve the ones that
-        have work, which no real host of one rank would do.
+        own host's ranks). So the ranks are told what the backends' defaults make of all of them on this
+        machine's cores (``FERRO_SPIN_US`` and ``FERRO_YIELD_US``, unless they are set): sixteen ranks spinning
+        on two cores starve the ones that have work, which no real host of one rank would do.
         """
         host_env = dict(env, FERRO_SECRET=secret, FERRO_HOST_ID=f"host{host}", FERRO_BIND_ADDR=self.address(host),
                         GLOO_SOCKET_IFNAME="eth0")
-        if self.hosts * ranks_per_host > usable_cpus():
-            host_env = {SPIN_ENV: "0", **host_env}  # what the caller set wins
-        return host_env
+        here = self.hosts * ranks_per_host
+        defaults = {SPIN_ENV: str(default_spin_us(None, here)), YIELD_ENV: str(default_yield_us(None, here))}
+        return {**defaults, **host_env}  # what the caller set wins
 
     def mpirun_command(self, mpirun: str, ranks_per_host: int, argv: Sequence[str], workdir: str,
                        version: tuple[int, ...] | None = None, forward: Sequence[str] = ()) -> list[str]:
