@@ -29,6 +29,7 @@ from ferro.errors import (
 )
 from ferro.rendezvous.auth import PRE_AUTH_SECONDS, Admission, RefusalLog
 from ferro.rendezvous.connect import KeyValueStore, _accept_peer, _connect_peer, _mesh_context, _tune, time_left
+from ferro.rendezvous.scoped import present_or_values
 
 __all__ = ["PeerConnector"]
 
@@ -38,6 +39,8 @@ log = logging.getLogger("ferro.rendezvous")
 # its abort notice) to see that it still lives: from this, doubling up to the longest.
 PROBE_SECONDS = 0.5
 LONGEST_PROBE_SECONDS = 8.0
+# How long a timed-out rendezvous gives the store to say which ranks never published their address.
+MISSING_QUERY_SECONDS = 1.0
 
 
 class PeerConnector:
@@ -138,14 +141,18 @@ class PeerConnector:
                 self._addresses[peer] = _address(value)
 
     def _missing(self) -> list[int]:
-        keys = {r: f"{self._prefix}/addr/{r}" for r in range(self._world_size)}
+        """Return the ranks whose address is not in the store, asked without waiting for them.
+
+        One ``present`` request (key by key on a store without it), given a second to answer: a wait of a few
+        milliseconds for the keys, as this was, timed out in the client on a loaded machine before the store's
+        answer came, and the timeout then named no rank at all.
+        """
+        keys = [f"{self._prefix}/addr/{r}" for r in range(self._world_size)]
         try:
-            self._store.wait(list(keys.values()), timeout=0.05)
-        except StoreKeyTimeoutError as exc:
-            return sorted(r for r, key in keys.items() if key in exc.missing)
+            there = present_or_values(self._store, "present", keys, MISSING_QUERY_SECONDS)
         except Exception:  # the store is gone: say what we can
             return []
-        return []
+        return [r for r, found in enumerate(there) if not found]
 
     def connect(self, peer: int, timeout: float) -> socket.socket:
         """Return a new authenticated connection to ``peer``: dialled (a lower rank) or accepted (a higher one).

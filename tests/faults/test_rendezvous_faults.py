@@ -264,3 +264,18 @@ def test_a_store_out_of_descriptors_tells_the_newcomer_why(store_host):
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_timed_out_rendezvous_names_the_missing_ranks_though_the_store_answers_slowly():
+    # On a loaded machine the store took longer to answer than the few milliseconds the query once allowed, and
+    # the timeout then named no rank ("rank(s) []"); the query waits for no key and gives the store a second.
+    from ferro.rendezvous.peers import PeerConnector
+
+    class SlowStore:
+        def present(self, keys, timeout=None):
+            time.sleep(0.2)  # a busy store's answer
+            return [key.endswith(("/0", "/1")) for key in keys]
+
+    connector = PeerConnector.__new__(PeerConnector)  # its store query only: no sockets
+    connector._store, connector._prefix, connector._world_size = SlowStore(), "job", 4
+    assert connector._missing() == [2, 3]
