@@ -1316,7 +1316,6 @@ cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned c
     """
     cdef ferro_step step
     cdef int w, i, rc, running = 0
-    cdef uint64_t rate
     cdef bint paced, have = False   # have: ``step`` came from the plan and has not started
     cdef size_t moving = 0, size = 0
     cdef bint busy[PAIRWISE_WINDOW]
@@ -1373,19 +1372,22 @@ cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned c
                 size = max(step.send_len, step.recv_len)
         paced = pace > 0 and w > 1
         if paced:
-            rate = <uint64_t>(pace / w)
-            for i in range(w):
-                setsockopt(sends[i].conn.fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(uint64_t))
+            _pace_flows(sends, w, <uint64_t>(pace / w))
         rc = run_many(sends, w, recvs, w, fds, deadline)
         if paced:
-            rate = 0xFFFFFFFFFFFFFFFF  # ~0: no limit
-            for i in range(w):
-                setsockopt(sends[i].conn.fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(uint64_t))
+            _pace_flows(sends, w, 0xFFFFFFFFFFFFFFFF)  # ~0: no limit
         moving = 0
         if rc < 0:
             return -1
         if _window_failed(sends, recvs, w, s, r):
             return 1
+
+
+cdef void _pace_flows(SendOp* sends, int count, uint64_t rate) noexcept nogil:
+    """Cap each of these sends' connections at ``rate`` bytes per second (``SO_MAX_PACING_RATE``)."""
+    cdef int i
+    for i in range(count):
+        setsockopt(sends[i].conn.fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(uint64_t))
 
 
 cdef bint _window_failed(SendOp* sends, RecvOp* recvs, int count, SendOp* s, RecvOp* r) noexcept nogil:
