@@ -989,3 +989,53 @@ def test_a_fitted_link_paces_the_all_to_all_s_large_blocks_and_lifts_the_pace_af
         assert plan == "pairwise"
         np.testing.assert_array_equal(got, np.concatenate([np.full(count, 1000.0 * k + rank) for k in range(n)]))
         assert rates and all(rate in (2**64 - 1, 2**32 - 1) for rate in rates), rates
+
+
+# --- the streaming ring: each chunk in several frames, the next step's leaving as the last one's arrive ---
+
+def _streamed_ring(group, piece, segment, counts):
+    import ferro
+    from ferro._core import collectives
+
+    mesh = group.direct_mesh
+    mesh.piece_bytes, mesh.segment_bytes = piece, segment
+    rank, n = group.rank, group.world_size
+    out = {}
+    for count in counts:
+        x = (np.arange(count, dtype=np.float64) % 13 + 1) * (rank + 1)
+        ferro.allreduce(x, group=group, algorithm="ring")
+        out["sum", count] = x
+        m = (np.arange(count, dtype=np.float32) % 7) * (rank + 2)
+        ferro.allreduce(m, op=ferro.ReduceOp.AVG, group=group, algorithm="ring")
+        out["mean", count] = m
+        i = (np.arange(count, dtype=np.int32) % 5) * (rank + 1)
+        ferro.allreduce(i, op=ferro.ReduceOp.MAX, group=group, algorithm="ring")
+        out["max", count] = i
+        out["reduce_scatter", count] = np.asarray(ferro.reduce_scatter(x.copy() * 0 + rank + np.arange(count),
+                                                                       group=group))
+        gathered = np.zeros(count * n)
+        ferro.all_gather(np.arange(count, dtype=np.float64) + 100 * rank, out=gathered, group=group)
+        out["all_gather", count] = gathered
+    assert collectives.ring_piece(1000, segment, piece, 8) == max(min(-(-1000 // 4), segment), piece) // 8 * 8
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_a_streamed_ring_in_many_uneven_frames_matches_numpy(n):
+    # Frames of 24-64 bytes: every chunk (uneven: 1-100 elements among n ranks) goes in several, the next step's
+    # first ones leaving while this step's last ones arrive; sum, mean and max, reduce_scatter and all_gather.
+    from ferro.testing import run_processes
+
+    counts = (1, n + 1, 37, 100)
+    results = run_processes(_streamed_ring, n, args=(24, 64, counts), timeout=120)
+    for rank, out in enumerate(results):
+        for count in counts:
+            base = np.arange(count)
+            np.testing.assert_array_equal(out["sum", count], sum((base % 13 + 1.0) * (r + 1) for r in range(n)))
+            mean = sum((base % 7).astype(np.float32) * (r + 2) for r in range(n)) / np.float32(n)
+            np.testing.assert_allclose(out["mean", count], mean, rtol=1e-6)
+            np.testing.assert_array_equal(out["max", count], (base % 5) * n)
+            total = sum(np.float64(r) + base for r in range(n))
+            np.testing.assert_array_equal(out["reduce_scatter", count], np.array_split(total, n)[rank])
+            np.testing.assert_array_equal(out["all_gather", count],
+                                          np.concatenate([base + 100.0 * r for r in range(n)]))

@@ -55,6 +55,7 @@ class Mesh:
     partner_ratio: float
     window_bytes: int
     segment_bytes: int
+    piece_bytes: int
     pace_bytes: float
     measured: bool
     connector: Callable[[int, float], Connection] | None

@@ -69,7 +69,7 @@ cdef int64_t monotonic_ns() noexcept nogil
 cdef int check_header(const unsigned char* h, uint32_t kind, uint64_t fingerprint, uint64_t expected_seq,
                       uint64_t capacity, bint exact, SeenHeader* seen) noexcept nogil
 cdef int signal_raised() noexcept with gil
-cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil
+cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns, bint either=*) except -1 nogil
 cdef int run_many(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fds,
                   int64_t deadline_ns) except -1 nogil
 cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fds, int64_t deadline_ns,

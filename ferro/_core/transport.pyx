@@ -332,7 +332,7 @@ cdef int _wait_readiness(SendOp* s, bint s_active, RecvOp* r, bint r_active, int
     return ST_OK
 
 
-cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil:
+cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns, bint either=False) except -1 nogil:
     """Drive a send and/or a receive to completion, failure or the deadline.
 
     Either pointer may be NULL. Each op's ``status`` holds its outcome. A fatal
@@ -340,6 +340,10 @@ cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil:
     mid-frame); a refused header on the receive side lets the send finish, so
     that the sender's stream stays whole. Returns -1 only when a signal handler
     raised (KeyboardInterrupt), after marking mid-frame connections broken.
+
+    With ``either``, it returns as soon as one op has finished well, the other's status ``ST_AGAIN`` and its
+    progress kept in the op, so that the caller can start its next op beside it and pass both again: the
+    streaming ring (``collectives._stream_ring``). A failure still runs the other op to its end, as without.
     """
     cdef bint s_active = s != NULL
     cdef bint r_active = r != NULL
@@ -400,6 +404,13 @@ cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns) except -1 nogil:
                     s_active = False
         if not (s_active or r_active):
             break
+        if either and ((s != NULL and not s_active and s.status == ST_OK)
+                       or (r != NULL and not r_active and r.status == ST_OK)):
+            if s_active:
+                s.status = ST_AGAIN
+            if r_active:
+                r.status = ST_AGAIN
+            return 0
         now = monotonic_ns()
         if progressed:
             spin_until = now + spin_ns

@@ -176,6 +176,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
         if model is not None:
             self._mesh.latency_bytes, self._mesh.copy_ratio, self._mesh.partner_ratio = model.link_numbers()
             self._mesh.segment_bytes = model.segment_bytes()
+            self._mesh.piece_bytes = model.piece_bytes()
             # The ranks a launcher started on this host share its link (ferro run and torchrun say how many).
             self.share_link(_ranks_on_this_host())
             self._mesh.measured = True
