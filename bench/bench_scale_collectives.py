@@ -25,7 +25,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ferro._core import collectives as native
 from ferro.backend.cost_model import CostModel, load_cost_model
 from ferro.tools.bench import simulate
 from ferro.tools.bench.table import read_json
@@ -62,8 +61,11 @@ def _predict(network: simulate.Network, op: str, algorithm: str, nbytes: int, it
     if algorithm not in simulate.OP_ALGORITHMS.get(op, {}):
         return None
     model = _cost_model()
-    latency_bytes = model.link_numbers()[0] if model else native.DEFAULT_LATENCY_BYTES
-    return simulate.predict(network, algorithm, nbytes, itemsize, op=op, latency_bytes=latency_bytes, calls=calls)
+    if model is None:
+        return simulate.predict(network, algorithm, nbytes, itemsize, op=op, calls=calls)
+    # The frames the measured ranks cut on this model's link (TcpBackend sets its mesh's from the same calls).
+    return simulate.predict(network, algorithm, nbytes, itemsize, op=op, latency_bytes=model.link_numbers()[0],
+                            calls=calls, segment=model.segment_bytes(), piece=model.piece_bytes())
 
 
 def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:

@@ -1039,3 +1039,18 @@ def test_a_streamed_ring_in_many_uneven_frames_matches_numpy(n):
             np.testing.assert_array_equal(out["reduce_scatter", count], np.array_split(total, n)[rank])
             np.testing.assert_array_equal(out["all_gather", count],
                                           np.concatenate([base + 100.0 * r for r in range(n)]))
+
+
+def test_the_simulator_streams_the_ring_as_the_executor_does():
+    # Two hosts, a 4 MiB allreduce: chunks of 2 MiB cut in quarter frames of 512 KiB. Streamed, the all-gather's
+    # frames queue behind the reduce-scatter's on the link (each was received long before), so the call takes the
+    # eight frames back to back plus one latency: 8 (overhead + frame / rate) + latency. Step by step it would
+    # also wait, between the two steps, for the last frame's latency and reduction.
+    network = simulate.Network(2, 1, 12.5e6, latency=100e-6, overhead=5e-6, reduce_rate=4e9)
+    nbytes = 4 << 20
+    assert native.ring_piece(2 << 20, 1 << 20, 16 << 10, 4) == 512 << 10
+    predicted = simulate.predict(network, "ring", nbytes, segment=1 << 20, piece=16 << 10)
+    assert predicted == pytest.approx(8 * 5e-6 + nbytes / 12.5e6 + 100e-6, rel=1e-12)
+    # Frames the size of the chunk: the all-gather's first frame waits for the whole of the reduce-scatter's.
+    whole = simulate.predict(network, "ring", nbytes, segment=4 << 20, piece=4 << 20)
+    assert whole == pytest.approx(2 * (5e-6 + (2 << 20) / 12.5e6 + 100e-6) + (2 << 20) / 4e9, rel=1e-12)

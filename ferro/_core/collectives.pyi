@@ -37,6 +37,7 @@ STEP_RECV_BASE: int
 STEP_DIVIDE: int
 
 def chain_segment(nbytes: int, n: int, latency_bytes: float = ...) -> int: ...
+def ring_piece(length: int, segment: int, smallest: int, itemsize: int) -> int: ...
 def choose(
     op: str, nbytes: int, n: int, latency_bytes: float = ..., copy_ratio: float = ..., partner_ratio: float = ...,
     measured: bool = ...,

@@ -243,6 +243,8 @@ def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
         return 2
     latency_bytes, copy_ratio, partner_ratio = model.link_numbers() if model else (
         native.DEFAULT_LATENCY_BYTES, native.DEFAULT_COPY_RATIO, 1.0)
+    # The frames a TCP group on this model cuts (TcpBackend sets its mesh's from the same calls).
+    segment, piece = (model.segment_bytes(), model.piece_bytes()) if model else (native.DEFAULT_SEGMENT_BYTES, 0)
     itemsize = 2 if args.dtype in ("float16", "bfloat16") else 8 if args.dtype.endswith("64") else (
         1 if args.dtype.endswith("8") else 4)
     n = network.world_size
@@ -262,7 +264,8 @@ def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
                 chosen = native.choose(op, nbytes, n, latency_bytes, copy_ratio, partner_ratio, model is not None)
             else:
                 chosen = names[0]
-            times = {name: simulate.predict(network, name, nbytes, itemsize, op=op, latency_bytes=latency_bytes)
+            times = {name: simulate.predict(network, name, nbytes, itemsize, op=op, latency_bytes=latency_bytes,
+                                            segment=segment, piece=piece)
                      for name in names}
             bound = simulate.lower_bound(network, nbytes, op)
             factor = {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}.get(op, (n - 1) / n)

@@ -9,7 +9,10 @@ The steps are the ones the compiled executor runs (:func:`ferro._core.collective
 * every message pays ``LATENCY`` on the wire and a per-message CPU ``overhead`` at its sender; messages between
   ranks of one host go through memory at ``local_rate``;
 * a rank runs its steps in order; a step sends and receives one segment each way at a time (as
-  ``_exchange_segments`` does), and a reducing step then reduces what arrived at ``reduce_rate``.
+  ``_exchange_segments`` does), and a reducing step then reduces what arrived at ``reduce_rate``;
+* except the ring, which streams as ``_stream_ring`` runs it: each chunk in :func:`~ferro._core.collectives.ring_piece`
+  frames, a frame of step ``k + 1`` leaving once the frame of step ``k`` holding its bytes has arrived and been
+  reduced, sends and receives each in their own order (:func:`replay_streams`).
 
 It predicts the slowest rank's time, and gives the textbook lower bounds beside it (:func:`lower_bound`).
 """
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from ferro._core import collectives as native
 
 __all__ = ["ALGORITHMS", "BROADCAST_ALGORITHMS", "OP_ALGORITHMS", "Network", "lower_bound", "parse_network", "predict",
-           "replay"]
+           "replay", "replay_streams"]
 
 #: The schedules the simulator replays, by the name ``ferro.allreduce(algorithm=...)`` takes.
 ALGORITHMS = {"ring": native.ALGORITHM_RING, "recursive_doubling": native.ALGORITHM_RECURSIVE_DOUBLING,
@@ -192,6 +195,129 @@ SYMMETRIC = {("allreduce", "ring"), ("all_gather", "ring"), ("all_gather", "bruc
 FULL_REPLAY_EXCHANGES = 2_000_000
 
 
+#: A rank's streamed plan: its sends ``(dst, bytes, dep)``, each leaving once its receive number ``dep`` is done
+#: (-1: at once), and its receives ``(src, bytes, reduced bytes)``, in order.
+Streams = tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]
+
+
+def _streams(calls: Sequence[Sequence[Step]], segment: int, piece: int, itemsize: int) -> Streams:
+    """Cut ring plans (one per call, back to back) into ``_stream_ring``'s frames and its rule for when each leaves.
+
+    A frame of step ``k`` waits for the frame of step ``k - 1``'s receive that ends at or past its own bytes (when
+    those bytes are what step ``k - 1`` received), else for all of step ``k - 1``'s receives; a call's first step
+    waits for the previous call to have received everything (the executor returns only then).
+    """
+    sends: list[tuple[int, int, int]] = []
+    recvs: list[tuple[int, int, int]] = []
+    for steps in calls:
+        before_call = len(recvs) - 1
+        previous: tuple[int, int, list[int]] | None = None  # the last step's (recv_off, recv_len, piece ends)
+        for k, (send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags, _) in enumerate(steps):
+            first_of_step = len(recvs)
+            if send_peer >= 0 and send_len:
+                size = native.ring_piece(send_len, segment, piece, itemsize)
+                for pos in range(0, send_len, size):
+                    a = min(size, send_len - pos)
+                    if k == 0 or flags & native.STEP_SEND_SOURCE:
+                        dep = before_call
+                    elif previous is not None and previous[0] <= send_off + pos and (
+                            send_off + pos + a <= previous[0] + previous[1]):
+                        # The earliest of the last step's receives whose end reaches this frame's end.
+                        dep = next(i for i, end in enumerate(previous[2], start=first_of_step - len(previous[2]))
+                                   if end >= send_off + pos + a)
+                    else:
+                        dep = first_of_step - 1
+                    sends.append((send_peer, a, dep))
+            ends: list[int] = []
+            if recv_peer >= 0 and recv_len:
+                size = native.ring_piece(recv_len, segment, piece, itemsize)
+                for pos in range(0, recv_len, size):
+                    b = min(size, recv_len - pos)
+                    recvs.append((recv_peer, b, b if flags & native.STEP_REDUCE else 0))
+                    ends.append(recv_off + pos + b)
+            previous = (recv_off, recv_len if recv_peer >= 0 else 0, ends)
+    return sends, recvs
+
+
+def replay_streams(network: Network, streams_of: Callable[[int], Streams], symmetric: bool = False) -> float:
+    """Return the seconds until the slowest rank has sent and received all its streamed frames on ``network``.
+
+    A rank sends its frames in order, one at a time (a frame holds the rank for ``overhead``, then its links as
+    :func:`replay` holds them), each once its ``dep`` receive is done; it takes its receives in order, each
+    reduced as it lands. With ``symmetric`` only host 0's ranks are replayed, for a plan every host runs alike
+    rotated by whole hosts (the ring): what host 0 sends off the host to host ``h`` stands for what it receives
+    from host ``-h`` at the same moment, so each of its messages off the host also arrives, relabelled, at host 0,
+    and its link's two ways are in the same state. At one rank per host it gives what the full replay gives.
+    """
+    n, per_host, hosts = network.world_size, network.ranks_per_host, network.hosts
+    ranks = range(per_host if symmetric else n)
+    plans = {rank: streams_of(rank) for rank in ranks}
+    up_free = [0.0] * hosts
+    down_free = [0.0] * hosts
+    arrivals: dict[tuple[int, int], deque[float]] = defaultdict(deque)
+    next_send = dict.fromkeys(ranks, 0)
+    next_recv = dict.fromkeys(ranks, 0)
+    send_free = dict.fromkeys(ranks, 0.0)
+    recv_busy = dict.fromkeys(ranks, False)
+    finished = dict.fromkeys(ranks, 0.0)
+    events: list[tuple[float, int, int, int]] = [(0.0, 0, rank, -1) for rank in ranks]  # (time, kind, rank, src)
+
+    def push(time: float, kind: int, rank: int, src: int) -> None:
+        heapq.heappush(events, (time, kind, rank, src))
+
+    def try_send(rank: int, now: float) -> None:
+        sends, _ = plans[rank]
+        i = next_send[rank]
+        if i >= len(sends) or send_free[rank] > now or sends[i][2] >= next_recv[rank] - recv_busy[rank]:
+            return  # nothing left, the last frame still leaving, or its bytes not received yet
+        dst, nbytes, _ = sends[i]
+        at = now + network.overhead
+        a, b = rank // per_host, dst // per_host
+        if a == b:
+            leaves = at + nbytes / network.local_rate
+            arrival, to, src = leaves + network.local_latency, dst, rank
+        else:
+            b = 0 if symmetric else b
+            begin = max(at, up_free[a], down_free[b])
+            leaves = begin + nbytes / network.rate
+            up_free[a] = down_free[b] = leaves
+            arrival = leaves + network.latency
+            host = dst // per_host
+            to, src = (dst - host * per_host, (rank + (hosts - host) * per_host) % n) if symmetric else (dst, rank)
+        next_send[rank] = i + 1
+        send_free[rank] = leaves
+        finished[rank] = max(finished[rank], leaves)
+        push(arrival, 1, to, src)
+        push(leaves, 0, rank, -1)
+
+    def try_recv(rank: int, now: float) -> None:
+        _, recvs = plans[rank]
+        i = next_recv[rank]
+        if recv_busy[rank] or i >= len(recvs) or not arrivals[(recvs[i][0], rank)]:
+            return
+        arrival = arrivals[(recvs[i][0], rank)].popleft()
+        recv_busy[rank] = True
+        next_recv[rank] = i + 1
+        push(max(now, arrival) + recvs[i][2] / network.reduce_rate, 2, rank, -1)
+
+    while events:
+        now, kind, rank, src = heapq.heappop(events)
+        if kind == 1:    # a frame arrived from src
+            arrivals[(src, rank)].append(now)
+            try_recv(rank, now)
+        elif kind == 2:  # a receive is done (and reduced)
+            recv_busy[rank] = False
+            finished[rank] = max(finished[rank], now)
+            try_recv(rank, now)
+            try_send(rank, now)
+        else:            # the rank's last frame has left (or it starts)
+            try_send(rank, now)
+    stuck = [rank for rank in ranks if next_send[rank] < len(plans[rank][0]) or next_recv[rank] < len(plans[rank][1])]
+    if stuck:
+        raise RuntimeError(f"the streamed plans deadlock: ranks {stuck[:8]} never finished")
+    return max(finished.values())
+
+
 def _exchanges(steps: Sequence[Step], segment: int) -> list[tuple[int, int, int, int, int]]:
     """Cut each step into the executor's one-segment-each-way exchanges: (dst, bytes out, src, bytes in, reduced)."""
     out: list[tuple[int, int, int, int, int]] = []
@@ -223,7 +349,8 @@ BROADCAST_ALGORITHMS = OP_ALGORITHMS["broadcast"]
 
 def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
             segment: int = native.DEFAULT_SEGMENT_BYTES, op: str = "allreduce", root: int = 0,
-            latency_bytes: float = native.DEFAULT_LATENCY_BYTES, method: str = "auto", calls: int = 1) -> float:
+            latency_bytes: float = native.DEFAULT_LATENCY_BYTES, method: str = "auto", calls: int = 1,
+            piece: int = 0) -> float:
     """Return the predicted seconds of one call of ``op`` with ``algorithm`` on ``network``.
 
     ``nbytes`` is the size a ``ferro bench`` row gives: the allreduce's and broadcast's message, the all_gather's
@@ -233,7 +360,9 @@ def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
     the plans in :data:`SYMMETRIC`), ``"auto"`` the full replay unless it would take more than
     :data:`FULL_REPLAY_EXCHANGES` exchanges and the plan is symmetric. ``calls``: replay that many calls back to
     back, each rank starting its next call as soon as its own part of the last is done (as ``ferro bench`` times
-    them), and return the time per call: a pipelined chain's successive broadcasts overlap.
+    them), and return the time per call: a pipelined chain's successive broadcasts overlap. ``segment`` and
+    ``piece`` are the mesh's ``segment_bytes`` and ``piece_bytes`` (0: the segment): the frames the plans are cut
+    into (:meth:`ferro.backend.cost_model.CostModel.segment_bytes`, ``piece_bytes``).
 
     Raises:
         ValueError: ``op`` or ``algorithm`` is not one the simulator replays, or a symmetric replay of a plan
@@ -264,15 +393,22 @@ def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
     else:  # all_gather's Bruck, all_to_all: each rank's block, or the block to each peer
         block = max(count // n, 1)
         steps_of = lambda rank: native.plan_steps(code, rank, n, block, itemsize)  # noqa: E731
-    if calls > 1:
-        one_call = steps_of
-        steps_of = lambda rank: list(one_call(rank)) * calls  # noqa: E731
     symmetric = (op, algorithm) in SYMMETRIC or (algorithm in ("recursive_doubling", "halving_doubling")
                                                  and n & (n - 1) == 0 and network.hosts & (network.hosts - 1) == 0)
     if algorithm == "ring" and count < n:
         symmetric = False  # chunks of nothing: the ranks holding one element do more steps than the others
     if method == "symmetric" and not symmetric:
         raise ValueError(f"{op}'s {algorithm} at {n} ranks is not the same from every host: replay it in full")
+    if algorithm == "ring":  # it streams (the all_gather's frames are cut in bytes, the others' in elements)
+        one_plan, unit = steps_of, 1 if op == "all_gather" else itemsize
+        streams_of = lambda rank: _streams([one_plan(rank)] * max(calls, 1), segment, piece or segment,  # noqa: E731
+                                           unit)
+        if method == "auto" and symmetric and n * len(streams_of(0)[0]) > FULL_REPLAY_EXCHANGES:
+            method = "symmetric"
+        return replay_streams(network, streams_of, symmetric=method == "symmetric") / max(calls, 1)
+    if calls > 1:
+        one_call = steps_of
+        steps_of = lambda rank: list(one_call(rank)) * calls  # noqa: E731
     if method == "auto" and symmetric and n * len(_exchanges(steps_of(0), segment)) > FULL_REPLAY_EXCHANGES:
         method = "symmetric"
     seconds = replay_symmetric(network, steps_of, segment) if method == "symmetric" else replay(network, steps_of,
