@@ -205,12 +205,14 @@ def _streams(calls: Sequence[Sequence[Step]], segment: int, piece: int, itemsize
 
     A frame of step ``k`` waits for the frame of step ``k - 1``'s receive that ends at or past its own bytes (when
     those bytes are what step ``k - 1`` received), else for all of step ``k - 1``'s receives; a call's first step
-    waits for the previous call to have received everything (the executor returns only then).
+    waits for the previous call to have received everything (the executor returns only then). A call's send
+    number ``i`` also waits for its receive number ``i - RING_LEAD_FRAMES - 1``, or for all its receives where
+    it has fewer.
     """
     sends: list[tuple[int, int, int]] = []
     recvs: list[tuple[int, int, int]] = []
     for steps in calls:
-        before_call = len(recvs) - 1
+        before_call, first_send = len(recvs) - 1, len(sends)
         previous: tuple[int, int, list[int]] | None = None  # the last step's (recv_off, recv_len, piece ends)
         for k, (send_peer, send_off, send_len, recv_peer, recv_off, recv_len, flags, _) in enumerate(steps):
             first_of_step = len(recvs)
@@ -236,6 +238,11 @@ def _streams(calls: Sequence[Sequence[Step]], segment: int, piece: int, itemsize
                     recvs.append((recv_peer, b, b if flags & native.STEP_REDUCE else 0))
                     ends.append(recv_off + pos + b)
             previous = (recv_off, recv_len if recv_peer >= 0 else 0, ends)
+        last = len(recvs) - 1
+        for i in range(first_send, len(sends)):
+            clocked = min(before_call + (i - first_send) - native.RING_LEAD_FRAMES, last)  # past the last: all
+            if clocked > sends[i][2]:
+                sends[i] = (sends[i][0], sends[i][1], clocked)
     return sends, recvs
 
 
