@@ -1016,18 +1016,22 @@ def _streamed_ring(group, piece, segment, counts):
         gathered = np.zeros(count * n)
         ferro.all_gather(np.arange(count, dtype=np.float64) + 100 * rank, out=gathered, group=group)
         out["all_gather", count] = gathered
+    # Rows of 40: rank 0's part is two rows, the others' one, so a rank sends many more frames than it receives.
+    rows = np.arange((n + 1) * 40, dtype=np.float64).reshape(n + 1, 40) * (rank + 1)
+    out["rows"] = np.asarray(ferro.reduce_scatter(rows, group=group))
     assert collectives.ring_piece(1000, segment, piece, 8) == max(min(-(-1000 // 4), segment), piece) // 8 * 8
     return out
 
 
-@pytest.mark.parametrize("n", [2, 3, 5])
-def test_a_streamed_ring_in_many_uneven_frames_matches_numpy(n):
-    # Frames of 24-64 bytes: every chunk (uneven: 1-100 elements among n ranks) goes in several, the next step's
-    # first ones leaving while this step's last ones arrive; sum, mean and max, reduce_scatter and all_gather.
+@pytest.mark.parametrize(("n", "frames"), [(2, (24, 64)), (3, (24, 64)), (5, (24, 64)), (5, (8, 8))])
+def test_a_streamed_ring_in_many_uneven_frames_matches_numpy(n, frames):
+    # Frames of 24-64 bytes, or of one element: every chunk (uneven: 1-100 elements among n ranks) goes in
+    # several, the next step's first ones leaving while this step's last ones arrive, a rank sending more frames
+    # than it receives where its chunks are larger; sum, mean and max, reduce_scatter and all_gather.
     from ferro.testing import run_processes
 
     counts = (1, n + 1, 37, 100)
-    results = run_processes(_streamed_ring, n, args=(24, 64, counts), timeout=120)
+    results = run_processes(_streamed_ring, n, args=(*frames, counts), timeout=120)
     for rank, out in enumerate(results):
         for count in counts:
             base = np.arange(count)
@@ -1039,6 +1043,8 @@ def test_a_streamed_ring_in_many_uneven_frames_matches_numpy(n):
             np.testing.assert_array_equal(out["reduce_scatter", count], np.array_split(total, n)[rank])
             np.testing.assert_array_equal(out["all_gather", count],
                                           np.concatenate([base + 100.0 * r for r in range(n)]))
+        rows = np.arange((n + 1) * 40, dtype=np.float64).reshape(n + 1, 40) * sum(range(1, n + 1))
+        np.testing.assert_array_equal(out["rows"], np.array_split(rows, n)[rank])
 
 
 def test_the_simulator_streams_the_ring_as_the_executor_does():
@@ -1054,3 +1060,4 @@ def test_the_simulator_streams_the_ring_as_the_executor_does():
     # Frames the size of the chunk: the all-gather's first frame waits for the whole of the reduce-scatter's.
     whole = simulate.predict(network, "ring", nbytes, segment=4 << 20, piece=4 << 20)
     assert whole == pytest.approx(2 * (5e-6 + (2 << 20) / 12.5e6 + 100e-6) + (2 << 20) / 4e9, rel=1e-12)
+

@@ -414,9 +414,10 @@ cdef int _stream_ring(ConnState** conns, ferro_plan* plan, unsigned char* buf, c
     flight for the same reason). Each chunk is cut into :func:`_ring_piece` frames (none under ``piece`` bytes)
     so that a step's first frame is ready long before its last.
 
-    A rank also sends at most ``RING_LEAD`` frames more than it has received, so the stream is clocked by its
-    arrivals as the step-by-step exchange was. Receiving never runs ahead into bytes a send still needs: the chunk that step ``k`` sends is next written by
-    step ``k + n - 1``'s receive, which needs this rank's step-``k`` frame to have gone round the ring first.
+    A rank also sends at most ``RING_LEAD`` frames more than it has received, while it has frames to receive, so
+    the stream is clocked by its arrivals as the step-by-step exchange was. Receiving never runs ahead into bytes
+    a send still needs: the chunk that step ``k`` sends is next written by step ``k + n - 1``'s receive, which
+    needs this rank's step-``k`` frame to have gone round the ring first.
     """
     cdef ferro_plan out_plan = plan[0]
     cdef ferro_plan in_plan = plan[0]
@@ -428,6 +429,11 @@ cdef int _stream_ring(ConnState** conns, ferro_plan* plan, unsigned char* buf, c
     cdef bint sending = False, receiving = False, ready
     cdef unsigned char* at
     while True:
+        if not receiving:  # first, so that a send sees every receive done so far (the last one ends the lead)
+            while have_in and (inn.recv_peer < 0 or in_pos >= inn.recv_len):
+                have_in = ferro_plan_next(&in_plan, &inn)
+                in_step += 1
+                in_pos = 0
         if not sending:
             while have_out and (out.send_peer < 0 or out_pos >= out.send_len):
                 have_out = ferro_plan_next(&out_plan, &out)
@@ -450,20 +456,14 @@ cdef int _stream_ring(ConnState** conns, ferro_plan* plan, unsigned char* buf, c
                                   (src if out.flags & FERRO_STEP_SEND_SOURCE else buf) + first, a, fingerprint)
                     sending = True
                     sent += 1
-        if not receiving:
-            while have_in and (inn.recv_peer < 0 or in_pos >= inn.recv_len):
-                have_in = ferro_plan_next(&in_plan, &inn)
-                in_step += 1
-                in_pos = 0
-            if have_in:
-                b = inn.recv_len - in_pos
-                lo = _ring_piece(inn.recv_len, segment, piece, itemsize)
-                if b > lo:
-                    b = lo
-                _prepare_recv(r, conns[inn.recv_peer],
-                              scratch if inn.flags & FERRO_STEP_REDUCE else buf + inn.recv_off + in_pos, b,
-                              fingerprint)
-                receiving = True
+        if not receiving and have_in:
+            b = inn.recv_len - in_pos
+            lo = _ring_piece(inn.recv_len, segment, piece, itemsize)
+            if b > lo:
+                b = lo
+            _prepare_recv(r, conns[inn.recv_peer],
+                          scratch if inn.flags & FERRO_STEP_REDUCE else buf + inn.recv_off + in_pos, b, fingerprint)
+            receiving = True
         if not (sending or receiving):
             if have_out or have_in:
                 with gil:  # a send waiting on bytes no receive will bring: a plan this executor cannot run

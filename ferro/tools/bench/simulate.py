@@ -93,6 +93,17 @@ def parse_network(text: str) -> Network:
 Step = tuple[int, int, int, int, int, int, int, int]
 
 
+def _cross(network: Network, up_free: list[float], down_free: list[float], a: int, b: int, at: float,
+           nbytes: int) -> float:
+    """Return when ``nbytes`` ready at ``at`` have left host ``a`` for host ``b`` (the sender's buffer free).
+
+    The message holds ``a``'s uplink and ``b``'s downlink, first come first served.
+    """
+    leaves = max(at, up_free[a], down_free[b]) + nbytes / network.rate
+    up_free[a] = down_free[b] = leaves
+    return leaves
+
+
 def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment: int) -> float:
     """Return the seconds until the slowest rank has run every step ``steps_of(rank)`` gives, on ``network``.
 
@@ -117,10 +128,7 @@ def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment:
             leaves = at + nbytes / network.local_rate
             arrival = leaves + network.local_latency
         else:
-            a, b = src // per_host, dst // per_host
-            begin = max(at, up_free[a], down_free[b])
-            leaves = begin + nbytes / network.rate
-            up_free[a] = down_free[b] = leaves
+            leaves = _cross(network, up_free, down_free, src // per_host, dst // per_host, at, nbytes)
             arrival = leaves + network.latency
         key = (src, dst)
         if key in waiting:  # the receiver is already in the exchange that takes this message
@@ -284,10 +292,7 @@ def replay_streams(network: Network, streams_of: Callable[[int], Streams], symme
             leaves = at + nbytes / network.local_rate
             arrival, to, src = leaves + network.local_latency, dst, rank
         else:
-            b = 0 if symmetric else b
-            begin = max(at, up_free[a], down_free[b])
-            leaves = begin + nbytes / network.rate
-            up_free[a] = down_free[b] = leaves
+            leaves = _cross(network, up_free, down_free, a, 0 if symmetric else b, at, nbytes)
             arrival = leaves + network.latency
             host = dst // per_host
             to, src = (dst - host * per_host, (rank + (hosts - host) * per_host) % n) if symmetric else (dst, rank)
