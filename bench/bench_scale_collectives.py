@@ -109,7 +109,8 @@ def predict_scale(ranks: list[int], links: list[str], sizes: list[int]) -> list[
     cost model of that link (what ``ferro bench --fit`` would measure there) and the ring alone, beside the bound.
 
     The ring and, on powers of two, recursive doubling and halving-doubling are replayed from one host's plan
-    (:func:`simulate.replay_symmetric`, equal to the full replay at 1 rank per host: ``tests/test_schedule.py``).
+    (:func:`simulate.replay_streams` and :func:`simulate.replay_symmetric`, equal to the full replay at 1 rank per
+    host: ``tests/test_schedule.py``), in the frames that model's mesh cuts.
     """
     from ferro.backend.cost_model import CostModel
 
@@ -118,10 +119,11 @@ def predict_scale(ranks: list[int], links: list[str], sizes: list[int]) -> list[
         for n in ranks:
             network = simulate.parse_network(f"{n}x1@{link}")
             model = CostModel(network.latency + network.overhead, 1 / network.rate, 1 / network.reduce_rate)
+            frames = {"segment": model.segment_bytes(), "piece": model.piece_bytes()}  # as that model's mesh cuts
             for size in sizes:
                 chosen = model.choose_allreduce(size, n)
-                ring = simulate.predict(network, "ring", size)
-                best = ring if chosen == "ring" else simulate.predict(network, chosen, size)
+                ring = simulate.predict(network, "ring", size, **frames)
+                best = ring if chosen == "ring" else simulate.predict(network, chosen, size, **frames)
                 rows.append({"link": link, "ranks": n, "size": size, "algorithm": chosen, "chosen_us": best * 1e6,
                              "ring_us": ring * 1e6, "bound_us": simulate.lower_bound(network, size) * 1e6})
                 print(f"  {link:>14} {n:>6} {size:>10} {chosen:>18} {best * 1e6:>12.1f} {ring * 1e6:>12.1f} "

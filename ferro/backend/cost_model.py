@@ -166,7 +166,12 @@ class CostModel:
         rounds = int(math.log2(power))
         fold = (2 * (a + m * b) + m * g) if n > power else 0.0
         if algorithm == "ring":
-            return 2 * (n - 1) * a + 2 * (n - 1) / n * m * b + (n - 1) / n * m * g
+            # Streamed (collectives._stream_ring): a reduce-scatter step's frames are reduced while the next ones
+            # arrive, so a step costs its chunk at the slower of link and reduction, plus one frame at the other.
+            chunk = m / n
+            frame = min(chunk, float(self.piece_bytes()))
+            return (2 * (n - 1) * a + (n - 1) * (chunk * max(b, g) + frame * min(b, g))
+                    + (n - 1) / n * m * b)
         if algorithm == "recursive_doubling":
             return rounds * (a + m * b + m * g) + fold
         if algorithm == "halving_doubling":
