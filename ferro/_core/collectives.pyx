@@ -131,7 +131,6 @@ DEFAULT_SEGMENT_BYTES = SEGMENT_BYTES
 # the tree and the chain tie at 64 KiB among 4 ranks, Bruck's all_gather and the ring at 128 KiB among 8.
 DEFAULT_LATENCY_BYTES = 8192.0
 DEFAULT_COPY_RATIO = 0.125
-# The chain's segment stays within these (the frame header and a wake-up per frame below; pipelining above).
 # The streaming ring cuts each chunk into about this many frames (so that the next step's first frame is ready while
 # this step's last ones are on the wire); Mesh.piece_bytes keeps them from being too small for the link.
 cdef size_t RING_PIECES = 4
@@ -142,7 +141,7 @@ cdef size_t RING_PIECES = 4
 cdef size_t RING_LEAD = 1
 RING_LEAD_FRAMES = RING_LEAD
 
-
+# The chain's segment stays within these (the frame header and a wake-up per frame below; pipelining above).
 cdef enum:
     CHAIN_SMALLEST = 16 * 1024
     CHAIN_LARGEST = 1024 * 1024
@@ -405,8 +404,8 @@ cdef int _stream_ring(ConnState** conns, ferro_plan* plan, unsigned char* buf, c
                       size_t piece) except -1 nogil:
     """Run a ring plan as two streams: every frame leaves as soon as its bytes are ready, not a step at a time.
 
-    The ring's step ``k + 1`` sends the chunk its step ``k`` received. Run step by step (:func:`_run_plan`), a
-    rank sends nothing between its last frame of a step and its left neighbour's last frame of that step
+    The ring's step ``k + 1`` sends the chunk its step ``k`` received. Run step by step (as :func:`_run_plan`
+    runs the other plans), a rank sends nothing between its last frame of a step and its left neighbour's last frame of that step
     arriving and being reduced: on a slow link every step pays a wake-up and a reduction with the wire idle, and
     a late rank delays its right neighbour's next step. Here a send cursor and a receive cursor walk the same
     plan: a piece of step ``k + 1`` leaves once the same bytes of step ``k`` have arrived and been reduced, so it
