@@ -405,8 +405,8 @@ cdef int _stream_ring(ConnState** conns, ferro_plan* plan, unsigned char* buf, c
     """Run a ring plan as two streams: every frame leaves as soon as its bytes are ready, not a step at a time.
 
     The ring's step ``k + 1`` sends the chunk its step ``k`` received. Run step by step (as :func:`_run_plan`
-    runs the other plans), a rank sends nothing between its last frame of a step and its left neighbour's last frame of that step
-    arriving and being reduced: on a slow link every step pays a wake-up and a reduction with the wire idle, and
+    runs the other plans), a rank sends nothing between its last frame of a step and its left neighbour's last
+    frame of that step arriving and being reduced: on a slow link every step pays a wake-up and a reduction with the wire idle, and
     a late rank delays its right neighbour's next step. Here a send cursor and a receive cursor walk the same
     plan: a piece of step ``k + 1`` leaves once the same bytes of step ``k`` have arrived and been reduced, so it
     is queued behind step ``k``'s last frames and the link never waits (gloo's chunked ring keeps two chunks in
@@ -424,7 +424,7 @@ cdef int _stream_ring(ConnState** conns, ferro_plan* plan, unsigned char* buf, c
     cdef bint have_out = ferro_plan_next(&out_plan, &out)
     cdef bint have_in = ferro_plan_next(&in_plan, &inn)
     cdef int out_step = 0, in_step = 0
-    cdef size_t out_pos = 0, in_pos = 0, a = 0, b = 0, lo, hi, first, last, sent = 0, received = 0
+    cdef size_t out_pos = 0, in_pos = 0, a = 0, b = 0, lo, first, sent = 0, received = 0
     cdef bint sending = False, receiving = False, ready
     cdef unsigned char* at
     while True:
@@ -485,16 +485,9 @@ cdef int _stream_ring(ConnState** conns, ferro_plan* plan, unsigned char* buf, c
                     memcpy(at, src + inn.recv_off + in_pos, b)
                 kernel(at, scratch, b // itemsize)
             if inn.flags & FERRO_STEP_DIVIDE and divisor != 0:
-                # The ring divides the chunk its last reduce-scatter step completes: this step's own bytes.
-                lo = inn.recv_off + in_pos
-                hi = lo + b
-                if lo < inn.divide_off:
-                    lo = inn.divide_off
-                last = inn.divide_off + inn.divide_len
-                if hi > last:
-                    hi = last
-                if hi > lo:
-                    ferro_divide(buf + lo, (hi - lo) // itemsize, dtype, divisor)
+                # The ring divides the chunk its last reduce-scatter step completes, which is the chunk that step
+                # receives (schedule.h: divide_off/len are recv_off/len there), a frame at a time as it lands.
+                ferro_divide(at, b // itemsize, dtype, divisor)
             in_pos += b
 
 
