@@ -40,6 +40,11 @@ def test_links_are_shaped_both_ways_and_the_namespaces_go_away():
             switch_side = subprocess.run(["tc", "-n", cluster.switch, "qdisc", "show", "dev", f"port{host}"],
                                          capture_output=True, text=True).stdout
             assert "rate 100Mbit" in switch_side, switch_side
+        # The switch forwards without the firewall's hooks, where br_netfilter put them on every bridge.
+        bridge = subprocess.run(["ip", "netns", "exec", cluster.switch, "sh", "-c",
+                                 "cat /proc/sys/net/bridge/bridge-nf-call-* 2>/dev/null"],
+                                capture_output=True, text=True).stdout.split()
+        assert set(bridge) <= {"0"}, bridge
         # The hosts reach each other, and only through the bridge: their own loopbacks are their own.
         connect = f"import socket; socket.create_connection(('{cluster.address(1)}', 9), timeout=5)"
         ping = subprocess.run(cluster.command(0, [sys.executable, "-c", connect]), capture_output=True, text=True)
