@@ -29,16 +29,12 @@ from ferro.backend.cost_model import CostModel, load_cost_model
 from ferro.tools.bench import simulate
 from ferro.tools.bench.table import read_json
 from ferro.tools.bench.worker import timed_calls
+from ferro.tools.emulate import TCP_PAYLOAD_SHARE
 
 
 @functools.cache
 def _cost_model() -> CostModel | None:
     return load_cost_model()  # $FERRO_COST_MODEL, read once for every row
-
-
-#: What a TCP stream carries of an emulated link's rate: 1448 bytes of payload in each 1514-byte frame the
-#: token bucket counts (MTU 1500, TCP timestamps on).
-TCP_PAYLOAD_SHARE = 1448 / 1514
 
 
 def emulated_network(cluster: str) -> simulate.Network:

@@ -230,9 +230,10 @@ def test_rows_name_the_algorithm_the_variable_forces(tmp_path):
 
 
 def test_fit_writes_a_cost_model_from_ring_allreduces(tmp_path):
-    from ferro.backend.cost_model import load_cost_model
+    from ferro.backend.cost_model import CostModel, load_cost_model
 
     model_path = tmp_path / "model.json"
+    CostModel(1e-3, 1e-6, 0.0, "written by hand", line_rate=5e6).save(model_path)  # a line rate the user knows
     done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "2", "--backend", "tcp", "-b", "8", "-e", "1M",
                            "-f", "32", "--iters", "3", "--warmup", "1", "--fit", str(model_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -243,6 +244,7 @@ def test_fit_writes_a_cost_model_from_ring_allreduces(tmp_path):
     assert model is not None and model.alpha > 0 and model.beta > 0 and "2 ranks" in model.fitted_on
     assert set(model.per_algorithm) == set(model.measured) == {"ring", "recursive_doubling", "halving_doubling"}
     assert model.world_size == 2 and [size for size, _ in model.measured["ring"]] == [8, 256, 8192, 262144]
+    assert model.line_rate == 5e6 and "written by hand" not in model.fitted_on  # refitted; the rate stays
     assert "chosen by the model" in done.stdout
 
 

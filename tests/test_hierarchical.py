@@ -358,6 +358,6 @@ def test_the_leaders_pace_their_all_to_all_to_the_whole_link_the_flat_group_to_a
     results = run_processes(_paces_on_declared_hosts, 4, backend=None, timeout=120,
                             env={"FERRO_COST_MODEL": str(tmp_path / "slow.json"), "LOCAL_WORLD_SIZE": "2"})
     for rank, (flat, leaders, got) in enumerate(results):
-        assert flat == pytest.approx(model.pace_bytes(2))
-        assert leaders == (pytest.approx(model.pace_bytes(1)) if rank % 2 == 0 else None)
+        assert flat == pytest.approx(model.pace_bytes(2, 4))
+        assert leaders == (pytest.approx(model.pace_bytes(1, 2)) if rank % 2 == 0 else None)
         np.testing.assert_array_equal(got, np.concatenate([np.full(3, 10.0 * k + rank) for k in range(4)]))

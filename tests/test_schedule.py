@@ -987,10 +987,42 @@ def test_a_fitted_link_paces_the_all_to_all_s_large_blocks_and_lifts_the_pace_af
                             env={"FERRO_COST_MODEL": str(model), "LOCAL_WORLD_SIZE": "2"})
     assert CostModel(1e-4, 0.0, 0.0, "test").pace_bytes() == 0.0  # no rate, no pacing
     for rank, (pace, plan, got, rates) in enumerate(results):
-        assert pace == pytest.approx(0.95 / 8e-8 / 2)  # two ranks share each host's link
+        # Two ranks share each host's link, and of each rank's three flows one stays on its host.
+        assert pace == pytest.approx(0.95 / 8e-8 / 2 * 3 / 2)
         assert plan == "pairwise"
         np.testing.assert_array_equal(got, np.concatenate([np.full(count, 1000.0 * k + rank) for k in range(n)]))
         assert rates and all(rate in (2**64 - 1, 2**32 - 1) for rate in rates), rates
+
+
+def test_the_pace_is_a_known_line_rate_else_most_of_the_fitted_one(tmp_path):
+    from ferro.backend.cost_model import FITTED_PACE_SHARE, CostModel, load_cost_model
+    from ferro.errors import ConfigurationError
+
+    fitted = 1 / 8e-8  # 12.5 MB/s
+    below = CostModel(1e-4, 8e-8, 0.0, "test", line_rate=10e6)
+    assert below.pace_bytes() == pytest.approx(10e6)  # the line itself
+    assert below.pace_bytes(2) == pytest.approx(10e6 / 2)  # two ranks of a group of two: both on one host
+    # 8 hosts of 2: of a rank's 15 flows, 14 cross the link, and they carry the rank's half of it.
+    assert below.pace_bytes(2, 16) * 14 / 15 == pytest.approx(10e6 / 2)
+    assert CostModel(1e-4, 8e-8, 0.0, "test", line_rate=20e6).pace_bytes() == pytest.approx(fitted)  # fit lower
+    assert CostModel(1e-4, 8e-8, 0.0, "test").pace_bytes(1, 16) == pytest.approx(FITTED_PACE_SHARE * fitted)
+    path = tmp_path / "model.json"
+    below.save(path)
+    assert load_cost_model(str(path)) == below
+    negative = tmp_path / "negative.json"
+    CostModel(1e-4, 8e-8, 0.0, "test", line_rate=-1.0).save(negative)
+    with pytest.raises(ConfigurationError, match="must not be negative"):
+        load_cost_model(str(negative))
+
+
+def test_an_emulated_link_s_payload_rate_counts_the_headers_of_each_frame():
+    from ferro.errors import ConfigurationError
+    from ferro.tools.emulate import payload_rate
+
+    assert payload_rate("100mbit") == pytest.approx(100e6 / 8 * 1448 / 1514)  # 11.96 MB/s of TCP payload
+    assert payload_rate("2.5Gbit") == pytest.approx(2.5e9 / 8 * 1448 / 1514)
+    with pytest.raises(ConfigurationError, match="kbit, mbit or gbit"):
+        payload_rate("100mb")
 
 
 # --- the streaming ring: each chunk in several frames, the next step's leaving as the last one's arrive ---

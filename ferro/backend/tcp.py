@@ -375,7 +375,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
         group of one rank per host (the hierarchical backend's leaders) has the whole link.
         """
         if self._model is not None:
-            self._mesh.pace_bytes = self._model.pace_bytes(ranks_per_host)
+            self._mesh.pace_bytes = self._model.pace_bytes(ranks_per_host, self._world_size)
 
     def split(self, ranks: Sequence[int], *, timeout: float | None = None) -> TcpBackend:
         """Connect a new mesh among ``ranks`` through this group's store (see :meth:`Backend.split`)."""

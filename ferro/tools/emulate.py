@@ -37,11 +37,14 @@ from ferro.backend.base import SPIN_ENV, YIELD_ENV, default_spin_us, default_yie
 from ferro.errors import ConfigurationError
 from ferro.rendezvous.settings import free_port
 
-__all__ = ["EmulatedCluster", "cluster_unavailable", "parse_emulation"]
+__all__ = ["TCP_PAYLOAD_SHARE", "EmulatedCluster", "cluster_unavailable", "parse_emulation", "payload_rate"]
 
 _RATE = r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)"
 _SPEC = re.compile(rf"^(\d+)x(\d+)@{_RATE}$")
 _BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+#: What a TCP stream carries of an emulated link's rate: 1448 bytes of payload in each 1514-byte frame the
+#: token bucket counts (MTU 1500, TCP timestamps on).
+TCP_PAYLOAD_SHARE = 1448 / 1514
 #: The Linux release from which the bridge's netfilter settings belong to each network namespace.
 PER_NAMESPACE_BRIDGE_SETTINGS = (5, 3)
 
@@ -61,6 +64,19 @@ def parse_emulation(spec: str) -> tuple[int, int, str]:
     if hosts < 1 or ranks < 1:
         raise ConfigurationError(f"--emulate {spec!r}: need at least 1 host and 1 rank per host")
     return hosts, ranks, f"{found.group(3)}{found.group(4)}"
+
+
+def payload_rate(rate: str) -> float:
+    """Return the bytes of TCP payload per second a link shaped to ``rate`` (``"100mbit"``) carries at the most.
+
+    Raises:
+        ConfigurationError: ``rate`` is not a number with kbit, mbit or gbit.
+
+    """
+    found = re.fullmatch(_RATE, rate.strip().lower())
+    if not found:
+        raise ConfigurationError(f"link rate {rate!r}: give a number with kbit, mbit or gbit (100mbit, 10gbit)")
+    return float(found.group(1)) * _BITS[found.group(2)] / 8 * TCP_PAYLOAD_SHARE
 
 
 def cluster_unavailable() -> str | None:
@@ -233,11 +249,12 @@ class EmulatedCluster:
         """Let the switch forward frames without passing them through iptables, as a switch does.
 
         Where ``br_netfilter`` is loaded (Docker loads it), every bridged frame
-        runs the netfilter hooks (``bridge-nf-call-iptables=1``). On a 2-core
-        machine that CPU, not the links, set the pace: 8 hosts of 2 ranks at
-        200 Mbit ran a 4 MiB ring allreduce in 390-417 ms with the hooks and
-        342-352 ms without. The settings are per namespace from Linux 5.3; on an
-        older kernel they are the whole machine's, and are left alone.
+        runs the netfilter hooks (``bridge-nf-call-iptables=1``): 3-4 % of the
+        samples (``perf``) of a 4 MiB ring allreduce among 8 hosts of 2 ranks at
+        200 Mbit, where the machine's 2 cores had no idle time. Four alternating
+        rounds with and without the hooks differed by less than their noise
+        (336-416 ms against 352-410). The settings are per namespace from Linux
+        5.3; on an older kernel they are the whole machine's, and are left alone.
         """
         release = re.match(r"(\d+)\.(\d+)", os.uname().release)
         if release is None or (int(release.group(1)), int(release.group(2))) < PER_NAMESPACE_BRIDGE_SETTINGS:

@@ -31,7 +31,7 @@ from ferro.tools.bench.stream import measure_stream, stream_rows
 from ferro.tools.bench.table import Row, read_json, write_csv, write_json
 from ferro.tools.bench.worker import OPS, sizes_from
 from ferro.tools.bench.worker import main as worker_main
-from ferro.tools.emulate import EmulatedCluster, cluster_unavailable, parse_emulation
+from ferro.tools.emulate import EmulatedCluster, cluster_unavailable, parse_emulation, payload_rate
 
 __all__ = ["build_parser", "main", "parse_size"]
 
@@ -445,15 +445,19 @@ def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
     # Which kind of link this was, and the other kind's figures from an earlier fit into the same file.
     link = "between_hosts" if args.emulate and parse_emulation(args.emulate)[0] > 1 else "same_host"
     links: dict[str, tuple[float, float]] = {}
+    line_rate = 0.0
     if os.path.exists(args.fit):
         try:
             earlier = load_cost_model(args.fit)
         except ConfigurationError:
             earlier = None  # not a model: overwritten
         links = dict(earlier.links) if earlier is not None else {}
+        line_rate = earlier.line_rate if earlier is not None else 0.0  # a rate the user wrote in stays
     links[link] = (ring_alpha, ring_beta)
+    if link == "between_hosts":  # the emulated links' rate, which the fit cannot see through their buffers
+        line_rate = payload_rate(parse_emulation(args.emulate)[2])
     model = CostModel(ring_alpha, ring_beta, 0.0, f"{n} ranks, backend {ours[0].library}, {where}", fitted, n,
-                      timed, link, links)
+                      timed, link, links, line_rate)
     model.save(args.fit)
     print(f"# cost model written to {args.fit} ({model.fitted_on}); per algorithm, us per message and MB/s:")
     for name, (alpha, beta) in fitted.items():
