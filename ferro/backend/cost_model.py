@@ -160,13 +160,15 @@ class CostModel:
         links at 13.2 MB/s, where TCP carries 11.96. A host's ranks share its link, so each gets
         ``1 / ranks_per_host`` of it; and of a rank's ``world_size - 1`` flows, the ``ranks_per_host - 1`` to its
         own host's ranks do not cross the link, so the whole is raised by ``(world_size - 1) / (world_size -
-        ranks_per_host)`` for the others to fill the rank's share. 0 (no pacing) without a rate.
+        ranks_per_host)`` for the others to fill the rank's share (exact where one window holds all the flows, up
+        to 17 ranks; beyond, a window without the local flows runs that much over the share). 0 (no pacing)
+        without a rate.
 
         Measured (``ferro bench all_to_all``, two or three rounds each, alternating): 16 hosts at 100 Mbit, 4 and
         16 MiB, paced to 95 % of the fit (1.04 of the line) 364-382 and 1,485-1,507 ms; to 95 % of the line
         355-360 and 1,425-1,433; to the line 344 and 1,340-1,345. 8 hosts of 2 ranks at 200 Mbit, 16 MiB:
         1,303-1,313 ms paced to 95 % of the fit, 1,407-1,418 to 95 % of the line without the local flows'
-        correction, 1,329-1,363 to the line without it.
+        correction, 1,329-1,363 to the line without it, 1,256-1,260 to the line with it (this rule).
         """
         beta = self._slowest_link()[1]
         if beta <= 0:

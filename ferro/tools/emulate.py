@@ -9,8 +9,8 @@ switch's end (what it receives), as a switch port would. Commands run inside a
 host with :meth:`EmulatedCluster.command` (``ip netns exec``).
 
 The switch forwards frames without running the machine's firewall hooks on them
-(``br_netfilter``, where loaded, would; a switch does not, and on a small machine
-their CPU, not the links, would set the pace).
+(``br_netfilter``, where loaded, would; a switch does not, and the CPU they take
+is the machine's, which the emulated hosts share).
 
 What it does not emulate: propagation delay. ``netem``, the qdisc that adds
 delay, is not available on the machines this was built on, so a link here has
