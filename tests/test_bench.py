@@ -248,6 +248,28 @@ def test_fit_writes_a_cost_model_from_ring_allreduces(tmp_path):
     assert "chosen by the model" in done.stdout
 
 
+def test_fit_records_the_line_rate_it_is_given_and_refuses_a_bad_one(tmp_path):
+    import argparse
+
+    from ferro.backend.cost_model import load_cost_model
+    from ferro.tools.bench.cli import _fit
+    from ferro.tools.bench.table import Row
+    from ferro.tools.emulate import payload_rate
+
+    # Two sizes of each algorithm, as a 4-rank run would time them: the fit itself needs no ranks.
+    rows = [Row("ferro-tcp", "allreduce", size, size // 4, "float32", "sum", -1, 4, seconds * 1e6, None, None, None,
+                name) for name in ("ring", "recursive_doubling", "halving_doubling")
+            for size, seconds in ((4096, 1e-4), (1 << 20, 2e-3))]
+    path = tmp_path / "model.json"
+    args = argparse.Namespace(fit=str(path), emulate=None, line_rate="25gbit")
+    assert _fit(args, rows) == 0
+    assert load_cost_model(str(path)).line_rate == pytest.approx(payload_rate("25gbit"))
+    for argv, why in ((["--line-rate", "25gbit"], "goes with --fit"),
+                      (["--fit", str(path), "--line-rate", "25gb"], "kbit, mbit or gbit")):
+        code, _, err = _simulated(["allreduce", "-n", "2", *argv])
+        assert code == 2 and why in err, err
+
+
 def _simulated(args):
     import contextlib
     import io

@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fit the allreduce cost model (seconds per message, per byte) on the ranks this run "
                              "starts, from ring allreduces of every size, and write it to FILE; with "
                              "FERRO_COST_MODEL=FILE every allreduce chooses the algorithm it predicts fastest")
+    parser.add_argument("--line-rate", default=None, metavar="RATE",
+                        help="with --fit: the link's line rate (tc's form: 25gbit, 100mbit), recorded in the model "
+                             "as its TCP payload, which the all_to_all is paced to (a fit cannot see it through "
+                             "the links' buffers); --emulate records its own rate")
     parser.add_argument("--compare", default="",
                         help=f"also run any of {', '.join(PEERS)}, e.g. mpi,ferro-tcp (MPI over "
                              "TCP beside --backend tcp, else with its default settings: shared memory on one host; "
@@ -327,6 +331,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{hosts * ranks}", file=sys.stderr)
             return 2
         args.nproc = [hosts * ranks]
+    if args.line_rate:
+        if not args.fit:
+            print("ferro bench: --line-rate goes with --fit, which records it in the model", file=sys.stderr)
+            return 2
+        try:
+            payload_rate(args.line_rate)
+        except ConfigurationError as exc:
+            print(f"ferro bench: --line-rate: {exc}", file=sys.stderr)
+            return 2
     if args.nproc is None:
         if peers:
             print("ferro bench: --compare starts its own ranks; give -n", file=sys.stderr)
@@ -454,7 +467,9 @@ def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
         links = dict(earlier.links) if earlier is not None else {}
         line_rate = earlier.line_rate if earlier is not None else 0.0  # a rate the user wrote in stays
     links[link] = (ring_alpha, ring_beta)
-    if link == "between_hosts":  # the emulated links' rate, which the fit cannot see through their buffers
+    if args.line_rate:  # the link's rate, which the fit cannot see through the links' buffers
+        line_rate = payload_rate(args.line_rate)
+    elif link == "between_hosts":  # the emulated links' rate
         line_rate = payload_rate(parse_emulation(args.emulate)[2])
     model = CostModel(ring_alpha, ring_beta, 0.0, f"{n} ranks, backend {ours[0].library}, {where}", fitted, n,
                       timed, link, links, line_rate)
