@@ -481,7 +481,7 @@ cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* f
     """
     cdef int i, rc, active = 0, started, n, timeout_ms
     cdef bint progressed, failed = False, check_signals
-    cdef int64_t now, wait_ns
+    cdef int64_t now, wait_ns, spin_ns = 0, yield_ns = 0, spin_until
     for i in range(nsend):
         if sends[i].status == ST_AGAIN and sends[i].conn.broken:
             failed = True
@@ -497,10 +497,17 @@ cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* f
                 _finish_recv(&recvs[i], ST_BROKEN if recvs[i].conn.broken else ST_ABORTED)
         return 0
     for i in range(nsend):
-        active += sends[i].status == ST_AGAIN
+        if sends[i].status == ST_AGAIN:
+            active += 1
+            spin_ns = max(spin_ns, sends[i].conn.spin_ns)
+            yield_ns = max(yield_ns, sends[i].conn.yield_ns)
     for i in range(nrecv):
-        active += recvs[i].status == ST_AGAIN
+        if recvs[i].status == ST_AGAIN:
+            active += 1
+            spin_ns = max(spin_ns, recvs[i].conn.spin_ns)
+            yield_ns = max(yield_ns, recvs[i].conn.yield_ns)
     started = active
+    spin_until = monotonic_ns() + spin_ns
     while active > 0:
         progressed = False
         check_signals = False
@@ -523,12 +530,24 @@ cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* f
             return 0
         if first_only and active < started:
             return 0
-        if active == 0 or progressed:
+        if active == 0:
             continue
         now = monotonic_ns()
+        if progressed:
+            spin_until = now + spin_ns
+            continue
         if deadline_ns >= 0 and now >= deadline_ns:
             _stop_all(sends, nsend, recvs, nrecv, ST_TIMEOUT)
             return 0
+        # Wait as run_ops waits: spin, then yield or nap, then sleep in poll (the connections' settings).
+        if not check_signals and now < spin_until:
+            continue
+        if not check_signals and spin_ns == 0 and now < spin_until + yield_ns:
+            sched_yield()
+            continue
+        if not check_signals and spin_ns > 0 and now < spin_until + NAP_WINDOW_NS:
+            nanosleep(&NAP, NULL)
+            continue
         if not check_signals:
             n = 0
             for i in range(nsend):
