@@ -332,6 +332,21 @@ cdef int _wait_readiness(SendOp* s, bint s_active, RecvOp* r, bint r_active, int
     return ST_OK
 
 
+cdef inline bint _wait_without_poll(int64_t now, int64_t spin_until, int64_t spin_ns,
+                                    int64_t yield_ns) noexcept nogil:
+    """Spend one moment of a wait awake, if the connections' settings say so: spin until ``spin_until``, then
+    yield for ``yield_ns`` (no spinning) or nap for ``NAP_WINDOW_NS`` (after spinning). False: time to poll."""
+    if now < spin_until:
+        return True
+    if spin_ns == 0 and now < spin_until + yield_ns:
+        sched_yield()
+        return True
+    if spin_ns > 0 and now < spin_until + NAP_WINDOW_NS:
+        nanosleep(&NAP, NULL)
+        return True
+    return False
+
+
 cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns, bint either=False) except -1 nogil:
     """Drive a send and/or a receive to completion, failure or the deadline.
 
@@ -421,13 +436,7 @@ cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns, bint either=False) e
             if r_active:
                 _finish_recv(r, ST_TIMEOUT)
             break
-        if not check_signals and now < spin_until:
-            continue
-        if not check_signals and spin_ns == 0 and now < spin_until + yield_ns:
-            sched_yield()
-            continue
-        if not check_signals and spin_ns > 0 and now < spin_until + NAP_WINDOW_NS:
-            nanosleep(&NAP, NULL)
+        if not check_signals and _wait_without_poll(now, spin_until, spin_ns, yield_ns):
             continue
         if not check_signals:
             wait_ns = POLL_SLICE_MS * 1000000
@@ -540,13 +549,7 @@ cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* f
             _stop_all(sends, nsend, recvs, nrecv, ST_TIMEOUT)
             return 0
         # Wait as run_ops waits: spin, then yield or nap, then sleep in poll (the connections' settings).
-        if not check_signals and now < spin_until:
-            continue
-        if not check_signals and spin_ns == 0 and now < spin_until + yield_ns:
-            sched_yield()
-            continue
-        if not check_signals and spin_ns > 0 and now < spin_until + NAP_WINDOW_NS:
-            nanosleep(&NAP, NULL)
+        if not check_signals and _wait_without_poll(now, spin_until, spin_ns, yield_ns):
             continue
         if not check_signals:
             n = 0
