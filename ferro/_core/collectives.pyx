@@ -406,12 +406,12 @@ cdef int _stream_ring(ConnState** conns, ferro_plan* plan, unsigned char* buf, c
 
     The ring's step ``k + 1`` sends the chunk its step ``k`` received. Run step by step (as :func:`_run_plan`
     runs the other plans), a rank sends nothing between its last frame of a step and its left neighbour's last
-    frame of that step arriving and being reduced: on a slow link every step pays a wake-up and a reduction with the wire idle, and
-    a late rank delays its right neighbour's next step. Here a send cursor and a receive cursor walk the same
-    plan: a piece of step ``k + 1`` leaves once the same bytes of step ``k`` have arrived and been reduced, so it
-    is queued behind step ``k``'s last frames and the link never waits (gloo's chunked ring keeps two chunks in
-    flight for the same reason). Each chunk is cut into :func:`_ring_piece` frames (none under ``piece`` bytes)
-    so that a step's first frame is ready long before its last.
+    frame of that step arriving and being reduced: on a slow link every step pays a wake-up and a reduction
+    with the wire idle, and a late rank delays its right neighbour's next step. Here a send cursor and a receive
+    cursor walk the same plan: a piece of step ``k + 1`` leaves once the same bytes of step ``k`` have arrived and
+    been reduced, so it is queued behind step ``k``'s last frames and the link never waits (gloo's chunked ring
+    keeps two chunks in flight for the same reason). Each chunk is cut into :func:`_ring_piece` frames (none
+    under ``piece`` bytes) so that a step's first frame is ready long before its last.
 
     A rank also sends at most ``RING_LEAD`` frames more than it has received, while it has frames to receive, so
     the stream is clocked by its arrivals as the step-by-step exchange was. Receiving never runs ahead into bytes

@@ -79,9 +79,8 @@ class CostModel:
         line_rate: The most bytes of payload per second the link between hosts carries, where it is known
             (0: not known). ``ferro bench --fit --emulate`` records the emulated links' rate; on a real
             cluster, ``ferro bench --fit --line-rate 25gbit`` records the NIC's (``ethtool`` says it). A fit
-            cannot see it:
-            the links' buffers pass a short call faster than the line, and the fitted rate came out 9-10 %
-            above it on every emulated cluster.
+            cannot see it: the links' buffers pass a short call faster than the line, and the fitted rate came
+            out 9-10 % above it on every emulated cluster.
 
     """
 
