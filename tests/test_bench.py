@@ -234,16 +234,17 @@ def test_fit_writes_a_cost_model_from_ring_allreduces(tmp_path):
 
     model_path = tmp_path / "model.json"
     CostModel(1e-3, 1e-6, 0.0, "written by hand", line_rate=5e6).save(model_path)  # a line rate the user knows
-    done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "2", "--backend", "tcp", "-b", "8", "-e", "1M",
+    # Up to 8 MiB, so the per-byte cost stands far above a busy machine's noise (to 256 KiB it once fitted zero).
+    done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "2", "--backend", "tcp", "-b", "8", "-e", "8M",
                            "-f", "32", "--iters", "3", "--warmup", "1", "--fit", str(model_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     timed = [row["algorithm"] for row in parse_rows(done.stdout.split("# cost model")[0])]
-    assert timed == ["ring"] * 4 + ["recursive_doubling"] * 4 + ["halving_doubling"] * 4  # each forced in turn
+    assert timed == ["ring"] * 5 + ["recursive_doubling"] * 5 + ["halving_doubling"] * 5  # each forced in turn
     model = load_cost_model(str(model_path))
     assert model is not None and model.alpha > 0 and model.beta > 0 and "2 ranks" in model.fitted_on
     assert set(model.per_algorithm) == set(model.measured) == {"ring", "recursive_doubling", "halving_doubling"}
-    assert model.world_size == 2 and [size for size, _ in model.measured["ring"]] == [8, 256, 8192, 262144]
+    assert model.world_size == 2 and [size for size, _ in model.measured["ring"]] == [8, 256, 8192, 262144, 8388608]
     assert model.line_rate == 5e6 and "written by hand" not in model.fitted_on  # refitted; the rate stays
     assert "chosen by the model" in done.stdout
 
@@ -268,6 +269,36 @@ def test_fit_records_the_line_rate_it_is_given_and_refuses_a_bad_one(tmp_path):
                       (["--fit", str(path), "--line-rate", "25gb"], "kbit, mbit or gbit")):
         code, _, err = _simulated(["allreduce", "-n", "2", *argv])
         assert code == 2 and why in err, err
+
+
+def test_fit_keeps_costs_nonnegative_and_refuses_rows_that_show_no_per_byte_cost(tmp_path):
+    import argparse
+
+    import numpy as np
+
+    from ferro.backend.cost_model import CostModel, load_cost_model
+    from ferro.tools.bench.cli import _fit, _nonnegative_fit
+    from ferro.tools.bench.table import Row
+
+    # Exact data fit exactly; data whose free fit has a negative alpha are fitted by beta alone (least squares).
+    sizes = np.array([1e3, 1e5, 1e7])
+    exact = np.stack([np.ones(3), sizes], axis=1) / (2e-5 + 1e-9 * sizes)[:, None]
+    assert np.allclose(_nonnegative_fit(exact), (2e-5, 1e-9), rtol=1e-9)
+    slope_only = np.stack([np.ones(3), sizes], axis=1) / (1e-9 * sizes * np.array([0.5, 1.0, 1.0]))[:, None]
+    alpha, beta = _nonnegative_fit(slope_only)
+    column = slope_only[:, 1]
+    assert alpha == 0.0 and beta == pytest.approx(column.sum() / (column @ column), rel=1e-12)
+    assert np.linalg.lstsq(slope_only, np.ones(3), rcond=None)[0][0] < 0  # the free fit's alpha was negative
+
+    # Times that fall as sizes grow (noise over a transfer too small to see): no per-byte cost, no model written.
+    path = tmp_path / "model.json"
+    CostModel(1e-3, 1e-6, 0.0, "the user's").save(path)
+    rows = [Row("ferro-tcp", "allreduce", size, size // 4, "float32", "sum", -1, 2, seconds * 1e6, None, None, None,
+                name) for name in ("ring", "recursive_doubling", "halving_doubling")
+            for size, seconds in ((8, 3e-4), (262144, 1.2e-4))]
+    args = argparse.Namespace(fit=str(path), emulate=None, line_rate=None)
+    assert _fit(args, rows) == 1
+    assert load_cost_model(str(path)).fitted_on == "the user's"
 
 
 def _simulated(args):

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 from ferro.backend import available_backends
 from ferro.errors import ConfigurationError
@@ -32,6 +33,9 @@ from ferro.tools.bench.table import Row, read_json, write_csv, write_json
 from ferro.tools.bench.worker import OPS, sizes_from
 from ferro.tools.bench.worker import main as worker_main
 from ferro.tools.emulate import EmulatedCluster, cluster_unavailable, parse_emulation, payload_rate
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["build_parser", "main", "parse_size"]
 
@@ -449,9 +453,14 @@ def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
         per_message = np.array([CostModel(1.0, 0.0).allreduce(name, r.size, n) for r in mine])
         per_byte = np.array([CostModel(0.0, 1.0).allreduce(name, r.size, n) for r in mine])
         seconds = np.array([r.time_us() for r in mine]) * 1e-6
-        design = np.stack([per_message, per_byte], axis=1) / seconds[:, None]
-        (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(seconds), rcond=None)
-        fitted[name] = (max(float(alpha), 0.0), max(float(beta), 0.0))
+        fitted[name] = _nonnegative_fit(np.stack([per_message, per_byte], axis=1) / seconds[:, None])
+    if fitted["ring"][1] <= 0:
+        # Without a per-byte cost the model cannot pace, segment or choose by size; an earlier model is worth more.
+        largest = max(r.size for r in ours)
+        print(f"ferro bench: --fit found no per-byte cost: the ring's time did not grow with size up to {largest} "
+              f"bytes (noise larger than the transfer); give a larger -e (megabytes), more --iters, or a quieter "
+              f"machine. {args.fit} is left as it was", file=sys.stderr)
+        return 1
     where = f"--emulate {args.emulate}" if args.emulate else f"one host ({socket.gethostname()})"
     ring_alpha, ring_beta = fitted["ring"]
     timed = {name: [(r.size, r.time_us() * 1e-6) for r in ours if r.algorithm == name] for name in FIT_ALGORITHMS}
@@ -484,6 +493,28 @@ def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
         print(f"  {size:>10} " + " ".join(f"{measured.get(name, float('nan')):>18.1f}" for name in FIT_ALGORITHMS)
               + f" {model.choose_allreduce(size, n):>20} {choose_allreduce(size, n):>20}")
     return 0
+
+
+def _nonnegative_fit(design: np.ndarray) -> tuple[float, float]:
+    """Return the ``(alpha, beta) >= 0`` that best solve ``design @ (alpha, beta) = 1`` in least squares.
+
+    Rows are already divided by each size's time, so the fit weighs relative errors. Where the free fit makes one
+    cost negative (noise at small sizes can), the best fit is on the boundary: the other cost alone, fitted again;
+    clamping the negative one to zero instead would keep the other at a value fitted beside a negative partner.
+    """
+    import numpy as np
+
+    ones = np.ones(design.shape[0])
+    (alpha, beta), *_ = np.linalg.lstsq(design, ones, rcond=None)
+    if alpha >= 0 and beta >= 0:
+        return float(alpha), float(beta)
+    candidates = [(0.0, 0.0)]
+    for column in (0, 1):
+        values = design[:, column]
+        if values @ values > 0:
+            alone = max(0.0, float(values @ ones / (values @ values)))
+            candidates.append((alone, 0.0) if column == 0 else (0.0, alone))
+    return min(candidates, key=lambda pair: float(np.sum((design @ np.array(pair) - ones) ** 2)))
 
 
 def _as_rank(args: argparse.Namespace, ops: list[str]) -> int:
