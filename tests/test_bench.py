@@ -238,7 +238,7 @@ def test_fit_writes_a_cost_model_from_ring_allreduces(tmp_path):
     done = subprocess.run([*FERRO, "bench", "allreduce", "-n", "2", "--backend", "tcp", "-b", "8", "-e", "8M",
                            "-f", "32", "--iters", "3", "--warmup", "1", "--fit", str(model_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stderr + done.stdout
     timed = [row["algorithm"] for row in parse_rows(done.stdout.split("# cost model")[0])]
     assert timed == ["ring"] * 5 + ["recursive_doubling"] * 5 + ["halving_doubling"] * 5  # each forced in turn
     model = load_cost_model(str(model_path))
@@ -271,13 +271,13 @@ def test_fit_records_the_line_rate_it_is_given_and_refuses_a_bad_one(tmp_path):
         assert code == 2 and why in err, err
 
 
-def test_fit_keeps_costs_nonnegative_and_refuses_rows_that_show_no_per_byte_cost(tmp_path):
+def test_fit_bounds_stalled_sizes_keeps_costs_nonnegative_and_refuses_rows_without_a_per_byte_cost(tmp_path):
     import argparse
 
     import numpy as np
 
     from ferro.backend.cost_model import CostModel, load_cost_model
-    from ferro.tools.bench.cli import _fit, _nonnegative_fit
+    from ferro.tools.bench.cli import _fit, _never_faster_when_larger, _nonnegative_fit
     from ferro.tools.bench.table import Row
 
     # Exact data fit exactly; data whose free fit has a negative alpha are fitted by beta alone (least squares).
@@ -290,7 +290,10 @@ def test_fit_keeps_costs_nonnegative_and_refuses_rows_that_show_no_per_byte_cost
     assert alpha == 0.0 and beta == pytest.approx(column.sum() / (column @ column), rel=1e-12)
     assert np.linalg.lstsq(slope_only, np.ones(3), rcond=None)[0][0] < 0  # the free fit's alpha was negative
 
-    # Times that fall as sizes grow (noise over a transfer too small to see): no per-byte cost, no model written.
+    # A small size slower than larger ones was stalled: it is bounded by the larger sizes' times.
+    stalled = _never_faster_when_larger(np.array([5e-2, 3e-5, 4e-5, 3e-4, 5e-3]))
+    assert stalled.tolist() == [3e-5, 3e-5, 4e-5, 3e-4, 5e-3]
+    # Times that do not grow with size (noise over a transfer too small to see): no per-byte cost, no model.
     path = tmp_path / "model.json"
     CostModel(1e-3, 1e-6, 0.0, "the user's").save(path)
     rows = [Row("ferro-tcp", "allreduce", size, size // 4, "float32", "sum", -1, 2, seconds * 1e6, None, None, None,

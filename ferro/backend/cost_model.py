@@ -69,7 +69,8 @@ class CostModel:
             algorithm pays: on an emulated 100 Mbit cluster halving-doubling, which sends and receives on one
             connection per step, ran 1.4-1.7x slower than the ring that the shared costs say it ties.
         world_size: The ranks ``measured`` was timed on (0: none).
-        measured: ``{algorithm: [(bytes, seconds), ...]}`` as ``ferro bench --fit`` timed them. At that world
+        measured: ``{algorithm: [(bytes, seconds), ...]}`` as ``ferro bench --fit`` timed them (each the least of
+            its own and every larger size's time: noise only adds time). At that world
             size and between the smallest and largest size timed, the choice reads these (interpolated on log
             scales) rather than the closed forms, which two costs cannot fit at every size; elsewhere the forms
             extrapolate.
