@@ -1,4 +1,5 @@
-"""The TCP group's direct paths: allreduce, broadcast, all_gather, reduce_scatter and barrier, one compiled call each.
+"""The TCP group's direct paths: allreduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all and barrier, one
+compiled call each.
 
 Each test checks that the direct path really took the calls it should (the
 compiled object returns True), that its results equal NumPy's, and that it keeps
@@ -24,17 +25,26 @@ def direct_paths(group):
     ferro.barrier(group=group)
     state = group.state
     return (state.direct_allreduce, state.direct_broadcast, state.direct_all_gather, state.direct_barrier,
-            state.direct_reduce_scatter)
+            state.direct_reduce_scatter, state.direct_reduce, state.direct_all_to_all)
 
 
 def rank_every_dtype_and_op(group):
     n, r = group.world_size, group.rank
-    allreduce, broadcast, all_gather, barrier, reduce_scatter = direct_paths(group)
-    kinds = tuple(type(path).__name__ for path in (allreduce, broadcast, all_gather, barrier, reduce_scatter))
+    allreduce, broadcast, all_gather, barrier, reduce_scatter, reduce, all_to_all = direct_paths(group)
+    kinds = tuple(type(path).__name__
+                  for path in (allreduce, broadcast, all_gather, barrier, reduce_scatter, reduce, all_to_all))
     wrong, taken, untaken = [], 0, set()
-    for case, dtype, shape, op in _cases(conformance_dtypes()):
+    for index, (case, dtype, shape, op) in enumerate(_cases(conformance_dtypes())):
         inputs = [_input(dtype, shape, k, case, op) for k in range(n)]
         label = f"{dtype.name} {shape} {op.name}"
+        root = index % n  # every rank is the reduce's root in turn
+        y = inputs[r].copy()
+        if not reduce(y, root, op, None):
+            untaken.add((dtype.name, shape))
+            ferro.reduce(y, root, op, group=group)
+        if r == root and not _close(y, _reference(inputs, op), inputs, op) \
+                or r != root and y.tobytes() != inputs[r].tobytes():  # the others' x is left as it was
+            wrong.append(f"reduce to {root} {label}")
         x = inputs[r].copy()
         if allreduce(x, op, None):
             taken += 1
@@ -62,6 +72,15 @@ def rank_every_dtype_and_op(group):
                 ferro.broadcast(y, root, group=group)
             if y.tobytes() != inputs[root].tobytes():
                 wrong.append(f"broadcast root {root} {label}")
+        # all_to_all: block j of rank r (its own values) goes to rank j, which finds it at block r.
+        blocks = np.stack([_input(dtype, shape, r * n + j, case, op) for j in range(n)])
+        exchanged = all_to_all(blocks, None, None)
+        if exchanged is None:
+            untaken.add((dtype.name, shape))
+            exchanged = ferro.all_to_all(blocks, group=group)
+        expected = np.stack([_input(dtype, shape, j * n + r, case, op) for j in range(n)])
+        if exchanged.shape != expected.shape or exchanged.tobytes() != expected.tobytes():
+            wrong.append(f"all_to_all {label}")
         gathered = all_gather(inputs[r], None, 0, None)
         if gathered is None:
             gathered = ferro.all_gather(inputs[r], group=group)
@@ -79,7 +98,7 @@ def test_every_dtype_and_op_matches_numpy_on_the_direct_path(world_size):
     # 4 ranks: the largest arrays take halving-doubling.
     for kinds, wrong, taken, untaken in run_processes(rank_every_dtype_and_op, world_size, timeout=120):
         assert kinds == ("DirectMeshAllreduce", "DirectMeshBroadcast", "DirectMeshAllGather", "DirectMeshBarrier",
-                         "DirectMeshReduceScatter")
+                         "DirectMeshReduceScatter", "DirectMeshReduce", "DirectMeshAllToAll")
         assert wrong == []
         assert taken > 200
         assert all(shape == (0,) or name == "bfloat16" for name, shape in untaken), untaken
@@ -87,7 +106,7 @@ def test_every_dtype_and_op_matches_numpy_on_the_direct_path(world_size):
 
 def rank_signatures_and_arguments(group):
     n, r = group.world_size, group.rank
-    allreduce, broadcast, all_gather, _, reduce_scatter = direct_paths(group)
+    allreduce, broadcast, all_gather, _, reduce_scatter, reduce, all_to_all = direct_paths(group)
     wrong = []
     # Every change of dtype, shape or op between calls must be seen (the last plan is remembered).
     cases = [(np.float32, (6,), ferro.ReduceOp.SUM), (np.float32, (2, 3), ferro.ReduceOp.SUM),
@@ -139,7 +158,7 @@ def rank_signatures_and_arguments(group):
     # What the direct path leaves to the full path, which explains it (on every rank alike). Root 1's
     # plan exists first, so a root of True (equal to 1, and hashed alike) could find it.
     ferro.broadcast(np.ones(2), 1, group=group)
-    errors = []
+    errors, shared = [], np.ones(n + 1)
     for call in (lambda: ferro.allreduce(np.arange(4.0)[::2], group=group),
                  lambda: ferro.allreduce(np.frombuffer(b"\0" * 8, np.float32), group=group),
                  lambda: ferro.allreduce(np.ones(2), "bogus", group=group),
@@ -150,14 +169,22 @@ def rank_signatures_and_arguments(group):
                  lambda: ferro.all_gather(np.ones(2), tag=-1, group=group),
                  lambda: ferro.reduce_scatter(np.ones(3 * n), out=np.zeros(4), group=group),
                  lambda: ferro.reduce_scatter(np.array(1.0), group=group),
-                 lambda: ferro.reduce_scatter(np.ones(2), "bogus", group=group)):
+                 lambda: ferro.reduce_scatter(np.ones(2), "bogus", group=group),
+                 lambda: ferro.reduce(np.ones(2), n, group=group),
+                 lambda: ferro.reduce(np.ones(2), True, group=group),  # True == 1, but not a rank
+                 lambda: ferro.reduce(np.ones(2), 0, "bogus", group=group),
+                 lambda: ferro.reduce(np.frombuffer(b"\0" * 16), 0, group=group),  # read-only, root or not
+                 lambda: ferro.all_to_all(np.ones(n + 1), group=group),  # no equal blocks
+                 lambda: ferro.all_to_all(np.ones(n), out=np.zeros(n + 1), group=group),
+                 lambda: ferro.all_to_all(shared[:n], out=shared[1:], group=group)):  # out overlaps x
         try:
             call()
             errors.append(None)
         except (ferro.InvalidBufferError, ferro.InvalidRankError, ferro.SizeMismatchError, ValueError) as exc:
             errors.append(type(exc).__name__)
     return wrong, errors, (allreduce(np.ones(3), "sum", None), broadcast(np.ones(3), 0, None),
-                           reduce_scatter(np.ones(3), "sum", None, 0, None) is not None)
+                           reduce_scatter(np.ones(3), "sum", None, 0, None) is not None,
+                           reduce(np.ones(3), 1, "sum", None), all_to_all(np.ones(n), None, None) is not None)
 
 
 def test_the_direct_path_follows_signatures_and_leaves_bad_arguments_to_the_full_path():
@@ -166,8 +193,10 @@ def test_the_direct_path_follows_signatures_and_leaves_bad_arguments_to_the_full
         assert wrong == []
         assert errors == ["InvalidBufferError", "InvalidBufferError", "ValueError", "InvalidBufferError",
                           "InvalidRankError", "InvalidRankError", "SizeMismatchError", "ValueError",
-                          "SizeMismatchError", "InvalidBufferError", "ValueError"]
-        assert still_taken == (True, True, True)  # refused arguments did not fail the group
+                          "SizeMismatchError", "InvalidBufferError", "ValueError", "InvalidRankError",
+                          "InvalidRankError", "ValueError", "InvalidBufferError", "InvalidBufferError",
+                          "SizeMismatchError", "InvalidBufferError"]
+        assert still_taken == (True,) * 5  # refused arguments did not fail the group
 
 
 def rank_async_then_direct(group):
@@ -259,6 +288,10 @@ def rank_calls_differ(group, kind):
             ferro.all_gather(np.ones(4), tag=r, group=group)
         elif kind == "op":
             ferro.reduce_scatter(np.ones(4), "sum" if r == 0 else "max", group=group)
+        elif kind == "reduce":
+            ferro.reduce(np.ones(4), 0, "sum" if r == 0 else "max", group=group)
+        elif kind == "all_to_all":
+            ferro.all_to_all(np.ones(4 if r == 0 else 6), group=group)
         elif kind == "collective":
             ferro.allreduce(np.ones(4), group=group) if r == 0 else ferro.barrier(group=group)
         ferro.allreduce(np.ones(4), group=group)
@@ -273,7 +306,7 @@ def rank_calls_differ(group, kind):
     return outcome, after
 
 
-@pytest.mark.parametrize("kind", ["shape", "root", "tag", "op", "collective"])
+@pytest.mark.parametrize("kind", ["shape", "root", "tag", "op", "reduce", "all_to_all", "collective"])
 def test_ranks_that_call_different_things_both_fail_with_a_mismatch(kind):
     results = run_processes(rank_calls_differ, 2, args=(kind,))
     for outcome, after in results:
@@ -300,6 +333,10 @@ def rank_peer_dies_in_a_direct_call(group, collective):
             ferro.all_gather(np.ones(8), group=group)
         elif collective == "reduce_scatter":
             ferro.reduce_scatter(np.ones(8), group=group)
+        elif collective == "reduce":
+            ferro.reduce(np.ones(8), 0, group=group)
+        elif collective == "all_to_all":
+            ferro.all_to_all(np.ones(8), group=group)
         else:
             ferro.barrier(group=group)
         return "no error"
@@ -312,7 +349,8 @@ def rank_peer_dies_in_a_direct_call(group, collective):
         return lost, "broken"
 
 
-@pytest.mark.parametrize("collective", ["allreduce", "broadcast", "all_gather", "reduce_scatter", "barrier"])
+@pytest.mark.parametrize("collective",
+                         ["allreduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "all_to_all", "barrier"])
 def test_a_peer_killed_under_a_direct_call_raises_peer_lost(collective):
     results = run_processes(rank_peer_dies_in_a_direct_call, 2, args=(collective,), allow_exit={1}, timeout=60)
     assert results[0] == (("PeerLostError", 1, True), "broken")
@@ -352,7 +390,8 @@ def rank_closed_group(group):
     found = []
     for call in (lambda: ferro.allreduce(np.ones(2), group=group), lambda: ferro.broadcast(np.ones(2), group=group),
                  lambda: ferro.all_gather(np.ones(2), group=group), lambda: ferro.barrier(group=group),
-                 lambda: ferro.reduce_scatter(np.ones(2), group=group)):
+                 lambda: ferro.reduce_scatter(np.ones(2), group=group), lambda: ferro.reduce(np.ones(2), group=group),
+                 lambda: ferro.all_to_all(np.ones(2), group=group)):
         try:
             call()
             found.append("no error")
@@ -362,7 +401,7 @@ def rank_closed_group(group):
 
 
 def test_a_closed_group_refuses_every_direct_call():
-    assert run_processes(rank_closed_group, 2) == [["closed"] * 5] * 2
+    assert run_processes(rank_closed_group, 2) == [["closed"] * 7] * 2
 
 
 def rank_gather_and_broadcast_across_the_thresholds(group):
@@ -396,6 +435,17 @@ def rank_gather_and_broadcast_across_the_thresholds(group):
                 sent_to["broadcast", nbytes] = peers
             if not np.array_equal(data, np.arange(nbytes // 8) + root):
                 wrong.append(f"broadcast of {nbytes} B from {root}")
+    reduced_by = set()
+    # reduce on both sides of its plans' crossovers (the tree, the chain, the ring and a gather), into either
+    # end rank: the root's x holds the sum, the others' is left as it was.
+    for nbytes in (8, 64 << 10, 256 << 10, 4 << 20):
+        for root in (0, n - 1):
+            values = [np.arange(nbytes // 8, dtype=np.float64) % 89 * (k + 1) for k in range(n)]
+            x = values[r].copy()
+            run(ferro.reduce, x, root)
+            if not np.array_equal(x, sum(values) if r == root else values[r]):
+                wrong.append(f"reduce of {nbytes} B to {root}")
+            reduced_by.add(mesh.choose("reduce", nbytes))
     # reduce_scatter on both sides of the direct path's size: the same ring either way.
     for count in (1, n, 1001 * n + 1, DIRECT_REDUCE_SCATTER_BYTES // 8 - 1, DIRECT_REDUCE_SCATTER_BYTES // 8 + n):
         x = (np.arange(count) % 97 + r).astype(np.float64)
@@ -404,7 +454,7 @@ def rank_gather_and_broadcast_across_the_thresholds(group):
         if not np.array_equal(part, np.array_split(np.arange(count) % 97 + (n - 1) / 2, n)[r]):
             wrong.append(f"reduce_scatter of {count}")
     chosen = {key: mesh.choose(key[0], key[1] * 8 * n if key[0] == "all_gather" else key[1]) for key in sent_to}
-    return (mesh.latency_bytes, mesh.copy_ratio), sent_to, chosen, wrong
+    return (mesh.latency_bytes, mesh.copy_ratio), sent_to, chosen, wrong, reduced_by
 
 
 @pytest.mark.parametrize("world_size", [3, 4, 5, 7])
@@ -414,9 +464,12 @@ def test_gather_and_broadcast_agree_across_paths_and_thresholds(world_size):
     n = world_size
     distances = [1 << k for k in range(n.bit_length()) if 1 << k < n]  # 1, 2, 4, ... below n
     results = run_processes(rank_gather_and_broadcast_across_the_thresholds, n, timeout=180)
-    for r, (link, sent_to, chosen, wrong) in enumerate(results):
+    for r, (link, sent_to, chosen, wrong, reduced_by) in enumerate(results):
         assert link == (DEFAULT_LATENCY_BYTES, DEFAULT_COPY_RATIO)  # no cost model: the mesh's defaults
         assert wrong == []
+        # Every reduce plan was crossed (4 ranks: the tree's and the chain's; their ring and gather never wins).
+        assert reduced_by == ({"binomial tree", "pipelined chain"} if n == 4 else
+                              {"binomial tree", "ring and gather", "pipelined chain"})
         for (op, size), peers in sent_to.items():
             if op == "all_gather":  # Bruck sends to rank - 1, - 2, - 4, ...; the ring only to rank + 1
                 expected = sorted({(r - d) % n for d in distances}) if chosen[op, size] == "bruck" else [(r + 1) % n]

@@ -1370,6 +1370,26 @@ def broadcast(Mesh mesh, buf, int root, uint64_t fingerprint, double timeout,
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "broadcast", timeout)
 
 
+cdef size_t _prepare_reduce(Mesh mesh, ferro_plan* plan, int algorithm, int root, size_t count, size_t itemsize,
+                            bint divides) except 0:
+    """Fill ``plan`` for a reduce of ``count`` elements by ``algorithm`` and size the mesh's scratch for it.
+
+    The mesh's locks must be held (its scratch and bounds are the call's). Returns the plan's segment.
+    """
+    cdef size_t nbytes = count * itemsize
+    cdef size_t segment = mesh.segment_bytes
+    if algorithm == FERRO_PLAN_REDUCE_CHAIN:  # one frame per step, as the chain's form counts
+        segment = ferro_chain_segment(nbytes, mesh.n, mesh.latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
+    segment = max(segment - segment % itemsize, itemsize)
+    if algorithm == FERRO_PLAN_REDUCE_RING_GATHER:
+        mesh.prepare_allreduce(count, itemsize, RING, segment)
+    else:
+        mesh.scratch_for(min(segment, nbytes))
+    ferro_plan_init_reduce(plan, algorithm, mesh.rank, mesh.n, root, count, itemsize, mesh.bounds, mesh.bounds + 1,
+                           divides, segment)
+    return segment
+
+
 def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uint64_t fingerprint, double timeout,
            double divisor=0, int algorithm=-1) -> None:
     """Reduce every rank's ``buf`` into ``buf`` on ``root``; the others' ``buf`` is scratch (left partly reduced).
@@ -1420,16 +1440,7 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
         nbytes = count * <size_t>itemsize
         if mesh.n < 2 or count == 0:
             return
-        segment = mesh.segment_bytes
-        if algorithm == FERRO_PLAN_REDUCE_CHAIN:  # one frame per step, as the chain's form counts
-            segment = ferro_chain_segment(nbytes, mesh.n, mesh.latency_bytes, CHAIN_SMALLEST, CHAIN_LARGEST)
-        segment = max(segment - segment % <size_t>itemsize, <size_t>itemsize)
-        if algorithm == FERRO_PLAN_REDUCE_RING_GATHER:
-            mesh.prepare_allreduce(count, itemsize, RING, segment)
-        else:
-            mesh.scratch_for(min(segment, nbytes))
-        ferro_plan_init_reduce(&plan, algorithm, mesh.rank, mesh.n, root, count, itemsize, mesh.bounds,
-                               mesh.bounds + 1, divisor != 0, segment)
+        segment = _prepare_reduce(mesh, &plan, algorithm, root, count, <size_t>itemsize, divisor != 0)
         deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
         with nogil:
             rc = _run_plan(mesh.states, &plan, <unsigned char*>call.view.buf, NULL, itemsize, dtype, kernel,
@@ -1562,6 +1573,53 @@ cdef int _first_failed(SendOp* sends, RecvOp* recvs, int count) noexcept nogil:
     return first
 
 
+cdef int _all_to_all_held(Mesh mesh, const unsigned char* out, unsigned char* into, size_t* send_at, size_t* recv_at,
+                          bint even, uint64_t fingerprint, int64_t deadline, SendOp* s, RecvOp* r) except -1:
+    """Run an all_to_all on a mesh whose locks are held; return the transport's code (0: done).
+
+    ``even``: the blocks are equal (``send_at`` and ``recv_at`` both ``i * block``) on every rank, so Bruck's
+    rounds may run where the mesh prefers them; otherwise the pairwise exchange's sliding windows.
+    """
+    cdef int rc = 0, n = mesh.n, rank = mesh.rank, i
+    cdef size_t block = send_at[1] - send_at[0]
+    cdef bint uniform = even and mesh.bruck_all_to_all(<size_t>n * block)
+    cdef unsigned char* work = NULL
+    cdef ferro_plan plan
+    cdef SendOp* sends = NULL
+    cdef RecvOp* recvs = NULL
+    cdef pollfd* fds = NULL
+    fingerprint = _with_plan(fingerprint, 2 if uniform else 1)
+    try:
+        if uniform:  # Bruck: the rotated blocks, and room to pack half of them each way
+            work = mesh.scratch_for(<size_t>n * block + 2 * <size_t>((n + 1) // 2) * block)
+        else:
+            sends = <SendOp*>malloc(PAIRWISE_WINDOW * sizeof(SendOp))
+            recvs = <RecvOp*>malloc(PAIRWISE_WINDOW * sizeof(RecvOp))
+            fds = <pollfd*>malloc(2 * PAIRWISE_WINDOW * sizeof(pollfd))
+            if sends == NULL or recvs == NULL or fds == NULL:
+                raise MemoryError()
+        with nogil:
+            if uniform:
+                for i in range(n):  # block i is bound for rank + i
+                    memcpy(work + <size_t>i * block, out + <size_t>((rank + i) % n) * block, block)
+                ferro_plan_init_all_to_all(&plan, FERRO_PLAN_BRUCK_ALL_TO_ALL, rank, n, NULL, NULL, block)
+                rc = _run_plan(mesh.states, &plan, work, NULL, 1, -1, NULL, work + <size_t>n * block,
+                               mesh.segment_bytes, 0, fingerprint, deadline, s, r)
+                if rc == 0:
+                    for i in range(n):  # and block i came from rank - i
+                        memcpy(into + <size_t>((rank - i + n) % n) * block, work + <size_t>i * block, block)
+            else:
+                memcpy(into + recv_at[rank], out + send_at[rank], send_at[rank + 1] - send_at[rank])
+                ferro_plan_init_all_to_all(&plan, FERRO_PLAN_PAIRWISE, rank, n, send_at, recv_at, 0)
+                rc = _pairwise_windows(mesh.states, &plan, out, into, sends, recvs, fds, mesh.window_bytes,
+                                       fingerprint, deadline, s, r, mesh.pace_bytes)
+    finally:
+        free(sends)
+        free(recvs)
+        free(fds)
+    return rc
+
+
 def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_offsets,
                uint64_t fingerprint, double timeout, bint even=False) -> None:
     """Exchange blocks: bytes ``[send_offsets[j], send_offsets[j+1])`` go to rank ``j``.
@@ -1576,18 +1634,9 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
     cdef SendOp s
     cdef RecvOp r
     cdef int rc = 0, n = mesh.n, rank = mesh.rank, i
-    cdef int64_t deadline
     cdef size_t block
-    cdef bint uniform
-    cdef unsigned char* work = NULL
-    cdef ferro_plan plan
-    cdef SendOp* sends = NULL
-    cdef RecvOp* recvs = NULL
-    cdef pollfd* fds = NULL
     cdef size_t* send_at = NULL
     cdef size_t* recv_at = NULL
-    cdef const unsigned char* out
-    cdef unsigned char* into
     memset(&s, 0, sizeof(SendOp))
     memset(&r, 0, sizeof(RecvOp))
     if len(send_offsets) != n + 1 or len(recv_offsets) != n + 1:
@@ -1597,10 +1646,7 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
         call.take_input(send_buf)
         send_at = <size_t*>malloc((n + 1) * sizeof(size_t))
         recv_at = <size_t*>malloc((n + 1) * sizeof(size_t))
-        sends = <SendOp*>malloc(PAIRWISE_WINDOW * sizeof(SendOp))
-        recvs = <RecvOp*>malloc(PAIRWISE_WINDOW * sizeof(RecvOp))
-        fds = <pollfd*>malloc(2 * PAIRWISE_WINDOW * sizeof(pollfd))
-        if send_at == NULL or recv_at == NULL or sends == NULL or recvs == NULL or fds == NULL:
+        if send_at == NULL or recv_at == NULL:
             raise MemoryError()
         for i in range(n + 1):
             send_at[i] = send_offsets[i]
@@ -1609,38 +1655,15 @@ def all_to_all(Mesh mesh, send_buf, object send_offsets, recv_buf, object recv_o
             raise InvalidBufferError("all_to_all: offsets reach past the buffers")
         if send_at[rank + 1] - send_at[rank] != recv_at[rank + 1] - recv_at[rank]:
             raise InvalidBufferError("all_to_all: the block a rank sends itself must match the one it receives")
-        out = <const unsigned char*>call.input.buf
-        into = <unsigned char*>call.view.buf
         block = send_at[1] - send_at[0]
         for i in range(n + 1):  # every rank must take the same plan: an even call's blocks are equal everywhere
             if even and (send_at[i] != i * block or recv_at[i] != i * block):
                 raise ValueError(f"all_to_all: even=True needs {n} equal blocks on each side; offsets differ at {i}")
-        uniform = even and mesh.bruck_all_to_all(<size_t>n * block)
-        fingerprint = _with_plan(fingerprint, 2 if uniform else 1)
-        if uniform:  # Bruck: the rotated blocks, and room to pack half of them each way
-            work = mesh.scratch_for(<size_t>n * block + 2 * <size_t>((n + 1) // 2) * block)
-        deadline = monotonic_ns() + <int64_t>(timeout * 1e9)
-        with nogil:
-            if uniform:
-                for i in range(n):  # block i is bound for rank + i
-                    memcpy(work + <size_t>i * block, out + <size_t>((rank + i) % n) * block, block)
-                ferro_plan_init_all_to_all(&plan, FERRO_PLAN_BRUCK_ALL_TO_ALL, rank, n, NULL, NULL, block)
-                rc = _run_plan(call.states, &plan, work, NULL, 1, -1, NULL, work + <size_t>n * block,
-                               mesh.segment_bytes, 0, fingerprint, deadline, &s, &r)
-                if rc == 0:
-                    for i in range(n):  # and block i came from rank - i
-                        memcpy(into + <size_t>((rank - i + n) % n) * block, work + <size_t>i * block, block)
-            else:
-                memcpy(into + recv_at[rank], out + send_at[rank], send_at[rank + 1] - send_at[rank])
-                ferro_plan_init_all_to_all(&plan, FERRO_PLAN_PAIRWISE, rank, n, send_at, recv_at, 0)
-                rc = _pairwise_windows(call.states, &plan, out, into, sends, recvs, fds, mesh.window_bytes,
-                                       fingerprint, deadline, &s, &r, mesh.pace_bytes)
+        rc = _all_to_all_held(mesh, <const unsigned char*>call.input.buf, <unsigned char*>call.view.buf, send_at,
+                              recv_at, even, fingerprint, monotonic_ns() + <int64_t>(timeout * 1e9), &s, &r)
     finally:
         free(send_at)
         free(recv_at)
-        free(sends)
-        free(recvs)
-        free(fds)
         call.release()
     if rc:
         raise_failure(&s if s.conn != NULL else NULL, &r if r.conn != NULL else NULL, "all_to_all", timeout)
@@ -1830,6 +1853,162 @@ cdef class DirectMeshBroadcast(_MeshCall):
             return True
         finally:
             PyBuffer_Release(&view)
+
+
+cdef class DirectMeshReduce(_MeshCall):
+    """``ferro.reduce``'s direct path on a TCP group: ``(x, dst, op, timeout) -> bool``.
+
+    ``make_plan`` (keyed by ``(dst, op)``) returns ``(dtype code, kernel code, fingerprint, divisor, itemsize,
+    root)`` (root as an int in the group), or False. It runs the full path's plan (:func:`reduce`, the mesh's
+    choice for the size): on the root in ``x``, elsewhere in a copy of ``x``, which the reduce leaves as scratch,
+    so that ``x`` stays as it was there, as the full path leaves it.
+    """
+
+    def __call__(self, x, dst, op, timeout) -> bool:
+        cdef Py_buffer view
+        cdef tuple plan
+        cdef SendOp s
+        cdef RecvOp r
+        cdef ferro_plan steps
+        cdef Mesh mesh = self.mesh
+        cdef ferro_reduce_fn kernel
+        cdef double seconds, divisor
+        cdef size_t itemsize, count, segment
+        cdef uint64_t fingerprint
+        cdef unsigned char* work = NULL
+        cdef unsigned char* copy = NULL
+        cdef int rc = 0, dtype, root, algorithm
+        cdef int64_t deadline
+        if type(dst) is not int or not self.may_take(x):
+            return False  # a numpy integer (or a bool, which would share int's plan key) takes the full path
+        try:
+            PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)  # the full path wants it writable
+        except (BufferError, ValueError, TypeError):
+            return False
+        try:
+            if view.len == 0 or not self.find_plan(x, (dst, op), &view):
+                return False
+            plan = self.plan
+            dtype, fingerprint, divisor, itemsize, root = plan[0], plan[2], plan[3], plan[4], plan[5]
+            seconds = self.seconds(timeout)
+            if not self.may_take(x):
+                return False
+            kernel = ferro_reduce_kernel(dtype, plan[1])
+            count = <size_t>view.len // itemsize
+            memset(&s, 0, sizeof(SendOp))
+            memset(&r, 0, sizeof(RecvOp))
+            self.begin(fingerprint, <uint64_t>view.len, READ_CLOCK)
+            try:
+                if mesh.n > 1:  # a group of one: x is the result (MEAN divides by 1)
+                    work = <unsigned char*>view.buf
+                    if mesh.rank != root:
+                        copy = <unsigned char*>malloc(<size_t>view.len)
+                        if copy == NULL:
+                            raise MemoryError()
+                        memcpy(copy, view.buf, <size_t>view.len)
+                        work = copy
+                    algorithm = mesh.reduce_plan(<size_t>view.len)
+                    try:
+                        # The ring-and-gather's gather reaches the root from every rank: it is held too.
+                        mesh.acquire(seconds, "reduce", root if algorithm == FERRO_PLAN_REDUCE_RING_GATHER else -1)
+                        try:
+                            segment = _prepare_reduce(mesh, &steps, algorithm, root, count, itemsize, divisor != 0)
+                            deadline = monotonic_ns() + <int64_t>(seconds * 1e9)
+                            with nogil:
+                                rc = _run_plan(mesh.states, &steps, work, NULL, itemsize, dtype, kernel, mesh.scratch,
+                                               segment, divisor, fingerprint, deadline, &s, &r)
+                        finally:
+                            mesh.release()
+                    finally:
+                        free(copy)
+                    if rc:
+                        _fail_call(&s, &r, "reduce", seconds)
+            except BaseException as exc:
+                self.end(False, 0, READ_CLOCK)
+                self.fail(exc)
+                raise
+            self.end(True, 0, READ_CLOCK)
+            return True
+        finally:
+            PyBuffer_Release(&view)
+
+
+cdef class DirectMeshAllToAll(_MeshCall):
+    """``ferro.all_to_all``'s direct path on a TCP group: ``(x, out, timeout) -> result or None``.
+
+    ``make_plan`` returns ``(fingerprint,)``, or False (a 0-d ``x`` or an axis 0 that does not split into equal
+    blocks: the full path explains). ``out`` must be a NumPy array of ``x``'s shape and dtype that does not overlap
+    ``x`` (else the full path checks it); without one, the result is a new array. It runs the full path's plan
+    (Bruck's rounds or the pairwise windows, as the mesh chooses for equal blocks). None means the full path must
+    take the call.
+    """
+
+    def __call__(self, x, out, timeout):
+        cdef Py_buffer view, into
+        cdef SendOp s
+        cdef RecvOp r
+        cdef Mesh mesh = self.mesh
+        cdef double seconds
+        cdef uint64_t fingerprint
+        cdef size_t block, i
+        cdef size_t* offsets = NULL
+        cdef int rc = 0
+        cdef bint has_into = False
+        if not self.may_take(x) or (out is not None and type(out) is not self.ndarray):
+            return None
+        try:
+            PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS)  # the input is only read
+        except (BufferError, ValueError, TypeError):
+            return None
+        try:
+            if view.len == 0 or view.ndim == 0 or not self.find_plan(x, None, &view):
+                return None
+            fingerprint = self.plan[0]
+            result = self.take_result(x, out, x.shape, &into)
+            if result is None:
+                return None  # the full path says what is wrong with out
+            has_into = True
+            if <unsigned char*>into.buf < <unsigned char*>view.buf + view.len \
+                    and <unsigned char*>view.buf < <unsigned char*>into.buf + into.len:
+                return None  # out overlaps x: the full path refuses it
+            seconds = self.seconds(timeout)
+            if not self.may_take(x):
+                return None
+            block = <size_t>view.len // <size_t>mesh.n
+            memset(&s, 0, sizeof(SendOp))
+            memset(&r, 0, sizeof(RecvOp))
+            self.begin(fingerprint, <uint64_t>view.len, READ_CLOCK)
+            try:
+                if mesh.n > 1:
+                    offsets = <size_t*>malloc((mesh.n + 1) * sizeof(size_t))
+                    if offsets == NULL:
+                        raise MemoryError()
+                    try:
+                        for i in range(<size_t>mesh.n + 1):
+                            offsets[i] = i * block
+                        mesh.acquire(seconds, "all_to_all")
+                        try:
+                            rc = _all_to_all_held(mesh, <const unsigned char*>view.buf, <unsigned char*>into.buf,
+                                                  offsets, offsets, True, fingerprint,
+                                                  monotonic_ns() + <int64_t>(seconds * 1e9), &s, &r)
+                        finally:
+                            mesh.release()
+                    finally:
+                        free(offsets)
+                    if rc:
+                        _fail_call(&s, &r, "all_to_all", seconds)
+                else:
+                    memcpy(into.buf, view.buf, <size_t>view.len)
+            except BaseException as exc:
+                self.end(False, 0, READ_CLOCK)
+                self.fail(exc)
+                raise
+            self.end(True, 0, READ_CLOCK)
+            return result
+        finally:
+            PyBuffer_Release(&view)
+            if has_into:
+                PyBuffer_Release(&into)
 
 
 cdef class DirectMeshAllGather(_MeshCall):

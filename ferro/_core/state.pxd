@@ -59,7 +59,9 @@ cdef class GroupState:
     cdef public object worker            # the group's GroupWorker (ferro.collective.work), created on first use
     cdef public object p2p               # ferro.p2p's receive state: messages set aside by (source, tag)
     cdef public object direct_allreduce  # the compiled allreduce path, None (the group has none), or UNSET
-    cdef public object direct_broadcast  # likewise for broadcast, all_gather, reduce_scatter and barrier
+    cdef public object direct_broadcast  # likewise for the other direct collectives
+    cdef public object direct_reduce
+    cdef public object direct_all_to_all
     cdef public object direct_all_gather  # (ferro._core.direct)
     cdef public object direct_reduce_scatter
     cdef public object direct_barrier

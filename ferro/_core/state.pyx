@@ -93,6 +93,8 @@ cdef class GroupState:
         self.p2p = None
         self.direct_allreduce = UNSET
         self.direct_broadcast = UNSET
+        self.direct_reduce = UNSET
+        self.direct_all_to_all = UNSET
         self.direct_all_gather = UNSET
         self.direct_reduce_scatter = UNSET
         self.direct_barrier = UNSET
@@ -180,10 +182,13 @@ cdef class GroupState:
             self.p2p = candidate
         return self.p2p
 
-    def set_direct(self, allreduce, broadcast=None, all_gather=None, reduce_scatter=None, barrier=None) -> None:
+    def set_direct(self, allreduce, broadcast=None, all_gather=None, reduce_scatter=None, barrier=None,
+                   reduce=None, all_to_all=None) -> None:
         """Install the group's direct paths (each a compiled call or None); None for all: the full path only."""
         self.direct_allreduce = allreduce
         self.direct_broadcast = broadcast
+        self.direct_reduce = reduce
+        self.direct_all_to_all = all_to_all
         self.direct_all_gather = all_gather
         self.direct_reduce_scatter = reduce_scatter
         self.direct_barrier = barrier

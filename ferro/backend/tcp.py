@@ -267,7 +267,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
 
     @property
     def direct_mesh(self) -> Mesh:
-        """The compiled mesh behind the direct paths of allreduce, broadcast, all_gather, reduce_scatter and barrier."""
+        """The compiled mesh behind the direct paths (every collective of ferro.collective.direct)."""
         return self._mesh
 
     def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,

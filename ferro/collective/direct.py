@@ -1,8 +1,8 @@
 """The direct paths: one compiled call per collective, planned once per signature, where the group has one.
 
 A backend offers them through :class:`~ferro.backend.native.NativeCollectives`:
-an arena (shared memory: allreduce), a mesh (TCP: allreduce, broadcast,
-all_gather, reduce_scatter and barrier) or a foreign call of its own (MPI's allreduce). The
+an arena (shared memory: allreduce), a mesh (TCP: allreduce, broadcast, reduce,
+all_gather, reduce_scatter, all_to_all and barrier) or a foreign call of its own (MPI's allreduce). The
 compiled side (:mod:`ferro._core.direct`) checks a call's signature against the
 plans kept here and runs it without the GIL; a signature it has not seen comes
 back here to be planned once, and a plan of ``False`` (an argument the full path
@@ -22,8 +22,10 @@ from ferro._core.collectives import (
     DIRECT_REDUCE_SCATTER_BYTES,
     DirectMeshAllGather,
     DirectMeshAllreduce,
+    DirectMeshAllToAll,
     DirectMeshBarrier,
     DirectMeshBroadcast,
+    DirectMeshReduce,
     DirectMeshReduceScatter,
 )
 from ferro.backend.base import Backend
@@ -104,6 +106,42 @@ def _direct_broadcast_plan(plans: dict[Any, Any], key: Any, root: Any, group: Ba
     return _remember(plans, key, plan)
 
 
+def _direct_reduce_plan(plans: dict[Any, Any], key: Any, root_and_op: Any, group: Backend
+                        ) -> tuple[int, int, int, float, int, int] | bool:
+    """Return what a direct reduce needs (``key``: dtype, shape, ``(dst, op)``), or False for the full path.
+
+    The plan: dtype code, kernel code, fingerprint, MEAN's divisor (else 0), itemsize and the root's rank.
+    """
+    numpy_dtype, shape = key[0], key[1]
+    dst, op = root_and_op
+    plan: tuple[int, int, int, float, int, int] | bool = False
+    data = _plan_operand(numpy_dtype, "reduce", True)
+    try:
+        root_rank = resolve_root(dst, group, "reduce", "dst")
+        parsed = resolve_op(op, data.dtype, "reduce") if data is not None else None
+    except (InvalidRankError, InvalidBufferError, ValueError):
+        parsed = None  # the full path raises the error, with the caller's array in the message
+    if data is not None and parsed is not None:
+        plan = (data.dtype.code, KERNEL_CODES[parsed],
+                make_link_fingerprint(group, "reduce", data, OP_VALUES[parsed], root_rank, element_count(shape),
+                                      shape),
+                float(group.world_size) if parsed is ReduceOp.MEAN else 0.0, data.dtype.itemsize, root_rank)
+    return _remember(plans, key, plan)
+
+
+def _direct_all_to_all_plan(plans: dict[Any, Any], key: Any, _: Any, group: Backend) -> tuple[int] | bool:
+    """``(fingerprint,)`` of a direct all_to_all (``key``: dtype, shape, None), or False.
+
+    False for a 0-d input or an axis 0 that does not split into equal blocks: the full path explains.
+    """
+    numpy_dtype, shape = key[0], key[1]
+    data = _plan_operand(numpy_dtype, "all_to_all", False)
+    plan: tuple[int] | bool = False
+    if data is not None and shape and shape[0] % group.world_size == 0:
+        plan = (make_link_fingerprint(group, "all_to_all", data, 0, 0, element_count(shape), shape),)
+    return _remember(plans, key, plan)
+
+
 def _direct_all_gather_plan(plans: dict[Any, Any], key: Any, tag: Any, group: Backend
                             ) -> tuple[int, tuple[int, ...]] | bool:
     """``(fingerprint, gathered shape)`` of a direct all_gather (``key``: dtype, shape, tag), or False."""
@@ -168,7 +206,10 @@ def direct_path(g: Backend) -> Any:
                                           empty=np.empty),
                       DirectMeshReduceScatter(*_direct_args(g, "reduce_scatter", _direct_reduce_scatter_plan),
                                               op_type=ReduceOp, engine=mesh, empty=np.empty),
-                      DirectMeshBarrier(*_direct_args(g, "barrier", None), engine=mesh))
+                      DirectMeshBarrier(*_direct_args(g, "barrier", None), engine=mesh),
+                      DirectMeshReduce(*_direct_args(g, "reduce", _direct_reduce_plan), engine=mesh),
+                      DirectMeshAllToAll(*_direct_args(g, "all_to_all", _direct_all_to_all_plan), engine=mesh,
+                                         empty=np.empty))
     g.state.set_direct(direct, *(others or ()))
     return direct
 

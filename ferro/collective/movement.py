@@ -282,6 +282,15 @@ def all_to_all(x: Any, *, group: Backend | None = None, timeout: float | None = 
 
     """
     g = resolve_group(group, "all_to_all")
+    if not async_op:  # the direct path (see ferro.collective.direct)
+        direct = g.state.direct_all_to_all
+        if direct is UNSET:
+            direct_path(g)
+            direct = g.state.direct_all_to_all
+        if direct is not None:
+            result = direct(x, out, timeout)
+            if result is not None:
+                return result
     if type(x) is not np.ndarray and is_device_array(x):
         no_device_out(out, "all_to_all")
         return routing.device_all_to_all(g, x, timeout, async_op)

@@ -148,6 +148,13 @@ def reduce(x: Any, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *, group: Backend 
 
     """
     g = resolve_group(group, "reduce")
+    if not async_op:  # the direct path (see ferro.collective.direct)
+        direct = g.state.direct_reduce
+        if direct is UNSET:
+            direct_path(g)
+            direct = g.state.direct_reduce
+        if direct is not None and direct(x, dst, op, timeout):
+            return x
     if type(x) is not np.ndarray and is_device_array(x):
         return routing.device_reduce(g, x, resolve_root(dst, g, "reduce", "dst"), parse_op(op, "reduce"),
                                      timeout, async_op)
