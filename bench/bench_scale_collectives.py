@@ -29,7 +29,7 @@ from ferro.backend.cost_model import CostModel, load_cost_model
 from ferro.tools.bench import simulate
 from ferro.tools.bench.table import read_json
 from ferro.tools.bench.worker import timed_calls
-from ferro.tools.emulate import TCP_PAYLOAD_SHARE
+from ferro.tools.emulate import TCP_PAYLOAD_SHARE, bucket_bytes, parse_emulation
 
 
 @functools.cache
@@ -37,17 +37,19 @@ def _cost_model() -> CostModel | None:
     return load_cost_model()  # $FERRO_COST_MODEL, read once for every row
 
 
-def emulated_network(cluster: str) -> simulate.Network:
-    """The simulator's model of an emulated cluster: its links at the TCP payload rate, and, where a cost model is
-    loaded (``FERRO_COST_MODEL``, fitted on that cluster), its measured cost per message as the latency."""
+def emulated_network(cluster: str, bucket: bool = True) -> simulate.Network:
+    """The simulator's model of an emulated cluster: its links at the TCP payload rate with the emulator's token
+    bucket, and, where a cost model is loaded (``FERRO_COST_MODEL``, fitted on that cluster), its measured cost per
+    message as the latency. ``bucket=False``: plain lines, as the simulator models a real cluster's NICs."""
     network = simulate.parse_network(cluster)
     model = _cost_model()
     latency = network.latency
     if model is not None:
         alpha = model.per_algorithm.get("ring", (model.alpha, model.beta))[0]
         latency = max(alpha - network.overhead, 0.0)
+    burst = bucket_bytes(parse_emulation(cluster)[2]) * TCP_PAYLOAD_SHARE if bucket else 0.0
     return simulate.Network(network.hosts, network.ranks_per_host, network.rate * TCP_PAYLOAD_SHARE, latency=latency,
-                            overhead=network.overhead)
+                            overhead=network.overhead, burst=burst)
 
 
 def _predict(network: simulate.Network, op: str, algorithm: str, nbytes: int, itemsize: int,
@@ -66,7 +68,7 @@ def _predict(network: simulate.Network, op: str, algorithm: str, nbytes: int, it
 
 def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:
     """Run one cluster's sweep and return its rows with predictions."""
-    network = emulated_network(cluster)
+    network = emulated_network(cluster, not args.no_bucket)
     with tempfile.TemporaryDirectory(prefix="ferro-scale-") as tmp:
         out = Path(tmp) / "rows.json"
         command = [sys.executable, "-m", "ferro", "bench", *args.ops.split(","), "--emulate", cluster,
@@ -127,8 +129,8 @@ def predict_scale(ranks: list[int], links: list[str], sizes: list[int]) -> list[
     return rows
 
 
-def _repredicted(row: dict) -> dict:
-    network = emulated_network(row["cluster"])
+def _repredicted(row: dict, bucket: bool) -> dict:
+    network = emulated_network(row["cluster"], bucket)
     itemsize = row.get("itemsize", 4)
     predicted = _predict(network, row["op"], row["algorithm"], row["size"], itemsize, row.get("calls", 1))
     bound = simulate.lower_bound(network, row["size"], row["op"]) if row["op"] in simulate.OP_ALGORITHMS else None
@@ -209,6 +211,8 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write every row here")
     parser.add_argument("--from-json", default=None,
                         help="re-predict the rows of earlier --json files (comma-separated); run nothing")
+    parser.add_argument("--no-bucket", action="store_true",
+                        help="predict the emulated links as plain lines, without the token bucket tc shapes them with")
     parser.add_argument("--markdown", default=None, help="also write the rows as Markdown tables here")
     parser.add_argument("--predict-scale", default=None, metavar="RANKS",
                         help="comma-separated rank counts (e.g. 256,1024,4096,16384): predict the allreduce there "
@@ -228,7 +232,7 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0
     if args.from_json:
-        results = [dict(r, **_repredicted(r)) for path in args.from_json.split(",")
+        results = [dict(r, **_repredicted(r, not args.no_bucket)) for path in args.from_json.split(",")
                    for r in json.loads(Path(path).read_text())]
     else:
         results = [row for cluster in args.clusters.split(",") for row in run_cluster(cluster, args)]

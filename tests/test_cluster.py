@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from ferro.errors import ConfigurationError
-from ferro.tools.emulate import EmulatedCluster, cluster_unavailable, parse_emulation
+from ferro.tools.emulate import EmulatedCluster, bucket_bytes, cluster_unavailable, parse_emulation
 
 FERRO = [sys.executable, "-m", "ferro"]
 needs_cluster = pytest.mark.skipif(cluster_unavailable() is not None, reason=str(cluster_unavailable()))
@@ -37,6 +37,8 @@ def test_links_are_shaped_both_ways_and_the_namespaces_go_away():
             shown = subprocess.run(cluster.command(host, ["tc", "qdisc", "show", "dev", "eth0"]),
                                    capture_output=True, text=True).stdout
             assert "tbf" in shown and "rate 100Mbit" in shown, shown
+            # The bucket the simulator models these links with (bench/bench_scale_collectives.py).
+            assert bucket_bytes("100mbit") == 65536 and "burst 64Kb" in shown, shown
             switch_side = subprocess.run(["tc", "-n", cluster.switch, "qdisc", "show", "dev", f"port{host}"],
                                          capture_output=True, text=True).stdout
             assert "rate 100Mbit" in switch_side, switch_side

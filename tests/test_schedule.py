@@ -1095,3 +1095,30 @@ def test_the_simulator_streams_the_ring_as_the_executor_does():
     whole = simulate.predict(network, "ring", nbytes, segment=4 << 20, piece=4 << 20)
     assert whole == pytest.approx(2 * (5e-6 + (2 << 20) / 12.5e6 + 100e-6) + (2 << 20) / 4e9, rel=1e-12)
 
+
+
+def test_a_token_bucket_passes_what_it_saved_while_idle_at_once_and_the_rest_at_the_line():
+    from ferro.tools.bench.simulate import _cross, _links
+
+    rate, burst, wire = 1e6, 10_000, 1e9
+    network = simulate.Network(2, 1, rate, burst=burst, local_rate=wire)
+    up, down = _links(network), _links(network)
+    assert _cross(network, up, down, 0, 1, 0.0, 5_000) == pytest.approx(5e-3)  # empty at first: the line
+    # A second idle: both ways' buckets fill to their size, which passes at once; the rest goes at the line.
+    assert _cross(network, up, down, 0, 1, 1.0, 8_000) == pytest.approx(1.0 + 8_000 / wire)
+    left = 2_000  # what the last message left (a busy link saves nothing)
+    at = 1.0 + 8_000 / wire
+    assert _cross(network, up, down, 0, 1, at, 8_000) == pytest.approx(at + left / wire + (8_000 - left) / rate)
+    # Back to back after a second's idle, the bucket adds no more than its size to what the line passes.
+    up, down = _links(network), _links(network)
+    t = 1.0
+    for _ in range(100):
+        t = _cross(network, up, down, 0, 1, t, 10_000)
+    assert (100 * 10_000 - burst) / rate <= t - 1.0 < 100 * 10_000 / rate
+    # A ring all_gather of 64 KiB on 16 hosts at 100 Mbit with 70 us a message: on plain lines each of its 15
+    # steps pays the latency; with the bucket an emulated link holds, the latency passes while the bucket fills.
+    plain = simulate.Network(16, 1, 11.75e6, latency=70e-6, overhead=5e-6)
+    shaped = simulate.Network(16, 1, 11.75e6, latency=70e-6, overhead=5e-6, burst=61_604)
+    line = 65536 * 15 / 16 / plain.rate
+    assert simulate.predict(plain, "ring", 65536, op="all_gather", calls=5) > line + 15 * 70e-6
+    assert line < simulate.predict(shaped, "ring", 65536, op="all_gather", calls=5) < 1.01 * line

@@ -37,7 +37,8 @@ from ferro.backend.base import SPIN_ENV, YIELD_ENV, default_spin_us, default_yie
 from ferro.errors import ConfigurationError
 from ferro.rendezvous.settings import free_port
 
-__all__ = ["TCP_PAYLOAD_SHARE", "EmulatedCluster", "cluster_unavailable", "parse_emulation", "payload_rate"]
+__all__ = ["TCP_PAYLOAD_SHARE", "EmulatedCluster", "bucket_bytes", "cluster_unavailable", "parse_emulation",
+           "payload_rate"]
 
 _RATE = r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)"
 _SPEC = re.compile(rf"^(\d+)x(\d+)@{_RATE}$")
@@ -269,9 +270,17 @@ class EmulatedCluster:
             subprocess.run(["ip", "netns", "del", self._made.pop()], capture_output=True)
 
 
-def _burst(rate: str) -> str:
+def bucket_bytes(rate: str) -> int:
+    """Return the token bucket an emulated link of ``rate`` gets by default: a millisecond of it, at least 64 KiB.
+
+    What the link may pass faster than ``rate`` after an idle spell (``tbf``'s burst, wire bytes).
+    """
     found = re.fullmatch(_RATE, rate)
     if not found:
-        return "256kb"
+        return 256 * 1024
     bits = float(found.group(1)) * _BITS[found.group(2)]
-    return f"{max(int(bits / 8 / 1000), 65536)}b"  # a millisecond of the rate
+    return max(int(bits / 8 / 1000), 65536)
+
+
+def _burst(rate: str) -> str:
+    return f"{bucket_bytes(rate)}b"

@@ -7,7 +7,8 @@ The steps are the ones the compiled executor runs (:func:`ferro._core.collective
   host with one link to a non-blocking switch, ``RATE`` bytes per second each way, shared by its ranks: a message
   between hosts holds its sender's uplink and its receiver's downlink, first come first served;
 * every message pays ``LATENCY`` on the wire and a per-message CPU ``overhead`` at its sender; messages between
-  ranks of one host go through memory at ``local_rate``;
+  ranks of one host go through memory at ``local_rate``; a link may hold a token bucket (``Network.burst``, as
+  ``tc`` shapes an emulated one: bytes saved up while it idles pass at once), none by default;
 * a rank runs its steps in order; a step sends and receives one segment each way at a time (as
   ``_exchange_segments`` does), and a reducing step then reduces what arrived at ``reduce_rate``;
 * except the ring, which streams as ``_stream_ring`` runs it: each chunk in :func:`~ferro._core.collectives.ring_piece`
@@ -51,6 +52,10 @@ class Network:
         local_rate: Bytes per second between two ranks of one host.
         local_latency: Seconds per message between two ranks of one host.
         reduce_rate: Bytes per second a rank reduces.
+        burst: Bytes each way of a host's link may pass at ``local_rate`` rather than ``rate``, refilled at
+            ``rate`` while the link is idle: a token bucket of that size, as ``tc``'s ``tbf`` shapes an emulated
+            link (:data:`ferro.tools.emulate`'s links hold 64 KiB at 100 Mbit). 0, the default: a plain line, as a
+            NIC sends.
 
     """
 
@@ -62,6 +67,7 @@ class Network:
     local_rate: float = 4e9
     local_latency: float = 5e-6
     reduce_rate: float = 4e9
+    burst: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -93,14 +99,49 @@ def parse_network(text: str) -> Network:
 Step = tuple[int, int, int, int, int, int, int, int]
 
 
-def _cross(network: Network, up_free: list[float], down_free: list[float], a: int, b: int, at: float,
-           nbytes: int) -> float:
+class _Link:
+    """One way of a host's link: busy until ``free``, when its bucket held ``tokens`` bytes.
+
+    The bucket starts empty: the calls a replay stands for follow warm-up calls, which drained it wherever the
+    link is what they wait for; where it is not, the idle spells between messages refill it in the replay too.
+    """
+
+    __slots__ = ("free", "tokens")
+
+    def __init__(self) -> None:
+        self.free = 0.0
+        self.tokens = 0.0
+
+
+def _links(network: Network) -> list[_Link]:
+    return [_Link() for _ in range(network.hosts)]
+
+
+def _through(network: Network, link: _Link, start: float, nbytes: int) -> tuple[float, float]:
+    """Return when ``nbytes`` starting at ``start`` have passed ``link`` alone, and the tokens it has left then.
+
+    The bucket's tokens pass at ``local_rate``, the rest at ``rate`` (without a bucket: all of it at ``rate``).
+    """
+    tokens = min(network.burst, link.tokens + (start - link.free) * network.rate)
+    if tokens >= nbytes:
+        return start + nbytes / network.local_rate, tokens - nbytes
+    return start + tokens / network.local_rate + (nbytes - tokens) / network.rate, 0.0
+
+
+def _cross(network: Network, up: list[_Link], down: list[_Link], a: int, b: int, at: float, nbytes: int) -> float:
     """Return when ``nbytes`` ready at ``at`` have left host ``a`` for host ``b`` (the sender's buffer free).
 
-    The message holds ``a``'s uplink and ``b``'s downlink, first come first served.
+    The message holds ``a``'s uplink and ``b``'s downlink, first come first served, and leaves when the slower
+    of the two has passed it.
     """
-    leaves = max(at, up_free[a], down_free[b]) + nbytes / network.rate
-    up_free[a] = down_free[b] = leaves
+    start = max(at, up[a].free, down[b].free)
+    up_done, up_tokens = _through(network, up[a], start, nbytes)
+    down_done, down_tokens = _through(network, down[b], start, nbytes)
+    leaves = max(up_done, down_done)
+    # Each bucket refills from when its own link passed the message until the message has left.
+    up[a].tokens = min(network.burst, up_tokens + (leaves - up_done) * network.rate)
+    down[b].tokens = min(network.burst, down_tokens + (leaves - down_done) * network.rate)
+    up[a].free = down[b].free = leaves
     return leaves
 
 
@@ -113,8 +154,7 @@ def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment:
     n, per_host = network.world_size, network.ranks_per_host
     plans = [_exchanges(steps_of(rank), segment) for rank in range(n)]
     position = [0] * n
-    up_free = [0.0] * network.hosts      # each host's link, each way
-    down_free = [0.0] * network.hosts
+    up, down = _links(network), _links(network)  # each host's link, each way
     arrivals: dict[tuple[int, int], deque[float]] = defaultdict(deque)   # (src, dst) -> arrival times, in order
     waiting: dict[tuple[int, int], tuple[int, float, float, int]] = {}   # (src, dst) -> the receiver's op
     finished = [0.0] * n
@@ -128,7 +168,7 @@ def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment:
             leaves = at + nbytes / network.local_rate
             arrival = leaves + network.local_latency
         else:
-            leaves = _cross(network, up_free, down_free, src // per_host, dst // per_host, at, nbytes)
+            leaves = _cross(network, up, down, src // per_host, dst // per_host, at, nbytes)
             arrival = leaves + network.latency
         key = (src, dst)
         if key in waiting:  # the receiver is already in the exchange that takes this message
@@ -172,7 +212,7 @@ def replay_symmetric(network: Network, steps_of: Callable[[int], Sequence[Step]]
     those of its ranks sending off the host. It costs R plans instead of H x R, which is what makes 16,384 ranks
     predictable; ``tests/test_schedule.py`` holds it to the full replay where both run: equal at one rank per
     host, an upper estimate within 2x with several (their lockstep and shared link cost more than the replay's
-    overlap).
+    overlap). Its links are plain lines: it ignores ``burst``.
     """
     per_host = network.ranks_per_host
     plans = [_exchanges(steps_of(rank), segment) for rank in range(min(per_host, network.world_size))]
@@ -267,8 +307,7 @@ def replay_streams(network: Network, streams_of: Callable[[int], Streams], symme
     n, per_host, hosts = network.world_size, network.ranks_per_host, network.hosts
     ranks = range(per_host if symmetric else n)
     plans = {rank: streams_of(rank) for rank in ranks}
-    up_free = [0.0] * hosts
-    down_free = [0.0] * hosts
+    up, down = _links(network), _links(network)
     arrivals: dict[tuple[int, int], deque[float]] = defaultdict(deque)
     next_send = dict.fromkeys(ranks, 0)
     next_recv = dict.fromkeys(ranks, 0)
@@ -292,7 +331,7 @@ def replay_streams(network: Network, streams_of: Callable[[int], Streams], symme
             leaves = at + nbytes / network.local_rate
             arrival, to, src = leaves + network.local_latency, dst, rank
         else:
-            leaves = _cross(network, up_free, down_free, a, 0 if symmetric else b, at, nbytes)
+            leaves = _cross(network, up, down, a, 0 if symmetric else b, at, nbytes)
             arrival = leaves + network.latency
             host = dst // per_host
             to, src = (dst - host * per_host, (rank + (hosts - host) * per_host) % n) if symmetric else (dst, rank)
