@@ -508,9 +508,9 @@ def _never_faster_when_larger(seconds: np.ndarray) -> np.ndarray:
     """Return each size's time as the least of its own and every larger size's (``seconds`` by ascending size).
 
     One algorithm never takes less time for more bytes, and noise only adds time: a small size slower than a
-    larger one was stalled (the other cores' work, a timer tick), and the larger size's time is the tighter
-    bound on it. In a full test run on the 2-core VM, one stalled small size had pulled the fitted per-byte
-    cost below zero.
+    larger one was slowed (the other cores' work; on idle cores, two ranks waking each other from naps in turn:
+    DESIGN.md, "Two sleepers in turn"), and the larger size's time is the tighter bound on it. In full test runs
+    on the 2-core VM, one slow small size had pulled the fitted per-byte cost below zero.
     """
     import numpy as np
 
