@@ -1418,7 +1418,7 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
     cdef SendOp s
     cdef RecvOp r
     cdef ferro_reduce_fn kernel = ferro_reduce_kernel(dtype, op)
-    cdef size_t count, nbytes, segment
+    cdef size_t count, segment
     cdef int64_t deadline
     cdef int rc = 0
     cdef ferro_plan plan
@@ -1437,7 +1437,6 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
         # The ring-and-gather's gather reaches the root from every rank: it is held too.
         call.hold(timeout, "reduce", root if algorithm == FERRO_PLAN_REDUCE_RING_GATHER else -1)
         count = <size_t>call.elements("reduce", itemsize)
-        nbytes = count * <size_t>itemsize
         if mesh.n < 2 or count == 0:
             return
         segment = _prepare_reduce(mesh, &plan, algorithm, root, count, <size_t>itemsize, divisor != 0)
@@ -1881,12 +1880,17 @@ cdef class DirectMeshReduce(_MeshCall):
         cdef int64_t deadline
         if type(dst) is not int or not self.may_take(x):
             return False  # a numpy integer (or a bool, which would share int's plan key) takes the full path
+        # The last call's (dst, op), when this one repeats it: find_plan then knows it by identity, with no key to
+        # build and no ReduceOp to hash.
+        extra = self.last_extra
+        if extra is None or (<tuple>extra)[1] is not op or (<tuple>extra)[0] != dst:
+            extra = (dst, op)
         try:
             PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)  # the full path wants it writable
         except (BufferError, ValueError, TypeError):
             return False
         try:
-            if view.len == 0 or not self.find_plan(x, (dst, op), &view):
+            if view.len == 0 or not self.find_plan(x, extra, &view):
                 return False
             plan = self.plan
             dtype, fingerprint, divisor, itemsize, root = plan[0], plan[2], plan[3], plan[4], plan[5]
@@ -1951,7 +1955,6 @@ cdef class DirectMeshAllToAll(_MeshCall):
         cdef double seconds
         cdef uint64_t fingerprint
         cdef size_t block, i
-        cdef size_t* offsets = NULL
         cdef int rc = 0
         cdef bint has_into = False
         if not self.may_take(x) or (out is not None and type(out) is not self.ndarray):
@@ -1980,21 +1983,15 @@ cdef class DirectMeshAllToAll(_MeshCall):
             self.begin(fingerprint, <uint64_t>view.len, READ_CLOCK)
             try:
                 if mesh.n > 1:
-                    offsets = <size_t*>malloc((mesh.n + 1) * sizeof(size_t))
-                    if offsets == NULL:
-                        raise MemoryError()
+                    mesh.acquire(seconds, "all_to_all")
                     try:
-                        for i in range(<size_t>mesh.n + 1):
-                            offsets[i] = i * block
-                        mesh.acquire(seconds, "all_to_all")
-                        try:
-                            rc = _all_to_all_held(mesh, <const unsigned char*>view.buf, <unsigned char*>into.buf,
-                                                  offsets, offsets, True, fingerprint,
-                                                  monotonic_ns() + <int64_t>(seconds * 1e9), &s, &r)
-                        finally:
-                            mesh.release()
+                        for i in range(<size_t>mesh.n + 1):  # the mesh's n + 1 bounds are the call's while it holds it
+                            mesh.bounds[i] = i * block
+                        rc = _all_to_all_held(mesh, <const unsigned char*>view.buf, <unsigned char*>into.buf,
+                                              mesh.bounds, mesh.bounds, True, fingerprint,
+                                              monotonic_ns() + <int64_t>(seconds * 1e9), &s, &r)
                     finally:
-                        free(offsets)
+                        mesh.release()
                     if rc:
                         _fail_call(&s, &r, "all_to_all", seconds)
                 else:
