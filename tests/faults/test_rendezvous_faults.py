@@ -115,6 +115,27 @@ def test_a_get_timeout_is_reported_at_its_deadline_not_later(store_host):
     client.close()
 
 
+def test_a_late_not_yet_from_a_live_store_is_read_as_missing_keys_not_as_a_silent_store(store_host, monkeypatch):
+    # CI once failed a 0.3 s multi_get as "did not answer": the server's "not yet" was more than its 30 ms
+    # head start late on busy cores. The client now reads such an answer for ANSWER_GRACE past its deadline.
+    # Here the store is frozen when the request is sent and thawed after the caller's deadline, so its answer
+    # is certainly late; the grace is widened so the test does not race the thaw.
+    import ferro.rendezvous.store as store_module
+    monkeypatch.setattr(store_module, "ANSWER_GRACE", 10.0)
+    host = store_host()
+    client = Store("127.0.0.1", host.port, secret=SECRET, timeout=30)
+    assert client.get("ready", timeout=5) == b"1"
+    connection = client._sock
+    freeze(host.process.pid)
+    threading.Timer(1.0, host.process.send_signal, (signal.SIGCONT,)).start()
+    with pytest.raises(ferro.StoreKeyTimeoutError) as missing:
+        client.multi_get(["ready", "never"], timeout=0.3)
+    assert missing.value.missing == ("never",)
+    assert client._sock is connection  # the answer was read, so the connection was kept
+    assert client.get("ready", timeout=5) == b"1"
+    client.close()
+
+
 def _new_group_with_rank0_frozen(rank, world_size, backend):
     group = ferro.init_process_group(backend=backend, timeout=30)
     pids = np.zeros(world_size, dtype=np.int64)
