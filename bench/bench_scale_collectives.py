@@ -37,19 +37,24 @@ def _cost_model() -> CostModel | None:
     return load_cost_model()  # $FERRO_COST_MODEL, read once for every row
 
 
-def emulated_network(cluster: str, bucket: bool = True) -> simulate.Network:
+def emulated_network(cluster: str, bucket: bool = True, cores: bool = True) -> simulate.Network:
     """The simulator's model of an emulated cluster: its links at the TCP payload rate with the emulator's token
     bucket, and, where a cost model is loaded (``FERRO_COST_MODEL``, fitted on that cluster), its measured cost per
-    message as the latency. ``bucket=False``: plain lines, as the simulator models a real cluster's NICs."""
+    message as the latency and its machine's CPU costs (``CostModel.cpu``) on that machine's cores, which every
+    emulated host shares. ``bucket=False``: plain lines, as the simulator models a real cluster's NICs;
+    ``cores=False``: a core per rank, as the simulator models a real cluster whose ranks have theirs."""
     network = simulate.parse_network(cluster)
     model = _cost_model()
-    latency = network.latency
+    latency, overhead, per_byte, machine_cores = network.latency, network.overhead, 0.0, 0
     if model is not None:
+        if cores and model.cpu[2]:
+            overhead, per_byte, machine_cores = model.cpu
         alpha = model.per_algorithm.get("ring", (model.alpha, model.beta))[0]
-        latency = max(alpha - network.overhead, 0.0)
+        latency = max(alpha - overhead, 0.0)
     burst = bucket_bytes(parse_emulation(cluster)[2]) * TCP_PAYLOAD_SHARE if bucket else 0.0
     return simulate.Network(network.hosts, network.ranks_per_host, network.rate * TCP_PAYLOAD_SHARE, latency=latency,
-                            overhead=network.overhead, burst=burst)
+                            overhead=overhead, burst=burst, cpu_per_byte=per_byte, cores=machine_cores,
+                            cores_shared=True)
 
 
 def _predict(network: simulate.Network, op: str, algorithm: str, nbytes: int, itemsize: int,
@@ -68,7 +73,7 @@ def _predict(network: simulate.Network, op: str, algorithm: str, nbytes: int, it
 
 def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:
     """Run one cluster's sweep and return its rows with predictions."""
-    network = emulated_network(cluster, not args.no_bucket)
+    network = emulated_network(cluster, not args.no_bucket, not args.no_cores)
     with tempfile.TemporaryDirectory(prefix="ferro-scale-") as tmp:
         out = Path(tmp) / "rows.json"
         command = [sys.executable, "-m", "ferro", "bench", *args.ops.split(","), "--emulate", cluster,
@@ -97,7 +102,8 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:
         bound = simulate.lower_bound(network, row.size, row.op) if row.op in simulate.OP_ALGORITHMS else None
         results.append({"cluster": cluster, "op": row.op, "size": row.size, "itemsize": itemsize, "calls": calls,
                         "algorithm": row.algorithm,
-                        "measured_us": row.time_us(), "predicted_us": None if predicted is None else predicted * 1e6,
+                        "measured_us": row.time_us(), "cpu_us": row.cpu_us,
+                        "predicted_us": None if predicted is None else predicted * 1e6,
                         "bound_us": None if bound is None else bound * 1e6, "peers_us": peers})
     return results
 
@@ -129,8 +135,8 @@ def predict_scale(ranks: list[int], links: list[str], sizes: list[int]) -> list[
     return rows
 
 
-def _repredicted(row: dict, bucket: bool) -> dict:
-    network = emulated_network(row["cluster"], bucket)
+def _repredicted(row: dict, bucket: bool, cores: bool) -> dict:
+    network = emulated_network(row["cluster"], bucket, cores)
     itemsize = row.get("itemsize", 4)
     predicted = _predict(network, row["op"], row["algorithm"], row["size"], itemsize, row.get("calls", 1))
     bound = simulate.lower_bound(network, row["size"], row["op"]) if row["op"] in simulate.OP_ALGORITHMS else None
@@ -213,6 +219,8 @@ def main() -> int:
                         help="re-predict the rows of earlier --json files (comma-separated); run nothing")
     parser.add_argument("--no-bucket", action="store_true",
                         help="predict the emulated links as plain lines, without the token bucket tc shapes them with")
+    parser.add_argument("--no-cores", action="store_true",
+                        help="predict a core per rank, ignoring the cost model's CPU costs on this machine's cores")
     parser.add_argument("--markdown", default=None, help="also write the rows as Markdown tables here")
     parser.add_argument("--predict-scale", default=None, metavar="RANKS",
                         help="comma-separated rank counts (e.g. 256,1024,4096,16384): predict the allreduce there "
@@ -232,8 +240,8 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0
     if args.from_json:
-        results = [dict(r, **_repredicted(r, not args.no_bucket)) for path in args.from_json.split(",")
-                   for r in json.loads(Path(path).read_text())]
+        results = [dict(r, **_repredicted(r, not args.no_bucket, not args.no_cores))
+                   for path in args.from_json.split(",") for r in json.loads(Path(path).read_text())]
     else:
         results = [row for cluster in args.clusters.split(",") for row in run_cluster(cluster, args)]
     show(results)

@@ -1,6 +1,7 @@
 """ferro bench: the nccl-tests table, --check, output files, --compare, and Ctrl-C."""
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -50,7 +51,9 @@ def test_table_parses_check_finds_nothing_wrong_and_files_are_written(tmp_path):
     assert "# Out of bounds values : 0 OK" in done.stdout
     with open(csv_path) as f:
         assert len(list(csv.DictReader(f))) == len(rows)
-    assert len(json.loads(json_path.read_text())) == len(rows)
+    written = json.loads(json_path.read_text())
+    assert len(written) == len(rows)
+    assert all(row["cpu_us"] is not None and row["cpu_us"] >= 0 for row in written)  # Linux: /proc/stat
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -347,3 +350,56 @@ def test_simulate_refuses_what_it_cannot_replay():
     assert code == 2 and "point-to-point" in err
     code, _, err = _simulated(["allreduce", "--simulate", "4 hosts"])
     assert code == 2 and "HOSTSxRANKS@RATE" in err
+
+
+def test_fit_shares_the_machine_s_cpu_out_over_the_plans_messages_and_bytes(tmp_path):
+    import argparse
+
+    from ferro.backend.cost_model import load_cost_model
+    from ferro.tools.bench import simulate
+    from ferro.tools.bench.cli import _fit
+    from ferro.tools.bench.table import Row
+
+    # Rows whose CPU per call is exactly 25 us per message and 2 ns per byte sent (plus the replay's reduce
+    # rate) of the frames each plan moves at 8 ranks on 2 emulated hosts: the fit gives those costs back.
+    per_message, per_byte, n = 25e-6, 2e-9, 8
+    network = simulate.Network(2, 4, 1.0)
+    rows = []
+    for name in ("ring", "recursive_doubling", "halving_doubling"):
+        for size, seconds in ((4096, 1e-3), (1 << 16, 4e-3), (1 << 20, 5e-2)):
+            messages, sent, reduced = simulate.traffic(network, name, size)
+            cpu = messages * per_message + sent * per_byte + reduced / network.reduce_rate
+            rows.append(Row("ferro-tcp", "allreduce", size, size // 4, "float32", "sum", -1, n, seconds * 1e6, None,
+                            None, None, name, cpu * 1e6))
+    path = tmp_path / "model.json"
+    args = argparse.Namespace(fit=str(path), emulate="2x4@100mbit", line_rate=None, iters=20)
+    assert _fit(args, rows) == 0
+    fitted = load_cost_model(str(path)).cpu
+    assert fitted[0] == pytest.approx(per_message, rel=1e-9) and fitted[1] == pytest.approx(per_byte, rel=1e-9)
+    assert fitted[2] == os.cpu_count()
+    # Rows without CPU figures (off Linux) leave the model's CPU unmeasured.
+    assert _fit(args, [dataclasses.replace(row, cpu_us=None) for row in rows]) == 0
+    assert load_cost_model(str(path)).cpu == (0.0, 0.0, 0)
+
+
+def test_traffic_counts_the_frames_the_replay_sends():
+    from ferro.tools.bench import simulate
+
+    network = simulate.Network(4, 1, 1.0)
+    # Recursive doubling at 4 ranks: 2 rounds, each rank sends and reduces the whole message once a round.
+    assert simulate.traffic(network, "recursive_doubling", 4096) == (8, 8 * 4096, 8 * 4096)
+    # The ring of a small message: 2 (n - 1) steps of one chunk each per rank, the first n - 1 reducing.
+    assert simulate.traffic(network, "ring", 4096) == (4 * 6, 4 * 6 * 1024, 4 * 3 * 1024)
+    # A broadcast by binomial tree reaches each of the other ranks once.
+    assert simulate.traffic(network, "binomial tree", 4096, op="broadcast")[:2] == (3, 3 * 4096)
+
+
+def test_the_machine_s_busy_cpu_counts_a_busy_loop_and_no_more_than_the_cores_could_run():
+    from ferro.tools.bench.worker import machine_busy_seconds
+
+    wall_start, busy_start = time.monotonic(), machine_busy_seconds()
+    while time.monotonic() - wall_start < 0.5:  # one core busy for half a second
+        pass
+    busy, wall = machine_busy_seconds() - busy_start, time.monotonic() - wall_start
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert 0.5 - 2 * tick <= busy <= wall * os.cpu_count() + 2 * tick * os.cpu_count()

@@ -303,6 +303,13 @@ def test_the_cost_model_file_drives_the_choice_and_a_bad_one_is_refused(tmp_path
     broken.write_text("{\"alpha\": 1}")
     with pytest.raises(ConfigurationError, match="not a cost model written by ferro bench --fit"):
         load_cost_model(str(broken))
+    # The machine's CPU costs travel with the model; negative ones are refused like negative link costs.
+    with_cpu = CostModel(50e-6, 1 / 12.5e6, 0.0, "test", cpu=(13e-6, 4e-9, 2))
+    with_cpu.save(slow_link)
+    assert load_cost_model(str(slow_link)) == with_cpu
+    CostModel(50e-6, 1 / 12.5e6, 0.0, "test", cpu=(-1e-6, 4e-9, 2)).save(broken)
+    with pytest.raises(ConfigurationError, match="must not be negative"):
+        load_cost_model(str(broken))
 
 
 # --- broadcast's schedules: the binomial tree and the pipelined chain ---
@@ -1122,3 +1129,36 @@ def test_a_token_bucket_passes_what_it_saved_while_idle_at_once_and_the_rest_at_
     line = 65536 * 15 / 16 / plain.rate
     assert simulate.predict(plain, "ring", 65536, op="all_gather", calls=5) > line + 15 * 70e-6
     assert line < simulate.predict(shaped, "ring", 65536, op="all_gather", calls=5) < 1.01 * line
+
+
+def test_cpu_work_waits_for_a_free_core_in_the_hosts_pool_or_the_one_shared_by_every_host():
+    # Four hosts of one rank, a link too fast to matter, and 1 ms of CPU per message: recursive doubling's two
+    # rounds take a rank 2 ms of its own work. With one core for the whole cluster the eight messages queue for it
+    # (8 ms); with a core per host, or as many shared cores as ranks, or none counted, the ranks' work overlaps.
+    base = dict(hosts=4, ranks_per_host=1, rate=1e15, latency=0.0, overhead=1e-3, local_rate=1e15,
+                local_latency=0.0, reduce_rate=1e15)
+    own = simulate.predict(simulate.Network(**base), "recursive_doubling", 4)
+    assert own == pytest.approx(2e-3, rel=1e-6)
+    one_core = simulate.Network(**base, cores=1, cores_shared=True)
+    assert simulate.predict(one_core, "recursive_doubling", 4) == pytest.approx(8e-3, rel=1e-6)
+    assert simulate.predict(simulate.Network(**base, cores=1), "recursive_doubling", 4) == pytest.approx(2e-3, rel=1e-6)
+    assert simulate.predict(simulate.Network(**base, cores=4, cores_shared=True), "recursive_doubling",
+                            4) == pytest.approx(2e-3, rel=1e-6)
+    # The streamed ring too: 4 ranks x 6 frames of 1 ms on one core.
+    assert simulate.predict(one_core, "ring", 4096) == pytest.approx(24e-3, rel=1e-6)
+    # Bytes cost CPU as well: 1 ns a byte on 4 KiB messages adds 8 x 4,096 ns on the one core.
+    per_byte = simulate.Network(**base, cores=1, cores_shared=True, cpu_per_byte=1e-9)
+    assert simulate.predict(per_byte, "recursive_doubling", 4096) == pytest.approx(8e-3 + 8 * 4096e-9, rel=1e-6)
+    with pytest.raises(ValueError, match="method='full'"):
+        simulate.predict(one_core, "ring", 4096, method="symmetric")
+
+
+def test_the_symmetric_replay_bounds_a_step_by_its_host_s_cores():
+    # Two ranks on each of 4 hosts, one core per host: host 0's two ranks' messages of a step queue for it.
+    base = dict(hosts=4, ranks_per_host=2, rate=1e15, latency=0.0, overhead=1e-3, local_rate=1e15,
+                local_latency=0.0, reduce_rate=1e15)
+    free = simulate.predict(simulate.Network(**base), "recursive_doubling", 4, method="symmetric")
+    queued = simulate.predict(simulate.Network(**base, cores=1), "recursive_doubling", 4, method="symmetric")
+    assert free == pytest.approx(3e-3, rel=1e-6) and queued == pytest.approx(6e-3, rel=1e-6)
+    assert simulate.predict(simulate.Network(**base, cores=1), "recursive_doubling", 4,
+                            method="full") == pytest.approx(6e-3, rel=1e-6)

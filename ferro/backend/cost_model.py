@@ -82,6 +82,11 @@ class CostModel:
             cluster, ``ferro bench --fit --line-rate 25gbit`` records the NIC's (``ethtool`` says it). A fit
             cannot see it: the links' buffers pass a short call faster than the line, and the fitted rate came
             out 9-10 % above it on every emulated cluster.
+        cpu: ``(seconds per message, seconds per byte sent, cores)``: the CPU the fit's machine spent on the
+            timed calls, every rank's and the kernel's (``/proc/stat``), shared out over the messages and bytes
+            the plans moved; ``cores`` the machine's (0: not measured). Nothing chooses by it: the simulator
+            replays the ranks' work on those cores (``ferro bench --simulate``, ``bench_scale_collectives.py``),
+            which is what sets small calls' time where many ranks share few cores, as on an emulated cluster.
 
     """
 
@@ -95,6 +100,7 @@ class CostModel:
     link: str = "same_host"
     links: dict[str, tuple[float, float]] = field(default_factory=dict)
     line_rate: float = 0.0
+    cpu: tuple[float, float, int] = (0.0, 0.0, 0)
 
     def link_numbers(self) -> tuple[float, float, float]:
         """Return ``(latency_bytes, copy_ratio, partner_ratio)`` for a TCP group's plans (``collectives.Mesh``).
@@ -254,7 +260,7 @@ def load_cost_model(path: str | None = None) -> CostModel | None:
         model = CostModel(float(fields["alpha"]), float(fields["beta"]), float(fields.get("gamma", 0.0)),
                           str(fields.get("fitted_on", "")), per_algorithm, int(fields.get("world_size", 0)),
                           measured, str(fields.get("link", "same_host")), links,
-                          float(fields.get("line_rate", 0.0)))
+                          float(fields.get("line_rate", 0.0)), _cpu_costs(fields.get("cpu", (0.0, 0.0, 0))))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigurationError(f"{COST_MODEL_ENV}={path}: not a cost model written by ferro bench --fit ({exc})"
                                  ) from None
@@ -265,10 +271,15 @@ def load_cost_model(path: str | None = None) -> CostModel | None:
     if kinds:
         raise ConfigurationError(f"{COST_MODEL_ENV}={path}: no kind of link named {kinds[0]!r}; "
                                  f"use {' or '.join(LINK_KINDS)}")
-    pairs = [*model.per_algorithm.values(), *model.links.values()]
+    pairs = [*model.per_algorithm.values(), *model.links.values(), model.cpu]
     if min(model.alpha, model.beta, model.gamma, model.line_rate, *(c for pair in pairs for c in pair)) < 0:
         raise ConfigurationError(f"{COST_MODEL_ENV}={path}: costs must not be negative: {model}")
     return model
+
+
+def _cpu_costs(value: Any) -> tuple[float, float, int]:
+    per_message, per_byte, cores = value
+    return float(per_message), float(per_byte), int(cores)
 
 
 def force_plans(mesh: Any, rank: int) -> None:

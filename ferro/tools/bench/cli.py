@@ -30,7 +30,7 @@ from ferro.tools.bench.load import LOAD_KINDS, single_threaded_blas
 from ferro.tools.bench.reference import memcpy_seconds
 from ferro.tools.bench.stream import measure_stream, stream_rows
 from ferro.tools.bench.table import Row, read_json, write_csv, write_json
-from ferro.tools.bench.worker import OPS, sizes_from
+from ferro.tools.bench.worker import OPS, sizes_from, timed_calls
 from ferro.tools.bench.worker import main as worker_main
 from ferro.tools.emulate import EmulatedCluster, cluster_unavailable, parse_emulation, payload_rate
 
@@ -489,12 +489,16 @@ def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
         line_rate = payload_rate(args.line_rate)
     elif link == "between_hosts":  # the emulated links' rate
         line_rate = payload_rate(parse_emulation(args.emulate)[2])
+    cpu = _fit_cpu(ours, args)
     model = CostModel(ring_alpha, ring_beta, 0.0, f"{n} ranks, backend {ours[0].library}, {where}", fitted, n,
-                      timed, link, links, line_rate)
+                      timed, link, links, line_rate, cpu)
     model.save(args.fit)
     print(f"# cost model written to {args.fit} ({model.fitted_on}); per algorithm, us per message and MB/s:")
     for name, (alpha, beta) in fitted.items():
         print(f"#   {name:>18}: alpha {alpha * 1e6:8.2f} us, beta {1 / beta / 1e6 if beta else float('inf'):8.1f} MB/s")
+    if cpu[2]:
+        print(f"#   the machine's CPU: {cpu[0] * 1e6:.2f} us per message, {cpu[1] * 1e9:.3f} ns per byte sent, "
+              f"on {cpu[2]} cores")
     print(f"# {'size':>10} " + " ".join(f"{name:>18}" for name in FIT_ALGORITHMS)
           + f" {'chosen by the model':>20} {'by the rule':>20}   (measured us)")
     for size in sorted({r.size for r in ours}):
@@ -502,6 +506,53 @@ def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
         print(f"  {size:>10} " + " ".join(f"{measured.get(name, float('nan')):>18.1f}" for name in FIT_ALGORITHMS)
               + f" {model.choose_allreduce(size, n):>20} {choose_allreduce(size, n):>20}")
     return 0
+
+
+def _fit_cpu(rows: list[Row], args: argparse.Namespace) -> tuple[float, float, int]:
+    """Return the machine's CPU seconds per message and per byte sent, and its cores, from the rows' CPU times.
+
+    Each row's busy CPU per call (:attr:`Row.cpu_us`: every rank's and the kernel's) is shared out over the
+    messages and bytes its plan moved on every rank (:func:`ferro.tools.bench.simulate.traffic`, the frames the
+    mesh cut: a loaded model's, else the defaults), less what reducing took at the simulator's ``reduce_rate``.
+    A least-squares fit of relative errors, as the times' fit (a row whose CPU is below the kernel's ticks, 10 ms
+    on each core, over its calls is weighed as if it were that much: give ``--iters`` 20 or more), then the cost
+    per message taken again from the smallest size's rows alone and the cost per byte refitted beside it.
+    ``(0, 0, 0)`` where the rows have no CPU figures (off Linux) or the fit finds no cost.
+    """
+    import numpy as np
+
+    from ferro._core import collectives as native
+    from ferro.backend.cost_model import load_cost_model
+    from ferro.tools.bench import simulate
+
+    measured = [r for r in rows if r.cpu_us is not None and r.algorithm in simulate.ALGORITHMS]
+    cores = os.cpu_count() or 1
+    if len(measured) < 2:
+        return 0.0, 0.0, 0
+    n = measured[0].world_size
+    hosts, per_host = parse_emulation(args.emulate)[:2] if args.emulate else (1, n)
+    network = simulate.Network(hosts, per_host, 1.0)
+    model = load_cost_model()  # the frames the ranks cut are the loaded model's
+    segment, piece = (model.segment_bytes(), model.piece_bytes()) if model else (native.DEFAULT_SEGMENT_BYTES, 0)
+    tick = cores / os.sysconf("SC_CLK_TCK")
+    traffic, cpu, error = [], [], []
+    for r in measured:
+        messages, sent, reduced = simulate.traffic(network, r.algorithm, r.size, max(1, r.size // r.count),
+                                                   segment=segment, piece=piece)
+        seconds = (r.cpu_us or 0.0) * 1e-6
+        traffic.append((messages, sent))
+        cpu.append(seconds - reduced / network.reduce_rate)
+        error.append(max(tick / timed_calls(args.iters, r.size), seconds))
+    counts, wanted, weight = np.array(traffic, dtype=float), np.array(cpu), 1 / np.array(error)
+    per_message, per_byte = _nonnegative_fit(counts * weight[:, None], wanted * weight)
+    # One cost per message is an average: a message of a latency-bound call (its rank asleep until it lands)
+    # costs more than one of a stream. The small calls are where the CPU sets the time, so their messages' cost
+    # is taken from the smallest size timed, and the cost per byte refitted beside it.
+    smallest = [i for i, r in enumerate(measured) if r.size == min(row.size for row in measured)]
+    per_message = max(0.0, float(np.median([(wanted[i] - counts[i, 1] * per_byte) / counts[i, 0] for i in smallest])))
+    rest, bytes_column = (wanted - counts[:, 0] * per_message) * weight, counts[:, 1] * weight
+    per_byte = max(0.0, float(bytes_column @ rest / (bytes_column @ bytes_column)))
+    return (per_message, per_byte, cores) if per_message or per_byte else (0.0, 0.0, 0)
 
 
 def _never_faster_when_larger(seconds: np.ndarray) -> np.ndarray:
@@ -517,26 +568,27 @@ def _never_faster_when_larger(seconds: np.ndarray) -> np.ndarray:
     return np.minimum.accumulate(seconds[::-1])[::-1]
 
 
-def _nonnegative_fit(design: np.ndarray) -> tuple[float, float]:
-    """Return the ``(alpha, beta) >= 0`` that best solve ``design @ (alpha, beta) = 1`` in least squares.
+def _nonnegative_fit(design: np.ndarray, target: np.ndarray | None = None) -> tuple[float, float]:
+    """Return the ``(alpha, beta) >= 0`` that best solve ``design @ (alpha, beta) = target`` in least squares.
 
-    Rows are already divided by each size's time, so the fit weighs relative errors. Where the free fit makes one
-    cost negative (noise at small sizes can), the best fit is on the boundary: the other cost alone, fitted again;
-    clamping the negative one to zero instead would keep the other at a value fitted beside a negative partner.
+    ``target`` defaults to ones: rows already divided by each size's time, so the fit weighs relative errors.
+    Where the free fit makes one cost negative (noise at small sizes can), the best fit is on the boundary: the
+    other cost alone, fitted again; clamping the negative one to zero instead would keep the other at a value
+    fitted beside a negative partner.
     """
     import numpy as np
 
-    ones = np.ones(design.shape[0])
-    (alpha, beta), *_ = np.linalg.lstsq(design, ones, rcond=None)
+    wanted = np.ones(design.shape[0]) if target is None else target
+    (alpha, beta), *_ = np.linalg.lstsq(design, wanted, rcond=None)
     if alpha >= 0 and beta >= 0:
         return float(alpha), float(beta)
     candidates = [(0.0, 0.0)]
     for column in (0, 1):
         values = design[:, column]
         if values @ values > 0:
-            alone = max(0.0, float(values @ ones / (values @ values)))
+            alone = max(0.0, float(values @ wanted / (values @ values)))
             candidates.append((alone, 0.0) if column == 0 else (0.0, alone))
-    return min(candidates, key=lambda pair: float(np.sum((design @ np.array(pair) - ones) ** 2)))
+    return min(candidates, key=lambda pair: float(np.sum((design @ np.array(pair) - wanted) ** 2)))
 
 
 def _as_rank(args: argparse.Namespace, ops: list[str]) -> int:

@@ -9,6 +9,9 @@ The steps are the ones the compiled executor runs (:func:`ferro._core.collective
 * every message pays ``LATENCY`` on the wire and a per-message CPU ``overhead`` at its sender; messages between
   ranks of one host go through memory at ``local_rate``; a link may hold a token bucket (``Network.burst``, as
   ``tc`` shapes an emulated one: bytes saved up while it idles pass at once), none by default;
+* the ranks' CPU work (each message's ``overhead`` and ``cpu_per_byte``, each reduction) may need one of a
+  pool of ``cores`` (per host, or one pool for every host where one machine emulates the cluster), first come
+  first served; by default every rank has a core of its own and never waits for one;
 * a rank runs its steps in order; a step sends and receives one segment each way at a time (as
   ``_exchange_segments`` does), and a reducing step then reduces what arrived at ``reduce_rate``;
 * except the ring, which streams as ``_stream_ring`` runs it: each chunk in :func:`~ferro._core.collectives.ring_piece`
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from ferro._core import collectives as native
 
 __all__ = ["ALGORITHMS", "BROADCAST_ALGORITHMS", "OP_ALGORITHMS", "Network", "lower_bound", "parse_network", "predict",
-           "replay", "replay_streams"]
+           "replay", "replay_streams", "traffic"]
 
 #: The schedules the simulator replays, by the name ``ferro.allreduce(algorithm=...)`` takes.
 ALGORITHMS = {"ring": native.ALGORITHM_RING, "recursive_doubling": native.ALGORITHM_RECURSIVE_DOUBLING,
@@ -56,6 +59,13 @@ class Network:
             ``rate`` while the link is idle: a token bucket of that size, as ``tc``'s ``tbf`` shapes an emulated
             link (:data:`ferro.tools.emulate`'s links hold 64 KiB at 100 Mbit). 0, the default: a plain line, as a
             NIC sends.
+        cpu_per_byte: Sender CPU seconds per byte a message carries (with ``overhead``: all the CPU a message
+            costs, both ends' system calls and copies and the kernel's work on it).
+        cores: Cores the ranks' CPU work runs on, ``overhead + cpu_per_byte * bytes`` for each message and each
+            reduction's time: a rank whose work finds every core busy waits for one. 0, the default: a core per
+            rank, no waiting.
+        cores_shared: The ``cores`` are one pool for every host (one machine running the whole cluster, as
+            ``ferro bench --emulate`` does) rather than each host's own.
 
     """
 
@@ -68,6 +78,9 @@ class Network:
     local_latency: float = 5e-6
     reduce_rate: float = 4e9
     burst: float = 0.0
+    cpu_per_byte: float = 0.0
+    cores: int = 0
+    cores_shared: bool = False
 
     @property
     def world_size(self) -> int:
@@ -145,6 +158,28 @@ def _cross(network: Network, up: list[_Link], down: list[_Link], a: int, b: int,
     return leaves
 
 
+class _Cores:
+    """The cores the ranks' CPU work runs on: each pool a heap of the times its cores come free."""
+
+    def __init__(self, network: Network) -> None:
+        self.network = network
+        pools = 0 if network.cores <= 0 else 1 if network.cores_shared else network.hosts
+        self.pools = [[0.0] * network.cores for _ in range(pools)]
+
+    def run(self, rank: int, ready: float, seconds: float) -> float:
+        """Return when ``seconds`` of ``rank``'s CPU work, ready at ``ready``, is done."""
+        if not self.pools or seconds <= 0:
+            return ready + seconds
+        pool = self.pools[0 if self.network.cores_shared else rank // self.network.ranks_per_host]
+        start = max(ready, pool[0])  # the core that comes free first
+        heapq.heapreplace(pool, start + seconds)
+        return start + seconds
+
+    def message(self, rank: int, ready: float, nbytes: int) -> float:
+        """Return when the sender's CPU work for a message of ``nbytes`` ready at ``ready`` is done."""
+        return self.run(rank, ready, self.network.overhead + nbytes * self.network.cpu_per_byte)
+
+
 def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment: int) -> float:
     """Return the seconds until the slowest rank has run every step ``steps_of(rank)`` gives, on ``network``.
 
@@ -155,15 +190,16 @@ def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment:
     plans = [_exchanges(steps_of(rank), segment) for rank in range(n)]
     position = [0] * n
     up, down = _links(network), _links(network)  # each host's link, each way
+    cores = _Cores(network)
     arrivals: dict[tuple[int, int], deque[float]] = defaultdict(deque)   # (src, dst) -> arrival times, in order
     waiting: dict[tuple[int, int], tuple[int, float, float, int]] = {}   # (src, dst) -> the receiver's op
     finished = [0.0] * n
-    events = [(0.0, rank) for rank in range(n)]  # (time a rank starts its next exchange, rank)
+    events = [(0.0, rank, 0) for rank in range(n)]  # (time a rank starts its next exchange or reduces, rank, bytes)
     heapq.heapify(events)
 
     def send(src: int, dst: int, nbytes: int, start: float) -> float:
         """Put one message on its way; return when it has left the sender (its buffer is free)."""
-        at = start + network.overhead
+        at = cores.message(src, start, nbytes)
         if src // per_host == dst // per_host:
             leaves = at + nbytes / network.local_rate
             arrival = leaves + network.local_latency
@@ -179,12 +215,20 @@ def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment:
         return leaves
 
     def finish(rank: int, done: float, reduce_bytes: int) -> None:
-        done += reduce_bytes / network.reduce_rate
+        if reduce_bytes and cores.pools:
+            # Reduce when the bytes are there, taking a core then: a core taken now for later would stay idle
+            # until then for work that is ready earlier.
+            heapq.heappush(events, (done, rank, reduce_bytes))
+            return
         position[rank] += 1
-        heapq.heappush(events, (done, rank))
+        heapq.heappush(events, (done + reduce_bytes / network.reduce_rate, rank, 0))
 
     while events:
-        now, rank = heapq.heappop(events)
+        now, rank, reducing = heapq.heappop(events)
+        if reducing:
+            position[rank] += 1
+            heapq.heappush(events, (cores.run(rank, now, reducing / network.reduce_rate), rank, 0))
+            continue
         if position[rank] >= len(plans[rank]):
             finished[rank] = now
             continue
@@ -212,7 +256,8 @@ def replay_symmetric(network: Network, steps_of: Callable[[int], Sequence[Step]]
     those of its ranks sending off the host. It costs R plans instead of H x R, which is what makes 16,384 ranks
     predictable; ``tests/test_schedule.py`` holds it to the full replay where both run: equal at one rank per
     host, an upper estimate within 2x with several (their lockstep and shared link cost more than the replay's
-    overlap). Its links are plain lines: it ignores ``burst``.
+    overlap). Its links are plain lines: it ignores ``burst``. Each host's ``cores`` bound a step by its ranks'
+    CPU work; cores shared by every host (``cores_shared``) are not replayed this way (:func:`predict` refuses).
     """
     per_host = network.ranks_per_host
     plans = [_exchanges(steps_of(rank), segment) for rank in range(min(per_host, network.world_size))]
@@ -224,13 +269,17 @@ def replay_symmetric(network: Network, steps_of: Callable[[int], Sequence[Step]]
         # Each direction of host 0's link carries what its ranks send off the host (and, alike, receive).
         uplink = sum(out for dst, out, *_ in step if leaves(dst))
         downlink = sum(inn for _, _, src, inn, _ in step if leaves(src))
-        slowest = 0.0
+        slowest = work = 0.0
         for dst, out, src, inn, red in step:
             if leaves(dst) or leaves(src):
                 wire = max(uplink, downlink) / network.rate + network.latency
             else:
                 wire = max(out, inn) / network.local_rate + network.local_latency
-            slowest = max(slowest, network.overhead + wire + red / network.reduce_rate)
+            cpu = network.overhead + out * network.cpu_per_byte + red / network.reduce_rate
+            slowest = max(slowest, cpu + wire)
+            work += cpu
+        if network.cores > 0:  # the host's ranks' CPU work of the step on its cores
+            slowest = max(slowest, work / network.cores)
         total += slowest
     return total
 
@@ -308,6 +357,7 @@ def replay_streams(network: Network, streams_of: Callable[[int], Streams], symme
     ranks = range(per_host if symmetric else n)
     plans = {rank: streams_of(rank) for rank in ranks}
     up, down = _links(network), _links(network)
+    cores = _Cores(network)
     arrivals: dict[tuple[int, int], deque[float]] = defaultdict(deque)
     next_send = dict.fromkeys(ranks, 0)
     next_recv = dict.fromkeys(ranks, 0)
@@ -325,7 +375,7 @@ def replay_streams(network: Network, streams_of: Callable[[int], Streams], symme
         if i >= len(sends) or send_free[rank] > now or sends[i][2] >= next_recv[rank] - recv_busy[rank]:
             return  # nothing left, the last frame still leaving, or its bytes not received yet
         dst, nbytes, _ = sends[i]
-        at = now + network.overhead
+        at = cores.message(rank, now, nbytes)
         a, b = rank // per_host, dst // per_host
         if a == b:
             leaves = at + nbytes / network.local_rate
@@ -349,7 +399,7 @@ def replay_streams(network: Network, streams_of: Callable[[int], Streams], symme
         arrival = arrivals[(recvs[i][0], rank)].popleft()
         recv_busy[rank] = True
         next_recv[rank] = i + 1
-        push(max(now, arrival) + recvs[i][2] / network.reduce_rate, 2, rank, -1)
+        push(cores.run(rank, max(now, arrival), recvs[i][2] / network.reduce_rate), 2, rank, -1)
 
     while events:
         now, kind, rank, src = heapq.heappop(events)
@@ -398,28 +448,9 @@ OP_ALGORITHMS: dict[str, dict[str, int]] = {
 BROADCAST_ALGORITHMS = OP_ALGORITHMS["broadcast"]
 
 
-def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
-            segment: int = native.DEFAULT_SEGMENT_BYTES, op: str = "allreduce", root: int = 0,
-            latency_bytes: float = native.DEFAULT_LATENCY_BYTES, method: str = "auto", calls: int = 1,
-            piece: int = 0) -> float:
-    """Return the predicted seconds of one call of ``op`` with ``algorithm`` on ``network``.
-
-    ``nbytes`` is the size a ``ferro bench`` row gives: the allreduce's and broadcast's message, the all_gather's
-    output, the reduce_scatter's input, the all_to_all's bytes sent per rank. A pipelined chain is cut as the
-    mesh cuts it for a link of ``latency_bytes`` (:func:`ferro._core.collectives.chain_segment`). ``method``:
-    ``"full"`` replays every rank (:func:`replay`), ``"symmetric"`` host 0's ranks (:func:`replay_symmetric`, for
-    the plans in :data:`SYMMETRIC`), ``"auto"`` the full replay unless it would take more than
-    :data:`FULL_REPLAY_EXCHANGES` exchanges and the plan is symmetric. ``calls``: replay that many calls back to
-    back, each rank starting its next call as soon as its own part of the last is done (as ``ferro bench`` times
-    them), and return the time per call: a pipelined chain's successive broadcasts overlap. ``segment`` and
-    ``piece`` are the mesh's ``segment_bytes`` and ``piece_bytes`` (0: the segment): the frames the plans are cut
-    into (:meth:`ferro.backend.cost_model.CostModel.segment_bytes`, ``piece_bytes``).
-
-    Raises:
-        ValueError: ``op`` or ``algorithm`` is not one the simulator replays, or a symmetric replay of a plan
-            that is not symmetric.
-
-    """
+def _plans(network: Network, algorithm: str, nbytes: int, itemsize: int, segment: int, op: str, root: int,
+           latency_bytes: float) -> tuple[Callable[[int], Sequence[Step]], int, int]:
+    """Return each rank's steps of one call, the segment they are cut into, and the elements per rank."""
     if op not in OP_ALGORITHMS or algorithm not in OP_ALGORITHMS[op]:
         known = ", ".join(f"{o}: {'/'.join(a)}" for o, a in OP_ALGORITHMS.items())
         raise ValueError(f"no schedule of {op} named {algorithm!r} to replay; the simulator has {known}")
@@ -444,16 +475,77 @@ def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
     else:  # all_gather's Bruck, all_to_all: each rank's block, or the block to each peer
         block = max(count // n, 1)
         steps_of = lambda rank: native.plan_steps(code, rank, n, block, itemsize)  # noqa: E731
+    return steps_of, segment, count
+
+
+def _ring_streams(op: str, steps_of: Callable[[int], Sequence[Step]], segment: int, piece: int, itemsize: int,
+                  calls: int) -> Callable[[int], Streams]:
+    unit = 1 if op == "all_gather" else itemsize  # the all_gather's frames are cut in bytes, the others' in elements
+    return lambda rank: _streams([steps_of(rank)] * max(calls, 1), segment, piece or segment, unit)
+
+
+def traffic(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
+            segment: int = native.DEFAULT_SEGMENT_BYTES, op: str = "allreduce", root: int = 0,
+            latency_bytes: float = native.DEFAULT_LATENCY_BYTES, piece: int = 0) -> tuple[int, int, int]:
+    """Return what one call of ``op`` with ``algorithm`` moves, over every rank: messages, bytes, reduced bytes.
+
+    The messages are the frames :func:`predict` replays (the ring's streamed frames, the other plans'
+    segments), from the same plans; arguments as :func:`predict`'s. ``ferro bench --fit`` divides a call's
+    measured CPU time among them (:attr:`Network.overhead`, :attr:`Network.cpu_per_byte`).
+    """
+    steps_of, segment, _ = _plans(network, algorithm, nbytes, itemsize, segment, op, root, latency_bytes)
+    messages = sent = reduced = 0
+    for rank in range(network.world_size):
+        if algorithm == "ring":
+            sends, recvs = _ring_streams(op, steps_of, segment, piece, itemsize, 1)(rank)
+            messages += len(sends)
+            sent += sum(size for _, size, _ in sends)
+            reduced += sum(red for *_, red in recvs)
+        else:
+            for dst, out, _, _, red in _exchanges(steps_of(rank), segment):
+                messages += dst >= 0
+                sent += out
+                reduced += red
+    return messages, sent, reduced
+
+
+def predict(network: Network, algorithm: str, nbytes: int, itemsize: int = 4,
+            segment: int = native.DEFAULT_SEGMENT_BYTES, op: str = "allreduce", root: int = 0,
+            latency_bytes: float = native.DEFAULT_LATENCY_BYTES, method: str = "auto", calls: int = 1,
+            piece: int = 0) -> float:
+    """Return the predicted seconds of one call of ``op`` with ``algorithm`` on ``network``.
+
+    ``nbytes`` is the size a ``ferro bench`` row gives: the allreduce's and broadcast's message, the all_gather's
+    output, the reduce_scatter's input, the all_to_all's bytes sent per rank. A pipelined chain is cut as the
+    mesh cuts it for a link of ``latency_bytes`` (:func:`ferro._core.collectives.chain_segment`). ``method``:
+    ``"full"`` replays every rank (:func:`replay`), ``"symmetric"`` host 0's ranks (:func:`replay_symmetric`, for
+    the plans in :data:`SYMMETRIC`), ``"auto"`` the full replay unless it would take more than
+    :data:`FULL_REPLAY_EXCHANGES` exchanges and the plan is symmetric. ``calls``: replay that many calls back to
+    back, each rank starting its next call as soon as its own part of the last is done (as ``ferro bench`` times
+    them), and return the time per call: a pipelined chain's successive broadcasts overlap. ``segment`` and
+    ``piece`` are the mesh's ``segment_bytes`` and ``piece_bytes`` (0: the segment): the frames the plans are cut
+    into (:meth:`ferro.backend.cost_model.CostModel.segment_bytes`, ``piece_bytes``).
+
+    Raises:
+        ValueError: ``op`` or ``algorithm`` is not one the simulator replays, or a symmetric replay of a plan
+            that is not symmetric.
+
+    """
+    steps_of, segment, count = _plans(network, algorithm, nbytes, itemsize, segment, op, root, latency_bytes)
+    n = network.world_size
     symmetric = (op, algorithm) in SYMMETRIC or (algorithm in ("recursive_doubling", "halving_doubling")
                                                  and n & (n - 1) == 0 and network.hosts & (network.hosts - 1) == 0)
     if algorithm == "ring" and count < n:
         symmetric = False  # chunks of nothing: the ranks holding one element do more steps than the others
     if method == "symmetric" and not symmetric:
         raise ValueError(f"{op}'s {algorithm} at {n} ranks is not the same from every host: replay it in full")
-    if algorithm == "ring":  # it streams (the all_gather's frames are cut in bytes, the others' in elements)
-        one_plan, unit = steps_of, 1 if op == "all_gather" else itemsize
-        streams_of = lambda rank: _streams([one_plan(rank)] * max(calls, 1), segment, piece or segment,  # noqa: E731
-                                           unit)
+    if network.cores > 0 and network.cores_shared:
+        if method == "symmetric":
+            raise ValueError("cores shared by every host (one machine emulating the cluster) need every rank "
+                             "replayed: give method='full'")
+        symmetric = False  # host 0's ranks alone would have the whole machine's cores
+    if algorithm == "ring":  # it streams
+        streams_of = _ring_streams(op, steps_of, segment, piece, itemsize, calls)
         if method == "auto" and symmetric and n * len(streams_of(0)[0]) > FULL_REPLAY_EXCHANGES:
             method = "symmetric"
         return replay_streams(network, streams_of, symmetric=method == "symmetric") / max(calls, 1)

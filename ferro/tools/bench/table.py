@@ -46,6 +46,9 @@ class Row:
         oop_wrong: Wrong elements seen with --check, or None without it.
         ip_wrong: As ``oop_wrong`` for in-place.
         algorithm: The algorithm that ran (ferro's, by its rule or ``FERRO_ALGORITHM_ALLREDUCE``), or the library's.
+        cpu_us: The busy CPU microseconds per call of rank 0's machine, for the call :meth:`time_us` times (every
+            rank's work where they share that machine, as on one host or an emulated cluster), or None off Linux.
+            The kernel counts it in 10 ms ticks: a row of few short calls measures it coarsely.
 
     """
 
@@ -62,6 +65,7 @@ class Row:
     oop_wrong: int | None
     ip_wrong: int | None
     algorithm: str = ""
+    cpu_us: float | None = None
 
     def time_us(self) -> float:
         """Return the time used to compare libraries: in-place where the op has it, else out-of-place."""

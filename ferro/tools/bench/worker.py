@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -429,17 +430,43 @@ def timed_calls(iters: int, size: int) -> int:
     return max(1, min(iters, int(iters * 4e6 / max(size, 4e6)))) if size else iters
 
 
-def _time(adapter: _Adapter, call: Callable[[], Any], iters: int, warmup: int) -> float:
+def machine_busy_seconds() -> float | None:
+    """Return the CPU seconds this machine's cores have spent busy since boot (``/proc/stat``), None off Linux.
+
+    Busy is everything but idle and I/O wait: every process's user and system time, and the kernel's interrupt
+    and softirq work, which on an emulated cluster (``--emulate``) carries the links' packets for every host.
+    The kernel counts it in ticks (10 ms), so only a span of many calls measures it well.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _time(adapter: _Adapter, call: Callable[[], Any], iters: int, warmup: int) -> tuple[float, float | None]:
+    """Return the slowest rank's microseconds per call, and the machine's busy CPU microseconds per call.
+
+    The CPU figure is rank 0's machine (every rank's, on one host or an emulated cluster), from the barrier
+    before the timed calls until every rank has finished them (the slowest rank's time is agreed first, so it
+    also holds that one small collective's CPU).
+    """
     for _ in range(warmup):
         call()
     adapter.synchronize()
     adapter.barrier()
+    busy_before = machine_busy_seconds()
     start = time.perf_counter()
     for _ in range(iters):
         call()
     adapter.synchronize()
     mine = (time.perf_counter() - start) / iters * 1e6
-    return adapter.max_over_ranks(mine)
+    slowest = adapter.max_over_ranks(mine)
+    busy_after = machine_busy_seconds()
+    cpu = None if busy_before is None or busy_after is None else (busy_after - busy_before) / iters * 1e6
+    return slowest, cpu
 
 
 def sweep(adapter: _Adapter, ops: list[str], sizes: list[int], dtype: np.dtype, redop: str, iters: int,
@@ -458,12 +485,13 @@ def sweep(adapter: _Adapter, ops: list[str], sizes: list[int], dtype: np.dtype, 
                 break
             out_of_place, in_place, checker = plan
             scaled = timed_calls(iters, size)
-            oop = _time(adapter, out_of_place, scaled, warmup)
-            ip = _time(adapter, in_place, scaled, warmup) if in_place is not None else None
+            oop, oop_cpu = _time(adapter, out_of_place, scaled, warmup)
+            ip, ip_cpu = _time(adapter, in_place, scaled, warmup) if in_place is not None else (None, None)
             wrong = int(adapter.max_over_ranks(float(checker()))) if check and checker is not None else None
             row = Row(adapter.name, op, size, count, dtype.name, redop if op in REDUCING else "none",
                       0 if op in ("broadcast", "reduce") else -1, adapter.world_size, oop, ip, wrong,
-                      wrong if ip is not None else None, adapter.algorithm(op, size))
+                      wrong if ip is not None else None, adapter.algorithm(op, size),
+                      ip_cpu if ip is not None else oop_cpu)
             rows.append(row)
             show(format_row(row))
     show(footer(rows))
