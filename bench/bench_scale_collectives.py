@@ -97,14 +97,15 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:
         itemsize = max(1, row.size // max(1, row.count))
         calls = timed_calls(args.iters, row.size)
         predicted = _predict(network, row.op, row.algorithm, row.size, itemsize, calls)
-        peers = {r.library: r.time_us() for r in rows if r.op == row.op and r.size == row.size
-                 and not r.library.startswith("ferro")}
+        same = [r for r in rows if r.op == row.op and r.size == row.size and not r.library.startswith("ferro")]
+        peers = {r.library: r.time_us() for r in same}
         bound = simulate.lower_bound(network, row.size, row.op) if row.op in simulate.OP_ALGORITHMS else None
         results.append({"cluster": cluster, "op": row.op, "size": row.size, "itemsize": itemsize, "calls": calls,
                         "algorithm": row.algorithm,
                         "measured_us": row.time_us(), "cpu_us": row.cpu_us,
                         "predicted_us": None if predicted is None else predicted * 1e6,
-                        "bound_us": None if bound is None else bound * 1e6, "peers_us": peers})
+                        "bound_us": None if bound is None else bound * 1e6, "peers_us": peers,
+                        "peers_cpu_us": {r.library: r.cpu_us for r in same}})
     return results
 
 
