@@ -1162,3 +1162,14 @@ def test_the_symmetric_replay_bounds_a_step_by_its_host_s_cores():
     assert free == pytest.approx(3e-3, rel=1e-6) and queued == pytest.approx(6e-3, rel=1e-6)
     assert simulate.predict(simulate.Network(**base, cores=1), "recursive_doubling", 4,
                             method="full") == pytest.approx(6e-3, rel=1e-6)
+
+
+def test_a_stream_s_per_byte_cpu_overlaps_the_link_carrying_its_next_frame():
+    # Two hosts, a 1 MB/s link and half a microsecond of CPU per byte: the CPU alone would take half the link's
+    # time. Charged as each frame lands, it overlaps the next frame's crossing, so the ring's 1 MiB allreduce
+    # costs the link's time and one frame's CPU, not 1.5 times the link's.
+    base = dict(hosts=2, ranks_per_host=1, rate=1e6, latency=0.0, overhead=0.0, reduce_rate=1e15)
+    line = simulate.predict(simulate.Network(**base), "ring", 1 << 20, segment=1 << 16)
+    with_cpu = simulate.predict(simulate.Network(**base, cpu_per_byte=0.5e-6), "ring", 1 << 20, segment=1 << 16)
+    frame_cpu = (1 << 16) * 0.5e-6
+    assert line < with_cpu <= line + 2 * frame_cpu

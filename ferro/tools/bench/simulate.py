@@ -9,9 +9,9 @@ The steps are the ones the compiled executor runs (:func:`ferro._core.collective
 * every message pays ``LATENCY`` on the wire and a per-message CPU ``overhead`` at its sender; messages between
   ranks of one host go through memory at ``local_rate``; a link may hold a token bucket (``Network.burst``, as
   ``tc`` shapes an emulated one: bytes saved up while it idles pass at once), none by default;
-* the ranks' CPU work (each message's ``overhead`` and ``cpu_per_byte``, each reduction) may need one of a
-  pool of ``cores`` (per host, or one pool for every host where one machine emulates the cluster), first come
-  first served; by default every rank has a core of its own and never waits for one;
+* the ranks' CPU work (each message's ``overhead`` at its sender, its ``cpu_per_byte`` and reduction at its
+  receiver) may need one of a pool of ``cores`` (per host, or one pool for every host where one machine
+  emulates the cluster), first come first served; by default every rank has a core of its own;
 * a rank runs its steps in order; a step sends and receives one segment each way at a time (as
   ``_exchange_segments`` does), and a reducing step then reduces what arrived at ``reduce_rate``;
 * except the ring, which streams as ``_stream_ring`` runs it: each chunk in :func:`~ferro._core.collectives.ring_piece`
@@ -59,11 +59,12 @@ class Network:
             ``rate`` while the link is idle: a token bucket of that size, as ``tc``'s ``tbf`` shapes an emulated
             link (:data:`ferro.tools.emulate`'s links hold 64 KiB at 100 Mbit). 0, the default: a plain line, as a
             NIC sends.
-        cpu_per_byte: Sender CPU seconds per byte a message carries (with ``overhead``: all the CPU a message
-            costs, both ends' system calls and copies and the kernel's work on it).
-        cores: Cores the ranks' CPU work runs on, ``overhead + cpu_per_byte * bytes`` for each message and each
-            reduction's time: a rank whose work finds every core busy waits for one. 0, the default: a core per
-            rank, no waiting.
+        cpu_per_byte: CPU seconds per byte a message carries (both ends' copies and the kernel's work on it),
+            charged to the receiver as the bytes land, so that a stream's next frame crosses the link meanwhile
+            (as the kernel's buffers let it); ``overhead`` is the rest of a message's CPU, at its sender.
+        cores: Cores the ranks' CPU work runs on (each message's ``overhead`` at its sender, and its
+            ``cpu_per_byte`` and reduction at its receiver): a rank whose work finds every core busy waits for
+            one. 0, the default: a core per rank, no waiting.
         cores_shared: The ``cores`` are one pool for every host (one machine running the whole cluster, as
             ``ferro bench --emulate`` does) rather than each host's own.
 
@@ -175,9 +176,9 @@ class _Cores:
         heapq.heapreplace(pool, start + seconds)
         return start + seconds
 
-    def message(self, rank: int, ready: float, nbytes: int) -> float:
-        """Return when the sender's CPU work for a message of ``nbytes`` ready at ``ready`` is done."""
-        return self.run(rank, ready, self.network.overhead + nbytes * self.network.cpu_per_byte)
+    def landed(self, nbytes: int, reduce_bytes: int) -> float:
+        """Return the receiver's CPU seconds for a message of ``nbytes`` that reduces ``reduce_bytes``."""
+        return nbytes * self.network.cpu_per_byte + reduce_bytes / self.network.reduce_rate
 
 
 def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment: int) -> float:
@@ -192,14 +193,15 @@ def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment:
     up, down = _links(network), _links(network)  # each host's link, each way
     cores = _Cores(network)
     arrivals: dict[tuple[int, int], deque[float]] = defaultdict(deque)   # (src, dst) -> arrival times, in order
-    waiting: dict[tuple[int, int], tuple[int, float, float, int]] = {}   # (src, dst) -> the receiver's op
+    waiting: dict[tuple[int, int], tuple[int, float, float, float]] = {}  # (src, dst) -> the receiver's op
     finished = [0.0] * n
-    events = [(0.0, rank, 0) for rank in range(n)]  # (time a rank starts its next exchange or reduces, rank, bytes)
+    events = [(0.0, rank, 0.0) for rank in range(n)]  # (when a rank starts its next exchange, or works on what
+    # landed, the rank, that work's seconds)
     heapq.heapify(events)
 
     def send(src: int, dst: int, nbytes: int, start: float) -> float:
         """Put one message on its way; return when it has left the sender (its buffer is free)."""
-        at = cores.message(src, start, nbytes)
+        at = cores.run(src, start, network.overhead)
         if src // per_host == dst // per_host:
             leaves = at + nbytes / network.local_rate
             arrival = leaves + network.local_latency
@@ -208,38 +210,40 @@ def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment:
             arrival = leaves + network.latency
         key = (src, dst)
         if key in waiting:  # the receiver is already in the exchange that takes this message
-            rank, sent_done, began, reduce_bytes = waiting.pop(key)
-            finish(rank, max(sent_done, arrival), reduce_bytes)
+            rank, sent_done, began, work = waiting.pop(key)
+            finish(rank, max(sent_done, arrival), work)
         else:
             arrivals[key].append(arrival)
         return leaves
 
-    def finish(rank: int, done: float, reduce_bytes: int) -> None:
-        if reduce_bytes and cores.pools:
-            # Reduce when the bytes are there, taking a core then: a core taken now for later would stay idle
-            # until then for work that is ready earlier.
-            heapq.heappush(events, (done, rank, reduce_bytes))
+    def finish(rank: int, done: float, work: float) -> None:
+        """Mark the exchange done at ``done`` but for the receiver's ``work`` seconds on what landed."""
+        if work and cores.pools:
+            # Take a core when the bytes are there: a core taken now for later would stay idle until then for
+            # work that is ready earlier.
+            heapq.heappush(events, (done, rank, work))
             return
         position[rank] += 1
-        heapq.heappush(events, (done + reduce_bytes / network.reduce_rate, rank, 0))
+        heapq.heappush(events, (done + work, rank, 0.0))
 
     while events:
-        now, rank, reducing = heapq.heappop(events)
-        if reducing:
+        now, rank, landed = heapq.heappop(events)
+        if landed:
             position[rank] += 1
-            heapq.heappush(events, (cores.run(rank, now, reducing / network.reduce_rate), rank, 0))
+            heapq.heappush(events, (cores.run(rank, now, landed), rank, 0.0))
             continue
         if position[rank] >= len(plans[rank]):
             finished[rank] = now
             continue
         dst, out_bytes, src, in_bytes, reduce_bytes = plans[rank][position[rank]]
         sent_done = send(rank, dst, out_bytes, now) if dst >= 0 else now
+        work = cores.landed(in_bytes, reduce_bytes)
         if src < 0:
-            finish(rank, sent_done, 0)
+            finish(rank, sent_done, 0.0)
         elif arrivals[(src, rank)]:
-            finish(rank, max(sent_done, arrivals[(src, rank)].popleft()), reduce_bytes)
+            finish(rank, max(sent_done, arrivals[(src, rank)].popleft()), work)
         else:
-            waiting[(src, rank)] = (rank, sent_done, now, reduce_bytes)
+            waiting[(src, rank)] = (rank, sent_done, now, work)
     if waiting:
         raise RuntimeError(f"the schedules deadlock: {len(waiting)} receives never matched (ranks "
                            f"{sorted(r for r, *_ in waiting.values())[:8]})")
@@ -275,7 +279,7 @@ def replay_symmetric(network: Network, steps_of: Callable[[int], Sequence[Step]]
                 wire = max(uplink, downlink) / network.rate + network.latency
             else:
                 wire = max(out, inn) / network.local_rate + network.local_latency
-            cpu = network.overhead + out * network.cpu_per_byte + red / network.reduce_rate
+            cpu = network.overhead + inn * network.cpu_per_byte + red / network.reduce_rate
             slowest = max(slowest, cpu + wire)
             work += cpu
         if network.cores > 0:  # the host's ranks' CPU work of the step on its cores
@@ -375,7 +379,7 @@ def replay_streams(network: Network, streams_of: Callable[[int], Streams], symme
         if i >= len(sends) or send_free[rank] > now or sends[i][2] >= next_recv[rank] - recv_busy[rank]:
             return  # nothing left, the last frame still leaving, or its bytes not received yet
         dst, nbytes, _ = sends[i]
-        at = cores.message(rank, now, nbytes)
+        at = cores.run(rank, now, network.overhead)
         a, b = rank // per_host, dst // per_host
         if a == b:
             leaves = at + nbytes / network.local_rate
@@ -399,7 +403,7 @@ def replay_streams(network: Network, streams_of: Callable[[int], Streams], symme
         arrival = arrivals[(recvs[i][0], rank)].popleft()
         recv_busy[rank] = True
         next_recv[rank] = i + 1
-        push(cores.run(rank, max(now, arrival), recvs[i][2] / network.reduce_rate), 2, rank, -1)
+        push(cores.run(rank, max(now, arrival), cores.landed(recvs[i][1], recvs[i][2])), 2, rank, -1)
 
     while events:
         now, kind, rank, src = heapq.heappop(events)
