@@ -50,7 +50,10 @@ def test_table_parses_check_finds_nothing_wrong_and_files_are_written(tmp_path):
     assert re.search(r"# Avg bus bandwidth\s+:\s+\d+\.\d+", done.stdout)
     assert "# Out of bounds values : 0 OK" in done.stdout
     with open(csv_path) as f:
-        assert len(list(csv.DictReader(f))) == len(rows)
+        written_csv = list(csv.DictReader(f))
+    assert len(written_csv) == len(rows)
+    assert [row["algorithm"] for row in written_csv] == [row["algorithm"] for row in rows]
+    assert all(float(row["cpu_us"]) >= 0 for row in written_csv)
     written = json.loads(json_path.read_text())
     assert len(written) == len(rows)
     assert all(row["cpu_us"] is not None and row["cpu_us"] >= 0 for row in written)  # Linux: /proc/stat

@@ -84,9 +84,9 @@ class CostModel:
             out 9-10 % above it on every emulated cluster.
         cpu: ``(seconds per message, seconds per byte sent, cores)``: the CPU the fit's machine spent on the
             timed calls, every rank's and the kernel's (``/proc/stat``), shared out over the messages and bytes
-            the plans moved; ``cores`` the machine's (0: not measured). Nothing chooses by it: the simulator
-            replays the ranks' work on those cores (``ferro bench --simulate``, ``bench_scale_collectives.py``),
-            which is what sets small calls' time where many ranks share few cores, as on an emulated cluster.
+            the plans moved; ``cores`` the machine's (0: not measured). Nothing chooses by it: the scale bench
+            (``bench/bench_scale_collectives.py``) replays an emulated cluster's ranks' work on those cores,
+            which is what sets small calls' time where many ranks share few cores.
 
     """
 

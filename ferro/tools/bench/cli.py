@@ -539,6 +539,8 @@ def _fit_cpu(rows: list[Row], args: argparse.Namespace) -> tuple[float, float, i
     for r in measured:
         messages, sent, reduced = simulate.traffic(network, r.algorithm, r.size, max(1, r.size // r.count),
                                                    segment=segment, piece=piece)
+        if not messages:  # one rank: nothing moved to share the CPU out over
+            return 0.0, 0.0, 0
         seconds = (r.cpu_us or 0.0) * 1e-6
         traffic.append((messages, sent))
         cpu.append(seconds - reduced / network.reduce_rate)
@@ -551,7 +553,7 @@ def _fit_cpu(rows: list[Row], args: argparse.Namespace) -> tuple[float, float, i
     smallest = [i for i, r in enumerate(measured) if r.size == min(row.size for row in measured)]
     per_message = max(0.0, float(np.median([(wanted[i] - counts[i, 1] * per_byte) / counts[i, 0] for i in smallest])))
     rest, bytes_column = (wanted - counts[:, 0] * per_message) * weight, counts[:, 1] * weight
-    per_byte = max(0.0, float(bytes_column @ rest / (bytes_column @ bytes_column)))
+    per_byte = max(0.0, float(bytes_column @ rest / (bytes_column @ bytes_column))) if bytes_column.any() else 0.0
     return (per_message, per_byte, cores) if per_message or per_byte else (0.0, 0.0, 0)
 
 

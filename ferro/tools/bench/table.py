@@ -120,16 +120,16 @@ def footer(rows: list[Row]) -> str:
 
 
 def write_csv(path: str, rows: list[Row]) -> None:
-    """Write the rows, with algbw and busbw, as CSV."""
+    """Write the rows, with algbw and busbw, the algorithm and the machine's CPU per call, as CSV."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["library", "op", "size", "count", "type", "redop", "root", "world_size",
                          "oop_time_us", "oop_algbw", "oop_busbw", "oop_wrong",
-                         "ip_time_us", "ip_algbw", "ip_busbw", "ip_wrong"])
+                         "ip_time_us", "ip_algbw", "ip_busbw", "ip_wrong", "algorithm", "cpu_us"])
         for r in rows:
             writer.writerow([r.library, r.op, r.size, r.count, r.dtype, r.redop, r.root, r.world_size,
                              r.oop_time_us, r.algbw(), r.busbw(), r.oop_wrong,
-                             r.ip_time_us, r.algbw(True), r.busbw(True), r.ip_wrong])
+                             r.ip_time_us, r.algbw(True), r.busbw(True), r.ip_wrong, r.algorithm, r.cpu_us])
 
 
 def write_json(path: str, rows: list[Row]) -> None:
