@@ -193,7 +193,7 @@ def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment:
     up, down = _links(network), _links(network)  # each host's link, each way
     cores = _Cores(network)
     arrivals: dict[tuple[int, int], deque[float]] = defaultdict(deque)   # (src, dst) -> arrival times, in order
-    waiting: dict[tuple[int, int], tuple[int, float, float, float]] = {}  # (src, dst) -> the receiver's op
+    waiting: dict[tuple[int, int], tuple[int, float, float]] = {}  # (src, dst) -> the receiver's op
     finished = [0.0] * n
     events = [(0.0, rank, 0.0) for rank in range(n)]  # (when a rank starts its next exchange, or works on what
     # landed, the rank, that work's seconds)
@@ -210,7 +210,7 @@ def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment:
             arrival = leaves + network.latency
         key = (src, dst)
         if key in waiting:  # the receiver is already in the exchange that takes this message
-            rank, sent_done, began, work = waiting.pop(key)
+            rank, sent_done, work = waiting.pop(key)
             finish(rank, max(sent_done, arrival), work)
         else:
             arrivals[key].append(arrival)
@@ -243,7 +243,7 @@ def replay(network: Network, steps_of: Callable[[int], Sequence[Step]], segment:
         elif arrivals[(src, rank)]:
             finish(rank, max(sent_done, arrivals[(src, rank)].popleft()), work)
         else:
-            waiting[(src, rank)] = (rank, sent_done, now, work)
+            waiting[(src, rank)] = (rank, sent_done, work)
     if waiting:
         raise RuntimeError(f"the schedules deadlock: {len(waiting)} receives never matched (ranks "
                            f"{sorted(r for r, *_ in waiting.values())[:8]})")

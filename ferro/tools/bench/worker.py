@@ -449,22 +449,24 @@ def machine_busy_seconds() -> float | None:
 def _time(adapter: _Adapter, call: Callable[[], Any], iters: int, warmup: int) -> tuple[float, float | None]:
     """Return the slowest rank's microseconds per call, and the machine's busy CPU microseconds per call.
 
-    The CPU figure is rank 0's machine (every rank's, on one host or an emulated cluster), from the barrier
-    before the timed calls until every rank has finished them (the slowest rank's time is agreed first, so it
-    also holds that one small collective's CPU).
+    The CPU figure is rank 0's machine (every rank's, on one host or an emulated cluster), read by rank 0 alone
+    (None on the others): from before the barrier that starts the timed calls until every rank has finished
+    them, so the reading delays no rank's start; it also holds the barrier's and the agreement on the slowest
+    time, two small collectives, well inside the kernel's 10 ms ticks.
     """
     for _ in range(warmup):
         call()
     adapter.synchronize()
+    reads_cpu = adapter.rank == 0
+    busy_before = machine_busy_seconds() if reads_cpu else None
     adapter.barrier()
-    busy_before = machine_busy_seconds()
     start = time.perf_counter()
     for _ in range(iters):
         call()
     adapter.synchronize()
     mine = (time.perf_counter() - start) / iters * 1e6
     slowest = adapter.max_over_ranks(mine)
-    busy_after = machine_busy_seconds()
+    busy_after = machine_busy_seconds() if reads_cpu else None
     cpu = None if busy_before is None or busy_after is None else (busy_after - busy_before) / iters * 1e6
     return slowest, cpu
 
