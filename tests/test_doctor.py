@@ -150,6 +150,25 @@ def _signal_dump(group, folder):
         hang_watch.stop_hang_watch()
 
 
+def _stall_after_a_call(group):
+    watch = hang_watch._Watch(100.0, group.rank)  # its thread not started: this test polls by hand
+    try:
+        ferro.allreduce(np.ones(1), group=group)
+        watch._watch_progress()  # one poll of its thread
+        watch.changed -= 50.0  # the last progress the watch saw was 50 s ago
+        ferro.allreduce(np.ones(1), group=group)  # a call made since its last poll
+        return watch._snapshot("test", None)["progress"]["stalled_for"]
+    finally:
+        for fd in (watch.read_end, watch.write_end):
+            os.close(fd)
+
+
+def test_a_dump_counts_the_calls_made_since_the_watch_s_last_poll():
+    """Seen in CI: a rank 0.15 s into a new epoch's calls dumped '4.7 s stalled' and the launcher killed it."""
+    for stalled in run_processes(_stall_after_a_call, 2, backend="shm", timeout=60):
+        assert 0.0 <= stalled < 5.0, stalled
+
+
 def test_sigusr1_writes_the_record_and_every_thread_s_stack(tmp_path):
     for rank, dump in enumerate(run_processes(_signal_dump, 2, args=(str(tmp_path),), backend="shm", timeout=60)):
         assert dump["reason"] == "signal SIGUSR1" and dump["rank"] == rank
@@ -423,6 +442,69 @@ def test_a_round_that_finds_an_awaited_rank_exited_is_the_job_ending_not_a_hang(
     gone = {**gone, "process_state": "process 1 has exited"}
     gone.pop("activity")
     assert _watchdog_round(tmp_path, monkeypatch, {**waiting, 2: gone}) is None
+
+
+def _elastic_dumps(waited_in_open_group):
+    """Ranks 0 and 2 of an elastic job: epoch 0 ([0, 1, 2], closed) abandoned at call #6, epoch 1 ([0, 2]) open.
+
+    In epoch 1 rank 0 waits in call #4 for ``waited_in_open_group`` seconds and rank 2, asleep between
+    steps, has made 3 calls. Rank 1 is a replacement that has joined no epoch yet.
+    """
+    dumps = {}
+    for rank in (0, 2):
+        old = _dump(rank, 6, "failed")["groups"][0]
+        old.update(pg_id="epoch 0 [0, 1, 2]", closed=True)
+        new = _dump(rank, 4 if rank == 0 else 3, "started" if rank == 0 else "completed")["groups"][0]
+        new.update(pg_id="epoch 1 [0, 2]", ranks=[0, 2], world_size=2, rank=[0, 2].index(rank), closed=False)
+        stalled = waited_in_open_group if rank == 0 else 0.3
+        dumps[rank] = {"rank": rank, "source": "rank", "pid": 100 + rank, "time_ns": 0, "where": "train.py:9",
+                       "groups": [old, new], "threads": [], "progress": {"stalled_for": stalled},
+                       "activity": {"cpu_share": 0.0}, "inside": None}
+    dumps[1] = {"rank": 1, "source": "rank", "pid": 101, "time_ns": 0, "where": "train.py:3", "groups": [],
+                "threads": [], "progress": {"stalled_for": 0.5}, "activity": {"cpu_share": 0.0},
+                "inside": "a join request"}
+    return dumps
+
+
+def _per_rank_watchdog(tmp_path, monkeypatch, rounds):
+    """A ``--restart-policy rank`` watchdog (timeout 3 s) and its verdict on each of ``rounds`` (dumps)."""
+    from ferro.launch.hang import HangWatchdog
+
+    watchdog = HangWatchdog(3.0, str(tmp_path), 3, [0, 1, 2], port=1, per_rank=True)
+    verdicts = []
+    for dumps in rounds:
+        (tmp_path / "suspect-0.json").write_text("{}")
+        watchdog.next_check = 0.0
+        monkeypatch.setattr(hang_watch, "collect", lambda *args, dumps=dumps, **kwargs: dumps)
+        verdicts.append(watchdog.check())
+    return verdicts
+
+
+def test_ranks_judged_on_their_own_are_judged_on_waits_going_on_now(tmp_path, monkeypatch):
+    """Seen in CI: an abandoned epoch's records and a peer caught between steps got two healthy ranks killed."""
+    # Epoch 0's waiters gave up and moved on, and rank 0 has waited 0.1 s in epoch 1: no hang holds anyone up.
+    assert _per_rank_watchdog(tmp_path, monkeypatch, [_elastic_dumps(0.1)]) == [None]
+    # ferro doctor, reading the history, still reports both (the same dumps, without live_for).
+    found = diagnosis.diagnose(_elastic_dumps(0.1), 3)
+    assert sorted(r for f in found.findings for r in f.culprits) == [1, 2], found.report()
+    # Rank 0 waiting 2.5 s (beyond 0.8 of the timeout) for rank 2, which is idle: rank 2 is hung.
+    [verdict] = _per_rank_watchdog(tmp_path, monkeypatch, [_elastic_dumps(2.5)])
+    assert verdict is not None and verdict.hung == [2] and verdict.pids == {2: 102}, verdict
+
+
+def test_a_rank_that_does_not_answer_is_hung_only_when_silent_twice(tmp_path, monkeypatch):
+    """Seen in CI: a replacement sleeping between steps missed one round's answer window and was killed."""
+    def silent(pid):
+        return {**_elastic_dumps(0.1), 1: {"rank": 1, "source": "outside", "pid": pid, "time_ns": 0, "groups": [],
+                                           "threads": [], "where": None, "activity": {"cpu_share": 0.0},
+                                           "process_state": f"process {pid} did not answer; its state: S"}}
+
+    first, second = _per_rank_watchdog(tmp_path, monkeypatch, [silent(201), silent(201)])
+    assert first is None and second is not None and second.hung == [1] and second.pids == {1: 201}, second
+    # Another process each round (the rank was replaced between them): each is silent once, neither is hung.
+    assert _per_rank_watchdog(tmp_path, monkeypatch, [silent(201), silent(202)]) == [None, None]
+    # Silent once, then it answers: not hung.
+    assert _per_rank_watchdog(tmp_path, monkeypatch, [silent(201), _elastic_dumps(0.1)]) == [None, None]
 
 
 def test_nodes_sharing_a_dump_folder_each_clear_only_their_own_ranks_earlier_files(tmp_path):

@@ -32,8 +32,8 @@ from typing import Any
 
 from ferro.types import THREAD_TAG_BITS
 
-__all__ = ["Diagnosis", "Finding", "chrome_trace", "cpu_share", "diagnose", "idle_outside_calls", "in_a_call",
-           "load_dumps"]
+__all__ = ["Diagnosis", "Finding", "chrome_trace", "cpu_share", "diagnose", "holds_up", "idle_outside_calls",
+           "in_a_call", "load_dumps"]
 
 #: The least the others must wait (median, ms) for a rank to be called a straggler: below, it is noise.
 STRAGGLER_WAIT_MS = 1.0
@@ -239,7 +239,7 @@ def _expected(records: dict[int, dict[str, Any]]) -> list[int]:
 
 
 def diagnose(dumps: dict[int, dict[str, Any]], world_size: int | None = None, last: int = 50,
-             ended: dict[int, str] | None = None) -> Diagnosis:
+             ended: dict[int, str] | None = None, live_for: float | None = None) -> Diagnosis:
     """Line the ranks' records up and say what went wrong, and which ranks lag.
 
     Args:
@@ -248,6 +248,9 @@ def diagnose(dumps: dict[int, dict[str, Any]], world_size: int | None = None, la
         last: How many of the latest calls every rank completed the straggler report looks at.
         ended: Ranks known to have ended, and how (``"exited with code 1 (TypeError: ...)"``),
             as their launcher saw it: said in place of where they are.
+        live_for: Report only hangs that hold a rank up now: one still waits in the call, in a group
+            still open, for at least this many seconds (:func:`holds_up`). A launcher deciding whom to
+            kill passes it; ``ferro doctor``, reading a job's history, does not.
 
     Returns:
         The findings, hang and mismatch first, then the straggler report.
@@ -269,6 +272,8 @@ def diagnose(dumps: dict[int, dict[str, Any]], world_size: int | None = None, la
             continue
         hang = _hang(pg_id, records, expected, dumps, ended or {}) or _p2p_hang(pg_id, records, expected, dumps,
                                                                                   ended or {})
+        if hang is not None and live_for is not None and not holds_up(records, dumps, live_for):
+            hang = None
         if hang is not None and not any(f.kind == "hang" and set(hang.culprits) <= set(f.culprits)
                                         for f in findings):
             findings.append(hang)
@@ -376,6 +381,29 @@ def in_a_call(dump: dict[str, Any]) -> bool:
     for group in dump.get("groups") or []:
         entries = group.get("entries") or []
         if entries and entries[-1].get("state") in ("started", "scheduled"):
+            return True
+    return False
+
+
+def holds_up(records: dict[int, dict[str, Any]], dumps: dict[int, dict[str, Any]], stalled: float) -> bool:
+    """Whether a group's records show a rank waiting in a call now, in the open group, for ``stalled`` seconds.
+
+    A hang found in records can be over: its waiters gave up and moved on (an elastic job's
+    earlier epoch, closed since), or they only just called (a snapshot taken while a peer
+    sleeps between steps). Seen in CI: a launcher killed two healthy ranks on such records.
+
+    Args:
+        records: One group's records, by job rank (as :func:`diagnose` lines them up).
+        dumps: The dumps they came from, by job rank (for the time each was taken).
+        stalled: The seconds a wait must have lasted.
+
+    """
+    for rank, group in records.items():
+        entries = group.get("entries") or []
+        if group.get("closed") or not entries or entries[-1].get("state") not in ("started", "scheduled"):
+            continue
+        waited = _waited(entries[-1], dumps.get(rank))
+        if waited is not None and waited >= stalled:
             return True
     return False
 

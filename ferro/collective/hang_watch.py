@@ -188,6 +188,9 @@ class _Watch:
 
     def _snapshot(self, reason: str, round_id: str | None, traceback: str | None = None) -> dict[str, Any]:
         share = self.cpu_share()  # before the dump's own work
+        # Calls made since the last poll count: a rank that moved on within the poll (an elastic job's new epoch)
+        # is not stalled. Seen in CI: a dump said 4.7 s stalled 0.15 s into a new epoch; the launcher killed it.
+        self._note_progress()
         data = flight_recorder.snapshot(reason, round_id, traceback, native=True)
         data["progress"] = {"stalled_for": round(time.monotonic() - self.changed, 3),
                             "hang_timeout": self.hang_timeout}
@@ -214,14 +217,21 @@ class _Watch:
             self.answered = round_id
             flight_recorder.write_dump(self._snapshot(f"collected by {asked.get('by', 'a collector')}", round_id))
 
-    def _watch_progress(self) -> None:
+    def _note_progress(self) -> bool:
+        """Bring the time of the latest progress (a call made or ended) up to date; return whether there was some."""
         signature = tuple(state.progress()[:2] + (state.created,) for state in _state.live_states())
         now = time.monotonic()
         if self.inside is not None:  # waiting in ferro with a timeout of its own: not stalled
             self.changed = now
         if signature != self.signature:
             self.signature, self.changed = signature, now
+            return True
+        return False
+
+    def _watch_progress(self) -> None:
+        if self._note_progress():
             return
+        signature, now = self.signature, time.monotonic()
         if not any(calls for calls, _, _ in signature) or now - self.changed < self.hang_timeout:
             return
         if self.suspected == signature:

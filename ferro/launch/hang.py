@@ -91,7 +91,8 @@ class HangWatchdog:
         self.per_rank = per_rank
         self.started = time.time()
         self.next_check = 0.0
-        self.recheck_at: float | None = None  # when to look again at ranks found working
+        self.recheck_at: float | None = None  # when to look again at ranks found working, or silent once
+        self.silent_before: tuple[float, dict[int, Any]] = (0.0, {})  # the last round's silent idle ranks: pids
         self.folder.mkdir(parents=True, exist_ok=True)
         self._clear_earlier_jobs_files()
 
@@ -143,12 +144,18 @@ class HangWatchdog:
         stalled = STALLED_SHARE * self.hang_timeout
         progressing = any(d.get("source") != "outside" and (d.get("progress") or {}).get("stalled_for", 0.0) < stalled
                           for d in dumps.values())
-        found = diagnosis.diagnose(dumps, self.world_size)
+        # Ranks judged on their own, while others train on, are judged only on waits going on now: records of
+        # an abandoned epoch, or a peer caught between steps, are no hang (CI: two healthy ranks were killed so).
+        found = diagnosis.diagnose(dumps, self.world_size, live_for=stalled if self.per_rank else None)
         hung = found.hung()  # a rank of another node is that node's launcher's to kill (HangVerdict.pids)
         alone = diagnosis.idle_outside_calls(dumps, stalled) if self.per_rank else []
+        alone, unconfirmed = self._confirmed_silent(alone, dumps, now)
         hung += [r for r in alone if r not in hung]
+        if unconfirmed:
+            self.recheck_at = now + self.hang_timeout / 2  # silent again then: hung; answering late is no hang
         if found.working and not hung:
-            self.recheck_at = now + self.hang_timeout  # still not arrived then: look again
+            # Still not arrived a timeout later: look again.
+            self.recheck_at = min(self.recheck_at or float("inf"), now + self.hang_timeout)
             return HangVerdict(found.working_note())
         if not hung or (progressing and not self.per_rank):
             return None  # some rank still makes progress: busy elsewhere, not stuck
@@ -161,6 +168,23 @@ class HangWatchdog:
         (self.folder / "verdict.txt").write_text(text + "\n")
         pids = {r: int(dumps[r]["pid"]) for r in hung if isinstance((dumps.get(r) or {}).get("pid"), int)}
         return HangVerdict(text, hung, stuck=not progressing, pids=pids)
+
+    def _confirmed_silent(self, alone: list[int], dumps: dict[int, dict[str, Any]], now: float
+                          ) -> tuple[list[int], list[int]]:
+        """Split ranks idle outside any call into ``(judged, held over)``.
+
+        A rank that answered for itself is judged now. One that did not answer (seen from outside)
+        is judged only when the same process was silent and idle in the round before too, at most two
+        timeouts earlier: on a busy machine a healthy rank sleeping between steps can miss one round's
+        answer window (seen in CI).
+        """
+        silent = {r: dumps[r].get("pid") for r in alone if dumps[r].get("source") == "outside"}
+        when, before = self.silent_before
+        recent = now - when <= 2 * self.hang_timeout
+        confirmed = {r for r, pid in silent.items() if pid is not None and recent and before.get(r) == pid}
+        self.silent_before = (now, silent)
+        return ([r for r in alone if r not in silent or r in confirmed],
+                [r for r in silent if r not in confirmed])
 
     def explain_failure(self, ended: dict[int, str] | None = None) -> str | None:
         """Judge the dumps the ranks wrote as they failed; return the report when it names a culprit.
