@@ -310,6 +310,34 @@ def test_fit_bounds_stalled_sizes_keeps_costs_nonnegative_and_refuses_rows_witho
     assert load_cost_model(str(path)).fitted_on == "the user's"
 
 
+def test_fit_takes_the_time_forms_from_4_kib_and_times_every_size(tmp_path):
+    import argparse
+
+    from ferro.backend.cost_model import CostModel, load_cost_model
+    from ferro.tools.bench.cli import FORM_MIN_BYTES, _fit
+    from ferro.tools.bench.table import Row
+
+    assert FORM_MIN_BYTES == 4096
+    # From 4 KiB each algorithm's times follow its form exactly; below, the ranks wait on shared cores, half as
+    # long again (as on an emulated cluster): the forms come back exact, and the table keeps 4 B.
+    truth, n = {"ring": (8e-5, 7e-8), "recursive_doubling": (1e-4, 9e-8), "halving_doubling": (6e-5, 8e-8)}, 16
+    rows = []
+    for name, (alpha, beta) in truth.items():
+        for size in (4, 64, 1024, 4096, 1 << 16, 1 << 20):
+            seconds = CostModel(alpha, beta).allreduce(name, size, n)
+            if size < 4096:
+                seconds *= 1.5
+            rows.append(Row("ferro-tcp", "allreduce", size, max(1, size // 4), "float32", "sum", -1, n, seconds * 1e6,
+                            None, None, None, name))
+    path = tmp_path / "model.json"
+    assert _fit(argparse.Namespace(fit=str(path), emulate=None, line_rate=None, iters=20), rows) == 0
+    model = load_cost_model(str(path))
+    for name, costs in truth.items():
+        assert model.per_algorithm[name] == pytest.approx(costs, rel=1e-6), name
+        assert [size for size, _ in model.measured[name]] == [4, 64, 1024, 4096, 1 << 16, 1 << 20]
+    assert (model.alpha, model.beta) == pytest.approx(truth["ring"], rel=1e-6)
+
+
 def _simulated(args):
     import contextlib
     import io

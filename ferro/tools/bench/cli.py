@@ -429,13 +429,21 @@ FIT_ALGORITHMS = ("ring", "recursive_doubling", "halving_doubling")
 # A fit whose per-byte cost makes less than this share of the ring's fitted time at the largest size measured
 # no bandwidth (the sizes were too small for the noise), and writes no model.
 MIN_PER_BYTE_SHARE = 0.05
+#: The smallest size whose rows the time forms are fitted on (when at least two sizes reach it; all rows otherwise).
+#: Below it a call's bytes are microseconds of any link from 1 Gbit up, so its time is the cost of its messages
+#: alone, and on a machine whose ranks share its cores (an emulated cluster) that is the CPU's, which the CPU
+#: fit takes (:func:`_fit_cpu`), not the link's. Fitted from 4 B at 16x1 the ring's link came out 39 us and 12.1
+#: MB/s against 78 us and 13.6 MB/s from 4 KiB, and ferro then chose slower broadcasts (the 256 KiB one 1.9x).
+#: Every row still enters the timed table, from which allreduce chooses inside the sizes timed.
+FORM_MIN_BYTES = 4096
 
 
 def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
     """Fit alpha and beta to each algorithm's rows (least squares weighted by 1/t), write the model, show it.
 
     The times are first made non-decreasing in size (:func:`_never_faster_when_larger`), and the costs fitted
-    no lower than zero (:func:`_nonnegative_fit`).
+    no lower than zero (:func:`_nonnegative_fit`), on the rows from :data:`FORM_MIN_BYTES` up; the machine's CPU
+    costs (:func:`_fit_cpu`) on every row, the cost per message from the smallest size's.
     """
     import numpy as np
 
@@ -457,12 +465,14 @@ def _fit(args: argparse.Namespace, rows: list[Row]) -> int:
             print(f"ferro bench: --fit has {len(mine)} size(s) of {name}; give at least two (-b, -e, -f)",
                   file=sys.stderr)
             return 1
-        # Each algorithm's closed form is alpha * A(size) + beta * B(size): A and B are its form with unit costs.
-        per_message = np.array([CostModel(1.0, 0.0).allreduce(name, r.size, n) for r in mine])
-        per_byte = np.array([CostModel(0.0, 1.0).allreduce(name, r.size, n) for r in mine])
         seconds = _never_faster_when_larger(np.array([r.time_us() for r in mine]) * 1e-6)
         timed[name] = [(r.size, float(t)) for r, t in zip(mine, seconds, strict=True)]
-        fitted[name] = _nonnegative_fit(np.stack([per_message, per_byte], axis=1) / seconds[:, None])
+        formed = [i for i, r in enumerate(mine) if r.size >= FORM_MIN_BYTES]
+        formed = formed if len(formed) >= 2 else list(range(len(mine)))
+        # Each algorithm's closed form is alpha * A(size) + beta * B(size): A and B are its form with unit costs.
+        per_message = np.array([CostModel(1.0, 0.0).allreduce(name, mine[i].size, n) for i in formed])
+        per_byte = np.array([CostModel(0.0, 1.0).allreduce(name, mine[i].size, n) for i in formed])
+        fitted[name] = _nonnegative_fit(np.stack([per_message, per_byte], axis=1) / seconds[formed, None])
     largest = max(r.size for r in ours)
     ring_alpha, ring_beta = fitted["ring"]
     bytes_part = ring_beta * CostModel(0.0, 1.0).allreduce("ring", largest, n)
