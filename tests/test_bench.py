@@ -259,7 +259,7 @@ def test_fit_records_the_line_rate_it_is_given_and_refuses_a_bad_one(tmp_path):
     import argparse
 
     from ferro.backend.cost_model import load_cost_model
-    from ferro.tools.bench.cli import _fit
+    from ferro.tools.bench.fit import fit_model
     from ferro.tools.bench.table import Row
     from ferro.tools.emulate import payload_rate
 
@@ -269,7 +269,7 @@ def test_fit_records_the_line_rate_it_is_given_and_refuses_a_bad_one(tmp_path):
             for size, seconds in ((4096, 1e-4), (1 << 20, 2e-3))]
     path = tmp_path / "model.json"
     args = argparse.Namespace(fit=str(path), emulate=None, line_rate="25gbit")
-    assert _fit(args, rows) == 0
+    assert fit_model(args, rows) == 0
     assert load_cost_model(str(path)).line_rate == pytest.approx(payload_rate("25gbit"))
     for argv, why in ((["--line-rate", "25gbit"], "goes with --fit"),
                       (["--fit", str(path), "--line-rate", "25gb"], "kbit, mbit or gbit")):
@@ -283,21 +283,21 @@ def test_fit_bounds_stalled_sizes_keeps_costs_nonnegative_and_refuses_rows_witho
     import numpy as np
 
     from ferro.backend.cost_model import CostModel, load_cost_model
-    from ferro.tools.bench.cli import _fit, _never_faster_when_larger, _nonnegative_fit
+    from ferro.tools.bench.fit import fit_model, never_faster_when_larger, nonnegative_fit
     from ferro.tools.bench.table import Row
 
     # Exact data fit exactly; data whose free fit has a negative alpha are fitted by beta alone (least squares).
     sizes = np.array([1e3, 1e5, 1e7])
     exact = np.stack([np.ones(3), sizes], axis=1) / (2e-5 + 1e-9 * sizes)[:, None]
-    assert np.allclose(_nonnegative_fit(exact), (2e-5, 1e-9), rtol=1e-9)
+    assert np.allclose(nonnegative_fit(exact), (2e-5, 1e-9), rtol=1e-9)
     slope_only = np.stack([np.ones(3), sizes], axis=1) / (1e-9 * sizes * np.array([0.5, 1.0, 1.0]))[:, None]
-    alpha, beta = _nonnegative_fit(slope_only)
+    alpha, beta = nonnegative_fit(slope_only)
     column = slope_only[:, 1]
     assert alpha == 0.0 and beta == pytest.approx(column.sum() / (column @ column), rel=1e-12)
     assert np.linalg.lstsq(slope_only, np.ones(3), rcond=None)[0][0] < 0  # the free fit's alpha was negative
 
     # A small size slower than larger ones was stalled: it is bounded by the larger sizes' times.
-    stalled = _never_faster_when_larger(np.array([5e-2, 3e-5, 4e-5, 3e-4, 5e-3]))
+    stalled = never_faster_when_larger(np.array([5e-2, 3e-5, 4e-5, 3e-4, 5e-3]))
     assert stalled.tolist() == [3e-5, 3e-5, 4e-5, 3e-4, 5e-3]
     # Times that do not grow with size (noise over a transfer too small to see): no per-byte cost, no model.
     path = tmp_path / "model.json"
@@ -306,7 +306,7 @@ def test_fit_bounds_stalled_sizes_keeps_costs_nonnegative_and_refuses_rows_witho
                 name) for name in ("ring", "recursive_doubling", "halving_doubling")
             for size, seconds in ((8, 3e-4), (262144, 1.2e-4))]
     args = argparse.Namespace(fit=str(path), emulate=None, line_rate=None)
-    assert _fit(args, rows) == 1
+    assert fit_model(args, rows) == 1
     assert load_cost_model(str(path)).fitted_on == "the user's"
 
 
@@ -314,7 +314,7 @@ def test_fit_takes_the_time_forms_from_4_kib_and_times_every_size(tmp_path):
     import argparse
 
     from ferro.backend.cost_model import CostModel, load_cost_model
-    from ferro.tools.bench.cli import FORM_MIN_BYTES, _fit
+    from ferro.tools.bench.fit import FORM_MIN_BYTES, fit_model
     from ferro.tools.bench.table import Row
 
     assert FORM_MIN_BYTES == 4096
@@ -330,7 +330,7 @@ def test_fit_takes_the_time_forms_from_4_kib_and_times_every_size(tmp_path):
             rows.append(Row("ferro-tcp", "allreduce", size, max(1, size // 4), "float32", "sum", -1, n, seconds * 1e6,
                             None, None, None, name))
     path = tmp_path / "model.json"
-    assert _fit(argparse.Namespace(fit=str(path), emulate=None, line_rate=None, iters=20), rows) == 0
+    assert fit_model(argparse.Namespace(fit=str(path), emulate=None, line_rate=None, iters=20), rows) == 0
     model = load_cost_model(str(path))
     for name, costs in truth.items():
         assert model.per_algorithm[name] == pytest.approx(costs, rel=1e-6), name
@@ -388,7 +388,7 @@ def test_fit_shares_the_machine_s_cpu_out_over_the_plans_messages_and_bytes(tmp_
 
     from ferro.backend.cost_model import load_cost_model
     from ferro.tools.bench import simulate
-    from ferro.tools.bench.cli import _fit
+    from ferro.tools.bench.fit import fit_model
     from ferro.tools.bench.table import Row
 
     # Rows whose CPU per call is exactly 25 us per message and 2 ns per byte sent (plus the replay's reduce
@@ -404,12 +404,12 @@ def test_fit_shares_the_machine_s_cpu_out_over_the_plans_messages_and_bytes(tmp_
                             None, None, name, cpu * 1e6))
     path = tmp_path / "model.json"
     args = argparse.Namespace(fit=str(path), emulate="2x4@100mbit", line_rate=None, iters=20)
-    assert _fit(args, rows) == 0
+    assert fit_model(args, rows) == 0
     fitted = load_cost_model(str(path)).cpu
     assert fitted[0] == pytest.approx(per_message, rel=1e-9) and fitted[1] == pytest.approx(per_byte, rel=1e-9)
     assert fitted[2] == os.cpu_count()
     # Rows without CPU figures (off Linux) leave the model's CPU unmeasured.
-    assert _fit(args, [dataclasses.replace(row, cpu_us=None) for row in rows]) == 0
+    assert fit_model(args, [dataclasses.replace(row, cpu_us=None) for row in rows]) == 0
     assert load_cost_model(str(path)).cpu == (0.0, 0.0, 0)
 
 
