@@ -160,8 +160,7 @@ def fit_cpu(rows: list[Row], args: argparse.Namespace) -> tuple[float, float, in
     # is taken from the smallest size timed, and the cost per byte refitted beside it.
     smallest = [i for i, r in enumerate(measured) if r.size == min(row.size for row in measured)]
     per_message = max(0.0, float(np.median([(wanted[i] - counts[i, 1] * per_byte) / counts[i, 0] for i in smallest])))
-    rest, bytes_column = (wanted - counts[:, 0] * per_message) * weight, counts[:, 1] * weight
-    per_byte = max(0.0, float(bytes_column @ rest / (bytes_column @ bytes_column))) if bytes_column.any() else 0.0
+    per_byte = _one_cost(counts[:, 1] * weight, (wanted - counts[:, 0] * per_message) * weight)
     return (per_message, per_byte, cores) if per_message or per_byte else (0.0, 0.0, 0)
 
 
@@ -192,10 +191,12 @@ def nonnegative_fit(design: np.ndarray, target: np.ndarray | None = None) -> tup
     (alpha, beta), *_ = np.linalg.lstsq(design, wanted, rcond=None)
     if alpha >= 0 and beta >= 0:
         return float(alpha), float(beta)
-    candidates = [(0.0, 0.0)]
-    for column in (0, 1):
-        values = design[:, column]
-        if values @ values > 0:
-            alone = max(0.0, float(values @ wanted / (values @ values)))
-            candidates.append((alone, 0.0) if column == 0 else (0.0, alone))
+    alpha_alone, beta_alone = _one_cost(design[:, 0], wanted), _one_cost(design[:, 1], wanted)
+    candidates = [(0.0, 0.0), (alpha_alone, 0.0), (0.0, beta_alone)]
     return min(candidates, key=lambda pair: float(np.sum((design @ np.array(pair) - wanted) ** 2)))
+
+
+def _one_cost(values: np.ndarray, wanted: np.ndarray) -> float:
+    """Return the least-squares ``c >= 0`` of ``values * c = wanted`` (0 for a column of zeros)."""
+    scale = float(values @ values)
+    return max(0.0, float(values @ wanted) / scale) if scale > 0 else 0.0
