@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from ferro.backend.cost_model import CostModel, load_cost_model
-from ferro.tools.bench import simulate
+from ferro.tools.bench import simulate, two_level
 from ferro.tools.bench.table import read_json
 from ferro.tools.bench.worker import timed_calls
 from ferro.tools.emulate import TCP_PAYLOAD_SHARE, bucket_bytes, parse_emulation
@@ -60,15 +60,18 @@ def emulated_network(cluster: str, bucket: bool = True, cores: bool = True) -> s
 def _predict(network: simulate.Network, op: str, algorithm: str, nbytes: int, itemsize: int,
              calls: int = 1) -> float | None:
     """The simulator's seconds per call for the plan a row names, ``calls`` of them back to back as ``ferro bench``
-    times them (None: a plan the simulator does not hold)."""
-    if algorithm not in simulate.OP_ALGORITHMS.get(op, {}):
+    times them (None: a plan the simulator does not hold). A two-level plan (the hierarchical backend's) is
+    replayed as its three steps, the leaders' plan among the hosts (``two_level.predict_two_level``)."""
+    leaders = two_level.leaders_plan(algorithm)
+    if (leaders or algorithm) not in simulate.OP_ALGORITHMS.get(op, {}):
         return None
     model = _cost_model()
-    if model is None:
-        return simulate.predict(network, algorithm, nbytes, itemsize, op=op, calls=calls)
     # The frames the measured ranks cut on this model's link (TcpBackend sets its mesh's from the same calls).
-    return simulate.predict(network, algorithm, nbytes, itemsize, op=op, latency_bytes=model.link_numbers()[0],
-                            calls=calls, segment=model.segment_bytes(), piece=model.piece_bytes())
+    frames = {} if model is None else {"latency_bytes": model.link_numbers()[0], "segment": model.segment_bytes(),
+                                       "piece": model.piece_bytes()}
+    if leaders is not None:
+        return two_level.predict_two_level(network, leaders, nbytes, itemsize, op=op, calls=calls, **frames)
+    return simulate.predict(network, algorithm, nbytes, itemsize, op=op, calls=calls, **frames)
 
 
 def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:

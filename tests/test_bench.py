@@ -376,6 +376,29 @@ def test_simulate_prints_every_op_s_choice_beside_every_plan_and_the_bound():
             assert time_us == predicted[names.index(chosen)], (op, row.group(0))
 
 
+def test_simulate_where_hosts_hold_several_ranks_chooses_the_hierarchy_s_two_level_plans():
+    """``--backend auto`` (the default) runs the hierarchy on 4 hosts of 2 ranks; ``tcp`` the flat plans."""
+    from ferro.collective.resolve import resolve_allreduce_algorithm
+    from ferro.tools.bench import simulate, two_level
+
+    network = simulate.parse_network("4x2@1gbit")
+    for backend, size in (("auto", 4096), ("auto", 4 << 20), ("tcp", 4 << 20)):
+        code, out, _ = _simulated(["allreduce", "--simulate", "4x2@1gbit", "-b", str(size), "-e", str(size),
+                                   "--backend", backend])
+        assert code == 0
+        header, row = [line for line in out.splitlines() if line.startswith(("# ", "  "))][-2:]
+        values = row.split()
+        if backend == "auto":  # the leaders' choice for one piece among the 4 hosts, and its replay
+            leaders = resolve_allreduce_algorithm(size // (8 if size > 4096 else 1), 4)
+            assert header.split()[-2] == "two-level"
+            assert row.split()[5:7] == ["two-level", leaders], row
+            assert float(values[7]) == pytest.approx(
+                two_level.predict_two_level(network, leaders, size) * 1e6, abs=0.1)
+            assert float(values[-2]) == float(values[7])
+        else:
+            assert "two-level" not in header and values[5] == resolve_allreduce_algorithm(size, 8)
+
+
 def test_simulate_refuses_what_it_cannot_replay():
     code, _, err = _simulated(["sendrecv", "--simulate", "4x1@1gbit"])
     assert code == 2 and "point-to-point" in err

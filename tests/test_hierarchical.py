@@ -317,7 +317,7 @@ def test_all_to_all_of_equal_blocks_goes_in_two_levels_where_hosts_hold_many_ran
     """4+4 ranks: small equal blocks meet in shared memory and cross between hosts once, leader to leader (R x R
     blocks); larger ones (R x R blocks over 64 KiB), 2+2 ranks and uneven calls take the TCP mesh, where the
     leaders' own group carries nothing. Every way equals NumPy's answer."""
-    from ferro.backend.hierarchical import TWO_LEVEL_ALL_TO_ALL_BYTES
+    from ferro.backend.hierarchy_plan import TWO_LEVEL_ALL_TO_ALL_BYTES
 
     n, per_host = world_size, world_size // 2
     results = run_processes(rank_all_to_all_two_levels, n, backend=None, timeout=180)
@@ -361,3 +361,104 @@ def test_the_leaders_pace_their_all_to_all_to_the_whole_link_the_flat_group_to_a
         assert flat == pytest.approx(model.pace_bytes(2, 4))
         assert leaders == (pytest.approx(model.pace_bytes(1, 2)) if rank % 2 == 0 else None)
         np.testing.assert_array_equal(got, np.concatenate([np.full(3, 10.0 * k + rank) for k in range(4)]))
+
+
+def rank_leaders_run_the_plan_chosen_for_them(rank, world_size, forced):
+    """Three declared hosts of two ranks: a 4 MiB float64 allreduce, its leaders' bytes, and the plan chosen."""
+    from ferro.collective.resolve import resolve_allreduce_algorithm
+
+    os.environ["FERRO_HOST_ID"] = f"declared-host-{rank // 2}"
+    group = ferro.init_process_group(timeout=60)
+    try:
+        big = 1 << 22
+        shapes = [group.exchange_shape(nbytes, world_size) for nbytes in (64, big)]
+        with pytest.raises(ValueError, match="exchange_shape"):
+            group.plan_name("allreduce", big)  # the collective layer's choice, not the backend's
+        name = resolve_allreduce_algorithm(*group.exchange_shape(big, world_size))
+        x = np.arange(big // 8, dtype=np.float64) * (rank + 1)
+        if group.leader_group is not None:
+            group.leader_group.reset_stats()
+        ferro.allreduce(x, algorithm=forced)
+        sent = group.leader_group.stats()["allreduce"]["bytes_sent"] if group.leader_group is not None else None
+        return shapes, name, x, sent
+    finally:
+        ferro.destroy_process_group()
+
+
+@pytest.mark.parametrize("forced", [None, "ring", "recursive_doubling", "halving_doubling"])
+def test_the_leaders_run_the_allreduce_chosen_for_their_own_pieces_and_hosts(forced):
+    """The algorithm is chosen for the exchange that runs it: 512 KiB pieces among 3 leaders, not 4 MiB among 6.
+
+    A forced algorithm (the argument) is what the leaders run: each leader sends exactly its plan's bytes for
+    the 8 pieces, and every rank holds NumPy's sum.
+    """
+    from ferro._core import collectives as native
+    from ferro.collective.resolve import resolve_allreduce_algorithm
+    from ferro.tools.bench import simulate
+
+    world_size, big = 6, 1 << 22
+    results = run_processes(rank_leaders_run_the_plan_chosen_for_them, world_size, args=(forced,), backend=None,
+                            timeout=180)
+    algorithm = forced or resolve_allreduce_algorithm(big // 8, 3)
+    total = np.arange(big // 8, dtype=np.float64) * sum(range(1, world_size + 1))
+    for rank, (shapes, name, x, sent) in enumerate(results):
+        assert shapes == [(64, 3), (big // 8, 3)], rank
+        assert name == resolve_allreduce_algorithm(big // 8, 3)
+        np.testing.assert_array_equal(x, total)
+        if rank % 2 == 0:  # a leader: the 8 pieces of 64 Ki elements, each its plan among the 3 leaders
+            planned = 8 * sum(step[2] for step in native.plan_steps(simulate.ALGORITHMS[algorithm], rank // 2, 3,
+                                                                    (big // 8) // 8, 8))
+            assert sent == planned, (rank, sent, planned)
+        else:
+            assert sent is None
+
+
+def rank_broadcast_and_reduce_by_the_mesh_s_plan(rank, world_size):
+    os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
+    group = ferro.init_process_group(timeout=60)
+    try:
+        out = {}
+        for count in (8, 1 << 17):  # 64 B and 1 MiB of float64
+            names = (group.plan_name("broadcast", count * 8), group.plan_name("reduce", count * 8))
+            if group.leader_group is not None:
+                group.leader_group.reset_stats()
+            sent = np.arange(count, dtype=np.float64) + 100 * rank
+            received = ferro.broadcast(sent.copy(), root=1)
+            reduced = sent.copy()
+            ferro.reduce(reduced, dst=3)
+            stats = group.leader_group.stats() if group.leader_group is not None else None
+            leaders = None if stats is None else {op: stats.get(op, {}).get("bytes_sent", 0)
+                                                  for op in ("broadcast", "reduce")}
+            out[count] = (names, received, reduced, leaders)
+        return out
+    finally:
+        ferro.destroy_process_group()
+
+
+def test_broadcast_and_reduce_take_the_flat_chain_where_the_mesh_chooses_it_else_two_levels():
+    """A pipelined chain through consecutive ranks crosses each host's link once each way, pipelined end to end:
+    the hierarchy runs it over every rank (the leaders send nothing); smaller calls go in two levels.
+    """
+    from ferro._core import collectives as native
+
+    world_size = 4
+    results = run_processes(rank_broadcast_and_reduce_by_the_mesh_s_plan, world_size, backend=None, timeout=120)
+    for count in (8, 1 << 17):
+        base = np.arange(count, dtype=np.float64)
+        flat = [native.choose(op, count * 8, world_size) for op in ("broadcast", "reduce")]
+        assert (flat == ["pipelined chain", "pipelined chain"]) == (count > 8), flat
+        for rank, result in enumerate(results):
+            names, received, reduced, leaders = result[count]
+            np.testing.assert_array_equal(received, base + 100)
+            if rank == 3:
+                np.testing.assert_array_equal(reduced, base * world_size + 100 * sum(range(world_size)))
+            if count > 8:
+                assert names == ("pipelined chain", "pipelined chain"), (rank, names)
+                assert leaders in (None, {"broadcast": 0, "reduce": 0}), (rank, leaders)
+            else:
+                # A leader names its leaders' plan (two leaders: the tree); a rank that is not one, the levels.
+                tree = "two-level binomial tree" if rank in (0, 2) else "two-level"
+                assert names == (tree, tree), (rank, names)
+                if rank in (0, 2):  # the leaders: host 0's sends the broadcast to host 1's; host 0's the reduce
+                    assert leaders == {"broadcast": 64 if rank == 0 else 0, "reduce": 64 if rank == 0 else 0}, \
+                        (rank, leaders)

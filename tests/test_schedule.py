@@ -180,6 +180,39 @@ def test_simulated_ring_approaches_the_line_for_large_messages_and_doubling_wins
     assert simulate.predict(network, "recursive_doubling", 4) < simulate.predict(network, "ring", 4) / 4
 
 
+@pytest.mark.parametrize("op", ["allreduce", "all_gather", "reduce_scatter", "broadcast", "reduce"])
+def test_a_two_level_plan_with_one_rank_a_host_is_its_leaders_plan(op):
+    from ferro.tools.bench import two_level
+
+    network = simulate.parse_network("8x1@200mbit,50us")
+    plan = "ring" if op in ("all_gather", "reduce_scatter", "allreduce") else "binomial tree"
+    for nbytes in (64, 256 * 1024, 1 << 20):  # below the pipeline's 2 MiB: one piece, nothing for shared memory
+        assert two_level.predict_two_level(network, plan, nbytes, op=op) == simulate.predict(network, plan, nbytes,
+                                                                                             op=op)
+
+
+def test_two_level_plans_carry_only_what_other_hosts_need_and_never_beat_the_bound():
+    """On 8 hosts of 2 ranks a host's link carries 2 (H-1)/H of the buffer in the hierarchy, 2 (n-1)/n in a flat ring.
+
+    The pipelined pieces (4 and 16 MiB) stay within a tenth of the bound; the flat ring is slower on the same links.
+    """
+    from ferro.tools.bench import two_level
+
+    network = simulate.parse_network("8x2@200mbit,50us")
+    for nbytes in (4 << 20, 16 << 20):
+        bound = simulate.lower_bound(network, nbytes)
+        hierarchy = two_level.predict_two_level(network, "ring", nbytes)
+        assert bound * 0.999 <= hierarchy < 1.1 * bound, (nbytes, hierarchy, bound)
+        assert hierarchy < simulate.predict(network, "ring", nbytes)
+        for op in ("all_gather", "reduce_scatter"):
+            assert simulate.lower_bound(network, nbytes, op) * 0.999 <= two_level.predict_two_level(
+                network, "ring", nbytes, op=op) < 1.1 * simulate.lower_bound(network, nbytes, op), (op, nbytes)
+    with pytest.raises(ValueError, match="at least two hosts"):
+        two_level.predict_two_level(simulate.parse_network("1x4@1gbit"), "ring", 64)
+    assert two_level.leaders_plan("two-level binomial tree") == "binomial tree"
+    assert two_level.leaders_plan("ring") is None
+
+
 def test_network_specs_parse_and_bad_ones_say_the_form():
     network = simulate.parse_network("8x2@25gbit,5us")
     assert (network.hosts, network.ranks_per_host, network.world_size) == (8, 2, 16)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +11,13 @@ import numpy as np
 
 from ferro._core.reduce import divide
 from ferro.backend.base import FramedBackend, Support, add_counters, default_spin_us, default_yield_us
+from ferro.backend.hierarchy_plan import (
+    Relay,
+    exchange_all,
+    pipeline_pieces,
+    runs_flat,
+    two_level_all_to_all,
+)
 from ferro.backend.joined import JoinSpec
 from ferro.backend.native import NativeCollectives
 from ferro.backend.shm import ShmBackend
@@ -24,16 +30,6 @@ from ferro.types import BYTES, DType, ReduceOp
 
 __all__ = ["HierarchicalBackend"]
 
-#: Collectives of at least this many bytes are pipelined (see ``HierarchicalBackend._pipeline``).
-PIPELINE_MIN_BYTES = 2 << 20
-#: The most bytes a leader sends another host in the two-level all_to_all (R x R blocks); above, the TCP mesh.
-TWO_LEVEL_ALL_TO_ALL_BYTES = 64 * 1024
-#: The smallest piece a pipelined collective cuts, and the most pieces it cuts: the leaders' exchange of
-#: one piece must outlast a compiled call's fixed cost, and each piece costs a few of them. At 1 Gbit
-#: (2 hosts x 2 ranks, 2-core VM) 512 KiB pieces brought 4 MiB calls from 0.81-0.94 of the line to
-#: 0.87-0.99 over 1 MiB ones; at 10 Gbit, where that VM is CPU-bound, they cost 4 MiB calls a third.
-PIPELINE_PIECE_BYTES = 1 << 19
-PIPELINE_MAX_PIECES = 16
 
 
 class HierarchicalBackend(FramedBackend, NativeCollectives):
@@ -213,6 +209,15 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
 
     # --- collectives: host, leaders, host ----------------------------------------------
 
+    def exchange_shape(self, nbytes: int, world_size: int) -> tuple[int, int]:
+        """Return the leaders' exchange: a piece of the buffer (all of it below 2 MiB), among the hosts.
+
+        So the algorithm is chosen for the group that runs it: among 8 hosts of 2 ranks, a 4 MiB allreduce's
+        leaders run 512 KiB pieces among 8, not 4 MiB among 16.
+        """
+        pieces = self._pieces(max(nbytes, 1), nbytes)
+        return nbytes // pieces, len(self._hosts)
+
     def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,
                          algorithm: str) -> bool:
         """Reduce onto each host's leader (shared memory), allreduce among leaders (TCP), broadcast back.
@@ -248,17 +253,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         return True
 
     def _pieces(self, count: int, nbytes: int) -> int:
-        """How many pieces a collective of ``nbytes`` bytes cuts its ``count`` elements (or slices) into.
-
-        One (no pipelining) below :data:`PIPELINE_MIN_BYTES` or where no host
-        has ranks to reduce; otherwise pieces of at least
-        :data:`PIPELINE_PIECE_BYTES`, at most :data:`PIPELINE_MAX_PIECES` of them
-        and never more than ``count``. Depends on the sizes and the hosts only,
-        so every rank cuts alike.
-        """
-        if not self._pipelines or nbytes < PIPELINE_MIN_BYTES:
-            return 1
-        return max(1, min(PIPELINE_MAX_PIECES, nbytes // PIPELINE_PIECE_BYTES, count))
+        """:func:`pipeline_pieces`, or one (no pipelining) where no host has ranks to reduce."""
+        return pipeline_pieces(count, nbytes) if self._pipelines else 1
 
     def _pipeline(self, pieces: int, before: Callable[[int], None], exchange: Callable[[int], None],
                   after: Callable[[int], None]) -> None:
@@ -281,11 +277,11 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
                 exchange(k)
                 after(k)
             return
-        relay, job = _Relay(), None  # a host's other ranks mark pieces ready for nobody: no thread, no exchange
+        relay, job = Relay(), None  # a host's other ranks mark pieces ready for nobody: no thread, no exchange
         if self._leaders is not None:  # a leader: its exchanges run on its thread, one job per call
             if self._exchanger is None:
                 self._exchanger = ThreadPoolExecutor(1, thread_name_prefix=f"ferro-leaders-r{self.rank}")
-            job = self._exchanger.submit(_exchange_all, relay, pieces, exchange)
+            job = self._exchanger.submit(exchange_all, relay, pieces, exchange)
         try:
             for k in range(pieces + 1):
                 if k < pieces:
@@ -305,6 +301,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
     def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:
         """Broadcast inside the root's host, then among leaders, then inside every other host."""
         self._world._usable("broadcast")
+        if self._runs_flat("broadcast", flat.nbytes):
+            return self._world.native_broadcast(flat, root, fingerprint, timeout)
         root_host = self._host_of[root]
         mine = self._host_of[self._world.rank]
         if mine == root_host and self._local is not None:
@@ -325,6 +323,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         the three steps run in turn.
         """
         self._world._usable("reduce")
+        if self._runs_flat("reduce", flat.nbytes):
+            return self._world.native_reduce(flat, root, dtype, op, fingerprint, timeout)
         combine = ReduceOp.SUM if op is ReduceOp.MEAN else op
         root_host, mine = self._host_of[root], self._host_of[self._world.rank]
         deadline = time.monotonic() + timeout
@@ -476,8 +476,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         """
         per_host = len(self._members)
         block = send_offsets[1] - send_offsets[0] if len(send_offsets) > 1 else 0
-        if (not even or not self._equal_runs or self._local is None or per_host < 4
-                or per_host * per_host * block > TWO_LEVEL_ALL_TO_ALL_BYTES):
+        local = self._local
+        if not even or local is None or not self._two_level_all_to_all(block):
             return self._world.native_all_to_all(send, send_offsets, recv, recv_offsets, fingerprint, timeout,
                                                  even=even)
         self._world._usable("all_to_all")
@@ -487,8 +487,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         # 1. Every rank of the host holds every local rank's sends: [source rank][destination host][its rank].
         sends = np.empty((per_host, hosts, per_host, block), np.uint8)
         sends[local_index] = np.frombuffer(send, np.uint8, n * block).reshape(hosts, per_host, block)
-        self._local.native_all_gather(sends.reshape(-1), [i * n * block for i in range(per_host + 1)], fingerprint,
-                                      _left(deadline))
+        local.native_all_gather(sends.reshape(-1), [i * n * block for i in range(per_host + 1)], fingerprint,
+                                _left(deadline))
         # 2. The leaders swap, per pair of hosts, what the R ranks of one send the R of the other:
         #    arrived[source host][source rank][destination rank].
         arrived = np.empty((hosts, per_host, per_host, block), np.uint8)
@@ -501,9 +501,43 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         if hosts == 1:  # no leaders' exchange: every rank already holds its host's sends
             arrived[mine] = sends[:, mine]
         else:  # 3. The leader hands the arrivals to its host; each rank keeps the blocks bound for it.
-            self._local.native_broadcast(arrived.reshape(-1), 0, fingerprint, _left(deadline))
+            local.native_broadcast(arrived.reshape(-1), 0, fingerprint, _left(deadline))
         np.frombuffer(recv, np.uint8, n * block)[:] = arrived[:, :, local_index].reshape(-1)
         return True
+
+    def _two_level_all_to_all(self, block: int) -> bool:
+        """Whether an all_to_all of equal ``block``-byte blocks goes in two levels (else the TCP mesh runs it)."""
+        return self._equal_runs and two_level_all_to_all(len(self._members), block)
+
+    def _runs_flat(self, op: str, nbytes: int) -> bool:
+        """:func:`runs_flat` for broadcast and reduce here: on hosts of equal runs of ranks, by the mesh's choice."""
+        return self._equal_runs and runs_flat(op, self._world.direct_mesh.choose(op, nbytes), len(self._members),
+                                              nbytes, self.world_size)
+
+    def plan_name(self, op: str, nbytes: int) -> str:
+        """Name the plan a call of ``op`` (not allreduce) on ``nbytes`` runs, as ``ferro bench`` prints it on its rows.
+
+        ``"two-level X"``: inside the hosts over shared memory and ``X`` among the leaders (their plan, named as
+        a TCP group names it; this rank's leader group decides, so a rank that is not a leader says
+        ``"two-level"`` alone); else the TCP mesh's plan over every rank. ``nbytes`` is what ``ferro bench``
+        sizes: the buffer, the all_gather's output, the all_to_all's bytes sent per rank.
+        """
+        leaders, hosts = self._leaders, len(self._hosts)
+        if op == "allreduce":
+            raise ValueError("the allreduce's plan is the collective layer's choice for exchange_shape(): "
+                             "name it with ferro.collective.resolve.resolve_allreduce_algorithm")
+        if (op == "all_to_all" and not self._two_level_all_to_all(nbytes // self.world_size)) or (
+                op in ("broadcast", "reduce") and self._runs_flat(op, nbytes)):
+            return self._world.direct_mesh.choose(op, nbytes)
+        if op in ("all_gather", "reduce_scatter") and not (self._equal_runs and hosts > 1):
+            return self._world.direct_mesh.choose(op, nbytes) if op == "all_gather" else "ring"
+        if op in ("all_gather", "reduce_scatter"):
+            return "two-level ring"  # the leaders' ring over the hosts' blocks (_leaders_ring)
+        if leaders is None:
+            return "two-level"
+        # The leaders' all_to_all carries R x R blocks per pair of hosts: as many bytes a leader as its host sends.
+        leaders_bytes = nbytes * len(self._members) if op == "all_to_all" else nbytes
+        return f"two-level {leaders.direct_mesh.choose(op, leaders_bytes)}"
 
     def _counters(self) -> dict[int, tuple[int, int, int]]:
         # Calls are counted on this group; the bytes by the three groups that move them.
@@ -547,62 +581,6 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         if self._exchanger is not None:
             # Without waiting: the groups' sockets are closed, which ends an exchange in flight at once.
             self._exchanger.shutdown(wait=False)
-
-
-def _exchange_all(relay: _Relay, pieces: int, exchange: Callable[[int], None]) -> None:
-    """Run a leader's exchanges of one call on its thread, each piece as soon as its caller marks it ready.
-
-    One job per call, not per piece: a job per piece cost a wakeup through the
-    executor's queue each (up to 2 ms on a busy machine).
-    """
-    try:
-        for k in range(pieces):
-            if not relay.wait_ready(k):
-                return  # the caller's side failed: no more exchanges
-            exchange(k)
-            relay.exchanged(k)
-    finally:
-        relay.finish()
-
-
-class _Relay:
-    """Tells a leader's exchange thread which pieces are ready and its caller which are exchanged."""
-
-    def __init__(self) -> None:
-        self._condition = threading.Condition()
-        self._ready = 0  # pieces whose shared-memory step before the exchange is done
-        self._exchanged = 0
-        self._abandoned = False  # the caller stopped: the thread exchanges nothing more
-        self._finished = False  # the thread stopped: the caller waits for nothing more
-
-    def _publish(self, name: str, value: int | bool) -> None:
-        with self._condition:
-            setattr(self, name, value)
-            self._condition.notify_all()
-
-    def ready(self, k: int) -> None:
-        self._publish("_ready", k + 1)
-
-    def exchanged(self, k: int) -> None:
-        self._publish("_exchanged", k + 1)
-
-    def abandon(self) -> None:
-        self._publish("_abandoned", True)
-
-    def finish(self) -> None:
-        self._publish("_finished", True)
-
-    def wait_ready(self, k: int) -> bool:
-        """Wait until piece ``k`` is ready (True) or the caller stopped (False)."""
-        with self._condition:
-            self._condition.wait_for(lambda: self._ready > k or self._abandoned)
-            return self._ready > k and not self._abandoned
-
-    def wait_exchanged(self, k: int) -> bool:
-        """Wait until piece ``k`` is exchanged (True) or the thread stopped short of it (False)."""
-        with self._condition:
-            self._condition.wait_for(lambda: self._exchanged > k or self._finished)
-            return self._exchanged > k
 
 
 def _left(deadline: float) -> float:

@@ -74,6 +74,16 @@ class NativeCollectives:
         """
         return None
 
+    def exchange_shape(self, nbytes: int, world_size: int) -> tuple[int, int]:
+        """Return the message and the ranks the allreduce algorithm of an ``nbytes`` call runs among.
+
+        The collective layer chooses the algorithm (``ring``, ``recursive_doubling``, ``halving_doubling``) for
+        this shape, by the cost model or the rule: a flat group runs it on the whole buffer among all
+        ``world_size`` ranks (the default); the hierarchy runs it among its hosts' leaders, a pipelined piece at
+        a time. The shape depends on sizes and the group's layout only, so every rank chooses alike.
+        """
+        return nbytes, world_size
+
     def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,
                          algorithm: str) -> bool:
         """Reduce ``flat`` in place on every rank.
@@ -84,8 +94,9 @@ class NativeCollectives:
             op: The reduction (MEAN divides the sum by the world size).
             fingerprint: The call's fingerprint.
             timeout: Seconds for the whole collective.
-            algorithm: ``"ring"``, ``"recursive_doubling"`` or ``"halving_doubling"``: the caller's choice by size
-                (or the user's), a hint a backend with another engine may ignore.
+            algorithm: ``"ring"``, ``"recursive_doubling"`` or ``"halving_doubling"``: the caller's choice for the
+                shape :meth:`exchange_shape` gave (or the user's), a hint a backend with another engine may
+                ignore.
 
         """
         return False

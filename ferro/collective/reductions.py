@@ -109,7 +109,11 @@ def _allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: boo
         return routing.device_allreduce(g, x, parse_op(op, "allreduce"), timeout, async_op)
     data = operand(x, "allreduce", writable=True)
     reduce_op = resolve_op(op, data.dtype, "allreduce")
-    chosen = resolve_allreduce_algorithm(data.array.nbytes, g.world_size, algorithm)
+    native = g.native
+    # The algorithm is chosen for the exchange that runs it: the hierarchy's leaders, a piece at a time.
+    exchange = native.exchange_shape(data.array.nbytes, g.world_size) if native is not None else (
+        data.array.nbytes, g.world_size)
+    chosen = resolve_allreduce_algorithm(*exchange, algorithm)
     # The algorithm rides in the fingerprint's root field, so ranks that chose differently fail with a mismatch.
     link = make_link(g, "allreduce", resolve_timeout(g, timeout), data, OP_VALUES[reduce_op],
                      ALLREDUCE_ALGORITHMS[chosen] + 1, data.array.size, data.array.shape)
@@ -118,7 +122,6 @@ def _allreduce(g: Backend, x: Any, op: Any, timeout: float | None, async_op: boo
     def body() -> Any:
         flat = data.array.reshape(-1)
         if g.world_size > 1 and flat.size > 0:
-            native = g.native
             if native is not None and native.native_allreduce(flat, data.dtype, reduce_op, link.fingerprint,
                                                               link.timeout, chosen):
                 return x  # the backend finished MEAN itself

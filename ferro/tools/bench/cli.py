@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ferro.backend import available_backends
 from ferro.errors import ConfigurationError
@@ -32,6 +34,9 @@ from ferro.tools.bench.table import Row, read_json, write_csv, write_json
 from ferro.tools.bench.worker import OPS, sizes_from
 from ferro.tools.bench.worker import main as worker_main
 from ferro.tools.emulate import EmulatedCluster, cluster_unavailable, parse_emulation, payload_rate
+
+if TYPE_CHECKING:
+    from ferro.tools.bench.simulate import Network
 
 __all__ = ["build_parser", "main", "parse_size"]
 
@@ -230,9 +235,10 @@ def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
     """Print ``--simulate``'s tables: per size, ferro's choice and every plan of the op predicted, beside the bound."""
     from ferro._core import collectives as native
     from ferro.backend.cost_model import load_cost_model
+    from ferro.backend.hierarchy_plan import runs_flat
     from ferro.collective.resolve import resolve_allreduce_algorithm
     from ferro.errors import ConfigurationError
-    from ferro.tools.bench import simulate
+    from ferro.tools.bench import simulate, two_level
 
     unplanned = [op for op in ops if op not in simulate.OP_ALGORITHMS]
     if unplanned:
@@ -256,30 +262,58 @@ def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
           f"{network.rate * 8 / 1e9:g} Gbit/s each way per host, {network.latency * 1e6:g} us per message; "
           f"predicted time per call (us) of the schedules the executor runs"
           + (f"; choices by the cost model {model.fitted_on!r}" if model else ""))
+    # Where hosts hold several ranks, `--backend auto` (and hierarchical) runs the hierarchy's two-level plans.
+    hierarchy = network.hosts > 1 and network.ranks_per_host > 1 and args.backend in ("auto", "hierarchical")
+
+    def choice(op: str, nbytes: int, ranks: int) -> str:
+        """Name the plan a TCP group of ``ranks`` chooses for ``op`` on ``nbytes``."""
+        if op == "allreduce":
+            return resolve_allreduce_algorithm(nbytes, ranks)
+        if op in ("broadcast", "all_gather", "all_to_all", "reduce"):
+            return native.choose(op, nbytes, ranks, latency_bytes, copy_ratio, partner_ratio, model is not None)
+        return sorted(simulate.OP_ALGORITHMS[op])[0]
+
     for op in ops:
         names = sorted(simulate.OP_ALGORITHMS[op])
-        print(f"#\n# {op}\n# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} {'algorithm':>18} "
-              f"{'time':>11} {'busbw':>8} " + " ".join(f"{name:>18}" for name in names) + f" {'bound':>11}")
+        columns = [*names, "two-level"] if hierarchy and op != "barrier" else names
+        print(f"#\n# {op}\n# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} {'algorithm':>26} "
+              f"{'time':>11} {'busbw':>8} " + " ".join(f"{name:>18}" for name in columns) + f" {'bound':>11}")
         for size in sizes_from(args.minbytes, args.maxbytes, args.stepfactor) if op != "barrier" else [0]:
             nbytes = max(itemsize, size - size % itemsize) if op != "barrier" else 0
-            if op == "allreduce":
-                chosen = resolve_allreduce_algorithm(nbytes, n)
-            elif op in ("broadcast", "all_gather", "all_to_all", "reduce"):
-                chosen = native.choose(op, nbytes, n, latency_bytes, copy_ratio, partner_ratio, model is not None)
-            else:
-                chosen = names[0]
+            chosen = choice(op, nbytes, n)
             times = {name: simulate.predict(network, name, nbytes, itemsize, op=op, latency_bytes=latency_bytes,
                                             segment=segment, piece=piece)
                      for name in names}
+            if hierarchy and op != "barrier":
+                leaders = _leaders_choice(op, nbytes, network, itemsize, choice)
+                times["two-level"] = two_level.predict_two_level(network, leaders, nbytes, itemsize, op=op,
+                                                                 latency_bytes=latency_bytes, segment=segment,
+                                                                 piece=piece)
+                if not runs_flat(op, chosen, network.ranks_per_host, nbytes, n):
+                    chosen = two_level.TWO_LEVEL + leaders  # else the hierarchy's TCP mesh runs the flat plan
+                    times[chosen] = times["two-level"]
             bound = simulate.lower_bound(network, nbytes, op)
             factor = {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}.get(op, (n - 1) / n)
             redop = args.op if op in ("allreduce", "reduce_scatter", "reduce") else "none"
             root = 0 if op in ("broadcast", "reduce") else -1
             busbw = nbytes / times[chosen] / 1e9 * factor if times[chosen] > 0 and n > 1 else 0.0
-            print(f"  {nbytes:>10} {nbytes // itemsize:>12} {args.dtype:>8} {redop:>6} {root:>5} {chosen:>18} "
+            print(f"  {nbytes:>10} {nbytes // itemsize:>12} {args.dtype:>8} {redop:>6} {root:>5} {chosen:>26} "
                   f"{times[chosen] * 1e6:>11.1f} {busbw:>8.3f} "
-                  + " ".join(f"{times[name] * 1e6:>18.1f}" for name in names) + f" {bound * 1e6:>11.1f}")
+                  + " ".join(f"{times[name] * 1e6:>18.1f}" for name in columns) + f" {bound * 1e6:>11.1f}")
     return 0
+
+
+def _leaders_choice(op: str, nbytes: int, network: Network, itemsize: int,
+                    choice: Callable[[str, int, int], str]) -> str:
+    """Name the plan the hierarchy's leaders run for ``op`` on ``nbytes`` (as ``HierarchicalBackend.plan_name``)."""
+    from ferro.backend.hierarchy_plan import pipeline_pieces
+
+    hosts, per_host = network.hosts, network.ranks_per_host
+    if op == "allreduce":
+        return choice(op, nbytes // pipeline_pieces(max(nbytes // itemsize, 1), nbytes), hosts)
+    if op in ("all_gather", "reduce_scatter"):
+        return "ring"  # over the hosts' blocks
+    return choice(op, nbytes * per_host if op == "all_to_all" else nbytes, hosts)
 
 
 def main(argv: list[str] | None = None) -> int:

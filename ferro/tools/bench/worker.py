@@ -104,13 +104,17 @@ class _Ferro(_Adapter):
 
     def algorithm(self, op: str, nbytes: int) -> str:
         """Name the algorithm ferro runs: its TCP rules (``FERRO_ALGORITHM_ALLREDUCE`` included), else the engine."""
+        from ferro.backend.hierarchical import HierarchicalBackend
         from ferro.collective.resolve import resolve_allreduce_algorithm
 
         n = self.world_size
         kind = type(self.group).__name__
+        if isinstance(self.group, HierarchicalBackend):  # the leaders' allreduce is chosen for their own shape
+            if op == "allreduce":
+                return f"two-level {resolve_allreduce_algorithm(*self.group.exchange_shape(nbytes, n))}"
+            return self.group.plan_name(op, nbytes)
         if kind != "TcpBackend":
-            return {"ShmBackend": "shared-memory arena", "HierarchicalBackend": "hierarchical",
-                    "MpiBackend": "MPI's"}.get(kind, kind)
+            return {"ShmBackend": "shared-memory arena", "MpiBackend": "MPI's"}.get(kind, kind)
         if op == "allreduce":
             return resolve_allreduce_algorithm(nbytes, n)
         native_calls = self.group.native

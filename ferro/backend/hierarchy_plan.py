@@ -1,0 +1,122 @@
+"""How a hierarchical group runs a collective: which level runs it, and how large calls go in pieces.
+
+:class:`~ferro.backend.hierarchical.HierarchicalBackend` decides with these rules, and the simulator's two-level
+replay (:mod:`ferro.tools.bench.two_level`) and ``ferro bench --simulate`` with the same ones, so the plan predicted
+is the plan run. The pipeline's thread hand-off (:class:`Relay`, :func:`exchange_all`) lives here too.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+__all__ = ["PIPELINE_MAX_PIECES", "PIPELINE_MIN_BYTES", "PIPELINE_PIECE_BYTES", "TWO_LEVEL_ALL_TO_ALL_BYTES", "Relay",
+           "exchange_all", "pipeline_pieces", "runs_flat", "two_level_all_to_all"]
+
+#: Collectives of at least this many bytes are pipelined (see ``HierarchicalBackend._pipeline``).
+PIPELINE_MIN_BYTES = 2 << 20
+#: The most bytes a leader sends another host in the two-level all_to_all (R x R blocks); above, the TCP mesh.
+TWO_LEVEL_ALL_TO_ALL_BYTES = 64 * 1024
+#: The smallest piece a pipelined collective cuts, and the most pieces it cuts: the leaders' exchange of
+#: one piece must outlast a compiled call's fixed cost, and each piece costs a few of them. At 1 Gbit
+#: (2 hosts x 2 ranks, 2-core VM) 512 KiB pieces brought 4 MiB calls from 0.81-0.94 of the line to
+#: 0.87-0.99 over 1 MiB ones; at 10 Gbit, where that VM is CPU-bound, they cost 4 MiB calls a third.
+PIPELINE_PIECE_BYTES = 1 << 19
+PIPELINE_MAX_PIECES = 16
+
+
+def pipeline_pieces(count: int, nbytes: int) -> int:
+    """How many pieces a pipelined collective of ``nbytes`` bytes cuts its ``count`` elements (or slices) into.
+
+    One below :data:`PIPELINE_MIN_BYTES`; otherwise pieces of at least :data:`PIPELINE_PIECE_BYTES`, at most
+    :data:`PIPELINE_MAX_PIECES` of them and never more than ``count``. The simulator cuts its two-level replays
+    by the same rule (:mod:`ferro.tools.bench.two_level`).
+    """
+    if nbytes < PIPELINE_MIN_BYTES:
+        return 1
+    return max(1, min(PIPELINE_MAX_PIECES, nbytes // PIPELINE_PIECE_BYTES, count))
+
+
+def two_level_all_to_all(per_host: int, block: int) -> bool:
+    """Whether hosts of ``per_host`` ranks each run an all_to_all of equal ``block``-byte blocks in two levels.
+
+    From 4 ranks a host, while a leader's message to another host (``per_host`` x ``per_host`` blocks) is at most
+    :data:`TWO_LEVEL_ALL_TO_ALL_BYTES` (see :meth:`~ferro.backend.hierarchical.HierarchicalBackend.native_all_to_all`).
+    """
+    return per_host >= 4 and per_host * per_host * block <= TWO_LEVEL_ALL_TO_ALL_BYTES
+
+
+def runs_flat(op: str, flat_plan: str, per_host: int, nbytes: int, world_size: int) -> bool:
+    """Whether hosts of ``per_host`` consecutive ranks run ``op`` on the TCP mesh over every rank, not in two levels.
+
+    ``flat_plan`` is the mesh's choice for the call, ``nbytes`` what ``ferro bench`` sizes. broadcast and reduce
+    go flat where the mesh chooses its pipelined chain: through consecutive ranks it crosses each host's link
+    once each way, as the two levels do, but pipelined from end to end where the two levels run in turn (a
+    16 MiB broadcast among 8 hosts of 2 ranks at 200 Mbit: 0.77 of the stream in two levels, 1.03 flat). The
+    all_to_all goes flat except where :func:`two_level_all_to_all` holds. Every other op runs in two levels.
+    """
+    if op in ("broadcast", "reduce"):
+        return flat_plan == "pipelined chain"
+    if op == "all_to_all":
+        return not two_level_all_to_all(per_host, nbytes // max(world_size, 1))
+    return False
+
+
+def exchange_all(relay: Relay, pieces: int, exchange: Callable[[int], None]) -> None:
+    """Run a leader's exchanges of one call on its thread, each piece as soon as its caller marks it ready.
+
+    One job per call, not per piece: a job per piece cost a wakeup through the
+    executor's queue each (up to 2 ms on a busy machine).
+    """
+    try:
+        for k in range(pieces):
+            if not relay.wait_ready(k):
+                return  # the caller's side failed: no more exchanges
+            exchange(k)
+            relay.exchanged(k)
+    finally:
+        relay.finish()
+
+
+class Relay:
+    """Tells a leader's exchange thread which pieces are ready and its caller which are exchanged."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._ready = 0  # pieces whose shared-memory step before the exchange is done
+        self._exchanged = 0
+        self._abandoned = False  # the caller stopped: the thread exchanges nothing more
+        self._finished = False  # the thread stopped: the caller waits for nothing more
+
+    def _publish(self, name: str, value: int | bool) -> None:
+        with self._condition:
+            setattr(self, name, value)
+            self._condition.notify_all()
+
+    def ready(self, k: int) -> None:
+        """Mark piece ``k`` ready for the leaders' exchange (the caller's side)."""
+        self._publish("_ready", k + 1)
+
+    def exchanged(self, k: int) -> None:
+        """Mark piece ``k`` exchanged among the leaders (the thread's side)."""
+        self._publish("_exchanged", k + 1)
+
+    def abandon(self) -> None:
+        """Tell the thread the caller stopped: it exchanges nothing more."""
+        self._publish("_abandoned", True)
+
+    def finish(self) -> None:
+        """Tell the caller the thread stopped: it waits for nothing more."""
+        self._publish("_finished", True)
+
+    def wait_ready(self, k: int) -> bool:
+        """Wait until piece ``k`` is ready (True) or the caller stopped (False)."""
+        with self._condition:
+            self._condition.wait_for(lambda: self._ready > k or self._abandoned)
+            return self._ready > k and not self._abandoned
+
+    def wait_exchanged(self, k: int) -> bool:
+        """Wait until piece ``k`` is exchanged (True) or the thread stopped short of it (False)."""
+        with self._condition:
+            self._condition.wait_for(lambda: self._exchanged > k or self._finished)
+            return self._exchanged > k
