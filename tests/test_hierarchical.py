@@ -364,7 +364,7 @@ def test_the_leaders_pace_their_all_to_all_to_the_whole_link_the_flat_group_to_a
 
 
 def rank_leaders_run_the_plan_chosen_for_them(rank, world_size, forced):
-    """Three declared hosts of two ranks: a 4 MiB float64 allreduce, its leaders' bytes, and the plan chosen."""
+    """Four declared hosts of two ranks: a 4 MiB float64 allreduce, its leaders' bytes, and the plan chosen."""
     from ferro.collective.resolve import resolve_allreduce_algorithm
 
     os.environ["FERRO_HOST_ID"] = f"declared-host-{rank // 2}"
@@ -380,14 +380,15 @@ def rank_leaders_run_the_plan_chosen_for_them(rank, world_size, forced):
             group.leader_group.reset_stats()
         ferro.allreduce(x, algorithm=forced)
         sent = group.leader_group.stats()["allreduce"]["bytes_sent"] if group.leader_group is not None else None
-        return shapes, name, x, sent
+        gathered = ferro.all_gather(np.full(2, float(rank)))  # 16 B a rank: one piece, the leaders' mesh chooses
+        return shapes, name, x, sent, (group.plan_name("all_gather", 16 * world_size), gathered)
     finally:
         ferro.destroy_process_group()
 
 
 @pytest.mark.parametrize("forced", [None, "ring", "recursive_doubling", "halving_doubling"])
 def test_the_leaders_run_the_allreduce_chosen_for_their_own_pieces_and_hosts(forced):
-    """The algorithm is chosen for the exchange that runs it: 512 KiB pieces among 3 leaders, not 4 MiB among 6.
+    """The algorithm is chosen for the exchange that runs it: 512 KiB pieces among 4 leaders, not 4 MiB among 8.
 
     A forced algorithm (the argument) is what the leaders run: each leader sends exactly its plan's bytes for
     the 8 pieces, and every rank holds NumPy's sum.
@@ -396,18 +397,22 @@ def test_the_leaders_run_the_allreduce_chosen_for_their_own_pieces_and_hosts(for
     from ferro.collective.resolve import resolve_allreduce_algorithm
     from ferro.tools.bench import simulate
 
-    world_size, big = 6, 1 << 22
+    world_size, hosts, big = 8, 4, 1 << 22
     results = run_processes(rank_leaders_run_the_plan_chosen_for_them, world_size, args=(forced,), backend=None,
                             timeout=180)
-    algorithm = forced or resolve_allreduce_algorithm(big // 8, 3)
+    algorithm = forced or resolve_allreduce_algorithm(big // 8, hosts)
     total = np.arange(big // 8, dtype=np.float64) * sum(range(1, world_size + 1))
-    for rank, (shapes, name, x, sent) in enumerate(results):
-        assert shapes == [(64, 3), (big // 8, 3)], rank
-        assert name == resolve_allreduce_algorithm(big // 8, 3)
+    for rank, (shapes, name, x, sent, (gather_plan, gathered)) in enumerate(results):
+        assert shapes == [(64, hosts), (big // 8, hosts)], rank
+        np.testing.assert_array_equal(gathered, np.repeat(np.arange(world_size, dtype=np.float64), 2))
+        # A small all_gather's leaders take Bruck's rounds where their mesh chooses them, not the pipeline's ring.
+        assert native.choose("all_gather", 16 * world_size, hosts) == "bruck"
+        assert gather_plan == ("two-level bruck" if rank % 2 == 0 else "two-level"), (rank, gather_plan)
+        assert name == resolve_allreduce_algorithm(big // 8, hosts)
         np.testing.assert_array_equal(x, total)
-        if rank % 2 == 0:  # a leader: the 8 pieces of 64 Ki elements, each its plan among the 3 leaders
-            planned = 8 * sum(step[2] for step in native.plan_steps(simulate.ALGORITHMS[algorithm], rank // 2, 3,
-                                                                    (big // 8) // 8, 8))
+        if rank % 2 == 0:  # a leader: the 8 pieces of 64 Ki elements, each its plan among the 4 leaders
+            planned = 8 * sum(step[2] for step in native.plan_steps(simulate.ALGORITHMS[algorithm], rank // 2,
+                                                                    hosts, (big // 8) // 8, 8))
             assert sent == planned, (rank, sent, planned)
         else:
             assert sent is None

@@ -311,8 +311,8 @@ def _leaders_choice(op: str, nbytes: int, network: Network, itemsize: int,
     hosts, per_host = network.hosts, network.ranks_per_host
     if op == "allreduce":
         return choice(op, nbytes // pipeline_pieces(max(nbytes // itemsize, 1), nbytes), hosts)
-    if op in ("all_gather", "reduce_scatter"):
-        return "ring"  # over the hosts' blocks
+    if op == "reduce_scatter" or (op == "all_gather" and pipeline_pieces(nbytes // hosts, nbytes) > 1):
+        return "ring"  # over the hosts' blocks, a slice at a time
     return choice(op, nbytes * per_host if op == "all_to_all" else nbytes, hosts)
 
 
