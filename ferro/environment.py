@@ -74,9 +74,10 @@ _VARIABLES = (
     # Transports
     Variable("FERRO_SPIN_US", "Transports", "50, or 0 when the host's ranks (`LOCAL_WORLD_SIZE`) outnumber its cores",
              "Microseconds a waiting rank spins before it naps or polls (shared memory and TCP)."),
-    Variable("FERRO_YIELD_US", "Transports", "200, or 0 past four of the host's ranks a core",
-             "Microseconds a TCP rank that does not spin keeps trying between `sched_yield()` calls before it "
-             "sleeps in `poll`."),
+    Variable("FERRO_YIELD_US", "Transports", "200 (TCP) or 1000 (shared memory), or 0 past four of the host's "
+             "ranks a core",
+             "Microseconds a rank that does not spin keeps trying between `sched_yield()` calls before it sleeps "
+             "in `poll` (TCP) or naps (shared memory)."),
     Variable("FERRO_SOCKET_BUFFER_BYTES", "Transports", "4194304 (4 MiB)",
              "`SO_SNDBUF` and `SO_RCVBUF` of every TCP connection between ranks; 0 leaves the kernel's "
              "autotuning."),
@@ -99,6 +100,11 @@ _VARIABLES = (
     Variable("FERRO_ALGORITHM_ALL_TO_ALL", "Transports", "unset (chosen by the cost forms)",
              "Forces a TCP group's all_to_all plan for equal blocks: `pairwise` or `bruck` (uneven blocks always "
              "take the pairwise exchange). Read when the group is made; every rank must set the same."),
+    Variable("FERRO_HIERARCHY_FLAT_BYTES", "Transports",
+             "65536 where some machine runs more of the job's ranks than it has cores, else 0",
+             "Below this many bytes a hierarchical group runs allreduce, all_gather, reduce_scatter, broadcast and "
+             "reduce on its TCP mesh over every rank instead of in two levels (0: never). Read when the group is "
+             "made; every rank must set the same."),
     Variable("FERRO_COST_MODEL", "Transports", "unset (the rule measured on loopback)",
              "A cost model written by `ferro bench --fit`: allreduce algorithms are chosen by its predicted times, "
              "and the broadcast's, all_gather's and all_to_all's plans by its link figures. Every rank must read "

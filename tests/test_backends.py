@@ -3,6 +3,8 @@
 Rank functions live at module level so the process harness can pickle them.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -348,18 +350,18 @@ def test_ranks_confined_to_fewer_cores_than_ranks_do_not_spin(monkeypatch):
     from ferro.backend import base, shm
 
     monkeypatch.delenv(base.SPIN_ENV, raising=False)
-    monkeypatch.setattr(base.os, "cpu_count", lambda: 8)
-    monkeypatch.setattr(base.os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
     assert base.usable_cpus() == 1
     assert base.default_spin_us(None, 2) == 0.0
     assert base.default_spin_us(None, 1) == base.DEFAULT_SPIN_US
     assert shm._buffer_bytes(None, 2) == shm.OVERSUBSCRIBED_BUFFER_BYTES
-    monkeypatch.setattr(base.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     assert base.default_spin_us(None, 4) == base.DEFAULT_SPIN_US
     assert base.default_spin_us(None, 5) == 0.0
     assert shm._buffer_bytes(None, 4) == shm.DEFAULT_BUFFER_BYTES
     # Without affinity masks (not Linux), every CPU of the machine counts.
-    monkeypatch.delattr(base.os, "sched_getaffinity")
+    monkeypatch.delattr(os, "sched_getaffinity")
     assert base.usable_cpus() == 8
     # What the caller or $FERRO_SPIN_US says wins.
     assert base.default_spin_us(25.0, 64) == 25.0

@@ -33,6 +33,7 @@ def host_layout(world_size):
 
 def rank_conformance_on_declared_hosts(rank, world_size):
     os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
+    os.environ["FERRO_HIERARCHY_FLAT_BYTES"] = "0"  # small calls in two levels, however crowded
     group = ferro.init_process_group(timeout=60)
     try:
         report = check_collectives(group)
@@ -127,6 +128,7 @@ def test_a_rank_killed_on_one_host_fails_every_host_promptly(two_hosts, count):
 
 def rank_hierarchical_stats(rank, world_size):
     os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
+    os.environ["FERRO_HIERARCHY_FLAT_BYTES"] = "0"  # small calls in two levels, however crowded
     group = ferro.init_process_group(timeout=60)
     try:
         group.reset_stats()
@@ -149,6 +151,7 @@ def test_hierarchical_stats_add_up_the_three_groups():
 
 def rank_bytes_between_hosts(rank, world_size):
     os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
+    os.environ["FERRO_HIERARCHY_FLAT_BYTES"] = "0"  # small calls in two levels, however crowded
     group = ferro.init_process_group(timeout=60)
     try:
         sent = {}
@@ -368,6 +371,7 @@ def rank_leaders_run_the_plan_chosen_for_them(rank, world_size, forced):
     from ferro.collective.resolve import resolve_allreduce_algorithm
 
     os.environ["FERRO_HOST_ID"] = f"declared-host-{rank // 2}"
+    os.environ["FERRO_HIERARCHY_FLAT_BYTES"] = "0"  # small calls in two levels, however crowded
     group = ferro.init_process_group(timeout=60)
     try:
         big = 1 << 22
@@ -420,6 +424,7 @@ def test_the_leaders_run_the_allreduce_chosen_for_their_own_pieces_and_hosts(for
 
 def rank_broadcast_and_reduce_by_the_mesh_s_plan(rank, world_size):
     os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
+    os.environ["FERRO_HIERARCHY_FLAT_BYTES"] = "0"  # small calls in two levels, however crowded
     group = ferro.init_process_group(timeout=60)
     try:
         out = {}
@@ -467,3 +472,75 @@ def test_broadcast_and_reduce_take_the_flat_chain_where_the_mesh_chooses_it_else
                 if rank in (0, 2):  # the leaders: host 0's sends the broadcast to host 1's; host 0's the reduce
                     assert leaders == {"broadcast": 64 if rank == 0 else 0, "reduce": 64 if rank == 0 else 0}, \
                         (rank, leaders)
+
+
+def test_a_job_is_crowded_when_some_machine_runs_more_of_its_ranks_than_it_has_cores(monkeypatch):
+    from ferro.backend.hierarchy_plan import CROWDED_FLAT_BYTES, FLAT_BYTES_ENV, flat_below_bytes, runs_flat
+    from ferro.rendezvous.hosts import crowded
+
+    # (host, machine, cpus): two namespaces of one 2-core machine holding 4 ranks; two 8-core machines of 2 each.
+    assert crowded([("h0", "m", 2), ("h0", "m", 2), ("h1", "m", 2), ("h1", "m", 2)])
+    assert not crowded([("h0", "a", 8), ("h0", "a", 8), ("h1", "b", 8), ("h1", "b", 8)])
+    assert crowded([("h0", "a", 8), ("h1", "b", 1), ("h1", "b", 1)])  # one crowded machine is enough
+    assert not crowded([("h0", "a", 0), ("h0", "a", 0)])  # ranks that did not say are not counted as crowded
+    monkeypatch.delenv(FLAT_BYTES_ENV, raising=False)
+    assert flat_below_bytes(True) == CROWDED_FLAT_BYTES and flat_below_bytes(False) == 0
+    monkeypatch.setenv(FLAT_BYTES_ENV, "4096")
+    assert flat_below_bytes(True) == flat_below_bytes(False) == 4096
+    monkeypatch.setenv(FLAT_BYTES_ENV, "lots")
+    with pytest.raises(ferro.ConfigurationError, match="FERRO_HIERARCHY_FLAT_BYTES='lots'"):
+        flat_below_bytes(True)
+    for op in ("allreduce", "all_gather", "reduce_scatter", "broadcast", "reduce"):
+        assert runs_flat(op, "binomial tree", 2, 4096, 16, flat_below=65536)
+        assert not runs_flat(op, "binomial tree", 2, 65536, 16, flat_below=65536)
+        assert not runs_flat(op, "binomial tree", 2, 4096, 16)
+    assert runs_flat("all_to_all", "bruck", 2, 4096, 16)  # two ranks a host: the mesh's all_to_all, always
+
+
+def rank_small_calls_on_a_crowded_machine(rank, world_size):
+    os.environ["FERRO_HOST_ID"] = f"declared-host-{rank // 2}"
+    os.environ["FERRO_HIERARCHY_FLAT_BYTES"] = "65536"  # as a crowded machine's default: this test's, anywhere
+    from ferro.collective.resolve import resolve_allreduce_algorithm
+
+    group = ferro.init_process_group(timeout=60)
+    try:
+        for part in (group.leader_group, group.local_group):
+            if part is not None:
+                part.reset_stats()
+        small, large = np.full(8, float(rank)), np.full(1 << 14, float(rank))  # 64 B and 128 KiB
+        results = {"allreduce": ferro.allreduce(small.copy()), "all_gather": ferro.all_gather(small),
+                   "broadcast": ferro.broadcast(small.copy(), root=1),
+                   "reduce_scatter": ferro.reduce_scatter(np.full(8 * world_size, float(rank)))}
+        between = group.leader_group.stats() if group.leader_group is not None else {}
+        local = group.local_group.stats()
+        names = {op: group.plan_name(op, 64) for op in ("all_gather", "broadcast", "reduce_scatter")}
+        names["allreduce"] = resolve_allreduce_algorithm(*group.exchange_shape(64, world_size))
+        flat_allreduce = group.runs_flat("allreduce", 64), group.runs_flat("allreduce", large.nbytes)
+        ferro.allreduce(large)
+        return results, between, local, names, flat_allreduce, large, group.leader_group.stats() if \
+            group.leader_group is not None else None
+    finally:
+        ferro.destroy_process_group()
+
+
+def test_small_calls_go_flat_below_the_crowded_size_and_large_ones_in_two_levels():
+    """Below FERRO_HIERARCHY_FLAT_BYTES the calls run on the mesh over every rank: neither the leaders' group nor
+    shared memory carries a byte, and the plans are named as a flat group names them; a larger allreduce goes in
+    two levels again. Every result equals NumPy's."""
+    from ferro.collective.resolve import resolve_allreduce_algorithm
+
+    world_size = 4
+    results = run_processes(rank_small_calls_on_a_crowded_machine, world_size, backend=None, timeout=120)
+    total = float(sum(range(world_size)))
+    for rank, (got, between, local, names, flat_allreduce, large, after) in enumerate(results):
+        np.testing.assert_array_equal(got["allreduce"], np.full(8, total))
+        np.testing.assert_array_equal(got["all_gather"], np.repeat(np.arange(world_size, dtype=np.float64), 8))
+        np.testing.assert_array_equal(got["broadcast"], np.full(8, 1.0))
+        np.testing.assert_array_equal(got["reduce_scatter"], np.full(8, total))
+        np.testing.assert_array_equal(large, np.full(1 << 14, total))
+        assert between == {} and local == {}, (rank, between, local)  # nothing went through the two levels
+        assert names["allreduce"] == resolve_allreduce_algorithm(64, world_size)
+        assert not any(name.startswith("two-level") for name in names.values()), (rank, names)
+        assert flat_allreduce == (True, False)
+        if rank % 2 == 0:  # the 128 KiB allreduce crossed between the leaders
+            assert after["allreduce"]["bytes_sent"] > 0, (rank, after)

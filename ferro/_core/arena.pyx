@@ -161,6 +161,7 @@ cdef class Arena:
         spin_us: Microseconds to spin before yielding the CPU while waiting.
         group_state: The group's state, whose counters the arena adds the bytes it publishes
             (copies into this rank's slot) and reads (copies from peers' slots) to.
+        yield_us: Without a spin, microseconds a quiet wait keeps calling ``sched_yield()`` before it naps.
     """
 
     cdef object mapping
@@ -174,6 +175,7 @@ cdef class Arena:
     cdef int64_t deadline              # the running call's deadline (monotonic ns), -1 for none
     cdef int64_t timeout_ns            # its timeout, for a deadline set at the first wait
     cdef int64_t spin_ns
+    cdef int64_t yield_ns
     cdef readonly int64_t first_wait   # the running (or last) call's first and last clock reads while it waited
     cdef readonly int64_t last_wait    # for a peer (0: it never waited); the flight recorder's times
     cdef ferro_rank_ctl** ranks
@@ -195,7 +197,7 @@ cdef class Arena:
     cdef int slot                      # the running call's counter slot
 
     def __cinit__(self, mapping, int world_size, int rank, size_t ranks_offset, size_t arena_offset,
-                  size_t buffer_bytes, double spin_us=50.0, GroupState group_state=None):
+                  size_t buffer_bytes, double spin_us=50.0, GroupState group_state=None, double yield_us=1000.0):
         cdef unsigned char* base
         cdef size_t block = _round_up(sizeof(ferro_arena_ctl), 4096)
         cdef size_t slot = BUFFERS * _round_up(buffer_bytes, 4096)
@@ -218,6 +220,7 @@ cdef class Arena:
         self.world_size = world_size
         self.buffer_bytes = buffer_bytes
         self.spin_ns = <int64_t>(spin_us * 1000)
+        self.yield_ns = <int64_t>(yield_us * 1000)
         self.ranks = <ferro_rank_ctl**>malloc(world_size * sizeof(void*))
         self.ctl = <ferro_arena_ctl**>malloc(world_size * sizeof(void*))
         self.slots = <unsigned char**>malloc(world_size * sizeof(void*))
@@ -613,7 +616,7 @@ cdef class Arena:
                 if self.deadline == DEADLINE_AT_FIRST_WAIT:
                     # A call that never has to wait never reads the clock for its deadline.
                     self.deadline = -1 if self.timeout_ns < 0 else now + self.timeout_ns
-                ferro_pace_start(&pace, now, self.spin_ns)
+                ferro_pace_start(&pace, now, self.spin_ns, self.yield_ns)
                 continue
             if self.deadline >= 0 and now >= self.deadline:
                 w.peer = lagging

@@ -81,7 +81,7 @@ cdef extern from "frame.h" nogil:
 cdef extern from "pace.h" nogil:
     ctypedef struct ferro_pace:
         int64_t last_progress
-    void ferro_pace_start(ferro_pace* p, int64_t now, int64_t spin_ns)
+    void ferro_pace_start(ferro_pace* p, int64_t now, int64_t spin_ns, int64_t yield_ns)
     void ferro_pace_progress(ferro_pace* p, int64_t now)
     int ferro_pace_look_due(ferro_pace* p, int64_t now)
     int ferro_pace_signals_due(ferro_pace* p, int64_t now)

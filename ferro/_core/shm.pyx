@@ -223,13 +223,13 @@ cdef bint _peer_gone(ferro_rank_ctl* peer) noexcept nogil:
 
 
 cdef int _run(SendState* s, RecvState* r, ferro_rank_ctl* peer_out, ferro_rank_ctl* peer_in, ferro_rank_ctl* own,
-              int64_t deadline, int64_t spin_ns) except -1 nogil:
+              int64_t deadline, int64_t spin_ns, int64_t yield_ns) except -1 nogil:
     """Drive a send and/or a receive to completion, refusal, a lost peer, this rank's close, or the deadline."""
     cdef bint s_active = s != NULL, r_active = r != NULL, progressed
     cdef int rc
     cdef int64_t now
     cdef ferro_pace pace
-    ferro_pace_start(&pace, monotonic_ns(), spin_ns)
+    ferro_pace_start(&pace, monotonic_ns(), spin_ns, yield_ns)
     while s_active or r_active:
         progressed = False
         if s_active:
@@ -291,6 +291,7 @@ cdef class Channel:
         peer: The other rank.
         spin_us: Microseconds to spin before yielding the CPU while waiting.
         group_state: The group's state, whose counters the channel adds its frames' bytes to.
+        yield_us: Without a spin, microseconds a quiet wait keeps calling ``sched_yield()`` before it naps.
     """
 
     cdef Segment segment
@@ -299,18 +300,21 @@ cdef class Channel:
     cdef uint64_t send_seq
     cdef uint64_t recv_seq
     cdef int64_t spin_ns
+    cdef int64_t yield_ns
     cdef bint closed
     cdef object broken  # why the rings are unusable (a frame stopped half-way), or None
     cdef GroupState group_state  # whose counters ``stats`` points into (kept alive here)
     cdef ferro_stats* stats
 
-    def __cinit__(self, Segment segment, int rank, int peer, double spin_us=50.0, GroupState group_state=None):
+    def __cinit__(self, Segment segment, int rank, int peer, double spin_us=50.0, GroupState group_state=None,
+                  double yield_us=1000.0):
         self.segment = segment
         self.rank = rank
         self.peer = peer
         self.send_seq = 0
         self.recv_seq = 0
         self.spin_ns = <int64_t>(spin_us * 1000)
+        self.yield_ns = <int64_t>(yield_us * 1000)
         self.closed = False
         self.broken = None
         self.group_state = group_state
@@ -384,7 +388,7 @@ cdef class Channel:
             peer_in = source.segment.rank_ctl(source.peer)
             with nogil:
                 _run(&s if has_out else NULL, &r if has_in else NULL, peer_out, peer_in, own, deadline,
-                     self.spin_ns)
+                     self.spin_ns, self.yield_ns)
         finally:
             if has_out:
                 PyBuffer_Release(&out_view)

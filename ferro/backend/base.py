@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from ferro.errors import (
     InvalidRankError,
     SelfSendError,
 )
+from ferro.rendezvous.hosts import usable_cpus
 from ferro.types import COLLECTIVE_IDS, collective_name
 
 __all__ = ["Backend", "FramedBackend", "KeptIdentity", "Support", "add_counters", "default_spin_us",
@@ -31,6 +31,8 @@ YIELD_ENV = "FERRO_YIELD_US"
 _P2P = COLLECTIVE_IDS["p2p"]
 DEFAULT_SPIN_US = 50.0
 DEFAULT_YIELD_US = 200.0
+#: A shared-memory wait's yield window (the arena's, a channel's): a peer sharing this core answers once it runs.
+SHM_YIELD_US = 1000.0
 #: Past this many ranks a core, a rank that does not spin stops yielding too (see :func:`default_yield_us`).
 YIELD_RANKS_PER_CORE = 4
 
@@ -557,19 +559,6 @@ def dissemination_barrier(rank: int, world_size: int, exchange: Callable[[int, i
         distance *= 2
 
 
-def usable_cpus() -> int:
-    """Return how many CPUs this process may run on.
-
-    Its affinity mask where the OS keeps one (``taskset``, a container's or cgroup's
-    cpuset, Slurm's or mpirun's binding), else every CPU of the machine: two ranks
-    confined to one core must not be counted as having two.
-    """
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):  # no affinity masks on this OS
-        return os.cpu_count() or 1
-
-
 def _microseconds_given(value: float | None, variable: str) -> float | None:
     """Return the caller's ``value``, else ``$variable`` as microseconds, else None."""
     if value is not None:
@@ -595,11 +584,12 @@ def default_spin_us(spin_us: float | None, world_size: int) -> float:
     return DEFAULT_SPIN_US if world_size <= usable_cpus() else 0.0
 
 
-def default_yield_us(yield_us: float | None, ranks_here: int) -> float:
+def default_yield_us(yield_us: float | None, ranks_here: int, window: float = DEFAULT_YIELD_US) -> float:
     """Return how long a rank that does not spin keeps trying between ``sched_yield()`` calls before it sleeps.
 
-    In microseconds: the caller's ``yield_us``, else ``$FERRO_YIELD_US``, else 200 while the ranks sharing this
-    host's cores (``ranks_here``) are at most four a core, and 0 past that.
+    In microseconds: the caller's ``yield_us``, else ``$FERRO_YIELD_US``, else ``window`` (TCP's 200, shared
+    memory's :data:`SHM_YIELD_US`) while the ranks sharing this host's cores (``ranks_here``) are at most four a
+    core, and 0 past that.
     """
     given = _microseconds_given(yield_us, YIELD_ENV)
     if given is not None:
@@ -610,4 +600,4 @@ def default_yield_us(yield_us: float | None, ranks_here: int) -> float:
     # 4 B-16 KiB allreduce at 8 ranks 151-259 against 212-316 us, at 16 ranks 662-878 against 512-612;
     # emulated 16x1@100mbit 4 KiB allreduce 3.2-5.6 against 1.6-1.9 ms and 4 MiB all_gather 351-370 against
     # 340-342 ms; 32x1 4 KiB 9-13 against 2.9-3.9 ms.
-    return DEFAULT_YIELD_US if ranks_here <= YIELD_RANKS_PER_CORE * usable_cpus() else 0.0
+    return window if ranks_here <= YIELD_RANKS_PER_CORE * usable_cpus() else 0.0

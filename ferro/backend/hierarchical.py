@@ -10,20 +10,27 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ferro._core.reduce import divide
-from ferro.backend.base import FramedBackend, Support, add_counters, default_spin_us, default_yield_us
+from ferro.backend.base import (
+    SHM_YIELD_US,
+    FramedBackend,
+    Support,
+    add_counters,
+    default_spin_us,
+    default_yield_us,
+)
 from ferro.backend.hierarchy_plan import (
     Relay,
     exchange_all,
+    flat_below_bytes,
     pipeline_pieces,
     runs_flat,
-    two_level_all_to_all,
 )
 from ferro.backend.joined import JoinSpec
 from ferro.backend.native import NativeCollectives
 from ferro.backend.shm import ShmBackend
 from ferro.backend.tcp import TcpBackend
 from ferro.errors import DistributedError
-from ferro.rendezvous.hosts import exchange_host_identities
+from ferro.rendezvous.hosts import crowded, exchange_host_identities
 from ferro.rendezvous.settings import RendezvousConfig, default_timeout, validate_rank_and_size
 from ferro.rendezvous.store import Store
 from ferro.types import BYTES, DType, ReduceOp
@@ -90,11 +97,13 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
             close_store = True
         try:
             identities = exchange_host_identities(store, rank, world_size, seconds)
-            self._plan(rank, [host for host, _ in identities])
+            self._plan(rank, [identity[0] for identity in identities])
+            # Where ranks outnumber a machine's cores, shared-memory waits cannot spin: small calls go flat.
+            self._flat_below = flat_below_bytes(crowded(identities))
             # Spinning pays only while the ranks on this machine each have a core. Count the machine's
             # ranks, not the host's: namespaces or declared hosts may share one machine's cores.
             machine = identities[rank][1]
-            here = sum(1 for _, other in identities if other == machine)
+            here = sum(1 for identity in identities if identity[1] == machine)
             spin = default_spin_us(None, here)
             self._world = TcpBackend(rank, world_size, master_addr, master_port, timeout=seconds,
                                      secret=config.secret, store=store, bind_addr=bind_addr, spin_us=spin,
@@ -108,7 +117,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         self._exchanger: ThreadPoolExecutor | None = None  # a leader's exchange thread, made on first use
         try:
             if len(self._members) > 1:
-                self._local = ShmBackend.split_from(self._world, self._members, spin_us=spin)
+                self._local = ShmBackend.split_from(self._world, self._members, spin_us=spin,
+                                                    yield_us=default_yield_us(None, here, SHM_YIELD_US))
             if len(self._leader_ranks) > 1 and rank in self._leader_ranks:
                 self._leaders = self._world.split(self._leader_ranks)
                 self._leaders.share_link(1)  # one rank per host sends between hosts: it has the whole link
@@ -215,6 +225,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         So the algorithm is chosen for the group that runs it: among 8 hosts of 2 ranks, a 4 MiB allreduce's
         leaders run 512 KiB pieces among 8, not 4 MiB among 16.
         """
+        if self.runs_flat("allreduce", nbytes):
+            return nbytes, world_size
         pieces = self._pieces(max(nbytes, 1), nbytes)
         return nbytes // pieces, len(self._hosts)
 
@@ -227,6 +239,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         broadcasts the one before.
         """
         self._world._usable("allreduce")
+        if self.runs_flat("allreduce", flat.nbytes):
+            return self._world.native_allreduce(flat, dtype, op, fingerprint, timeout, algorithm)
         combine = ReduceOp.SUM if op is ReduceOp.MEAN else op
         local, leaders = self._local, self._leaders
         pieces = self._pieces(flat.size, flat.nbytes)
@@ -301,7 +315,7 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
     def native_broadcast(self, flat: Any, root: int, fingerprint: int, timeout: float) -> bool:
         """Broadcast inside the root's host, then among leaders, then inside every other host."""
         self._world._usable("broadcast")
-        if self._runs_flat("broadcast", flat.nbytes):
+        if self.runs_flat("broadcast", flat.nbytes):
             return self._world.native_broadcast(flat, root, fingerprint, timeout)
         root_host = self._host_of[root]
         mine = self._host_of[self._world.rank]
@@ -323,7 +337,7 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         the three steps run in turn.
         """
         self._world._usable("reduce")
-        if self._runs_flat("reduce", flat.nbytes):
+        if self.runs_flat("reduce", flat.nbytes):
             return self._world.native_reduce(flat, root, dtype, op, fingerprint, timeout)
         combine = ReduceOp.SUM if op is ReduceOp.MEAN else op
         root_host, mine = self._host_of[root], self._host_of[self._world.rank]
@@ -373,8 +387,7 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
     def _leaders_gather(self, flat: Any, blocks: list[int], fingerprint: int, deadline: float) -> Callable[[int], None]:
         """Return the leaders' step of an all_gather in one piece: their mesh's all_gather of the hosts' blocks.
 
-        The mesh chooses by its cost forms, so a small call takes Bruck's ``ceil(log2 H)`` rounds, not the ring's
-        ``H - 1`` steps (8x2@200mbit, 64 B: predicted 397 us with the ring, 222 with Bruck's rounds).
+        The mesh chooses by its cost forms: Bruck's ``ceil(log2 H)`` rounds while small, not the ring's ``H - 1``.
         """
         leaders = self._leaders
 
@@ -410,7 +423,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
     def _reduce_scatter(self, source: Any, flat: Any, bounds: list[int], dtype: DType, op: ReduceOp,
                         fingerprint: int, timeout: float) -> bool:
         blocks = self._host_blocks(bounds)
-        if blocks is None or (self._local is None and self._leaders is None):
+        if blocks is None or (self._local is None and self._leaders is None) or self.runs_flat(
+                "reduce_scatter", flat.nbytes):
             if source is None:
                 return self._world.native_reduce_scatter(flat, bounds, dtype, op, fingerprint, timeout)
             return self._world.native_reduce_scatter_from(source, flat, bounds, dtype, op, fingerprint, timeout)
@@ -450,7 +464,8 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         unequal or interleaved ranks take the TCP mesh (Bruck's rounds or the ring).
         """
         blocks = self._host_blocks(bounds)
-        if blocks is None or (self._local is None and self._leaders is None):
+        if blocks is None or (self._local is None and self._leaders is None) or self.runs_flat(
+                "all_gather", flat.nbytes):
             return self._world.native_all_gather(flat, bounds, fingerprint, timeout)
         self._world._usable("all_gather")
         local = self._local
@@ -492,7 +507,7 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         per_host = len(self._members)
         block = send_offsets[1] - send_offsets[0] if len(send_offsets) > 1 else 0
         local = self._local
-        if not even or local is None or not self._two_level_all_to_all(block):
+        if not even or local is None or self.runs_flat("all_to_all", block * self.world_size):
             return self._world.native_all_to_all(send, send_offsets, recv, recv_offsets, fingerprint, timeout,
                                                  even=even)
         self._world._usable("all_to_all")
@@ -520,14 +535,20 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         np.frombuffer(recv, np.uint8, n * block)[:] = arrived[:, :, local_index].reshape(-1)
         return True
 
-    def _two_level_all_to_all(self, block: int) -> bool:
-        """Whether an all_to_all of equal ``block``-byte blocks goes in two levels (else the TCP mesh runs it)."""
-        return self._equal_runs and two_level_all_to_all(len(self._members), block)
+    def runs_flat(self, op: str, nbytes: int) -> bool:
+        """Whether a call of ``op`` on ``nbytes`` runs on the TCP mesh over every rank rather than in two levels.
 
-    def _runs_flat(self, op: str, nbytes: int) -> bool:
-        """:func:`runs_flat` for broadcast and reduce here: on hosts of equal runs of ranks, by the mesh's choice."""
-        return self._equal_runs and runs_flat(op, self._world.direct_mesh.choose(op, nbytes), len(self._members),
-                                              nbytes, self.world_size)
+        :func:`~ferro.backend.hierarchy_plan.runs_flat`'s rules, with this job's hosts: below
+        :func:`~ferro.backend.hierarchy_plan.flat_below_bytes` (where some machine's ranks outnumber its cores),
+        and for broadcast and reduce, hosts of equal runs of ranks and the mesh's choice. ``nbytes`` as
+        :meth:`plan_name` takes it; every rank decides alike.
+        """
+        if op in ("all_gather", "reduce_scatter", "all_to_all") and not self._equal_runs:
+            return True  # a host's parts are not one block: the mesh's plans
+        # The chain goes flat through equal runs of ranks only: through interleaved hosts it crosses links often.
+        flat_plan = self._world.direct_mesh.choose(op, nbytes) if op in ("broadcast", "reduce") else ""
+        return runs_flat(op, flat_plan if self._equal_runs else "", len(self._members), nbytes, self.world_size,
+                         self._flat_below)
 
     def plan_name(self, op: str, nbytes: int) -> str:
         """Name the plan a call of ``op`` (not allreduce) on ``nbytes`` runs, as ``ferro bench`` prints it on its rows.
@@ -538,21 +559,16 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         sizes: the buffer, the all_gather's output, the all_to_all's bytes sent per rank.
         """
         leaders, hosts = self._leaders, len(self._hosts)
-        if op == "allreduce":
-            raise ValueError("the allreduce's plan is the collective layer's choice for exchange_shape(): "
-                             "name it with ferro.collective.resolve.resolve_allreduce_algorithm")
-        if (op == "all_to_all" and not self._two_level_all_to_all(nbytes // self.world_size)) or (
-                op in ("broadcast", "reduce") and self._runs_flat(op, nbytes)):
-            return self._world.direct_mesh.choose(op, nbytes)
-        if op in ("all_gather", "reduce_scatter") and not (self._equal_runs and hosts > 1):
-            return self._world.direct_mesh.choose(op, nbytes) if op == "all_gather" else "ring"
+        if op == "allreduce":  # chosen by the collective layer, for exchange_shape()
+            raise ValueError("name the allreduce's plan with resolve_allreduce_algorithm(*exchange_shape(...))")
+        if self.runs_flat(op, nbytes):
+            return "ring" if op == "reduce_scatter" else self._world.direct_mesh.choose(op, nbytes)
         if op == "reduce_scatter" or (op == "all_gather" and self._pieces(nbytes // hosts, nbytes) > 1):
             return "two-level ring"  # the leaders' ring over the hosts' blocks, a slice at a time (_leaders_ring)
         if leaders is None:
             return "two-level"
         # The leaders' all_to_all carries R x R blocks per pair of hosts: as many bytes a leader as its host sends.
-        leaders_bytes = nbytes * len(self._members) if op == "all_to_all" else nbytes
-        return f"two-level {leaders.direct_mesh.choose(op, leaders_bytes)}"
+        return f"two-level {leaders.direct_mesh.choose(op, nbytes * (len(self._members) if op == 'all_to_all' else 1))}"
 
     def _counters(self) -> dict[int, tuple[int, int, int]]:
         # Calls are counted on this group; the bytes by the three groups that move them.

@@ -10,8 +10,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-__all__ = ["PIPELINE_MAX_PIECES", "PIPELINE_MIN_BYTES", "PIPELINE_PIECE_BYTES", "TWO_LEVEL_ALL_TO_ALL_BYTES", "Relay",
-           "exchange_all", "pipeline_pieces", "runs_flat", "two_level_all_to_all"]
+from ferro import environment
+from ferro.errors import ConfigurationError
+
+__all__ = ["CROWDED_FLAT_BYTES", "FLAT_BELOW_OPS", "FLAT_BYTES_ENV", "PIPELINE_MAX_PIECES", "PIPELINE_MIN_BYTES",
+           "PIPELINE_PIECE_BYTES", "TWO_LEVEL_ALL_TO_ALL_BYTES", "Relay", "exchange_all", "flat_below_bytes",
+           "pipeline_pieces", "runs_flat", "two_level_all_to_all"]
 
 #: Collectives of at least this many bytes are pipelined (see ``HierarchicalBackend._pipeline``).
 PIPELINE_MIN_BYTES = 2 << 20
@@ -23,6 +27,32 @@ TWO_LEVEL_ALL_TO_ALL_BYTES = 64 * 1024
 #: 0.87-0.99 over 1 MiB ones; at 10 Gbit, where that VM is CPU-bound, they cost 4 MiB calls a third.
 PIPELINE_PIECE_BYTES = 1 << 19
 PIPELINE_MAX_PIECES = 16
+#: Below this many bytes, a hierarchy on machines whose cores its ranks outnumber runs :data:`FLAT_BELOW_OPS`
+#: flat (:func:`runs_flat`). Among 8 emulated hosts of 2 ranks on 2 cores, the two-level allreduce first caught
+#: up with the flat one at 64 KiB (4.9 ms against 5.2; 16 KiB 3.0 against 2.3).
+CROWDED_FLAT_BYTES = 64 * 1024
+#: The ops a small call of goes flat: those with shared-memory steps (the all_to_all has its own rule).
+FLAT_BELOW_OPS = ("allreduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+#: Overrides :func:`flat_below_bytes` (read when a hierarchical group is made; every rank must set the same).
+FLAT_BYTES_ENV = "FERRO_HIERARCHY_FLAT_BYTES"
+
+
+def flat_below_bytes(crowded: bool) -> int:
+    """Return the size below which a hierarchical group runs :data:`FLAT_BELOW_OPS` flat.
+
+    ``$FERRO_HIERARCHY_FLAT_BYTES`` where set, else :data:`CROWDED_FLAT_BYTES` where ``crowded`` (some machine of
+    the job runs more of its ranks than it has cores), else 0.
+
+    Raises:
+        ConfigurationError: The variable is not a whole number of bytes.
+
+    """
+    given = environment.get(FLAT_BYTES_ENV)
+    if given is None or given == "":
+        return CROWDED_FLAT_BYTES if crowded else 0
+    if not given.strip().isdigit():
+        raise ConfigurationError(f"{FLAT_BYTES_ENV}={given!r}: expected a whole number of bytes (0: never flat)")
+    return int(given)
 
 
 def pipeline_pieces(count: int, nbytes: int) -> int:
@@ -46,15 +76,25 @@ def two_level_all_to_all(per_host: int, block: int) -> bool:
     return per_host >= 4 and per_host * per_host * block <= TWO_LEVEL_ALL_TO_ALL_BYTES
 
 
-def runs_flat(op: str, flat_plan: str, per_host: int, nbytes: int, world_size: int) -> bool:
+def runs_flat(op: str, flat_plan: str, per_host: int, nbytes: int, world_size: int, flat_below: int = 0) -> bool:
     """Whether hosts of ``per_host`` consecutive ranks run ``op`` on the TCP mesh over every rank, not in two levels.
 
-    ``flat_plan`` is the mesh's choice for the call, ``nbytes`` what ``ferro bench`` sizes. broadcast and reduce
-    go flat where the mesh chooses its pipelined chain: through consecutive ranks it crosses each host's link
-    once each way, as the two levels do, but pipelined from end to end where the two levels run in turn (a
-    16 MiB broadcast among 8 hosts of 2 ranks at 200 Mbit: 0.77 of the stream in two levels, 1.03 flat). The
-    all_to_all goes flat except where :func:`two_level_all_to_all` holds. Every other op runs in two levels.
+    ``flat_plan`` is the mesh's choice for the call, ``nbytes`` what ``ferro bench`` sizes.
+
+    * Calls of :data:`FLAT_BELOW_OPS` below ``flat_below`` bytes (:func:`flat_below_bytes`: where some machine
+      runs more of the job's ranks than it has cores). Ranks that cannot spin wait in shared memory by napping,
+      so each of a two-level call's two shared-memory steps waits for the scheduler to find its ranks a core,
+      where the mesh's ranks sleep in the kernel until their bytes land (8 emulated hosts of 2 ranks on 2 cores,
+      4 B: allreduce 1.75 ms in two levels, 0.55 flat; broadcast 0.55 and 0.13; all_gather 2.1 and 0.68).
+    * broadcast and reduce where the mesh chooses its pipelined chain: through consecutive ranks it crosses each
+      host's link once each way, as the two levels do, but pipelined from end to end where the two levels run in
+      turn (a 16 MiB broadcast among 8 hosts of 2 ranks at 200 Mbit: 0.77 of the stream in two levels, 1.03 flat).
+    * The all_to_all except where :func:`two_level_all_to_all` holds.
+
+    Every other call runs in two levels.
     """
+    if nbytes < flat_below and op in FLAT_BELOW_OPS:
+        return True
     if op in ("broadcast", "reduce"):
         return flat_plan == "pipelined chain"
     if op == "all_to_all":

@@ -16,7 +16,7 @@ from ferro._buffers import as_buffer
 from ferro._core.arena import Arena, arena_bytes
 from ferro._core.shm import SEGMENT_HEADER_BYTES, Channel, Segment, segment_bytes
 from ferro._core.transport import KIND_ABORT, KIND_BARRIER
-from ferro.backend.base import Support, default_spin_us, usable_cpus
+from ferro.backend.base import SHM_YIELD_US, Support, default_spin_us, default_yield_us, usable_cpus
 from ferro.backend.joined import JoinSpec, StoreBackend
 from ferro.backend.native import NativeCollectives
 from ferro.errors import ConfigurationError, DistributedError, DistributedTimeoutError, PeerLostError
@@ -185,6 +185,8 @@ class ShmBackend(StoreBackend, NativeCollectives):
             collectives.
         spin_us: Microseconds to spin before yielding the CPU while waiting (default
             ``$FERRO_SPIN_US``, else 50, or 0 when ranks outnumber the cores).
+        yield_us: Without a spin, microseconds a quiet wait keeps calling ``sched_yield()`` before it naps
+            (default ``$FERRO_YIELD_US``, else 1000, or 0 past four ranks a core).
         close_store: Close a given ``store`` with the group (it becomes the group's own).
 
     Raises:
@@ -203,13 +205,14 @@ class ShmBackend(StoreBackend, NativeCollectives):
     def __init__(self, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500, *,
                  timeout: float | None = None, secret: bytes | str | None = None, store: Store | None = None,
                  ring_bytes: int | None = None, buffer_bytes: int | None = None, spin_us: float | None = None,
-                 close_store: bool = False) -> None:
+                 close_store: bool = False, yield_us: float | None = None) -> None:
         validate_rank_and_size(rank, world_size)  # before anything uses them
         ring = _size_setting(ring_bytes, RING_ENV, DEFAULT_RING_BYTES, "rings")
         buffer = _buffer_bytes(buffer_bytes, world_size)
         spin = default_spin_us(spin_us, world_size)
+        yielding = default_yield_us(yield_us, world_size, SHM_YIELD_US)
         self._join(rank, world_size, master_addr, master_port, timeout, secret, store, close_store,
-                   lambda: self._attach(ring, buffer, spin))
+                   lambda: self._attach(ring, buffer, spin, yielding))
 
     @classmethod
     def join(cls, spec: JoinSpec) -> ShmBackend:
@@ -217,7 +220,7 @@ class ShmBackend(StoreBackend, NativeCollectives):
         return cls(spec.rank, spec.world_size, spec.master_addr, spec.master_port, timeout=spec.timeout,
                    secret=spec.secret, store=spec.store, close_store=spec.close_store)
 
-    def _attach(self, ring_bytes: int, buffer_bytes: int, spin_us: float) -> None:
+    def _attach(self, ring_bytes: int, buffer_bytes: int, spin_us: float, yield_us: float) -> None:
         rank, world_size, store, prefix = self._rank, self._world_size, self._store, self._prefix
         deadline = self._deadline
         arena_offset, size = _layout(world_size, ring_bytes, buffer_bytes)
@@ -255,13 +258,14 @@ class ShmBackend(StoreBackend, NativeCollectives):
             # the store (with its group) while another rank still needs it.
             store.set(f"{prefix}/mapped/{rank}", b"1", timeout=time_left(deadline, rank, "reporting the mapping"))
         self._ring_bytes, self._buffer_bytes, self._spin_us = ring_bytes, buffer_bytes, spin_us
+        self._yield_us = yield_us
         self._mapping, self._segment = mapping, segment
         state = self.state
         self._arena = Arena(mapping, world_size, rank, SEGMENT_HEADER_BYTES, arena_offset, buffer_bytes, spin_us,
-                            state)
+                            state, yield_us)
         self._arena.default_timeout = self._timeout
         self._arena.small_limit = min(SMALL_ALLREDUCE_BYTES, buffer_bytes)
-        self._links = {peer: Channel(segment, rank, peer, spin_us, state) for peer in range(world_size)
+        self._links = {peer: Channel(segment, rank, peer, spin_us, state, yield_us) for peer in range(world_size)
                        if peer != rank}
         # No rank returns before every rank is in: a group with a missing rank is no group.
         try:
@@ -365,16 +369,16 @@ class ShmBackend(StoreBackend, NativeCollectives):
         """Create a segment of their own for ``ranks`` through this group's store (see :meth:`Backend.split`)."""
         self._usable("new_group")
         return ShmBackend.split_from(self, ranks, timeout=timeout, ring_bytes=self._ring_bytes,
-                                     buffer_bytes=self._buffer_bytes, spin_us=self._spin_us)
+                                     buffer_bytes=self._buffer_bytes, spin_us=self._spin_us, yield_us=self._yield_us)
 
     @classmethod
     def split_from(cls, parent: StoreBackend, ranks: Sequence[int], *, timeout: float | None = None,
                    ring_bytes: int | None = None, buffer_bytes: int | None = None,
-                   spin_us: float | None = None) -> ShmBackend:
+                   spin_us: float | None = None, yield_us: float | None = None) -> ShmBackend:
         """Create a shared-memory group of ``ranks`` (all on this host) through ``parent``'s store.
 
         Every member calls it with the same ``ranks``; other ranks of ``parent`` need not.
-        Sizes default as in the constructor.
+        Sizes and waits default as in the constructor.
         """
         members = tuple(ranks)
         child = cls.__new__(cls)
@@ -382,7 +386,8 @@ class ShmBackend(StoreBackend, NativeCollectives):
                           parent._split_prefix(members), parent._secret,
                           parent.timeout if timeout is None else default_timeout(timeout))
         child._attach(_size_setting(ring_bytes, RING_ENV, DEFAULT_RING_BYTES, "rings"),
-                      _buffer_bytes(buffer_bytes, len(members)), default_spin_us(spin_us, len(members)))
+                      _buffer_bytes(buffer_bytes, len(members)), default_spin_us(spin_us, len(members)),
+                      default_yield_us(yield_us, len(members), SHM_YIELD_US))
         return child
 
     def _release(self) -> None:

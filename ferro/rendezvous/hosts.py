@@ -14,7 +14,7 @@ from typing import Any
 from ferro import environment
 from ferro.rendezvous.connect import time_left, wait_for_ranks
 
-__all__ = ["HOST_ID_ENV", "exchange_host_identities", "host_identity", "machine_identity"]
+__all__ = ["HOST_ID_ENV", "crowded", "exchange_host_identities", "host_identity", "machine_identity", "usable_cpus"]
 
 HOST_ID_ENV = "FERRO_HOST_ID"
 
@@ -62,19 +62,47 @@ def machine_identity() -> str:
         return f"unknown-machine:{socket.gethostname()}"
 
 
-def exchange_host_identities(store: Any, rank: int, world_size: int, timeout: float) -> list[tuple[str, str]]:
+def usable_cpus() -> int:
+    """Return how many CPUs this process may run on.
+
+    Its affinity mask where the OS keeps one (``taskset``, a container's or cgroup's
+    cpuset, Slurm's or mpirun's binding), else every CPU of the machine: two ranks
+    confined to one core must not be counted as having two.
+    """
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity masks on this OS
+        return os.cpu_count() or 1
+
+
+def exchange_host_identities(store: Any, rank: int, world_size: int, timeout: float) -> list[tuple[str, str, int]]:
     """Publish this rank's host and machine identities through ``store``; return every rank's, in rank order.
 
-    Each rank counts its own exchanges in the store, so a job that does this more
-    than once (a launcher's store, a re-created group) never reads stale answers.
+    Each is ``(host, machine, cpus)``: :func:`host_identity`, :func:`machine_identity` and the rank's
+    :func:`usable_cpus` (0 where a rank did not say). Each rank counts its own exchanges in the store, so a job
+    that does this more than once (a launcher's store, a re-created group) never reads stale answers.
     """
     deadline = time.monotonic() + timeout
     generation = store.add(f"ferro/host-joins/{rank}", 1, timeout=timeout)
     prefix = f"ferro/hosts/{generation}"
-    store.set(f"{prefix}/{rank}", f"{host_identity()}\n{machine_identity()}",
+    store.set(f"{prefix}/{rank}", f"{host_identity()}\n{machine_identity()}\n{usable_cpus()}",
               timeout=time_left(deadline, rank, "publishing this rank's host"))
     keys = {r: f"{prefix}/{r}" for r in range(world_size)}
     wait_for_ranks(store, keys, deadline, rank, "say which host they run on")
-    found = [store.get(key, timeout=time_left(deadline, rank, "reading the ranks' hosts")).decode().split("\n", 1)
+    found = [store.get(key, timeout=time_left(deadline, rank, "reading the ranks' hosts")).decode().split("\n", 2)
              for key in keys.values()]
-    return [(parts[0], parts[1] if len(parts) > 1 else parts[0]) for parts in found]
+    return [(parts[0], parts[1] if len(parts) > 1 else parts[0],
+             int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 0) for parts in found]
+
+
+def crowded(identities: list[tuple[str, str, int]]) -> bool:
+    """Whether some machine runs more of these ranks than it has CPUs (as :func:`exchange_host_identities` says).
+
+    Every rank decides alike from the same identities. A machine's CPUs are the most any of its ranks may use.
+    """
+    ranks: dict[str, int] = {}
+    cpus: dict[str, int] = {}
+    for _, machine, usable in identities:
+        ranks[machine] = ranks.get(machine, 0) + 1
+        cpus[machine] = max(cpus.get(machine, 0), usable)
+    return any(cpus[machine] and count > cpus[machine] for machine, count in ranks.items())

@@ -111,7 +111,8 @@ class _Ferro(_Adapter):
         kind = type(self.group).__name__
         if isinstance(self.group, HierarchicalBackend):  # the leaders' allreduce is chosen for their own shape
             if op == "allreduce":
-                return f"two-level {resolve_allreduce_algorithm(*self.group.exchange_shape(nbytes, n))}"
+                chosen = resolve_allreduce_algorithm(*self.group.exchange_shape(nbytes, n))
+                return chosen if self.group.runs_flat(op, nbytes) else f"two-level {chosen}"
             return self.group.plan_name(op, nbytes)
         if kind != "TcpBackend":
             return {"ShmBackend": "shared-memory arena", "MpiBackend": "MPI's"}.get(kind, kind)
