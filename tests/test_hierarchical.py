@@ -25,6 +25,13 @@ def test_auto_chooses_by_how_ranks_share_hosts():
     assert choose_backend(["a", "a", "b"]) == "hierarchical"
 
 
+def join_in_two_levels(host):
+    """Join the job on the declared ``host``, every call in two levels however many ranks share this machine's cores."""
+    os.environ["FERRO_HOST_ID"] = host
+    os.environ["FERRO_HIERARCHY_FLAT_BYTES"] = "0"
+    return ferro.init_process_group(timeout=60)
+
+
 def host_layout(world_size):
     """Two hosts: the first takes the extra rank of an odd world."""
     first = (world_size + 1) // 2
@@ -32,9 +39,7 @@ def host_layout(world_size):
 
 
 def rank_conformance_on_declared_hosts(rank, world_size):
-    os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
-    os.environ["FERRO_HIERARCHY_FLAT_BYTES"] = "0"  # small calls in two levels, however crowded
-    group = ferro.init_process_group(timeout=60)
+    group = join_in_two_levels(f"declared-host-{host_layout(world_size)[rank]}")
     try:
         report = check_collectives(group)
         return type(group).__name__, group.hosts, report
@@ -127,9 +132,7 @@ def test_a_rank_killed_on_one_host_fails_every_host_promptly(two_hosts, count):
 
 
 def rank_hierarchical_stats(rank, world_size):
-    os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
-    os.environ["FERRO_HIERARCHY_FLAT_BYTES"] = "0"  # small calls in two levels, however crowded
-    group = ferro.init_process_group(timeout=60)
+    group = join_in_two_levels(f"declared-host-{host_layout(world_size)[rank]}")
     try:
         group.reset_stats()
         ferro.allreduce(np.ones(256, np.float32), group=group)  # 1 KiB
@@ -150,9 +153,7 @@ def test_hierarchical_stats_add_up_the_three_groups():
 
 
 def rank_bytes_between_hosts(rank, world_size):
-    os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
-    os.environ["FERRO_HIERARCHY_FLAT_BYTES"] = "0"  # small calls in two levels, however crowded
-    group = ferro.init_process_group(timeout=60)
+    group = join_in_two_levels(f"declared-host-{host_layout(world_size)[rank]}")
     try:
         sent = {}
         calls = {"all_gather": lambda: ferro.all_gather(np.full(256, float(rank), np.float32)),   # 1 KiB a rank
@@ -370,9 +371,7 @@ def rank_leaders_run_the_plan_chosen_for_them(rank, world_size, forced):
     """Four declared hosts of two ranks: a 4 MiB float64 allreduce, its leaders' bytes, and the plan chosen."""
     from ferro.collective.resolve import resolve_allreduce_algorithm
 
-    os.environ["FERRO_HOST_ID"] = f"declared-host-{rank // 2}"
-    os.environ["FERRO_HIERARCHY_FLAT_BYTES"] = "0"  # small calls in two levels, however crowded
-    group = ferro.init_process_group(timeout=60)
+    group = join_in_two_levels(f"declared-host-{rank // 2}")
     try:
         big = 1 << 22
         shapes = [group.exchange_shape(nbytes, world_size) for nbytes in (64, big)]
@@ -423,9 +422,7 @@ def test_the_leaders_run_the_allreduce_chosen_for_their_own_pieces_and_hosts(for
 
 
 def rank_broadcast_and_reduce_by_the_mesh_s_plan(rank, world_size):
-    os.environ["FERRO_HOST_ID"] = f"declared-host-{host_layout(world_size)[rank]}"
-    os.environ["FERRO_HIERARCHY_FLAT_BYTES"] = "0"  # small calls in two levels, however crowded
-    group = ferro.init_process_group(timeout=60)
+    group = join_in_two_levels(f"declared-host-{host_layout(world_size)[rank]}")
     try:
         out = {}
         for count in (8, 1 << 17):  # 64 B and 1 MiB of float64
