@@ -112,29 +112,38 @@ def run_cluster(cluster: str, args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def predict_scale(ranks: list[int], links: list[str], sizes: list[int]) -> list[dict]:
-    """Predict the allreduce at ``ranks`` (one rank per host) on each link ``RATE,LATENCY``: ferro's choice by a
-    cost model of that link (what ``ferro bench --fit`` would measure there) and the ring alone, beside the bound.
+def predict_scale(ranks: list[int], links: list[str], sizes: list[int], per_host: int = 1) -> list[dict]:
+    """Predict the allreduce at ``ranks`` (``per_host`` ranks a host) on each link ``RATE,LATENCY``: ferro's choice
+    by a cost model of that link (what ``ferro bench --fit`` would measure there) and the ring alone over every
+    rank, beside the bound. With several ranks a host ferro's choice is the hierarchy's (``--backend auto``): the
+    leaders' algorithm for their pieces among the hosts, replayed by ``two_level.predict_two_level``.
 
     The ring and, on powers of two, recursive doubling and halving-doubling are replayed from one host's plan
     (:func:`simulate.replay_streams` and :func:`simulate.replay_symmetric`, equal to the full replay at 1 rank per
     host: ``tests/test_schedule.py``), in the frames that model's mesh cuts.
     """
     from ferro.backend.cost_model import CostModel
+    from ferro.backend.hierarchy_plan import pipeline_pieces
 
     rows = []
     for link in links:
         for n in ranks:
-            network = simulate.parse_network(f"{n}x1@{link}")
+            hosts = max(1, n // per_host)
+            network = simulate.parse_network(f"{hosts}x{per_host}@{link}")
             model = CostModel(network.latency + network.overhead, 1 / network.rate, 1 / network.reduce_rate)
             frames = {"segment": model.segment_bytes(), "piece": model.piece_bytes()}  # as that model's mesh cuts
             for size in sizes:
-                chosen = model.choose_allreduce(size, n)
                 ring = simulate.predict(network, "ring", size, **frames)
-                best = ring if chosen == "ring" else simulate.predict(network, chosen, size, **frames)
+                if per_host > 1 and hosts > 1:
+                    leaders = model.choose_allreduce(size // pipeline_pieces(max(size // 4, 1), size), hosts)
+                    chosen = two_level.TWO_LEVEL + leaders
+                    best = two_level.predict_two_level(network, leaders, size, **frames)
+                else:
+                    chosen = model.choose_allreduce(size, n)
+                    best = ring if chosen == "ring" else simulate.predict(network, chosen, size, **frames)
                 rows.append({"link": link, "ranks": n, "size": size, "algorithm": chosen, "chosen_us": best * 1e6,
                              "ring_us": ring * 1e6, "bound_us": simulate.lower_bound(network, size) * 1e6})
-                print(f"  {link:>14} {n:>6} {size:>10} {chosen:>18} {best * 1e6:>12.1f} {ring * 1e6:>12.1f} "
+                print(f"  {link:>14} {n:>6} {size:>10} {chosen:>28} {best * 1e6:>12.1f} {ring * 1e6:>12.1f} "
                       f"{ring / best:>6.1f}x {rows[-1]['bound_us']:>11.1f}", flush=True)
     return rows
 
@@ -232,14 +241,16 @@ def main() -> int:
     parser.add_argument("--links", default="25gbit,2us,25gbit,10us,100gbit,2us,100gbit,10us",
                         help="RATE,LATENCY pairs for --predict-scale")
     parser.add_argument("--sizes", default="8,65536,1048576,67108864", help="bytes, for --predict-scale")
+    parser.add_argument("--ranks-per-host", type=int, default=1,
+                        help="ranks on each host, for --predict-scale (above 1: the hierarchy's two-level plans)")
     args = parser.parse_args()
     if args.predict_scale:
         parts = args.links.split(",")
-        print(f"# {'link':>14} {'ranks':>6} {'size':>10} {'ferro chooses':>18} {'its time':>12} {'ring alone':>12} "
+        print(f"# {'link':>14} {'ranks':>6} {'size':>10} {'ferro chooses':>28} {'its time':>12} {'ring alone':>12} "
               f"{'gain':>7} {'bound':>11}   (us, predicted)")
         rows = predict_scale([int(n) for n in args.predict_scale.split(",")],
                              [f"{parts[i]},{parts[i + 1]}" for i in range(0, len(parts), 2)],
-                             [int(size) for size in args.sizes.split(",")])
+                             [int(size) for size in args.sizes.split(",")], args.ranks_per_host)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0
