@@ -500,6 +500,9 @@ def rank_small_calls_on_a_crowded_machine(rank, world_size):
     from ferro.collective.resolve import resolve_allreduce_algorithm
 
     group = ferro.init_process_group(timeout=60)
+    full_path = []  # the hierarchy's own allreduces: the calls the direct path declined
+    native_allreduce = group.native_allreduce
+    group.native_allreduce = lambda *args: full_path.append(args[0].nbytes) or native_allreduce(*args)
     try:
         for part in (group.leader_group, group.local_group):
             if part is not None:
@@ -514,22 +517,26 @@ def rank_small_calls_on_a_crowded_machine(rank, world_size):
         names["allreduce"] = resolve_allreduce_algorithm(*group.exchange_shape(64, world_size))
         flat_allreduce = group.runs_flat("allreduce", 64), group.runs_flat("allreduce", large.nbytes)
         ferro.allreduce(large)
+        direct = (group.state.direct_allreduce is not None, group.state.direct_barrier is None, full_path)
         return results, between, local, names, flat_allreduce, large, group.leader_group.stats() if \
-            group.leader_group is not None else None
+            group.leader_group is not None else None, direct
     finally:
         ferro.destroy_process_group()
 
 
 def test_small_calls_go_flat_below_the_crowded_size_and_large_ones_in_two_levels():
-    """Below FERRO_HIERARCHY_FLAT_BYTES the calls run on the mesh over every rank: neither the leaders' group nor
-    shared memory carries a byte, and the plans are named as a flat group names them; a larger allreduce goes in
-    two levels again. Every result equals NumPy's."""
+    """Below FERRO_HIERARCHY_FLAT_BYTES the calls run on the mesh over every rank, by its compiled direct path:
+    neither the leaders' group nor shared memory carries a byte, and the plans are named as a flat group names
+    them; a larger allreduce goes in two levels again. Every result equals NumPy's."""
     from ferro.collective.resolve import resolve_allreduce_algorithm
 
     world_size = 4
     results = run_processes(rank_small_calls_on_a_crowded_machine, world_size, backend=None, timeout=120)
     total = float(sum(range(world_size)))
-    for rank, (got, between, local, names, flat_allreduce, large, after) in enumerate(results):
+    for rank, (got, between, local, names, flat_allreduce, large, after, direct) in enumerate(results):
+        # The flat calls took the world mesh's compiled direct path; the 128 KiB one came to the hierarchy, and
+        # the barrier (host, leaders, host) never takes the mesh's.
+        assert direct == (True, True, [1 << 17]), (rank, direct)
         np.testing.assert_array_equal(got["allreduce"], np.full(8, total))
         np.testing.assert_array_equal(got["all_gather"], np.repeat(np.arange(world_size, dtype=np.float64), 8))
         np.testing.assert_array_equal(got["broadcast"], np.full(8, 1.0))

@@ -274,16 +274,13 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
                   after: Callable[[int], None]) -> None:
         """Run ``before(k)``, ``exchange(k)`` and ``after(k)`` for every piece, overlapping the leaders' exchanges.
 
-        ``before`` and ``after`` are a host's shared-memory steps and every rank
-        of the host calls them, in one order: ``before(0), before(1), after(0),
-        before(2), after(1), ...``. A leader runs ``exchange(k)`` on its exchange
-        thread meanwhile, from the end of ``before(k)`` to the start of
-        ``after(k)``, so the link carries piece ``k`` while shared memory works
-        on its neighbours: the thread runs one job per call, going from piece
-        to piece as each becomes ready (:class:`_Relay`). The compiled calls
-        release the GIL, so the two threads run side by side. A failure is
-        raised once the exchange in flight has finished (each call has its
-        timeout), so the groups are never left mid-call.
+        ``before`` and ``after`` are a host's shared-memory steps and every rank of the host calls them, in one
+        order: ``before(0), before(1), after(0), before(2), after(1), ...``. A leader runs ``exchange(k)`` on its
+        exchange thread meanwhile, from the end of ``before(k)`` to the start of ``after(k)``, so the link carries
+        piece ``k`` while shared memory works on its neighbours: one job per call, going from piece to piece as
+        each becomes ready (:class:`~ferro.backend.hierarchy_plan.Relay`). The compiled calls release the GIL, so
+        the two threads run side by side. A failure is raised once the exchange in flight has finished (each
+        call has its timeout), so the groups are never left mid-call.
         """
         if pieces == 1 or self._local is None:
             for k in range(pieces):  # no shared-memory steps to overlap with: the same calls, in order
@@ -401,12 +398,10 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
                               timeout: float) -> bool:
         """Sum inside each host onto its leader, reduce-scatter host blocks among the leaders, hand each rank its part.
 
-        Only the partial sums of other hosts' blocks cross the links, ``(H-1)/H``
-        of the buffer, where a ring over every rank sends ``(n-1)/n``. Large
-        buffers go in pieces, a slice of every host's block at a time, the
-        leaders' ring over one slice overlapping the host's sums of the next
-        (see :meth:`_pipeline`). Hosts of unequal or interleaved ranks take the
-        TCP mesh's ring.
+        Only the partial sums of other hosts' blocks cross the links, ``(H-1)/H`` of the buffer, where a ring over
+        every rank sends ``(n-1)/n``. Large buffers go in pieces, a slice of every host's block at a time, the
+        leaders' ring over one slice overlapping the host's sums of the next (see :meth:`_pipeline`). Hosts of
+        unequal or interleaved ranks, and calls that go flat (:meth:`runs_flat`), take the TCP mesh's ring.
         """
         return self._reduce_scatter(None, flat, bounds, dtype, op, fingerprint, timeout)
 
@@ -458,10 +453,9 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
     def native_all_gather(self, flat: Any, bounds: list[int], fingerprint: int, timeout: float) -> bool:
         """Gather each host's block over shared memory, the blocks among the leaders, and hand them out in each host.
 
-        Each host receives the ``(H-1)/H`` of the result held elsewhere once,
-        where a ring over every rank passes ``(n-1)/n`` over each link. Large
-        buffers go in pieces, as :meth:`native_reduce_scatter` does. Hosts of
-        unequal or interleaved ranks take the TCP mesh (Bruck's rounds or the ring).
+        Each host receives the ``(H-1)/H`` of the result held elsewhere once, where a ring over every rank passes
+        ``(n-1)/n`` over each link. Large buffers go in pieces, as :meth:`native_reduce_scatter` does. Hosts of
+        unequal or interleaved ranks, and calls that go flat, take the TCP mesh (Bruck's rounds or the ring).
         """
         blocks = self._host_blocks(bounds)
         if blocks is None or (self._local is None and self._leaders is None) or self.runs_flat(
@@ -498,11 +492,9 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
 
         Each host's sends meet over shared memory, the leaders exchange one message per pair of hosts, and each
         host hands the arrivals out over shared memory: ``H - 1`` messages per leader instead of ``R (n - R)``
-        per host over the links, the same bytes between hosts; the copies inside a host cost memory bandwidth.
-        It pays where hosts hold many ranks and the blocks are small: from 4 ranks a host, while the leaders'
-        message to a host (R x R blocks) is at most :data:`TWO_LEVEL_ALL_TO_ALL_BYTES`. At 2 ranks a host
-        (8x2@200mbit) it was no faster than the TCP mesh's Bruck rounds from 64 B to 16 KiB and 1.7x slower at
-        256 KiB, so there, and for uneven calls and hosts of unequal or interleaved ranks, the mesh runs it.
+        per host over the links, the same bytes between hosts. Where it runs, and why, is
+        :func:`~ferro.backend.hierarchy_plan.two_level_all_to_all`'s; uneven calls and hosts of unequal or
+        interleaved ranks take the mesh.
         """
         per_host = len(self._members)
         block = send_offsets[1] - send_offsets[0] if len(send_offsets) > 1 else 0
@@ -534,6 +526,15 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
             local.native_broadcast(arrived.reshape(-1), 0, fingerprint, _left(deadline))
         np.frombuffer(recv, np.uint8, n * block)[:] = arrived[:, :, local_index].reshape(-1)
         return True
+
+    @property
+    def direct_mesh(self) -> Any:
+        """The TCP mesh over every rank: the direct paths run the calls that go flat (:meth:`direct_takes`)."""
+        return self._world.direct_mesh
+
+    def direct_takes(self, op: str, nbytes: int) -> bool:
+        """Whether a direct path may run this call: one that goes flat (:meth:`runs_flat`); never the barrier."""
+        return op != "barrier" and self.runs_flat(op, nbytes)
 
     def runs_flat(self, op: str, nbytes: int) -> bool:
         """Whether a call of ``op`` on ``nbytes`` runs on the TCP mesh over every rank rather than in two levels.

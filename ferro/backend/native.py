@@ -65,6 +65,15 @@ class NativeCollectives:
         """
         return None
 
+    def direct_takes(self, op: str, nbytes: int) -> bool:
+        """Whether the direct paths may run a call of ``op`` on ``nbytes`` (each path's plan asks, once a signature).
+
+        ``nbytes``: the buffer (allreduce, broadcast, reduce), the gathered output (all_gather), the input
+        (reduce_scatter, all_to_all); 0 for the barrier. A group whose own plan for some calls is not the
+        :attr:`direct_mesh`'s (the hierarchy's two levels) declines those, so every rank runs them one way.
+        """
+        return True
+
     def make_direct_allreduce(self, on_failure: Callable[[BaseException], BaseException]) -> Any:
         """Return a direct allreduce call for ``ferro.allreduce`` (``call(x, op, timeout) -> bool``), or None.
 

@@ -57,6 +57,12 @@ def _remember(plans: dict[Any, Any], key: Any, plan: Any) -> Any:
     return plan
 
 
+def _declined(group: Backend, op: str, nbytes: int) -> bool:
+    """Whether ``group`` runs this call of ``op`` otherwise than its direct mesh would (the hierarchy's two levels)."""
+    native = group.native
+    return native is not None and not native.direct_takes(op, nbytes)
+
+
 def _plan_operand(numpy_dtype: Any, name: str, writable: bool) -> Operand | None:
     """Return the dtype of a direct plan as the full path sees it, or None where the full path must explain."""
     try:
@@ -82,7 +88,8 @@ def _direct_plan(plans: dict[Any, Any], key: Any, op: Any, group: Backend
         parsed = resolve_op(op, data.dtype, "allreduce") if data is not None else None
     except (InvalidBufferError, ValueError):
         parsed = None  # the full path raises the error, with the caller's array in the message
-    if data is not None and parsed is not None:
+    if data is not None and parsed is not None and not _declined(
+            group, "allreduce", element_count(shape) * data.dtype.itemsize):
         count = element_count(shape)
         divisor = float(group.world_size) if parsed is ReduceOp.MEAN else 0.0
         algorithm = ALLREDUCE_ALGORITHMS[resolve_allreduce_algorithm(count * data.dtype.itemsize, group.world_size)]
@@ -101,7 +108,7 @@ def _direct_broadcast_plan(plans: dict[Any, Any], key: Any, root: Any, group: Ba
         root_rank = resolve_root(root, group, "broadcast")
     except InvalidRankError:
         data = None
-    if data is not None:
+    if data is not None and not _declined(group, "broadcast", element_count(shape) * data.dtype.itemsize):
         plan = (make_link_fingerprint(group, "broadcast", data, 0, root_rank, element_count(shape), shape), root_rank)
     return _remember(plans, key, plan)
 
@@ -121,7 +128,8 @@ def _direct_reduce_plan(plans: dict[Any, Any], key: Any, root_and_op: Any, group
         parsed = resolve_op(op, data.dtype, "reduce") if data is not None else None
     except (InvalidRankError, InvalidBufferError, ValueError):
         parsed = None  # the full path raises the error, with the caller's array in the message
-    if data is not None and parsed is not None:
+    if data is not None and parsed is not None and not _declined(
+            group, "reduce", element_count(shape) * data.dtype.itemsize):
         plan = (data.dtype.code, KERNEL_CODES[parsed],
                 make_link_fingerprint(group, "reduce", data, OP_VALUES[parsed], root_rank, element_count(shape),
                                       shape),
@@ -137,7 +145,8 @@ def _direct_all_to_all_plan(plans: dict[Any, Any], key: Any, _: Any, group: Back
     numpy_dtype, shape = key[0], key[1]
     data = _plan_operand(numpy_dtype, "all_to_all", False)
     plan: tuple[int] | bool = False
-    if data is not None and shape and shape[0] % group.world_size == 0:
+    if (data is not None and shape and shape[0] % group.world_size == 0
+            and not _declined(group, "all_to_all", element_count(shape) * data.dtype.itemsize)):
         plan = (make_link_fingerprint(group, "all_to_all", data, 0, 0, element_count(shape), shape),)
     return _remember(plans, key, plan)
 
@@ -152,7 +161,8 @@ def _direct_all_gather_plan(plans: dict[Any, Any], key: Any, tag: Any, group: Ba
         tag_value = resolve_tag(tag, group, "all_gather")
     except ValueError:
         data = None
-    if data is not None:
+    if data is not None and not _declined(group, "all_gather",
+                                          element_count(shape) * data.dtype.itemsize * group.world_size):
         plan = (make_link_fingerprint(group, "all_gather", data, 0, tag_value, element_count(shape), shape),
                 gathered_shape(shape, group.world_size))
     return _remember(plans, key, plan)
@@ -175,7 +185,8 @@ def _direct_reduce_scatter_plan(plans: dict[Any, Any], key: Any, op: Any, group:
     except (InvalidBufferError, ValueError):
         parsed = None
     count = element_count(shape)
-    if data is not None and parsed is not None and shape and count * data.dtype.itemsize <= DIRECT_REDUCE_SCATTER_BYTES:
+    if (data is not None and parsed is not None and shape and count * data.dtype.itemsize <= DIRECT_REDUCE_SCATTER_BYTES
+            and not _declined(group, "reduce_scatter", count * data.dtype.itemsize)):
         n, rank = group.world_size, group.rank
         rows = chunk_bounds(shape[0], n)
         row_size = element_count(shape[1:])
@@ -206,7 +217,8 @@ def direct_path(g: Backend) -> Any:
                                           empty=np.empty),
                       DirectMeshReduceScatter(*_direct_args(g, "reduce_scatter", _direct_reduce_scatter_plan),
                                               op_type=ReduceOp, engine=mesh, empty=np.empty),
-                      DirectMeshBarrier(*_direct_args(g, "barrier", None), engine=mesh),
+                      DirectMeshBarrier(*_direct_args(g, "barrier", None), engine=mesh)
+                      if native.direct_takes("barrier", 0) else None,
                       DirectMeshReduce(*_direct_args(g, "reduce", _direct_reduce_plan), engine=mesh),
                       DirectMeshAllToAll(*_direct_args(g, "all_to_all", _direct_all_to_all_plan), engine=mesh,
                                          empty=np.empty))
