@@ -101,10 +101,11 @@ _VARIABLES = (
              "Forces a TCP group's all_to_all plan for equal blocks: `pairwise` or `bruck` (uneven blocks always "
              "take the pairwise exchange). Read when the group is made; every rank must set the same."),
     Variable("FERRO_HIERARCHY_FLAT_BYTES", "Transports",
-             "65536 where some machine runs more of the job's ranks than it has cores, else 0",
+             "where some machine runs more of the job's ranks than it has cores, 65536 (allreduce, broadcast, "
+             "reduce) and 2097152 (all_gather, reduce_scatter); else 0",
              "Below this many bytes a hierarchical group runs allreduce, all_gather, reduce_scatter, broadcast and "
-             "reduce on its TCP mesh over every rank instead of in two levels (0: never). Read when the group is "
-             "made; every rank must set the same."),
+             "reduce on its TCP mesh over every rank instead of in two levels (0: never; one value for every op). "
+             "Read when the group is made; every rank must set the same."),
     Variable("FERRO_COST_MODEL", "Transports", "unset (the rule measured on loopback)",
              "A cost model written by `ferro bench --fit`: allreduce algorithms are chosen by its predicted times, "
              "and the broadcast's, all_gather's and all_to_all's plans by its link figures. Every rank must read "

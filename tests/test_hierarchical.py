@@ -481,15 +481,18 @@ def test_a_job_is_crowded_when_some_machine_runs_more_of_its_ranks_than_it_has_c
     assert crowded([("h0", "a", 8), ("h1", "b", 1), ("h1", "b", 1)])  # one crowded machine is enough
     assert not crowded([("h0", "a", 0), ("h0", "a", 0)])  # ranks that did not say are not counted as crowded
     monkeypatch.delenv(FLAT_BYTES_ENV, raising=False)
-    assert flat_below_bytes(True) == CROWDED_FLAT_BYTES and flat_below_bytes(False) == 0
+    assert flat_below_bytes(True) == CROWDED_FLAT_BYTES
+    assert flat_below_bytes(False) == dict.fromkeys(CROWDED_FLAT_BYTES, 0)
+    # Unpipelined below 2 MiB, the all_gather and reduce_scatter go flat up to there; the others below 64 KiB.
+    assert CROWDED_FLAT_BYTES["all_gather"] == CROWDED_FLAT_BYTES["reduce_scatter"] == 2 << 20
     monkeypatch.setenv(FLAT_BYTES_ENV, "4096")
-    assert flat_below_bytes(True) == flat_below_bytes(False) == 4096
+    assert flat_below_bytes(True) == flat_below_bytes(False) == dict.fromkeys(CROWDED_FLAT_BYTES, 4096)
     monkeypatch.setenv(FLAT_BYTES_ENV, "lots")
     with pytest.raises(ferro.ConfigurationError, match="FERRO_HIERARCHY_FLAT_BYTES='lots'"):
         flat_below_bytes(True)
     for op in ("allreduce", "all_gather", "reduce_scatter", "broadcast", "reduce"):
-        assert runs_flat(op, "binomial tree", 2, 4096, 16, flat_below=65536)
-        assert not runs_flat(op, "binomial tree", 2, 65536, 16, flat_below=65536)
+        assert runs_flat(op, "binomial tree", 2, 4096, 16, flat_below=CROWDED_FLAT_BYTES)
+        assert not runs_flat(op, "binomial tree", 2, CROWDED_FLAT_BYTES[op], 16, flat_below=CROWDED_FLAT_BYTES)
         assert not runs_flat(op, "binomial tree", 2, 4096, 16)
     assert runs_flat("all_to_all", "bruck", 2, 4096, 16)  # two ranks a host: the mesh's all_to_all, always
 

@@ -8,7 +8,7 @@ is the plan run. The pipeline's thread hand-off (:class:`Relay`, :func:`exchange
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ferro import environment
 from ferro.errors import ConfigurationError
@@ -27,21 +27,26 @@ TWO_LEVEL_ALL_TO_ALL_BYTES = 64 * 1024
 #: 0.87-0.99 over 1 MiB ones; at 10 Gbit, where that VM is CPU-bound, they cost 4 MiB calls a third.
 PIPELINE_PIECE_BYTES = 1 << 19
 PIPELINE_MAX_PIECES = 16
-#: Below this many bytes, a hierarchy on machines whose cores its ranks outnumber runs :data:`FLAT_BELOW_OPS`
-#: flat (:func:`runs_flat`). Among 8 emulated hosts of 2 ranks on 2 cores, the two-level allreduce first caught
-#: up with the flat one at 64 KiB (4.9 ms against 5.2; 16 KiB 3.0 against 2.3).
-CROWDED_FLAT_BYTES = 64 * 1024
-#: The ops a small call of goes flat: those with shared-memory steps (the all_to_all has its own rule).
-FLAT_BELOW_OPS = ("allreduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+#: Below these many bytes, by op, a hierarchy on machines whose cores its ranks outnumber runs the op flat
+#: (:func:`runs_flat`). Among 8 emulated hosts of 2 ranks on 2 cores: the two-level allreduce caught up with the
+#: flat one at 64 KiB (4.9 ms against 5.2; 16 KiB 3.0 against 2.3) and tied it to 1 MiB; the broadcast's two-level
+#: chain beat the flat plan at 64 KiB (3.0-3.3 ms against 4.7). The all_gather and reduce_scatter run their
+#: three steps in turn below the pipeline's 2 MiB, and flat was faster up to 1 MiB (the same sitting, two rounds:
+#: reduce_scatter 64 KiB 3.6-5.5 ms against 9.6-12.4, 1 MiB 41.2 against 46.3-48.6; all_gather 64 KiB 2.6-2.7
+#: against 5.4-5.6, 1 MiB 41.2-41.3 against 42.3-42.9).
+CROWDED_FLAT_BYTES = {"allreduce": 64 * 1024, "broadcast": 64 * 1024, "reduce": 64 * 1024,
+                      "all_gather": PIPELINE_MIN_BYTES, "reduce_scatter": PIPELINE_MIN_BYTES}
+#: The ops whose calls go flat below a size: those with shared-memory steps (the all_to_all has its own rule).
+FLAT_BELOW_OPS = tuple(CROWDED_FLAT_BYTES)
 #: Overrides :func:`flat_below_bytes` (read when a hierarchical group is made; every rank must set the same).
 FLAT_BYTES_ENV = "FERRO_HIERARCHY_FLAT_BYTES"
 
 
-def flat_below_bytes(crowded: bool) -> int:
-    """Return the size below which a hierarchical group runs :data:`FLAT_BELOW_OPS` flat.
+def flat_below_bytes(crowded: bool) -> dict[str, int]:
+    """Return, by op of :data:`FLAT_BELOW_OPS`, the size below which a hierarchical group runs it flat.
 
-    ``$FERRO_HIERARCHY_FLAT_BYTES`` where set, else :data:`CROWDED_FLAT_BYTES` where ``crowded`` (some machine of
-    the job runs more of its ranks than it has cores), else 0.
+    ``$FERRO_HIERARCHY_FLAT_BYTES`` for every op where set, else :data:`CROWDED_FLAT_BYTES` where ``crowded``
+    (some machine of the job runs more of its ranks than it has cores), else 0.
 
     Raises:
         ConfigurationError: The variable is not a whole number of bytes.
@@ -49,10 +54,10 @@ def flat_below_bytes(crowded: bool) -> int:
     """
     given = environment.get(FLAT_BYTES_ENV)
     if given is None or given == "":
-        return CROWDED_FLAT_BYTES if crowded else 0
+        return {op: CROWDED_FLAT_BYTES[op] if crowded else 0 for op in FLAT_BELOW_OPS}
     if not given.strip().isdigit():
         raise ConfigurationError(f"{FLAT_BYTES_ENV}={given!r}: expected a whole number of bytes (0: never flat)")
-    return int(given)
+    return dict.fromkeys(FLAT_BELOW_OPS, int(given))
 
 
 def pipeline_pieces(count: int, nbytes: int) -> int:
@@ -78,13 +83,14 @@ def two_level_all_to_all(per_host: int, block: int) -> bool:
     return per_host >= 4 and per_host * per_host * block <= TWO_LEVEL_ALL_TO_ALL_BYTES
 
 
-def runs_flat(op: str, flat_plan: str, per_host: int, nbytes: int, world_size: int, flat_below: int = 0) -> bool:
+def runs_flat(op: str, flat_plan: str, per_host: int, nbytes: int, world_size: int,
+              flat_below: Mapping[str, int] | None = None) -> bool:
     """Whether hosts of ``per_host`` consecutive ranks run ``op`` on the TCP mesh over every rank, not in two levels.
 
     ``flat_plan`` is the mesh's choice for the call, ``nbytes`` what ``ferro bench`` sizes.
 
-    * Calls of :data:`FLAT_BELOW_OPS` below ``flat_below`` bytes (:func:`flat_below_bytes`: where some machine
-      runs more of the job's ranks than it has cores). Ranks that cannot spin wait in shared memory by napping,
+    * Calls of :data:`FLAT_BELOW_OPS` below their op's ``flat_below`` bytes (:func:`flat_below_bytes`: where some
+      machine runs more of the job's ranks than it has cores). Ranks that cannot spin wait in shared memory by napping,
       so each of a two-level call's two shared-memory steps waits for the scheduler to find its ranks a core,
       where the mesh's ranks sleep in the kernel until their bytes land (8 emulated hosts of 2 ranks on 2 cores,
       4 B: allreduce 1.75 ms in two levels, 0.55 flat; broadcast 0.55 and 0.13; all_gather 2.1 and 0.68).
@@ -95,7 +101,7 @@ def runs_flat(op: str, flat_plan: str, per_host: int, nbytes: int, world_size: i
 
     Every other call runs in two levels.
     """
-    if nbytes < flat_below and op in FLAT_BELOW_OPS:
+    if flat_below and nbytes < flat_below.get(op, 0):
         return True
     if op in ("broadcast", "reduce"):
         return flat_plan == "pipelined chain"
