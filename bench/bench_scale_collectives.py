@@ -123,7 +123,7 @@ def predict_scale(ranks: list[int], links: list[str], sizes: list[int], per_host
     host: ``tests/test_schedule.py``), in the frames that model's mesh cuts.
     """
     from ferro.backend.cost_model import CostModel
-    from ferro.backend.hierarchy_plan import pipeline_pieces
+    from ferro.backend.hierarchy_plan import leaders_call
 
     rows = []
     for link in links:
@@ -135,7 +135,7 @@ def predict_scale(ranks: list[int], links: list[str], sizes: list[int], per_host
             for size in sizes:
                 ring = simulate.predict(network, "ring", size, **frames)
                 if per_host > 1 and hosts > 1:
-                    leaders = model.choose_allreduce(size // pipeline_pieces(max(size // 4, 1), size), hosts)
+                    leaders = model.choose_allreduce(leaders_call("allreduce", size, per_host)[0], hosts)
                     chosen = two_level.TWO_LEVEL + leaders
                     best = two_level.predict_two_level(network, leaders, size, **frames)
                 else:

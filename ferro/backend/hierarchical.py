@@ -22,6 +22,7 @@ from ferro.backend.hierarchy_plan import (
     Relay,
     exchange_all,
     flat_below_bytes,
+    leaders_call,
     pipeline_pieces,
     runs_flat,
 )
@@ -227,8 +228,7 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         """
         if self.runs_flat("allreduce", nbytes):
             return nbytes, world_size
-        pieces = self._pieces(max(nbytes, 1), nbytes)
-        return nbytes // pieces, len(self._hosts)
+        return leaders_call("allreduce", nbytes, len(self._members), self._pipelines)[0], len(self._hosts)
 
     def native_allreduce(self, flat: Any, dtype: DType, op: ReduceOp, fingerprint: int, timeout: float,
                          algorithm: str) -> bool:
@@ -559,17 +559,16 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
         ``"two-level"`` alone); else the TCP mesh's plan over every rank. ``nbytes`` is what ``ferro bench``
         sizes: the buffer, the all_gather's output, the all_to_all's bytes sent per rank.
         """
-        leaders, hosts = self._leaders, len(self._hosts)
         if op == "allreduce":  # chosen by the collective layer, for exchange_shape()
             raise ValueError("name the allreduce's plan with resolve_allreduce_algorithm(*exchange_shape(...))")
         if self.runs_flat(op, nbytes):
             return "ring" if op == "reduce_scatter" else self._world.direct_mesh.choose(op, nbytes)
-        if op == "reduce_scatter" or (op == "all_gather" and self._pieces(nbytes // hosts, nbytes) > 1):
+        leaders_bytes, ring = leaders_call(op, nbytes, len(self._members), self._pipelines)
+        if ring:
             return "two-level ring"  # the leaders' ring over the hosts' blocks, a slice at a time (_leaders_ring)
-        if leaders is None:
+        if self._leaders is None:
             return "two-level"
-        # The leaders' all_to_all carries R x R blocks per pair of hosts: as many bytes a leader as its host sends.
-        return f"two-level {leaders.direct_mesh.choose(op, nbytes * (len(self._members) if op == 'all_to_all' else 1))}"
+        return f"two-level {self._leaders.direct_mesh.choose(op, leaders_bytes)}"
 
     def _counters(self) -> dict[int, tuple[int, int, int]]:
         # Calls are counted on this group; the bytes by the three groups that move them.

@@ -15,7 +15,7 @@ from ferro.errors import ConfigurationError
 
 __all__ = ["CROWDED_FLAT_BYTES", "FLAT_BELOW_OPS", "FLAT_BYTES_ENV", "PIPELINE_MAX_PIECES", "PIPELINE_MIN_BYTES",
            "PIPELINE_PIECE_BYTES", "TWO_LEVEL_ALL_TO_ALL_BYTES", "Relay", "exchange_all", "flat_below_bytes",
-           "pipeline_pieces", "runs_flat", "two_level_all_to_all"]
+           "leaders_call", "pipeline_pieces", "runs_flat", "two_level_all_to_all"]
 
 #: Collectives of at least this many bytes are pipelined (see ``HierarchicalBackend._pipeline``).
 PIPELINE_MIN_BYTES = 2 << 20
@@ -70,6 +70,24 @@ def pipeline_pieces(count: int, nbytes: int) -> int:
     if nbytes < PIPELINE_MIN_BYTES:
         return 1
     return max(1, min(PIPELINE_MAX_PIECES, nbytes // PIPELINE_PIECE_BYTES, count))
+
+
+def leaders_call(op: str, nbytes: int, per_host: int, pipelined: bool = True) -> tuple[int, bool]:
+    """Return what the leaders run of a two-level ``op`` on ``nbytes``: their call's bytes, and whether it is a ring.
+
+    The allreduce's leaders reduce one pipelined piece at a time (:func:`pipeline_pieces`, where ``pipelined``:
+    some host has several ranks); the all_to_all's send ``per_host`` x ``per_host`` blocks to each host, as many
+    bytes a leader as its host sends; the reduce_scatter's, and a pipelined all_gather's, run their ring over a
+    slice of every host's block (``True``); every other call is the whole message, under the leaders' mesh's
+    choice of plan. ``nbytes`` as :func:`runs_flat` takes it. The group, ``ferro bench --simulate`` and the
+    scale bench's predictions name and replay the leaders' plan from this.
+    """
+    pieces = pipeline_pieces(nbytes, nbytes) if pipelined else 1
+    if op == "allreduce":
+        return nbytes // pieces, False
+    if op == "all_to_all":
+        return nbytes * per_host, False
+    return nbytes, op == "reduce_scatter" or (op == "all_gather" and pieces > 1)
 
 
 def two_level_all_to_all(per_host: int, block: int) -> bool:

@@ -285,7 +285,7 @@ def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
                                             segment=segment, piece=piece)
                      for name in names}
             if hierarchy and op != "barrier":
-                leaders = _leaders_choice(op, nbytes, network, itemsize, choice)
+                leaders = _leaders_choice(op, nbytes, network, choice)
                 times["two-level"] = two_level.predict_two_level(network, leaders, nbytes, itemsize, op=op,
                                                                  latency_bytes=latency_bytes, segment=segment,
                                                                  piece=piece)
@@ -303,17 +303,12 @@ def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
     return 0
 
 
-def _leaders_choice(op: str, nbytes: int, network: Network, itemsize: int,
-                    choice: Callable[[str, int, int], str]) -> str:
+def _leaders_choice(op: str, nbytes: int, network: Network, choice: Callable[[str, int, int], str]) -> str:
     """Name the plan the hierarchy's leaders run for ``op`` on ``nbytes`` (as ``HierarchicalBackend.plan_name``)."""
-    from ferro.backend.hierarchy_plan import pipeline_pieces
+    from ferro.backend.hierarchy_plan import leaders_call
 
-    hosts, per_host = network.hosts, network.ranks_per_host
-    if op == "allreduce":
-        return choice(op, nbytes // pipeline_pieces(max(nbytes // itemsize, 1), nbytes), hosts)
-    if op == "reduce_scatter" or (op == "all_gather" and pipeline_pieces(nbytes // hosts, nbytes) > 1):
-        return "ring"  # over the hosts' blocks, a slice at a time
-    return choice(op, nbytes * per_host if op == "all_to_all" else nbytes, hosts)
+    leaders_bytes, ring = leaders_call(op, nbytes, network.ranks_per_host)
+    return "ring" if ring else choice(op, leaders_bytes, network.hosts)
 
 
 def main(argv: list[str] | None = None) -> int:

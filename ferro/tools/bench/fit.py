@@ -14,6 +14,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
+from ferro.collective.resolve import ALLREDUCE_ALGORITHM_NAMES
 from ferro.tools.bench.table import Row
 from ferro.tools.bench.worker import timed_calls
 from ferro.tools.emulate import parse_emulation, payload_rate
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FIT_ALGORITHMS", "FORM_MIN_BYTES", "fit_cpu", "fit_model", "never_faster_when_larger", "nonnegative_fit"]
 
-FIT_ALGORITHMS = ("ring", "recursive_doubling", "halving_doubling")
+#: The algorithms ``--fit`` times: every allreduce algorithm a TCP group runs.
+FIT_ALGORITHMS = ALLREDUCE_ALGORITHM_NAMES
 # A fit whose per-byte cost makes less than this share of the ring's fitted time at the largest size measured
 # no bandwidth (the sizes were too small for the noise), and writes no model.
 MIN_PER_BYTE_SHARE = 0.05
