@@ -72,8 +72,8 @@ class CostModel:
         measured: ``{algorithm: [(bytes, seconds), ...]}`` as ``ferro bench --fit`` timed them (each the least of
             its own and every larger size's time: noise only adds time). At that world
             size and between the smallest and largest size timed, the choice reads these (interpolated on log
-            scales) rather than the closed forms, which two costs cannot fit at every size; elsewhere the forms
-            extrapolate.
+            scales) rather than the closed forms, which two costs cannot fit at every size; above them each
+            form extrapolates from its largest timing; elsewhere the forms alone.
         link: The kind of link ``alpha`` and ``beta`` were measured on (:data:`LINK_KINDS`).
         links: ``{kind: (alpha, beta)}`` for every kind fitted so far (``ferro bench --fit`` keeps the other
             kind's figures when it refits one).
@@ -212,11 +212,34 @@ class CostModel:
         raise ValueError(f"no cost for allreduce algorithm {algorithm!r}; use one of {', '.join(_ALGORITHMS)}")
 
     def choose_allreduce(self, nbytes: int, world_size: int) -> str:
-        """Return the algorithm predicted fastest (the first of ring, recursive doubling, halving-doubling on a tie)."""
-        timed = self._interpolated(nbytes) if world_size == self.world_size else None
+        """Return the algorithm predicted fastest (the first of ring, recursive doubling, halving-doubling on a tie).
+
+        Inside the sizes timed at this world size, the timings decide (interpolated); above them, each timed
+        algorithm's form scaled to its largest timing (:meth:`_extrapolated`); elsewhere the forms alone.
+        """
+        timed = None
+        if world_size == self.world_size:
+            timed = self._interpolated(nbytes) or self._extrapolated(nbytes)
         if timed:
             return min(timed, key=lambda name: timed[name])
         return min(_ALGORITHMS, key=lambda name: self.allreduce(name, nbytes, world_size))
+
+    def _extrapolated(self, nbytes: int) -> dict[str, float] | None:
+        """Each timed algorithm's seconds above its largest timing: its form times (timing / form) there.
+
+        A least-squares form can miss the largest size by far when a schedule slows as its messages grow: at
+        32x1@100mbit halving-doubling's form, fitted from 4 KiB to 256 KiB, read 44 ms at 256 KiB where it took
+        69 ms, and chose it over the ring from 1 MiB, where it then ran 1.08-1.24 s against the ring's 0.69-0.72
+        s at 4 MiB. Kept at its largest timing's ratio (1.59) the form reads 1.08 s there.
+        """
+        times: dict[str, float] = {}
+        for name, points in self.measured.items():
+            largest, seconds = max(points) if points else (0, 0.0)
+            form = self.allreduce(name, largest, self.world_size)
+            if not 0 < largest < nbytes or seconds <= 0 or form <= 0:
+                return None
+            times[name] = self.allreduce(name, nbytes, self.world_size) * seconds / form
+        return times or None
 
     def _interpolated(self, nbytes: int) -> dict[str, float] | None:
         """Each timed algorithm's seconds at ``nbytes``, log-log interpolated; None outside the timed sizes."""
