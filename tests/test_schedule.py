@@ -506,6 +506,43 @@ def test_above_the_timed_sizes_each_form_keeps_its_largest_timings_ratio():
     assert model.choose_allreduce(4 << 20, 64) == bare.choose_allreduce(4 << 20, 64)
 
 
+def test_the_partner_ratio_follows_the_size_the_fit_timed_it_at():
+    from ferro._core.collectives import Mesh, choose
+    from ferro.backend.cost_model import CostModel
+
+    # The same 32x1@100mbit fit: halving-doubling over the ring is 0.22, 0.87 and 1.60 at 4, 64 and 256 KiB.
+    timed = {"ring": [(4096, 11999e-6), (65536, 12341e-6), (262144, 43209e-6)],
+             "recursive_doubling": [(4096, 1975e-6), (65536, 49658e-6), (262144, 318141e-6)],
+             "halving_doubling": [(4096, 2654e-6), (65536, 10718e-6), (262144, 69183e-6)]}
+    forms = {"ring": (33.18e-6, 1 / 11.1e6), "recursive_doubling": (253.74e-6, 1 / 13.0e6),
+             "halving_doubling": (116.82e-6, 1 / 12.0e6)}
+    model = CostModel(33.18e-6, 1 / 11.1e6, 0.0, "test", forms, 32, timed)
+    curve = model.partner_curve()
+    assert [size for size, _ in curve] == [4096, 65536, 262144]
+    assert curve[0][1] == curve[1][1] == 1.0 and curve[2][1] == pytest.approx(69183 / 43209)
+    assert model.link_numbers()[2] == curve[2][1]  # past the largest size, its ratio
+    latency_bytes, copy_ratio, _ = model.link_numbers()
+    mesh = Mesh([None] * 32, 0, latency_bytes, copy_ratio, model.link_numbers()[2])
+    mesh.measured = True
+    mesh.set_partner_curve(curve)
+    assert mesh.partner_at(100) == 1.0 and mesh.partner_at(1 << 30) == curve[2][1]
+    assert mesh.partner_at(131072) == pytest.approx(1 + 0.5 * (curve[2][1] - 1))  # halfway on log sizes
+    # Bruck's all_gather measured 5.3 ms against the ring's 8.5 at 64 KiB, and 39 against 21 ms at 256 KiB.
+    assert [mesh.choose("all_gather", size) for size in (65536, 262144, 1 << 20)] == ["bruck", "ring", "ring"]
+    assert model.partner_ratio_at(262144) == mesh.partner_at(262144)
+    # One ratio at every size gets one end wrong: the fitted betas' (1.0) the large sizes, the largest's the small.
+    fitted = max(1.0, forms["halving_doubling"][1] / forms["ring"][1])
+    assert choose("all_gather", 262144, 32, latency_bytes, copy_ratio, fitted, True) == "bruck"
+    assert choose("all_gather", 65536, 32, latency_bytes, copy_ratio, curve[2][1], True) == "ring"
+    # Ranks on different curves decide differently, and their settings say so (the rendezvous compares them).
+    other = Mesh([None] * 32, 0, latency_bytes, copy_ratio, model.link_numbers()[2])
+    other.measured = True
+    assert other.plan_settings() != mesh.plan_settings()
+    for bad in ([(0, 1.0), (4096, 1.0)], [(4096, 1.0), (4096, 1.2)], [(4096, 0.9)], [(i + 1, 1.0) for i in range(65)]):
+        with pytest.raises(ValueError, match="partner curve"):
+            mesh.set_partner_curve(bad)
+
+
 def _all_to_all_both_plans(rank, world_size):
     import ferro
 

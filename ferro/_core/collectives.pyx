@@ -13,6 +13,7 @@ fingerprint, so ranks that called different things refuse each other's data.
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.pythread cimport PyThread_release_lock
 from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.math cimport log
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memmove, memset
 
@@ -201,6 +202,9 @@ cdef inline bint _prefer_bruck_all_to_all(size_t total, int n, double latency_by
 # error names both plans (ferro.types.describe_fingerprint), where they would have waited on each other.
 cdef enum:
     PLAN_FIELD_SHIFT = 50
+
+cdef enum:
+    PARTNER_POINTS = 64  # the most sizes a mesh's partner curve holds (ferro bench --fit times about 12-24)
 
 
 cdef inline uint64_t _with_plan(uint64_t fingerprint, int code) noexcept nogil:
@@ -727,7 +731,8 @@ cdef class Mesh:
         rank: This rank.
         latency_bytes: A message's fixed cost in bytes of the link's time (alpha / beta).
         copy_ratio: A byte copied in memory, in bytes of the link's time.
-        partner_ratio: A byte sent to a new partner each step, in bytes streamed to one (see ``schedule.h``).
+        partner_ratio: A byte sent to a new partner each step, in bytes streamed to one (see ``schedule.h``);
+            :meth:`set_partner_curve` makes it depend on the call's size.
         connector: ``connector(peer, timeout) -> Connection``, called (with the GIL) for a
             peer not connected yet; None: every peer must be connected up front.
 
@@ -766,6 +771,10 @@ cdef class Mesh:
     cdef public double latency_bytes
     cdef public double copy_ratio
     cdef public double partner_ratio
+    # The partner ratio by size (set_partner_curve): ascending sizes, none when partner_count is 0.
+    cdef double partner_sizes[PARTNER_POINTS]
+    cdef double partner_ratios[PARTNER_POINTS]
+    cdef readonly int partner_count
     cdef public size_t window_bytes
     cdef public size_t segment_bytes
     cdef public size_t piece_bytes
@@ -784,6 +793,7 @@ cdef class Mesh:
         self.latency_bytes = latency_bytes
         self.copy_ratio = copy_ratio
         self.partner_ratio = partner_ratio
+        self.partner_count = 0
         self.window_bytes = DEFAULT_WINDOW_BYTES
         self.segment_bytes = SEGMENT_BYTES
         self.piece_bytes = SEGMENT_BYTES
@@ -889,25 +899,69 @@ cdef class Mesh:
             PyThread_release_lock(conn.send_lock if t < self.npeers else conn.recv_lock)
         self.locked = 0
 
+    cdef double partner(self, size_t nbytes) noexcept nogil:
+        """The partner ratio for a call of ``nbytes``: the curve's, interpolated on log sizes, held flat past its
+        ends; ``partner_ratio`` without one. Every rank computes the same double from the same curve."""
+        cdef int i
+        cdef double x = <double>nbytes, share
+        if self.partner_count == 0:
+            return self.partner_ratio
+        if x <= self.partner_sizes[0]:
+            return self.partner_ratios[0]
+        for i in range(1, self.partner_count):
+            if x <= self.partner_sizes[i]:
+                share = log(x / self.partner_sizes[i - 1]) / log(self.partner_sizes[i] / self.partner_sizes[i - 1])
+                return self.partner_ratios[i - 1] + share * (self.partner_ratios[i] - self.partner_ratios[i - 1])
+        return self.partner_ratios[self.partner_count - 1]
+
+    def set_partner_curve(self, points) -> None:
+        """Make the partner ratio depend on the call's size: ``[(bytes, ratio), ...]``, sizes ascending.
+
+        ``ferro.backend.cost_model.CostModel.partner_curve`` measures it: a new partner each step costs nothing
+        extra for small messages and up to 2.3x a byte at 1 MiB on the emulated clusters. Empty: one ratio again.
+
+        Raises:
+            ValueError: More than 64 points, sizes not ascending and positive, or a ratio below 1.
+        """
+        cdef int i
+        points = [(float(size), float(ratio)) for size, ratio in points]
+        if len(points) > PARTNER_POINTS:
+            raise ValueError(f"a partner curve holds at most {PARTNER_POINTS} points, not {len(points)}")
+        if any(size <= 0 or ratio < 1.0 for size, ratio in points) or any(
+                a[0] >= b[0] for a, b in zip(points, points[1:])):
+            raise ValueError(f"a partner curve's sizes ascend from above 0 and its ratios are 1 or more: {points}")
+        for i, (size, ratio) in enumerate(points):
+            self.partner_sizes[i] = size
+            self.partner_ratios[i] = ratio
+        self.partner_count = len(points)
+
+    def partner_curve(self) -> list:
+        """The points :meth:`set_partner_curve` set (empty: ``partner_ratio`` at every size)."""
+        return [(int(self.partner_sizes[i]), self.partner_ratios[i]) for i in range(self.partner_count)]
+
+    def partner_at(self, size_t nbytes) -> float:
+        """The partner ratio a call of ``nbytes`` chooses its plan with."""
+        return self.partner(nbytes)
+
     cdef inline int broadcast_plan(self, size_t nbytes) noexcept nogil:
         if self.forced_broadcast >= 0:
             return self.forced_broadcast
-        return _broadcast_plan(nbytes, self.n, self.latency_bytes, self.partner_ratio, self.measured)
+        return _broadcast_plan(nbytes, self.n, self.latency_bytes, self.partner(nbytes), self.measured)
 
     cdef inline bint bruck(self, size_t total) noexcept nogil:
         if self.forced_all_gather >= 0:
             return self.forced_all_gather == 2
-        return _prefer_bruck_all_gather(total, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio)
+        return _prefer_bruck_all_gather(total, self.n, self.latency_bytes, self.copy_ratio, self.partner(total))
 
     cdef inline bint bruck_all_to_all(self, size_t total) noexcept nogil:
         if self.forced_all_to_all >= 0:
             return self.forced_all_to_all == 2
-        return _prefer_bruck_all_to_all(total, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio)
+        return _prefer_bruck_all_to_all(total, self.n, self.latency_bytes, self.copy_ratio, self.partner(total))
 
     cdef inline int reduce_plan(self, size_t nbytes) noexcept nogil:
         if self.forced_reduce >= 0:
             return self.forced_reduce
-        return _reduce_plan(nbytes, self.n, self.latency_bytes, self.partner_ratio)
+        return _reduce_plan(nbytes, self.n, self.latency_bytes, self.partner(nbytes))
 
     def force(self, str op, name) -> None:
         """Run plan ``name`` (one of :data:`FORCEABLE_PLANS`' for ``op``) for every ``op`` call; None: choose again.
@@ -946,8 +1000,9 @@ cdef class Mesh:
         """What decides this mesh's plans and frames, as text equal on ranks that decide alike: the link's numbers,
         whether they were measured, the segment and the ring's smallest frame, and the forced plans."""
         forced = ",".join(f"{op}={name}" for op, name in sorted(self.forced().items())) or "none"
+        curve = "".join(f" {size}:{ratio!r}" for size, ratio in self.partner_curve())
         return (f"link numbers {self.latency_bytes!r}/{self.copy_ratio!r}/{self.partner_ratio!r}"
-                f"{' (measured)' if self.measured else ''}, segments of {self.segment_bytes} bytes "
+                f"{f' (partner ratio by size{curve})' if curve else ''}{' (measured)' if self.measured else ''}, segments of {self.segment_bytes} bytes "
                 f"(ring frames from {self.piece_bytes}), forced plans "
                 f"{forced}")
 
@@ -956,7 +1011,7 @@ cdef class Mesh:
         code = self._forced_codes().get(op, -1)
         if code >= 0:
             return _FORCED_NAMES[op][code]
-        return choose(op, nbytes, self.n, self.latency_bytes, self.copy_ratio, self.partner_ratio, self.measured)
+        return choose(op, nbytes, self.n, self.latency_bytes, self.copy_ratio, self.partner(nbytes), self.measured)
 
     cdef unsigned char* scratch_for(self, size_t nbytes) except NULL:
         """A scratch buffer of at least ``nbytes`` (while the locks are held)."""

@@ -661,7 +661,8 @@ static inline int ferro_plan_next(ferro_plan *plan, ferro_step *step) {
  * the same order, so every rank chooses alike. A third number, `partner_ratio`, scales the bytes of plans whose
  * every step talks to a new partner (the tree's root, Bruck's rounds, the pairwise exchange) against those that
  * keep streaming to one (the ring, the chain): on the emulated 100 Mbit clusters such steps ran 1.1-1.8x slower per
- * byte, which a fitted model measures as halving-doubling's beta over the ring's. ferro.backend.cost_model
+ * byte, which a fitted model measures as halving-doubling's time over the ring's at each size it timed (the mesh
+ * interpolates it by the call's size: Mesh.partner). ferro.backend.cost_model
  * derives the numbers from a fitted model (or its defaults, which reproduce the thresholds measured on loopback)
  * and the tests hold these forms to the simulator's replay of the plans themselves.
  */

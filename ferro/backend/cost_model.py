@@ -109,11 +109,15 @@ class CostModel:
         between hosts is taken when the model has one; else the one it has. ``latency_bytes`` is alpha / beta:
         the bytes one message's fixed cost is worth; ``copy_ratio`` a byte copied in memory in the link's bytes;
         ``partner_ratio`` what a byte costs in steps that each talk to a new partner against the ring's streaming
-        to one: halving-doubling's fitted beta over the ring's (1 when the model has not timed both).
+        to one: the last of :meth:`partner_curve` (its largest size's) where both were timed; else
+        halving-doubling's fitted beta over the ring's (1 when the model has neither).
         """
         alpha, beta = self._slowest_link()
         partner_ratio = 1.0
-        if "ring" in self.per_algorithm and "halving_doubling" in self.per_algorithm:
+        curve = self.partner_curve()
+        if curve:
+            partner_ratio = curve[-1][1]
+        elif "ring" in self.per_algorithm and "halving_doubling" in self.per_algorithm:
             ring_beta, changing_beta = self.per_algorithm["ring"][1], self.per_algorithm["halving_doubling"][1]
             partner_ratio = max(1.0, changing_beta / ring_beta) if ring_beta > 0 else 1.0
         if beta <= 0:
@@ -121,6 +125,29 @@ class CostModel:
 
             return DEFAULT_LATENCY_BYTES, DEFAULT_COPY_RATIO, partner_ratio
         return alpha / beta, COPY_SECONDS_PER_BYTE / beta, partner_ratio
+
+    def partner_curve(self) -> list[tuple[int, float]]:
+        """Return ``[(bytes, ratio), ...]``: what a byte sent to a new partner each step costs, by the call's size.
+
+        At each size ``--fit`` timed both, halving-doubling's time over the ring's, no lower than 1 (where
+        halving-doubling is faster its fewer messages win, which the forms count already). Both move the same
+        bytes, the ring streaming to one neighbour and halving-doubling to a new partner each step, so the ratio
+        is what the steps' partners cost: on the emulated clusters 1.0 to 64 KiB, and at 1 MiB 1.41 (8x1), 1.53
+        (16x1), 2.33 (8x2); at 32x1 1.60 at 256 KiB. One ratio for all sizes (the fitted betas' 1.0-1.2, or the
+        largest size's) either put Bruck's all_gather at 32x1 on 256 KiB-1 MiB (1.8-2.3x the ring's time) or
+        the ring on 64 KiB (1.6x Bruck's). Empty when the model has not timed both at two sizes or more.
+        """
+        ring, changing = dict(self.measured.get("ring", [])), dict(self.measured.get("halving_doubling", []))
+        both = sorted(size for size in set(ring) & set(changing) if size > 0 and ring[size] > 0)
+        return [(size, max(1.0, changing[size] / ring[size])) for size in both] if len(both) >= 2 else []
+
+    def partner_ratio_at(self, nbytes: int) -> float:
+        """Return the partner ratio a TCP group on this model chooses a call of ``nbytes`` with (``Mesh.partner``)."""
+        from ferro._core.collectives import Mesh
+
+        mesh = Mesh([None], 0, partner_ratio=self.link_numbers()[2])
+        mesh.set_partner_curve(self.partner_curve())
+        return float(mesh.partner_at(nbytes))
 
     def _slowest_link(self) -> tuple[float, float]:
         """Return ``(alpha, beta)`` of the link a flat group's large collectives wait on.

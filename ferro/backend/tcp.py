@@ -175,6 +175,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
         model = self._model = load_cost_model()  # $FERRO_COST_MODEL: the link's numbers choose the plans, ...
         if model is not None:
             self._mesh.latency_bytes, self._mesh.copy_ratio, self._mesh.partner_ratio = model.link_numbers()
+            self._mesh.set_partner_curve(model.partner_curve())
             self._mesh.segment_bytes = model.segment_bytes()
             self._mesh.piece_bytes = model.piece_bytes()
             # The ranks a launcher started on this host share its link (ferro run and torchrun say how many).

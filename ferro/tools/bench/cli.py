@@ -270,7 +270,8 @@ def _simulate(args: argparse.Namespace, ops: list[str]) -> int:
         if op == "allreduce":
             return resolve_allreduce_algorithm(nbytes, ranks)
         if op in ("broadcast", "all_gather", "all_to_all", "reduce"):
-            return native.choose(op, nbytes, ranks, latency_bytes, copy_ratio, partner_ratio, model is not None)
+            partner = model.partner_ratio_at(nbytes) if model else partner_ratio  # by size, as the group's mesh
+            return native.choose(op, nbytes, ranks, latency_bytes, copy_ratio, partner, model is not None)
         return sorted(simulate.OP_ALGORITHMS[op])[0]
 
     for op in ops:
