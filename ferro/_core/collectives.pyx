@@ -997,14 +997,14 @@ cdef class Mesh:
                 for op, code in self._forced_codes().items() if code >= 0}
 
     def plan_settings(self) -> str:
-        """What decides this mesh's plans and frames, as text equal on ranks that decide alike: the link's numbers,
+        """What decides this mesh's plans and frames, as text equal on ranks that decide alike: the link's numbers (and partner curve),
         whether they were measured, the segment and the ring's smallest frame, and the forced plans."""
         forced = ",".join(f"{op}={name}" for op, name in sorted(self.forced().items())) or "none"
         curve = "".join(f" {size}:{ratio!r}" for size, ratio in self.partner_curve())
-        return (f"link numbers {self.latency_bytes!r}/{self.copy_ratio!r}/{self.partner_ratio!r}"
-                f"{f' (partner ratio by size{curve})' if curve else ''}{' (measured)' if self.measured else ''}, segments of {self.segment_bytes} bytes "
-                f"(ring frames from {self.piece_bytes}), forced plans "
-                f"{forced}")
+        by_size = f" (partner ratio by size{curve})" if curve else ""
+        return (f"link numbers {self.latency_bytes!r}/{self.copy_ratio!r}/{self.partner_ratio!r}{by_size}"
+                f"{' (measured)' if self.measured else ''}, segments of {self.segment_bytes} bytes "
+                f"(ring frames from {self.piece_bytes}), forced plans {forced}")
 
     def choose(self, str op, size_t nbytes) -> str:
         """Name the plan this mesh runs for ``op`` of ``nbytes``: the forced one, else the module's :func:`choose`."""
