@@ -997,8 +997,8 @@ cdef class Mesh:
                 for op, code in self._forced_codes().items() if code >= 0}
 
     def plan_settings(self) -> str:
-        """What decides this mesh's plans and frames, as text equal on ranks that decide alike: the link's numbers (and partner curve),
-        whether they were measured, the segment and the ring's smallest frame, and the forced plans."""
+        """What decides this mesh's plans and frames, as text equal on ranks that decide alike: the link's numbers
+        and partner curve, whether they were measured, the segment and the ring's smallest frame, the forced plans."""
         forced = ",".join(f"{op}={name}" for op, name in sorted(self.forced().items())) or "none"
         curve = "".join(f" {size}:{ratio!r}" for size, ratio in self.partner_curve())
         by_size = f" (partner ratio by size{curve})" if curve else ""
