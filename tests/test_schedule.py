@@ -487,18 +487,25 @@ def test_a_fitted_model_chooses_by_its_timings_inside_their_range_and_by_its_for
     assert model.choose_allreduce(64 << 20, 8) == "ring" and model.choose_allreduce(64 << 20, 16) == "ring"
 
 
-def test_above_the_timed_sizes_each_form_keeps_its_largest_timings_ratio():
+def _fit_at_32x1():
+    """The model ferro bench --fit wrote at 32x1@100mbit, 4 KiB to 256 KiB (seconds; the forms as it fitted them)."""
     from ferro.backend.cost_model import CostModel
 
-    # ferro bench --fit at 32x1@100mbit, 4 KiB to 256 KiB (seconds; the forms as it fitted them). Halving-doubling
-    # took 69 ms at 256 KiB where its form says 44: above, it ran 1.08-1.24 s at 4 MiB against the ring's 0.69-0.72.
     timed = {"ring": [(4096, 11999e-6), (65536, 12341e-6), (262144, 43209e-6)],
              "recursive_doubling": [(4096, 1975e-6), (65536, 49658e-6), (262144, 318141e-6)],
              "halving_doubling": [(4096, 2654e-6), (65536, 10718e-6), (262144, 69183e-6)]}
     forms = {"ring": (33.18e-6, 1 / 11.1e6), "recursive_doubling": (253.74e-6, 1 / 13.0e6),
              "halving_doubling": (116.82e-6, 1 / 12.0e6)}
-    model = CostModel(33.18e-6, 1 / 11.1e6, 0.0, "test", forms, 32, timed)
-    bare = CostModel(33.18e-6, 1 / 11.1e6, 0.0, "test", forms, 32)
+    return CostModel(33.18e-6, 1 / 11.1e6, 0.0, "test", forms, 32, timed)
+
+
+def test_above_the_timed_sizes_each_form_keeps_its_largest_timings_ratio():
+    from ferro.backend.cost_model import CostModel
+
+    # Halving-doubling took 69 ms at 256 KiB where its form says 44: above, it ran 1.08-1.24 s at 4 MiB against
+    # the ring's 0.69-0.72.
+    model = _fit_at_32x1()
+    bare = CostModel(model.alpha, model.beta, 0.0, "test", model.per_algorithm, 32)
     for size in (1 << 20, 4 << 20, 16 << 20):
         assert bare.choose_allreduce(size, 32) == "halving_doubling"  # the forms alone: 4 % apart, the wrong way
         assert model.choose_allreduce(size, 32) == "ring"
@@ -508,15 +515,10 @@ def test_above_the_timed_sizes_each_form_keeps_its_largest_timings_ratio():
 
 def test_the_partner_ratio_follows_the_size_the_fit_timed_it_at():
     from ferro._core.collectives import Mesh, choose
-    from ferro.backend.cost_model import CostModel
 
-    # The same 32x1@100mbit fit: halving-doubling over the ring is 0.22, 0.87 and 1.60 at 4, 64 and 256 KiB.
-    timed = {"ring": [(4096, 11999e-6), (65536, 12341e-6), (262144, 43209e-6)],
-             "recursive_doubling": [(4096, 1975e-6), (65536, 49658e-6), (262144, 318141e-6)],
-             "halving_doubling": [(4096, 2654e-6), (65536, 10718e-6), (262144, 69183e-6)]}
-    forms = {"ring": (33.18e-6, 1 / 11.1e6), "recursive_doubling": (253.74e-6, 1 / 13.0e6),
-             "halving_doubling": (116.82e-6, 1 / 12.0e6)}
-    model = CostModel(33.18e-6, 1 / 11.1e6, 0.0, "test", forms, 32, timed)
+    # Halving-doubling over the ring: 0.22, 0.87 and 1.60 at 4, 64 and 256 KiB.
+    model = _fit_at_32x1()
+    forms = model.per_algorithm
     curve = model.partner_curve()
     assert [size for size, _ in curve] == [4096, 65536, 262144]
     assert curve[0][1] == curve[1][1] == 1.0 and curve[2][1] == pytest.approx(69183 / 43209)
