@@ -514,7 +514,8 @@ def test_above_the_timed_sizes_each_form_keeps_its_largest_timings_ratio():
 
 
 def test_the_partner_ratio_follows_the_size_the_fit_timed_it_at():
-    from ferro._core.collectives import Mesh, choose
+    from ferro._core.collectives import PARTNER_CURVE_POINTS, Mesh, choose
+    from ferro.backend.cost_model import CostModel
 
     # Halving-doubling over the ring: 0.22, 0.87 and 1.60 at 4, 64 and 256 KiB.
     model = _fit_at_32x1()
@@ -543,6 +544,13 @@ def test_the_partner_ratio_follows_the_size_the_fit_timed_it_at():
     for bad in ([(0, 1.0), (4096, 1.0)], [(4096, 1.0), (4096, 1.2)], [(4096, 0.9)], [(i + 1, 1.0) for i in range(65)]):
         with pytest.raises(ValueError, match="partner curve"):
             mesh.set_partner_curve(bad)
+    # A model timed at more sizes than a mesh holds gives it every few, the largest kept.
+    many = CostModel(model.alpha, model.beta, 0.0, "test", model.per_algorithm, 32,
+                     {name: [(1024 * (i + 1), 1e-3 * (i + 1)) for i in range(100)]
+                      for name in ("ring", "halving_doubling")})
+    points = many.partner_curve()
+    assert 2 <= len(points) <= PARTNER_CURVE_POINTS and points[-1][0] == 102400
+    mesh.set_partner_curve(points)
 
 
 def _all_to_all_both_plans(rank, world_size):

@@ -48,6 +48,8 @@ def plan_steps(
     source: bool = ..., root: int = ..., segment: int = ...,
 ) -> list[tuple[int, int, int, int, int, int, int, int]]: ...
 
+PARTNER_CURVE_POINTS: int
+
 class Mesh:
     connections: list[Connection | None]
     rank: int

@@ -205,6 +205,8 @@ cdef enum:
 
 cdef enum:
     PARTNER_POINTS = 64  # the most sizes a mesh's partner curve holds (ferro bench --fit times about 12-24)
+#: The most sizes :meth:`Mesh.set_partner_curve` takes.
+PARTNER_CURVE_POINTS = PARTNER_POINTS
 
 
 cdef inline uint64_t _with_plan(uint64_t fingerprint, int code) noexcept nogil:

@@ -137,8 +137,13 @@ class CostModel:
         largest size's) either put Bruck's all_gather at 32x1 on 256 KiB-1 MiB (1.8-2.3x the ring's time) or
         the ring on 64 KiB (1.6x Bruck's). Empty when the model has not timed both at two sizes or more.
         """
+        from ferro._core.collectives import PARTNER_CURVE_POINTS
+
         ring, changing = dict(self.measured.get("ring", [])), dict(self.measured.get("halving_doubling", []))
         both = sorted(size for size in set(ring) & set(changing) if size > 0 and ring[size] > 0)
+        if len(both) > PARTNER_CURVE_POINTS:  # a mesh holds so many: every few sizes, the largest kept
+            step = -(-len(both) // PARTNER_CURVE_POINTS)
+            both = both[::-1][::step][::-1]
         return [(size, max(1.0, changing[size] / ring[size])) for size in both] if len(both) >= 2 else []
 
     def partner_ratio_at(self, nbytes: int) -> float:
