@@ -81,6 +81,10 @@ _VARIABLES = (
     Variable("FERRO_SOCKET_BUFFER_BYTES", "Transports", "4194304 (4 MiB)",
              "`SO_SNDBUF` and `SO_RCVBUF` of every TCP connection between ranks; 0 leaves the kernel's "
              "autotuning."),
+    Variable("FERRO_TCP_CONGESTION", "Transports", "unset (the kernel's default)",
+             "TCP congestion control of every connection between ranks (`TCP_CONGESTION`), e.g. `reno` or "
+             "`cubic` where the kernel's default is BBR, which dropped thousands of packets in a 32-host "
+             "all_to_all's incast; a name the kernel does not allow fails when the group starts."),
     Variable("FERRO_SHM_RING_BYTES", "Transports", "4194304 (4 MiB)",
              "Capacity of each rank-to-rank ring of a shared-memory group."),
     Variable("FERRO_SHM_BUFFER_BYTES", "Transports", "256 KiB, or 1 MiB when ranks outnumber the cores",

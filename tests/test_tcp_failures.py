@@ -204,3 +204,47 @@ def test_torch_tensors_travel_zero_copy_including_bfloat16():
     groups[1].recv(floats_out, 0)
     assert torch.equal(target, source)
     assert torch.equal(floats_out, floats.detach())
+
+
+def rank_congestion_of_each_connection(group):
+    x = np.full(1 << 16, group.rank + 1.0)
+    ferro.allreduce(x, group=group)
+    names = {peer: socket.socket(fileno=os.dup(link.fileno())) for peer, link in group._links.items()}
+    try:
+        return float(x[0]), {peer: s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+                             for peer, s in names.items()}
+    finally:
+        for s in names.values():
+            s.close()
+
+
+def _another_congestion_control():
+    """A congestion control this kernel allows that is not its default (None: none, or not Linux)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_allowed_congestion_control") as f:
+            allowed = f.read().split()
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            default = f.read().strip()
+    except OSError:
+        return None
+    return next((name for name in allowed if name != default), None)
+
+
+@pytest.mark.skipif(_another_congestion_control() is None, reason="needs Linux allowing a second congestion control")
+def test_ferro_tcp_congestion_sets_every_connections_congestion_control():
+    chosen = _another_congestion_control()  # not the default, so a setting that did nothing would show
+    results = run_processes(rank_congestion_of_each_connection, 3, env={"FERRO_TCP_CONGESTION": chosen})
+    assert [total for total, _ in results] == [6.0] * 3
+    assert [sorted(names) for _, names in results] == [[1, 2], [0, 2], [0, 1]]
+    assert {name for _, names in results for name in names.values()} == {chosen}
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="TCP_CONGESTION is Linux's")
+def test_a_congestion_control_the_kernel_refuses_fails_when_the_group_starts(monkeypatch):
+    from ferro.backend.tcp import _congestion_control
+
+    monkeypatch.setenv("FERRO_TCP_CONGESTION", "no-such-control")
+    with pytest.raises(ferro.ConfigurationError, match="FERRO_TCP_CONGESTION='no-such-control': the kernel refuses"):
+        _congestion_control()
+    monkeypatch.delenv("FERRO_TCP_CONGESTION")
+    assert _congestion_control() is None
