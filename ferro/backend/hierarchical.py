@@ -98,13 +98,13 @@ class HierarchicalBackend(FramedBackend, NativeCollectives):
             close_store = True
         try:
             identities = exchange_host_identities(store, rank, world_size, seconds)
-            self._plan(rank, [identity[0] for identity in identities])
+            self._plan(rank, [identity.host for identity in identities])
             # Where ranks outnumber a machine's cores, shared-memory waits cannot spin: small calls go flat.
             self._flat_below = flat_below_bytes(crowded(identities))
             # Spinning pays only while the ranks on this machine each have a core. Count the machine's
             # ranks, not the host's: namespaces or declared hosts may share one machine's cores.
-            machine = identities[rank][1]
-            here = sum(1 for identity in identities if identity[1] == machine)
+            machine = identities[rank].machine
+            here = sum(1 for identity in identities if identity.machine == machine)
             spin = default_spin_us(None, here)
             self._world = TcpBackend(rank, world_size, master_addr, master_port, timeout=seconds,
                                      secret=config.secret, store=store, bind_addr=bind_addr, spin_us=spin,

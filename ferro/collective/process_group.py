@@ -196,7 +196,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None, ra
 def backend_by_hosts(store: Any, rank: int, world_size: int, timeout: float) -> str:
     """Exchange the ranks' host identities through ``store`` and return what ``backend="auto"`` picks."""
     identities = exchange_host_identities(store, rank, world_size, timeout)
-    return choose_backend([identity[0] for identity in identities])
+    return choose_backend([identity.host for identity in identities])
 
 
 def choose_backend(hosts: list[str]) -> str:

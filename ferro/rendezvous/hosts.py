@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from ferro import environment
 from ferro.rendezvous.connect import time_left, wait_for_ranks
 
-__all__ = ["HOST_ID_ENV", "crowded", "exchange_host_identities", "host_identity", "machine_identity", "usable_cpus"]
+__all__ = ["HOST_ID_ENV", "HostIdentity", "crowded", "exchange_host_identities", "host_identity", "machine_identity",
+           "usable_cpus"]
 
 HOST_ID_ENV = "FERRO_HOST_ID"
 
@@ -75,12 +77,19 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def exchange_host_identities(store: Any, rank: int, world_size: int, timeout: float) -> list[tuple[str, str, int]]:
+class HostIdentity(NamedTuple):
+    """What one rank said of where it runs (:func:`exchange_host_identities`)."""
+
+    host: str  #: :func:`host_identity`: ranks of one host share memory
+    machine: str  #: :func:`machine_identity`: ranks of one machine share its cores
+    cpus: int  #: the rank's :func:`usable_cpus` (0 where it did not say)
+
+
+def exchange_host_identities(store: Any, rank: int, world_size: int, timeout: float) -> list[HostIdentity]:
     """Publish this rank's host and machine identities through ``store``; return every rank's, in rank order.
 
-    Each is ``(host, machine, cpus)``: :func:`host_identity`, :func:`machine_identity` and the rank's
-    :func:`usable_cpus` (0 where a rank did not say). Each rank counts its own exchanges in the store, so a job
-    that does this more than once (a launcher's store, a re-created group) never reads stale answers.
+    Each is a :class:`HostIdentity`, ``(host, machine, cpus)``. Each rank counts its own exchanges in the store,
+    so a job that does this more than once (a launcher's store, a re-created group) never reads stale answers.
     """
     deadline = time.monotonic() + timeout
     generation = store.add(f"ferro/host-joins/{rank}", 1, timeout=timeout)
@@ -91,18 +100,18 @@ def exchange_host_identities(store: Any, rank: int, world_size: int, timeout: fl
     wait_for_ranks(store, keys, deadline, rank, "say which host they run on")
     found = [store.get(key, timeout=time_left(deadline, rank, "reading the ranks' hosts")).decode().split("\n", 2)
              for key in keys.values()]
-    return [(parts[0], parts[1] if len(parts) > 1 else parts[0],
-             int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 0) for parts in found]
+    return [HostIdentity(parts[0], parts[1] if len(parts) > 1 else parts[0],
+                         int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 0) for parts in found]
 
 
-def crowded(identities: list[tuple[str, str, int]]) -> bool:
+def crowded(identities: Sequence[tuple[str, str, int]]) -> bool:
     """Whether some machine runs more of these ranks than it has CPUs (as :func:`exchange_host_identities` says).
 
     Every rank decides alike from the same identities. A machine's CPUs are the most any of its ranks may use.
     """
     ranks: dict[str, int] = {}
     cpus: dict[str, int] = {}
-    for _, machine, usable in identities:
+    for _, machine, usable in identities:  # (host, machine, cpus), a HostIdentity or a plain tuple
         ranks[machine] = ranks.get(machine, 0) + 1
         cpus[machine] = max(cpus.get(machine, 0), usable)
     return any(cpus[machine] and count > cpus[machine] for machine, count in ranks.items())
