@@ -1100,6 +1100,82 @@ def test_a_fitted_link_paces_the_all_to_all_s_large_blocks_and_lifts_the_pace_af
         assert rates and all(rate in (2**64 - 1, 2**32 - 1) for rate in rates), rates
 
 
+def _pace_of(conn):
+    """The connection's SO_MAX_PACING_RATE (option 47 on Linux); 2**64 - 1 (or 2**32 - 1): no limit."""
+    import socket
+
+    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+        return int.from_bytes(sock.getsockopt(socket.SOL_SOCKET, 47, 8), "little")
+
+
+def _line_paced_calls(rank, world_size, line, signal):
+    import os
+    import threading
+    import time
+
+    import ferro
+
+    big = (4 << 20) // 8  # float64 elements in 4 MiB: Mesh.pace_from_bytes
+    with ferro.TcpBackend.from_env(timeout=60) as group:
+        mesh = group.direct_mesh
+        group.barrier()  # the ring's connections are made
+        seen = []
+        if rank == 0:  # rank 0 waits inside the call for the others, who start once it has seen its pace
+            def watch():
+                deadline = time.monotonic() + 30
+                while _pace_of(mesh.connections[1]) != line and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                seen.append(_pace_of(mesh.connections[1]))
+                open(signal, "w").close()
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+        else:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(signal) and time.monotonic() < deadline:
+                time.sleep(0.001)
+        x = np.arange(big, dtype=np.float64) * (rank + 1)
+        ferro.allreduce(x, group=group)
+        if rank == 0:
+            watcher.join()
+        counts = [mesh.paced_calls]
+        below = np.full(big - 1, rank + 1.0)
+        ferro.allreduce(below, group=group)  # one element short of the threshold: unpaced
+        counts.append(mesh.paced_calls)
+        gathered = np.empty(big)  # a 4 MiB output: paced
+        ferro.all_gather(np.full(big // world_size, float(rank)), gathered, group=group)
+        counts.append(mesh.paced_calls)
+        ferro.all_to_all(np.full(big, float(rank)), group=group)  # paces its own flows, to its share
+        counts.append(mesh.paced_calls)
+        lifted = [_pace_of(conn) for conn in mesh.connections if conn is not None]
+        return mesh.line_pace, seen, counts, x, below, gathered, lifted
+
+
+def test_a_known_line_paces_a_large_call_s_connections_to_it_while_the_call_runs(tmp_path):
+    # A line of 1 TB/s paces nothing here, but the kernel holds the cap rank 0 reads while it waits in the call.
+    from ferro.backend.cost_model import CostModel
+    from ferro.testing import run_processes
+
+    line = 10**12
+    model = tmp_path / "line.json"
+    CostModel(1e-4, 8e-8, 0.0, "test", line_rate=float(line)).save(model)
+    n, big = 4, (4 << 20) // 8
+    results = run_processes(_line_paced_calls, n, args=(line, str(tmp_path / "seen")), backend=None, timeout=120,
+                            env={"FERRO_COST_MODEL": str(model)})
+    expected = sum(np.arange(big, dtype=np.float64) * (r + 1) for r in range(n))
+    for rank, (line_pace, seen, counts, x, below, gathered, lifted) in enumerate(results):
+        assert line_pace == line
+        if rank == 0:
+            assert seen == [line]
+        # The 4 MiB allreduce and the all_gather into a 4 MiB output were paced; the smaller allreduce and the
+        # all_to_all were not.
+        assert counts == [1, 1, 2, 2]
+        np.testing.assert_array_equal(x, expected)
+        np.testing.assert_array_equal(gathered, np.repeat(np.arange(n, dtype=np.float64), big // n))
+        np.testing.assert_array_equal(below, np.full(big - 1, n * (n + 1) / 2))
+        assert lifted and all(rate in (2**64 - 1, 2**32 - 1) for rate in lifted), lifted
+
+
 def test_the_pace_is_a_known_line_rate_else_most_of_the_fitted_one(tmp_path):
     from ferro.backend.cost_model import FITTED_PACE_SHARE, CostModel, load_cost_model
     from ferro.errors import ConfigurationError

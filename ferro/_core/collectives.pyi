@@ -61,6 +61,9 @@ class Mesh:
     segment_bytes: int
     piece_bytes: int
     pace_bytes: float
+    line_pace: float
+    pace_from_bytes: int
+    paced_calls: int
     measured: bool
     connector: Callable[[int, float], Connection] | None
     forced_broadcast: int

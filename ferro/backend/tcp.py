@@ -216,6 +216,7 @@ class TcpBackend(StoreBackend, NativeCollectives):
             self._mesh.set_partner_curve(model.partner_curve())
             self._mesh.segment_bytes = model.segment_bytes()
             self._mesh.piece_bytes = model.piece_bytes()
+            self._mesh.line_pace = model.line_rate  # 0 where the model does not know the line: unpaced
             # The ranks a launcher started on this host share its link (ferro run and torchrun say how many).
             self.share_link(_ranks_on_this_host())
             self._mesh.measured = True
