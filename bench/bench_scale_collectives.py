@@ -12,7 +12,7 @@ Needs root (network namespaces). ``--mpirun /usr/bin/mpirun`` compares Debian's 
 ``FERRO_COST_MODEL`` set, ferro's ranks choose by that model and the simulator cuts the chain as they do. The
 simulator predicts one call; ``ferro bench`` times calls back to back, which for a pipelined chain overlaps
 successive broadcasts, so its chain rows are rates the single-call replay does not model.
-``--from-json`` re-predicts rows an earlier run wrote (``--json``) without running anything.
+``--from-json`` re-predicts rows an earlier run wrote (``--json``) without running anything; ``--plot`` draws them.
 """
 
 from __future__ import annotations
@@ -199,6 +199,61 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: The lines of a --plot panel: label, how a row gives it, and its style.
+_PLOT_LINES = (("ferro", lambda r: r["measured_us"], "o-C0"), ("ferro predicted", lambda r: r["predicted_us"], "x--C1"),
+               ("bound", lambda r: r["bound_us"], ":C2"), ("stream", lambda r: r["peers_us"].get("stream"), "-.C7"),
+               ("gloo", lambda r: r["peers_us"].get("torch-gloo"), "s-C3"),
+               ("Open MPI", lambda r: r["peers_us"].get("mpi"), "^-C4"))
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Draw time per call against size into ``path`` (PNG): a panel per cluster and op, a line per library.
+
+    ferro's measured and predicted times, the lower bound and the stream beside gloo and Open MPI, so the gaps
+    the tables give as ratios can be seen across sizes. Needs matplotlib (``pip install 'ferro[plot]'``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit("--plot needs matplotlib: pip install 'ferro[plot]'") from exc
+    clusters = list(dict.fromkeys(r["cluster"] for r in results))
+    ops = list(dict.fromkeys(r["op"] for r in results))
+    figure, axes = plt.subplots(len(clusters), len(ops), figsize=(3.4 * len(ops), 3.0 * len(clusters)),
+                                squeeze=False)
+    for row_axes, cluster in zip(axes, clusters, strict=True):
+        for axis, op in zip(row_axes, ops, strict=True):
+            rows: dict[int, dict] = {}
+            for r in results:
+                if r["cluster"] == cluster and r["op"] == op:
+                    rows.setdefault(r["size"], r)  # ferro bench may give a size twice: the first row stands
+            for label, value, style in _PLOT_LINES:
+                points = [(size, value(r)) for size, r in sorted(rows.items()) if value(r)]
+                if points:
+                    axis.plot(*zip(*points, strict=True), style, ms=3, lw=1, label=label)
+            axis.set_yscale("log")
+            axis.set_xscale("log", base=2)
+            axis.set_title(f"{cluster} {op}", fontsize=9)
+            axis.grid(True, which="both", alpha=0.3)
+            axis.tick_params(labelsize=7)
+    for axis in axes[-1]:
+        axis.set_xlabel("bytes per call", fontsize=8)
+    for row_axes in axes:
+        row_axes[0].set_ylabel("us per call", fontsize=8)
+    handles, labels = [], []
+    for axis in axes.flat:  # every line that appears in some panel, once
+        for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    figure.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8)
+    figure.tight_layout(rect=(0, 0, 1, 0.97 if len(clusters) > 1 else 0.92))
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def show(results: list[dict]) -> None:
     """Print the side-by-side table."""
     peers = sorted({name for r in results for name in r["peers_us"]})
@@ -235,6 +290,7 @@ def main() -> int:
     parser.add_argument("--no-cores", action="store_true",
                         help="predict a core per rank, ignoring the cost model's CPU costs on this machine's cores")
     parser.add_argument("--markdown", default=None, help="also write the rows as Markdown tables here")
+    parser.add_argument("--plot", default=None, help="also draw time against size into this PNG (matplotlib)")
     parser.add_argument("--predict-scale", default=None, metavar="RANKS",
                         help="comma-separated rank counts (e.g. 256,1024,4096,16384): predict the allreduce there "
                              "on --links, run nothing")
@@ -262,6 +318,8 @@ def main() -> int:
     show(results)
     if args.markdown:
         Path(args.markdown).write_text(markdown(results))
+    if args.plot:
+        plot(results, args.plot)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
