@@ -221,27 +221,33 @@ def plot(results: list[dict], path: str) -> None:
         raise SystemExit("--plot needs matplotlib: pip install 'ferro[plot]'") from exc
     clusters = list(dict.fromkeys(r["cluster"] for r in results))
     ops = list(dict.fromkeys(r["op"] for r in results))
-    figure, axes = plt.subplots(len(clusters), len(ops), figsize=(3.4 * len(ops), 3.0 * len(clusters)),
+    panels = [(cluster, op) for cluster in clusters for op in ops]
+    columns = len(ops) if len(clusters) > 1 else min(3, len(ops))  # one cluster: its ops in rows of three
+    rows_of_panels = -(-len(panels) // columns)
+    figure, axes = plt.subplots(rows_of_panels, columns, figsize=(3.6 * columns, 3.0 * rows_of_panels),
                                 squeeze=False)
-    for row_axes, cluster in zip(axes, clusters, strict=True):
-        for axis, op in zip(row_axes, ops, strict=True):
-            rows: dict[int, dict] = {}
-            for r in results:
-                if r["cluster"] == cluster and r["op"] == op:
-                    rows.setdefault(r["size"], r)  # ferro bench may give a size twice: the first row stands
-            for label, value, style in _PLOT_LINES:
-                points = [(size, value(r)) for size, r in sorted(rows.items()) if value(r)]
-                if points:
-                    axis.plot(*zip(*points, strict=True), style, ms=3, lw=1, label=label)
-            axis.set_yscale("log")
-            axis.set_xscale("log", base=2)
-            axis.set_title(f"{cluster} {op}", fontsize=9)
-            axis.grid(True, which="both", alpha=0.3)
-            axis.tick_params(labelsize=7)
-    for axis in axes[-1]:
-        axis.set_xlabel("bytes per call", fontsize=8)
-    for row_axes in axes:
-        row_axes[0].set_ylabel("us per call", fontsize=8)
+    for index, axis in enumerate(axes.flat):
+        if index >= len(panels):
+            axis.set_visible(False)
+            continue
+        cluster, op = panels[index]
+        rows: dict[int, dict] = {}
+        for r in results:
+            if r["cluster"] == cluster and r["op"] == op:
+                rows.setdefault(r["size"], r)  # ferro bench may give a size twice: the first row stands
+        for label, value, style in _PLOT_LINES:
+            points = [(size, value(r)) for size, r in sorted(rows.items()) if value(r)]
+            if points:
+                axis.plot(*zip(*points, strict=True), style, ms=3, lw=1, label=label)
+        axis.set_yscale("log")
+        axis.set_xscale("log", base=2)
+        axis.set_title(f"{cluster} {op}", fontsize=9)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.tick_params(labelsize=7)
+        if index % columns == 0:
+            axis.set_ylabel("us per call", fontsize=8)
+        if index + columns >= len(panels):
+            axis.set_xlabel("bytes per call", fontsize=8)
     handles, labels = [], []
     for axis in axes.flat:  # every line that appears in some panel, once
         for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
@@ -249,7 +255,7 @@ def plot(results: list[dict], path: str) -> None:
                 handles.append(handle)
                 labels.append(label)
     figure.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8)
-    figure.tight_layout(rect=(0, 0, 1, 0.97 if len(clusters) > 1 else 0.92))
+    figure.tight_layout(rect=(0, 0, 1, 0.97 if rows_of_panels > 1 else 0.92))
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
