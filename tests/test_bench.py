@@ -457,3 +457,48 @@ def test_the_machine_s_busy_cpu_counts_a_busy_loop_and_no_more_than_the_cores_co
     busy, wall = machine_busy_seconds() - busy_start, time.monotonic() - wall_start
     tick = 1 / os.sysconf("SC_CLK_TCK")
     assert 0.5 - 2 * tick <= busy <= wall * os.cpu_count() + 2 * tick * os.cpu_count()
+
+
+def _scale_sweep_script():
+    """bench/bench_scale_collectives.py as a module (bench/ is scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "bench_scale_collectives.py"
+    spec = importlib.util.spec_from_file_location("_bench_scale_collectives", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_scale_sweep_plot_draws_a_panel_per_op_and_a_line_per_library_from_the_rows(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    script = _scale_sweep_script()
+
+    def row(op, size, measured, predicted, peers):
+        return {"cluster": "4x1@100mbit", "op": op, "size": size, "algorithm": "ring", "measured_us": measured,
+                "predicted_us": predicted, "bound_us": measured / 2, "peers_us": peers}
+
+    rows = [row("allreduce", 1024, 10.0, 11.0, {"torch-gloo": 30.0, "stream": 5.0}),
+            row("allreduce", 4096, 20.0, None, {"torch-gloo": 60.0, "stream": 9.0}),  # no replay: no point
+            row("allreduce", 4096, 99.0, 99.0, {"torch-gloo": 99.0}),  # a size given twice: the first stands
+            row("reduce_scatter", 1024, 7.0, 8.0, {"mpi": 70.0})]
+    drawn = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def capture(figure, path, **options):
+        drawn.update({axis.get_title(): {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+                                         for line in axis.get_lines()} for axis in figure.axes if axis.get_visible()})
+        return save(figure, path, **options)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
+    script.plot(rows, str(tmp_path / "sweep.png"))
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(drawn) == {"4x1@100mbit allreduce", "4x1@100mbit reduce_scatter"}
+    allreduce, reduce_scatter = drawn["4x1@100mbit allreduce"], drawn["4x1@100mbit reduce_scatter"]
+    assert allreduce == {"ferro": ([1024, 4096], [10.0, 20.0]), "ferro predicted": ([1024], [11.0]),
+                         "bound": ([1024, 4096], [5.0, 10.0]), "stream": ([1024, 4096], [5.0, 9.0]),
+                         "gloo": ([1024, 4096], [30.0, 60.0])}
+    assert reduce_scatter == {"ferro": ([1024], [7.0]), "ferro predicted": ([1024], [8.0]), "bound": ([1024], [3.5]),
+                              "Open MPI": ([1024], [70.0])}
