@@ -148,6 +148,12 @@ RING_LEAD_FRAMES = RING_LEAD
 # 64 KiB on the emulated links: under 2 % of a 4 MiB call's time at 100 Mbit; a real line has none to give up).
 cdef size_t PACE_FROM = 4 * 1024 * 1024
 DEFAULT_PACE_FROM_BYTES = PACE_FROM
+cdef uint64_t NO_PACE = 0xFFFFFFFFFFFFFFFF  # SO_MAX_PACING_RATE's ~0: no cap
+
+
+cdef inline void _pace(ConnState* conn, uint64_t rate) noexcept nogil:
+    """Cap ``conn`` at ``rate`` bytes per second (``SO_MAX_PACING_RATE``; ``NO_PACE``: no cap)."""
+    setsockopt(conn.fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(uint64_t))
 
 # The chain's segment stays within these (the frame header and a wake-up per frame below; pipelining above).
 cdef enum:
@@ -918,17 +924,17 @@ cdef class Mesh:
         return 0
 
     cdef void _pace_held(self, uint64_t rate) noexcept:
-        """Cap the held peers' connections at ``rate`` bytes per second (``SO_MAX_PACING_RATE``; ~0: no cap)."""
+        """Cap the held peers' connections at ``rate`` bytes per second (``NO_PACE``: no cap)."""
         cdef int j
         for j in range(self.npeers):
             if self.states[self.held[j]] != NULL:
-                setsockopt(self.states[self.held[j]].fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(uint64_t))
+                _pace(self.states[self.held[j]], rate)
 
     cdef void release(self) noexcept:
         cdef int t
         cdef Connection conn
         if self.pacing:  # lifted before the locks go, so the next call on these connections starts unpaced
-            self._pace_held(0xFFFFFFFFFFFFFFFF)
+            self._pace_held(NO_PACE)
             self.pacing = False
         for t in range(self.locked):  # in the order taken: the send locks, then the receive locks
             conn = self.connections[self.held[t % self.npeers]]
@@ -1620,7 +1626,7 @@ cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned c
             _pace_flows(sends, w, <uint64_t>(pace / w))
         rc = run_many(sends, w, recvs, w, fds, deadline)
         if paced:
-            _pace_flows(sends, w, 0xFFFFFFFFFFFFFFFF)  # ~0: no limit
+            _pace_flows(sends, w, NO_PACE)
         moving = 0
         if rc < 0:
             return -1
@@ -1632,7 +1638,7 @@ cdef void _pace_flows(SendOp* sends, int count, uint64_t rate) noexcept nogil:
     """Cap each of these sends' connections at ``rate`` bytes per second (``SO_MAX_PACING_RATE``)."""
     cdef int i
     for i in range(count):
-        setsockopt(sends[i].conn.fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(uint64_t))
+        _pace(sends[i].conn, rate)
 
 
 cdef bint _window_failed(SendOp* sends, RecvOp* recvs, int count, SendOp* s, RecvOp* r) noexcept nogil:
