@@ -565,7 +565,7 @@ def _all_to_all_both_plans(rank, world_size):
                                                              enumerate(uneven)]), uneven,
                                              [1 + (src + rank) % 3 for src in range(n)], group=group)
         results["uneven"] = got.tolist()
-        # Empty, small (slide within the window) and large blocks (in a batch of their own) in one exchange.
+        # Empty, small (slide within the window's bytes) and large blocks (slide a few steps at a time) at once.
         mixed = [(rank + dst) % 4 * 3 for dst in range(n)]  # 0, 24, 48 or 72 bytes
         got = ferro.all_to_all_single_uneven(np.concatenate([np.full(c, 100.0 * rank + d) for d, c in
                                                              enumerate(mixed)]), mixed,
@@ -1061,43 +1061,65 @@ def test_ranks_on_a_fitted_slow_link_cut_128_kib_frames_and_every_collective_mat
         np.testing.assert_array_equal(out["reduce"], total if rank == 1 else inputs(count)[rank])
 
 
-# --- pacing the all_to_all's large blocks on a fitted link (CostModel.pace_bytes -> Mesh.pace_bytes) ---
+# --- the all_to_all's flows held to a budget of unacknowledged bytes on a fitted link (Mesh.pace_bytes) ---
 
-def _paced_all_to_all(rank, world_size, count):
-    import socket
+def _unacked_bytes(fd):
+    """What a TCP socket holds that its peer has not acknowledged (SIOCOUTQ, which is TIOCOUTQ on Linux)."""
+    import fcntl
+    import struct
+    import termios
+
+    return struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, struct.pack("i", 0)))[0]
+
+
+def _budgeted_all_to_all(rank, world_size, count):
+    import threading
 
     import ferro
 
     with ferro.TcpBackend.from_env(timeout=60) as group:
         mesh = group.direct_mesh
+        ferro.all_to_all(np.zeros(world_size), group=group)  # every connection made
+        fds = [conn.fileno() for conn in mesh.connections if conn is not None]
+        stop, peaks = threading.Event(), []
+
+        def watch():  # one socket at a time: a sum of reads taken at different moments would overstate the whole
+            peak = 0
+            while not stop.is_set():
+                peak = max(peak, *(_unacked_bytes(fd) for fd in fds))
+            peaks.append(peak)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
         blocks = np.concatenate([np.full(count, 1000.0 * rank + peer) for peer in range(world_size)])
-        got = np.asarray(ferro.all_to_all(blocks, group=group))
-        rates = []
-        for conn in mesh.connections:
-            if conn is not None:  # after the call no connection stays paced (~0: no limit)
-                with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
-                    rates.append(int.from_bytes(sock.getsockopt(socket.SOL_SOCKET, 47, 8), "little"))
-        return mesh.pace_bytes, mesh.choose("all_to_all", count * 8 * world_size), got, rates
+        try:
+            got = np.asarray(ferro.all_to_all(blocks, group=group))
+        finally:
+            stop.set()
+            watcher.join()
+        return mesh.pace_bytes, mesh.choose("all_to_all", blocks.nbytes), got, len(fds), peaks[0]
 
 
-def test_a_fitted_link_paces_the_all_to_all_s_large_blocks_and_lifts_the_pace_after(tmp_path):
-    # 160 KiB blocks (more than the 128 KiB window of small ones): all three steps in flight at once, paced.
-    # SO_MAX_PACING_RATE is option 47 on Linux (asm-generic/socket.h).
+def test_a_fitted_link_holds_the_all_to_all_s_flows_to_a_budget_of_unacknowledged_bytes(tmp_path):
+    # 8 MiB blocks to each peer, all three steps in flight at once. Without the budget these sockets held up to
+    # 5.6 MB unacknowledged each (loopback's send buffers, the receivers' windows full); with it, its share.
+    from ferro._core.collectives import FLIGHT_BUDGET_SECONDS
     from ferro.backend.cost_model import CostModel
     from ferro.testing import run_processes
 
     model = tmp_path / "slow.json"
-    CostModel(1e-4, 8e-8, 0.0, "test").save(model)
-    n, count = 4, 20_480
-    results = run_processes(_paced_all_to_all, n, args=(count,), backend=None, timeout=120,
+    CostModel(1e-4, 8e-8, 0.0, "test", line_rate=2e6).save(model)
+    n, count = 4, 1 << 20
+    results = run_processes(_budgeted_all_to_all, n, args=(count,), backend=None, timeout=120,
                             env={"FERRO_COST_MODEL": str(model), "LOCAL_WORLD_SIZE": "2"})
-    assert CostModel(1e-4, 0.0, 0.0, "test").pace_bytes() == 0.0  # no rate, no pacing
-    for rank, (pace, plan, got, rates) in enumerate(results):
-        # Two ranks share each host's link, and of each rank's three flows one stays on its host.
-        assert pace == pytest.approx(0.95 / 8e-8 / 2 * 3 / 2)
+    assert CostModel(1e-4, 0.0, 0.0, "test").pace_bytes() == 0.0  # no rate, no budget
+    for rank, (pace, plan, got, peers, peak) in enumerate(results):
+        # Two ranks share each host's 2 MB/s link, and of each rank's three flows one stays on its host.
+        assert pace == pytest.approx(2e6 / 2 * 3 / 2)
         assert plan == "pairwise"
         np.testing.assert_array_equal(got, np.concatenate([np.full(count, 1000.0 * k + rank) for k in range(n)]))
-        assert rates and all(rate in (2**64 - 1, 2**32 - 1) for rate in rates), rates
+        assert peers == n - 1
+        assert 0 < peak <= pace * FLIGHT_BUDGET_SECONDS, (rank, peak)
 
 
 def _pace_of(conn):

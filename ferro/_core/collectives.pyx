@@ -40,7 +40,6 @@ from ferro._core.transport cimport (
     SendOp,
     monotonic_ns,
     raise_failure,
-    run_many,
     run_ops,
     run_until,
 )
@@ -286,10 +285,25 @@ DIRECT_REDUCE_SCATTER_BYTES = 1024 * 1024
 # smaller than the mesh's window_bytes no more than that many bytes each way (the first step always goes), a
 # step starting as soon as the ones in flight leave it room. At 16x1@100mbit, 1 MiB (64 KiB blocks): 316-368 ms
 # with 15 in flight, 111-124 with 128 KiB in batches, 98-108 sliding (8x2@200mbit: 125-132 batched, 97-98
-# sliding; 64 or 256 KiB windows no better); but 4 MiB (256 KiB blocks) 624-666 ms with 15, 671-787 one at a
-# time: many small frames at once lose, few large ones win.
+# sliding; 64 or 256 KiB windows no better): many small frames at once lose.
+# Larger blocks slide too, LARGE_STEPS_IN_FLIGHT at a time, under the flight budget (FLIGHT_BUDGET_S). At
+# 32x1@100mbit (bound 325 ms at 4 MiB, 1,300 at 16 MiB), one sitting each: batches of 16 without the budget 727 ms
+# at 4 MiB, 415-420 with it; sliding 4 at a time 422 and 1,506 ms, 8: 368 and 1,472, 12: 366 and 1,422,
+# 16: 380 and 1,481. At 16x1, 4 and 16 MiB: 334 and 1,332 ms sliding 8 under the budget, 422 and 1,386 batched.
 cdef enum:
     PAIRWISE_WINDOW = 16
+    LARGE_STEPS_IN_FLIGHT = 8
+# What the pairwise all_to_all's sends may hold unacknowledged together, in seconds of this rank's share of its
+# host's link (Mesh.pace_bytes; none where that is not known). Each host's 31 flows at 32x1@100mbit, paced to
+# shares of the line by the kernel (SO_MAX_PACING_RATE), still sent up to twice their caps on cores that are never
+# idle (the kernel forgives a late pacing timer), filled their own link's 50 ms queue and lost 30,000-40,000
+# packets a run, which BBR does not back off from: 0.38 of the bound at 4 MiB. Held to a budget of 20 ms, a queue
+# on the path can never hold more of them, whatever the congestion control or the pacing: no packet lost, 0.80-0.89
+# of the bound. 40 ms lost packets again (243 a run; the flows that ended are counted only for a while); 10 ms ran
+# 12 % slower in batches (471 ms at 4 MiB against 415-420: the sends wait on the wake-ups of 32 ranks on 2 cores).
+cdef double FLIGHT_BUDGET_S = 0.02
+cdef size_t FLIGHT_BUDGET_FLOOR = 16 * 1024  # so that each of 16 flows' share of a quarter of it is some bytes
+FLIGHT_BUDGET_SECONDS = FLIGHT_BUDGET_S
 DEFAULT_WINDOW_BYTES = 128 * 1024
 
 cdef uint32_t KIND_BARRIER = 2
@@ -1550,29 +1564,34 @@ def reduce(Mesh mesh, buf, int root, int dtype, int op, Py_ssize_t itemsize, uin
 cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned char* out, unsigned char* into,
                            SendOp* sends, RecvOp* recvs, pollfd* fds, size_t window_bytes, uint64_t fingerprint,
                            int64_t deadline, SendOp* s, RecvOp* r, double pace) except -1 nogil:
-    """Run the pairwise exchange's steps, up to ``PAIRWISE_WINDOW`` at a time, each block one frame.
+    """Run the pairwise exchange's steps in a sliding window of up to ``PAIRWISE_WINDOW``, each block one frame.
 
     Every step touches its own pair of peers, so the steps in flight share no connection's direction. ``sends``
-    and ``recvs`` hold ``PAIRWISE_WINDOW`` slots each, a step in the same slot of both. Two regimes:
+    and ``recvs`` hold ``PAIRWISE_WINDOW`` slots each, a step in the same slot of both. A step starts as soon as
+    the steps in flight leave it room, so a link never waits for the slowest flow of a batch:
 
-    * Small blocks (fewer bytes than ``window_bytes``) slide: a step starts as soon as the steps in flight leave
-      room for its bytes within ``window_bytes`` (one always may), so a link never waits for the slowest flow
-      of a batch before its next block goes out.
-    * Large blocks go in batches of up to ``PAIRWISE_WINDOW`` (``run_many``). With ``pace`` (bytes per second,
-      the mesh's ``pace_bytes``), each of a batch's ``w`` flows is sent at ``pace / w``: every rank's ``w`` flows
-      converge on ``w`` receivers at once, and unpaced they overflow a slow link's queue (see :class:`Mesh`).
-      The pacing is lifted when the batch ends, so other collectives on those connections run unpaced.
+    * a small block (fewer bytes than ``window_bytes``) when the steps in flight hold no more than
+      ``window_bytes`` with it (one always may start);
+    * a large one when fewer than ``LARGE_STEPS_IN_FLIGHT`` steps are in flight.
+
+    With ``pace`` (bytes per second, this rank's share of its host's link: the mesh's ``pace_bytes``) the sends
+    hold at most ``FLIGHT_BUDGET_S`` of it unacknowledged together (``run_until``'s budget), counted over the
+    flows of the last ``PAIRWISE_WINDOW`` steps: slots are reused in turn, the one whose flow ended longest ago
+    first. See ``FLIGHT_BUDGET_S`` for why.
 
     On a failure, ``s`` and ``r`` receive the ops that failed first (not the ones stopped because of them).
     """
     cdef ferro_step step
-    cdef int w, i, rc, running = 0
-    cdef bint paced, have = False   # have: ``step`` came from the plan and has not started
+    cdef int i, running = 0, next_slot = 0
+    cdef bint have = False   # ``step`` came from the plan and has not started
+    cdef bint room
     cdef size_t moving = 0, size = 0
+    cdef size_t budget = max(<size_t>(pace * FLIGHT_BUDGET_S), FLIGHT_BUDGET_FLOOR) if pace > 0 else 0
     cdef bint busy[PAIRWISE_WINDOW]
     cdef size_t slot_bytes[PAIRWISE_WINDOW]
     for i in range(PAIRWISE_WINDOW):
         sends[i].status = ST_OK
+        sends[i].conn = NULL  # no flow yet: the budget counts none here
         recvs[i].status = ST_OK
         busy[i] = False
     while True:
@@ -1580,65 +1599,38 @@ cdef int _pairwise_windows(ConnState** conns, ferro_plan* plan, const unsigned c
             have = ferro_plan_next(plan, &step)
             if have:
                 size = max(step.send_len, step.recv_len)
-        if have and size < window_bytes and running < PAIRWISE_WINDOW and (running == 0 or
-                                                                          moving + size <= window_bytes):
-            i = 0
-            while busy[i]:
-                i += 1
-            _prepare_send(&sends[i], conns[step.send_peer], out + step.send_off, step.send_len, fingerprint)
-            _prepare_recv(&recvs[i], conns[step.recv_peer], into + step.recv_off, step.recv_len, fingerprint)
-            sends[i].status = ST_AGAIN
-            recvs[i].status = ST_AGAIN
-            busy[i] = True
-            slot_bytes[i] = size
-            moving += size
-            running += 1
-            have = False
-            continue
-        if running > 0:
-            # Wait for room (a small step waits for one), or for all (before a batch of large ones, and at the end).
-            if run_until(sends, PAIRWISE_WINDOW, recvs, PAIRWISE_WINDOW, fds, deadline,
-                         have and size < window_bytes) < 0:
-                return -1
-            if _window_failed(sends, recvs, PAIRWISE_WINDOW, s, r):
-                return 1
-            for i in range(PAIRWISE_WINDOW):
-                if busy[i] and sends[i].status != ST_AGAIN and recvs[i].status != ST_AGAIN:
-                    busy[i] = False
-                    moving -= slot_bytes[i]
-                    running -= 1
-            continue
-        if not have:
+        if have:
+            if size < window_bytes:
+                room = running < PAIRWISE_WINDOW and (running == 0 or moving + size <= window_bytes)
+            else:
+                room = running < LARGE_STEPS_IN_FLIGHT
+            if room:
+                i = next_slot
+                while busy[i]:
+                    i = (i + 1) % PAIRWISE_WINDOW
+                next_slot = (i + 1) % PAIRWISE_WINDOW
+                _prepare_send(&sends[i], conns[step.send_peer], out + step.send_off, step.send_len, fingerprint)
+                _prepare_recv(&recvs[i], conns[step.recv_peer], into + step.recv_off, step.recv_len, fingerprint)
+                sends[i].status = ST_AGAIN
+                recvs[i].status = ST_AGAIN
+                busy[i] = True
+                slot_bytes[i] = size
+                moving += size
+                running += 1
+                have = False
+                continue
+        if running == 0:
             return 0
-        # A batch of large blocks, nothing else in flight.
-        w = 0
-        moving = 0
-        while have and size >= window_bytes and w < PAIRWISE_WINDOW:
-            _prepare_send(&sends[w], conns[step.send_peer], out + step.send_off, step.send_len, fingerprint)
-            _prepare_recv(&recvs[w], conns[step.recv_peer], into + step.recv_off, step.recv_len, fingerprint)
-            moving += size
-            w += 1
-            have = ferro_plan_next(plan, &step)
-            if have:
-                size = max(step.send_len, step.recv_len)
-        paced = pace > 0 and w > 1
-        if paced:
-            _pace_flows(sends, w, <uint64_t>(pace / w))
-        rc = run_many(sends, w, recvs, w, fds, deadline)
-        if paced:
-            _pace_flows(sends, w, NO_PACE)
-        moving = 0
-        if rc < 0:
+        # Wait for one step to end (room for the next), or for all (at the end).
+        if run_until(sends, PAIRWISE_WINDOW, recvs, PAIRWISE_WINDOW, fds, deadline, have, budget, pace) < 0:
             return -1
-        if _window_failed(sends, recvs, w, s, r):
+        if _window_failed(sends, recvs, PAIRWISE_WINDOW, s, r):
             return 1
-
-
-cdef void _pace_flows(SendOp* sends, int count, uint64_t rate) noexcept nogil:
-    """Cap each of these sends' connections at ``rate`` bytes per second (``SO_MAX_PACING_RATE``)."""
-    cdef int i
-    for i in range(count):
-        _pace(sends[i].conn, rate)
+        for i in range(PAIRWISE_WINDOW):
+            if busy[i] and sends[i].status != ST_AGAIN and recvs[i].status != ST_AGAIN:
+                busy[i] = False
+                moving -= slot_bytes[i]
+                running -= 1
 
 
 cdef bint _window_failed(SendOp* sends, RecvOp* recvs, int count, SendOp* s, RecvOp* r) noexcept nogil:

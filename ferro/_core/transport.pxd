@@ -32,6 +32,7 @@ cdef struct SendOp:
     const unsigned char* payload    # the caller's bytes, sent in place
     size_t length                   # payload length
     size_t done                     # bytes of header + payload already sent
+    size_t cap                      # send no further than this many bytes of header + payload yet (0: all)
     int status                      # final Status of this op
     int os_errno                    # errno behind ST_OS_ERROR
     int stat_slot                   # the counter slot of the frame's operation (stats.h)
@@ -70,9 +71,7 @@ cdef int check_header(const unsigned char* h, uint32_t kind, uint64_t fingerprin
                       uint64_t capacity, bint exact, SeenHeader* seen) noexcept nogil
 cdef int signal_raised() noexcept with gil
 cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns, bint either=*) except -1 nogil
-cdef int run_many(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fds,
-                  int64_t deadline_ns) except -1 nogil
 cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fds, int64_t deadline_ns,
-                   bint first_only) except -1 nogil
+                   bint first_only, size_t budget=*, double drain_rate=*) except -1 nogil
 cdef int raise_failure(SendOp* s, RecvOp* r, str op, double timeout) except -1
 cdef int acquire_buffer(object obj, Py_buffer* view, bint writable, str op) except -1

@@ -106,6 +106,25 @@ from ferro.errors import BackendClosedError, DistributedTimeoutError, InvalidBuf
 import select
 import time
 
+cdef extern from * nogil:
+    """
+    #include <sys/ioctl.h>
+    #ifdef __linux__
+    #include <linux/sockios.h>
+    #endif
+    /* Bytes a TCP socket holds that its peer has not acknowledged (sent or not); 0 where the system cannot say. */
+    static inline size_t ferro_unacked_bytes(int fd) {
+    #ifdef SIOCOUTQ
+        int queued = 0;
+        if (ioctl(fd, SIOCOUTQ, &queued) == 0 && queued > 0)
+            return (size_t)queued;
+    #endif
+        return 0;
+    }
+    """
+    size_t ferro_unacked_bytes(int fd)
+
+
 cdef extern from "Python.h":
     # Declared without Cython's ``except -1`` so the loop can decide what to
     # clean up before it lets the pending KeyboardInterrupt propagate.
@@ -180,28 +199,31 @@ cdef int _send_step(SendOp* s) noexcept nogil:
     cdef iovec iov[2]
     cdef msghdr msg
     cdef size_t total = FERRO_HEADER_SIZE + s.length
+    cdef size_t end = total if s.cap == 0 or s.cap > total else s.cap
     cdef size_t offset
     cdef ssize_t n
-    while s.done < total:
+    while s.done < end:
         memset(&msg, 0, sizeof(msg))
         msg.msg_iov = iov
         if s.done < FERRO_HEADER_SIZE:
             # Header and payload leave in one system call (one segment for small frames).
             iov[0].iov_base = <void*>(s.header + s.done)
-            iov[0].iov_len = FERRO_HEADER_SIZE - s.done
+            iov[0].iov_len = (FERRO_HEADER_SIZE if end > FERRO_HEADER_SIZE else end) - s.done
             iov[1].iov_base = <void*>s.payload
-            iov[1].iov_len = s.length
-            msg.msg_iovlen = 2 if s.length > 0 else 1
+            iov[1].iov_len = end - FERRO_HEADER_SIZE if end > FERRO_HEADER_SIZE else 0
+            msg.msg_iovlen = 2 if iov[1].iov_len > 0 else 1
         else:
             offset = s.done - FERRO_HEADER_SIZE
             iov[0].iov_base = <void*>(s.payload + offset)
-            iov[0].iov_len = s.length - offset
+            iov[0].iov_len = end - s.done
             msg.msg_iovlen = 1
         n = sendmsg(s.conn.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT)
         if n < 0:
             s.os_errno = errno
             return _errno_status(s.os_errno)
         s.done += <size_t>n
+    if s.done < total:
+        return ST_AGAIN  # held at its cap (a budget of bytes in flight, run_until)
     s.conn.send_seq += 1
     ferro_count_sent(s.conn.stats, s.stat_slot, s.length)
     return ST_OK
@@ -461,36 +483,31 @@ cdef int run_ops(SendOp* s, RecvOp* r, int64_t deadline_ns, bint either=False) e
     return 0
 
 
-cdef int run_many(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fds,
-                  int64_t deadline_ns) except -1 nogil:
+cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fds, int64_t deadline_ns,
+                   bint first_only, size_t budget=0, double drain_rate=0) except -1 nogil:
     """Drive several sends and receives at once, each on its own connection, as :func:`run_ops` drives two.
 
-    ``fds`` holds room for ``nsend + nrecv`` entries. A fatal error in any op stops all the others (breaking the
-    connections they were mid-frame on); each op's ``status`` holds its outcome. What lets an all_to_all keep
-    every link busy: a window of its pairwise steps in flight together, as gloo and MPI post theirs, so one
-    peer's slow connection does not stall the rest. Returns -1 only when a
-    signal handler raised.
-    """
-    cdef int i
-    for i in range(nsend):
-        sends[i].status = ST_AGAIN
-    for i in range(nrecv):
-        recvs[i].status = ST_AGAIN
-    return run_until(sends, nsend, recvs, nrecv, fds, deadline_ns, False)
-
-
-cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* fds, int64_t deadline_ns,
-                   bint first_only) except -1 nogil:
-    """Drive the ops among these whose ``status`` is ``ST_AGAIN``, as :func:`run_many` does, skipping the others.
+    Only the ops whose ``status`` is ``ST_AGAIN`` run; the others are skipped. ``fds`` holds room for ``nsend +
+    nrecv`` entries. A fatal error in any op stops all the others (breaking the connections they were mid-frame
+    on); each op's ``status`` holds its outcome. What lets an all_to_all keep every link busy: a window of its
+    pairwise steps in flight together, as gloo and MPI post theirs, so one peer's slow connection does not stall
+    the rest.
 
     With ``first_only`` it returns as soon as one of them has finished, the rest still running (their progress
     kept in the ops), so that a caller can put new ops in the finished ones' places and call again: the sliding
     window of the pairwise all_to_all. A failure still stops every running op. Returns -1 only when a signal
     handler raised.
+
+    ``budget`` (bytes; 0: none) caps what the sends' connections hold unacknowledged together (``SIOCOUTQ``):
+    a send goes on only while they hold less, each running one taking an equal share of the room, and waits,
+    without polling its socket, for the bytes ``drain_rate`` (bytes per second) drains meanwhile. What a queue
+    on the path can hold of these flows is then at most the budget, whatever the congestion control or the
+    kernel's pacing let them send (see the pairwise all_to_all's ``_pairwise_windows``).
     """
-    cdef int i, rc, active = 0, started, n, timeout_ms
-    cdef bint progressed, failed = False, check_signals
+    cdef int i, rc, active = 0, started, n, timeout_ms, sending
+    cdef bint progressed, failed = False, check_signals, held = False
     cdef int64_t now, wait_ns, spin_ns = 0, yield_ns = 0, spin_until
+    cdef size_t queued = 0, share = 0
     for i in range(nsend):
         if sends[i].status == ST_AGAIN and sends[i].conn.broken:
             failed = True
@@ -520,8 +537,23 @@ cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* f
     while active > 0:
         progressed = False
         check_signals = False
+        if budget > 0:
+            queued = 0
+            sending = 0
+            for i in range(nsend):
+                if sends[i].conn != NULL:  # a slot of a sliding window that has run a send (see above)
+                    queued += ferro_unacked_bytes(sends[i].conn.fd)
+                sending += sends[i].status == ST_AGAIN
+            # Refill in steps of a quarter of the budget at least, not a segment per wake-up.
+            held = sending > 0 and queued + budget // 4 > budget
+            if sending > 0 and not held:
+                share = (budget - queued) // <size_t>sending
         for i in range(nsend):
             if sends[i].status == ST_AGAIN:
+                if held:
+                    continue
+                if budget > 0:
+                    sends[i].cap = sends[i].done + share
                 rc = _advance_send(&sends[i], &progressed, &check_signals)
                 if rc != ST_AGAIN:
                     _finish_send(&sends[i], rc)
@@ -548,13 +580,14 @@ cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* f
         if deadline_ns >= 0 and now >= deadline_ns:
             _stop_all(sends, nsend, recvs, nrecv, ST_TIMEOUT)
             return 0
-        # Wait as run_ops waits: spin, then yield or nap, then sleep in poll (the connections' settings).
-        if not check_signals and _wait_without_poll(now, spin_until, spin_ns, yield_ns):
+        # Wait as run_ops waits: spin, then yield or nap, then sleep in poll (the connections' settings). Sends
+        # held by the budget sleep at once, until the bytes they wait for should have drained.
+        if not check_signals and not held and _wait_without_poll(now, spin_until, spin_ns, yield_ns):
             continue
         if not check_signals:
             n = 0
             for i in range(nsend):
-                if sends[i].status == ST_AGAIN:
+                if sends[i].status == ST_AGAIN and not held:
                     fds[n].fd = sends[i].conn.fd
                     fds[n].events = POLLOUT
                     fds[n].revents = 0
@@ -566,6 +599,8 @@ cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* f
                     fds[n].revents = 0
                     n += 1
             wait_ns = POLL_SLICE_MS * 1000000
+            if held and drain_rate > 0:
+                wait_ns = min(wait_ns, max(<int64_t>((queued + budget // 4 - budget) / drain_rate * 1e9), 1000000))
             if deadline_ns >= 0 and deadline_ns - now < wait_ns:
                 wait_ns = deadline_ns - now
             timeout_ms = <int>((wait_ns + 999999) // 1000000)
