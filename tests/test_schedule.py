@@ -1167,7 +1167,7 @@ def _line_paced_calls(rank, world_size, line, signal):
         gathered = np.empty(big)  # a 4 MiB output: paced
         ferro.all_gather(np.full(big // world_size, float(rank)), gathered, group=group)
         counts.append(mesh.paced_calls)
-        ferro.all_to_all(np.full(big, float(rank)), group=group)  # paces its own flows, to its share
+        ferro.all_to_all(np.full(big, float(rank)), group=group)  # holds its flows to its own budget: not paced
         counts.append(mesh.paced_calls)
         lifted = [_pace_of(conn) for conn in mesh.connections if conn is not None]
         return mesh.line_pace, seen, counts, x, below, gathered, lifted

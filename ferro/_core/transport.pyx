@@ -507,7 +507,8 @@ cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* f
     cdef int i, rc, active = 0, started, n, timeout_ms, sending
     cdef bint progressed, failed = False, check_signals, held = False
     cdef int64_t now, wait_ns, spin_ns = 0, yield_ns = 0, spin_until
-    cdef size_t queued = 0, share = 0
+    cdef size_t queued = 0, share = 0, before
+    cdef bint looked = False  # ``queued`` was read from the kernel in this call
     for i in range(nsend):
         if sends[i].status == ST_AGAIN and sends[i].conn.broken:
             failed = True
@@ -538,23 +539,33 @@ cdef int run_until(SendOp* sends, int nsend, RecvOp* recvs, int nrecv, pollfd* f
         progressed = False
         check_signals = False
         if budget > 0:
-            queued = 0
             sending = 0
             for i in range(nsend):
-                if sends[i].conn != NULL:  # a slot of a sliding window that has run a send (see above)
-                    queued += ferro_unacked_bytes(sends[i].conn.fd)
                 sending += sends[i].status == ST_AGAIN
-            # Refill in steps of a quarter of the budget at least, not a segment per wake-up.
-            held = sending > 0 and queued + budget // 4 > budget
-            if sending > 0 and not held:
-                share = (budget - queued) // <size_t>sending
+            held = False
+            if sending > 0:
+                # ``queued`` bounds what the flows hold from above (what was read plus what was sent since: only
+                # acknowledgements lower it), so the kernel is asked again only where the bound would hold the
+                # sends: a system call per flow at every look cost a 256 KiB call among 32 ranks on 2 cores 7 %.
+                # Refill in steps of a quarter of the budget at least, not a segment per wake-up.
+                if not looked or queued + budget // 4 > budget:
+                    queued = 0
+                    for i in range(nsend):
+                        if sends[i].conn != NULL:  # a slot of a sliding window that has run a send (see above)
+                            queued += ferro_unacked_bytes(sends[i].conn.fd)
+                    looked = True
+                held = queued + budget // 4 > budget
+                if not held:
+                    share = (budget - queued) // <size_t>sending
         for i in range(nsend):
             if sends[i].status == ST_AGAIN:
                 if held:
                     continue
+                before = sends[i].done
                 if budget > 0:
-                    sends[i].cap = sends[i].done + share
+                    sends[i].cap = before + share
                 rc = _advance_send(&sends[i], &progressed, &check_signals)
+                queued += sends[i].done - before
                 if rc != ST_AGAIN:
                     _finish_send(&sends[i], rc)
                     active -= 1

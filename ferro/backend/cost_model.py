@@ -46,7 +46,7 @@ _SMALLEST_PIECE = 16 * 1024
 #: The variables that force a TCP group's plan for an op (read when the group is made), by op.
 FORCED_PLAN_ENVS = {"broadcast": "FERRO_ALGORITHM_BROADCAST", "reduce": "FERRO_ALGORITHM_REDUCE",
                     "all_gather": "FERRO_ALGORITHM_ALL_GATHER", "all_to_all": "FERRO_ALGORITHM_ALL_TO_ALL"}
-#: The share of a fitted rate the all_to_all is paced to when the line's rate is not known (CostModel.pace_bytes).
+#: The share of a fitted rate taken for the line when the line's rate is not known (CostModel.pace_bytes).
 FITTED_PACE_SHARE = 0.95
 #: The kinds of link a model holds costs for: ranks of one host, and ranks of different hosts.
 LINK_KINDS = ("same_host", "between_hosts")
@@ -192,7 +192,10 @@ class CostModel:
         return max(_SMALLEST_PIECE, piece - piece % 4096)  # whole pages
 
     def pace_bytes(self, ranks_per_host: int = 1, world_size: int = 0) -> float:
-        """Return the rate (bytes per second) a rank's all_to_all flows are paced to together: its share of the link.
+        """Return a rank's share of its host's link (bytes per second): what its all_to_all's flows may carry.
+
+        The all_to_all holds its flows to a budget of this many bytes a second's ``FLIGHT_BUDGET_SECONDS``
+        unacknowledged (``Mesh.pace_bytes``).
 
         The link's rate is :attr:`line_rate` where that is known (or the fitted rate, if lower), else
         ``FITTED_PACE_SHARE`` of the fitted rate, which overstates the line: the fit put the emulated 100 Mbit
@@ -200,10 +203,11 @@ class CostModel:
         ``1 / ranks_per_host`` of it; and of a rank's ``world_size - 1`` flows, the ``ranks_per_host - 1`` to its
         own host's ranks do not cross the link, so the whole is raised by ``(world_size - 1) / (world_size -
         ranks_per_host)`` for the others to fill the rank's share (exact where one window holds all the flows, up
-        to 17 ranks; beyond, a window without the local flows runs that much over the share). 0 (no pacing)
+        to 17 ranks; beyond, a window without the local flows runs that much over the share). 0 (no budget)
         without a rate.
 
-        Measured (``ferro bench all_to_all``, two or three rounds each, alternating): 16 hosts at 100 Mbit, 4 and
+        Measured when the share paced the flows (``SO_MAX_PACING_RATE``, before the budget replaced it; ``ferro
+        bench all_to_all``, two or three rounds each, alternating): 16 hosts at 100 Mbit, 4 and
         16 MiB, paced to 95 % of the fit (1.04 of the line) 364-382 and 1,485-1,507 ms; to 95 % of the line
         355-360 and 1,425-1,433; to the line 344 and 1,340-1,345. 8 hosts of 2 ranks at 200 Mbit, 16 MiB:
         1,303-1,313 ms paced to 95 % of the fit, 1,407-1,418 to 95 % of the line without the local flows'
