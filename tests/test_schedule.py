@@ -1097,7 +1097,12 @@ def _budgeted_all_to_all(rank, world_size, count):
         finally:
             stop.set()
             watcher.join()
-        return mesh.pace_bytes, mesh.choose("all_to_all", blocks.nbytes), got, len(fds), peaks[0]
+        # Empty, small (within the byte window) and large blocks in one uneven exchange, under the same budget.
+        counts = [[0, 5, 200_000, 3][(rank + peer) % 4] for peer in range(world_size)]
+        uneven = ferro.all_to_all_single_uneven(
+            np.concatenate([np.arange(c, dtype=np.float64) + 1000.0 * rank + peer for peer, c in enumerate(counts)]),
+            counts, counts, group=group)  # (rank + peer) % 4 is symmetric: what each sends is what it receives
+        return mesh.pace_bytes, mesh.choose("all_to_all", blocks.nbytes), got, len(fds), peaks[0], uneven
 
 
 def test_a_fitted_link_holds_the_all_to_all_s_flows_to_a_budget_of_unacknowledged_bytes(tmp_path):
@@ -1113,13 +1118,16 @@ def test_a_fitted_link_holds_the_all_to_all_s_flows_to_a_budget_of_unacknowledge
     results = run_processes(_budgeted_all_to_all, n, args=(count,), backend=None, timeout=120,
                             env={"FERRO_COST_MODEL": str(model), "LOCAL_WORLD_SIZE": "2"})
     assert CostModel(1e-4, 0.0, 0.0, "test").pace_bytes() == 0.0  # no rate, no budget
-    for rank, (pace, plan, got, peers, peak) in enumerate(results):
+    for rank, (pace, plan, got, peers, peak, uneven) in enumerate(results):
         # Two ranks share each host's 2 MB/s link, and of each rank's three flows one stays on its host.
         assert pace == pytest.approx(2e6 / 2 * 3 / 2)
         assert plan == "pairwise"
         np.testing.assert_array_equal(got, np.concatenate([np.full(count, 1000.0 * k + rank) for k in range(n)]))
         assert peers == n - 1
         assert 0 < peak <= pace * FLIGHT_BUDGET_SECONDS, (rank, peak)
+        counts = [[0, 5, 200_000, 3][(rank + src) % 4] for src in range(n)]
+        np.testing.assert_array_equal(uneven, np.concatenate([np.arange(c, dtype=np.float64) + 1000.0 * src + rank
+                                                              for src, c in enumerate(counts)]))
 
 
 def _pace_of(conn):
