@@ -222,7 +222,8 @@ def plot(results: list[dict], path: str) -> None:
     clusters = list(dict.fromkeys(r["cluster"] for r in results))
     ops = list(dict.fromkeys(r["op"] for r in results))
     panels = [(cluster, op) for cluster in clusters for op in ops]
-    columns = len(ops) if len(clusters) > 1 else min(3, len(ops))  # one cluster: its ops in rows of three
+    # A row per cluster, a column per op; one cluster's ops, or one op's clusters, in rows of three.
+    columns = len(ops) if len(clusters) > 1 and len(ops) > 1 else min(3, len(panels))
     rows_of_panels = -(-len(panels) // columns)
     figure, axes = plt.subplots(rows_of_panels, columns, figsize=(3.6 * columns, 3.0 * rows_of_panels),
                                 squeeze=False)

@@ -502,3 +502,15 @@ def test_the_scale_sweep_plot_draws_a_panel_per_op_and_a_line_per_library_from_t
                          "gloo": ([1024, 4096], [30.0, 60.0])}
     assert reduce_scatter == {"ferro": ([1024], [7.0]), "ferro predicted": ([1024], [8.0]), "bound": ([1024], [3.5]),
                               "Open MPI": ([1024], [70.0])}
+    # One op on several clusters: a panel per cluster, side by side in rows of three (not one tall column).
+    placed = {}
+
+    def where(figure, path, **options):
+        placed.update({axis.get_title(): axis.get_subplotspec().get_geometry()[:2] for axis in figure.axes
+                       if axis.get_visible()})
+        return save(figure, path, **options)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", where)
+    clusters = ["8x1@100mbit", "16x1@100mbit", "32x1@100mbit", "8x2@200mbit"]
+    script.plot([dict(row("all_to_all", 1024, 10.0, 11.0, {}), cluster=c) for c in clusters], str(tmp_path / "a.png"))
+    assert placed == {f"{c} all_to_all": (2, 3) for c in clusters}  # 2 rows of 3 columns, the last row part-full
