@@ -181,6 +181,15 @@ def _markdown_row(r: dict) -> str:
             f"{ratio('torch-gloo')} | {_cell(peers.get('mpi'))} | {ratio('mpi')} |")
 
 
+def _first_rows(results: list[dict]) -> list[dict]:
+    """The rows, each cluster's op and size once: ferro bench may give a size twice (its smallest count), and the
+    first row stands."""
+    first: dict[tuple, dict] = {}
+    for r in results:
+        first.setdefault((r["cluster"], r["op"], r["size"]), r)
+    return list(first.values())
+
+
 def markdown(results: list[dict]) -> str:
     """The rows as Markdown tables, one per cluster: ferro beside its prediction, the stream and the peers."""
     lines: list[str] = []
@@ -189,12 +198,7 @@ def markdown(results: list[dict]) -> str:
                   "| op | size | ferro's plan | ferro (us) | predicted | pred / ferro | stream | of stream | gloo | "
                   "ferro / gloo | Open MPI | ferro / MPI |",
                   "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        seen = set()
-        for r in results:
-            if r["cluster"] != cluster or (r["op"], r["size"]) in seen:
-                continue  # ferro bench may give a size twice (its smallest count): the first row stands
-            seen.add((r["op"], r["size"]))
-            lines.append(_markdown_row(r))
+        lines += [_markdown_row(r) for r in _first_rows(results) if r["cluster"] == cluster]
         lines.append("")
     return "\n".join(lines)
 
@@ -219,6 +223,7 @@ def plot(results: list[dict], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise SystemExit("--plot needs matplotlib: pip install 'ferro[plot]'") from exc
+    first = _first_rows(results)
     clusters = list(dict.fromkeys(r["cluster"] for r in results))
     ops = list(dict.fromkeys(r["op"] for r in results))
     panels = [(cluster, op) for cluster in clusters for op in ops]
@@ -232,12 +237,9 @@ def plot(results: list[dict], path: str) -> None:
             axis.set_visible(False)
             continue
         cluster, op = panels[index]
-        rows: dict[int, dict] = {}
-        for r in results:
-            if r["cluster"] == cluster and r["op"] == op:
-                rows.setdefault(r["size"], r)  # ferro bench may give a size twice: the first row stands
+        rows = sorted((r for r in first if r["cluster"] == cluster and r["op"] == op), key=lambda r: r["size"])
         for label, value, style in _PLOT_LINES:
-            points = [(size, value(r)) for size, r in sorted(rows.items()) if value(r)]
+            points = [(r["size"], value(r)) for r in rows if value(r)]
             if points:
                 axis.plot(*zip(*points, strict=True), style, ms=3, lw=1, label=label)
         axis.set_yscale("log")

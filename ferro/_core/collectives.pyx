@@ -149,11 +149,6 @@ cdef size_t PACE_FROM = 4 * 1024 * 1024
 DEFAULT_PACE_FROM_BYTES = PACE_FROM
 cdef uint64_t NO_PACE = 0xFFFFFFFFFFFFFFFF  # SO_MAX_PACING_RATE's ~0: no cap
 
-
-cdef inline void _pace(ConnState* conn, uint64_t rate) noexcept nogil:
-    """Cap ``conn`` at ``rate`` bytes per second (``SO_MAX_PACING_RATE``; ``NO_PACE``: no cap)."""
-    setsockopt(conn.fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(uint64_t))
-
 # The chain's segment stays within these (the frame header and a wake-up per frame below; pipelining above).
 cdef enum:
     CHAIN_SMALLEST = 16 * 1024
@@ -946,11 +941,11 @@ cdef class Mesh:
         return 0
 
     cdef void _pace_held(self, uint64_t rate) noexcept:
-        """Cap the held peers' connections at ``rate`` bytes per second (``NO_PACE``: no cap)."""
+        """Cap the held peers' connections at ``rate`` bytes a second (``SO_MAX_PACING_RATE``; ``NO_PACE``: no cap)."""
         cdef int j
         for j in range(self.npeers):
             if self.states[self.held[j]] != NULL:
-                _pace(self.states[self.held[j]], rate)
+                setsockopt(self.states[self.held[j]].fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(uint64_t))
 
     cdef void release(self) noexcept:
         cdef int t
